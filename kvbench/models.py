@@ -1,0 +1,197 @@
+"""Model loading: hub ids or local directories (offline-capable), and built-in tiny random models for tests.
+
+A preset (conf/model/*.yaml) gives `path` (hub id, local directory, or `builtin:<name>`), `dtype`,
+`max_prompt_tokens` and optionally `revision` and `attn_implementation`. Built-in models are generated on first
+use into a cache directory (`KVBENCH_CACHE`, default ~/.cache/kvbench) and then loaded like any local directory,
+so the same loading code path is exercised everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "auto": "auto"}
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded; the CLI prints it as one line."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tiny tokenizer: byte-level BPE trained on a small built-in corpus, with BOS/EOS and a chat template, so prompt
+# code (truncation, chat templates, decoding with special tokens skipped) runs as it does with a real tokenizer.
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+In the beginning of the project the engineers measured everything twice and wrote down what they saw.
+Memory is the budget; attention is the currency; the cache keeps what the policy believes will matter.
+One of the special magic numbers for the city is 1234567. What is the best thing to do in San Francisco?
+The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.
+Answer the question based on the given passages. Only give me the answer and do not output any other words.
+Question: Who wrote the report? Answer: The committee wrote the report after three months of work.
+def main():\n    return 0\n\nclass Model:\n    def forward(self, x):\n        return x + 1\n
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 42 100 1000 2048 4096 8192 65536
+Paragraph 1: the river runs north. Paragraph 2: the mountain stands tall. Paragraph 3: the valley is green.
+Summarize the following dialogue. Speaker A: hello there. Speaker B: good morning, how are you today?
+""" * 4 + "\u4e2d\u6587\u7684\u95ee\u9898\u548c\u7b54\u6848\u3002\u8fd9\u662f\u4e00\u4e2a\u6d4b\u8bd5\u3002" * 8
+
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def build_tiny_tokenizer(vocab_size: int = 512):
+    """A deterministic byte-level BPE tokenizer (`PreTrainedTokenizerFast`) with `<s>`, `</s>`, `<unk>`, `<pad>`.
+
+    BOS is added by default (like Llama); the chat template is a simple role-tagged format.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "</s>", "<unk>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_CORPUS], trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", bos)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", additional_special_tokens=specials[4:])
+    fast.chat_template = _CHAT_TEMPLATE
+    return fast
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tiny random models with realistic attention geometry (head_dim 64..128, GQA), a few small layers.
+
+TINY_ARCHS: dict[str, dict[str, Any]] = {
+    "tiny-llama": {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512},
+    "tiny-qwen2": {"model_type": "qwen2", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "intermediate_size": 512},
+    "tiny-qwen3": {"model_type": "qwen3", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512},
+    "tiny-mistral": {"model_type": "mistral", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "sliding_window": None},
+    "tiny-phi3": {"model_type": "phi3", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "intermediate_size": 512, "pad_token_id": 3},
+    "tiny-gemma": {"model_type": "gemma", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512},
+    # Llama-3.2-3B attention geometry (head_dim 128, 24 query / 8 KV heads, rope_theta 5e5) in few layers.
+    "tiny-llama3": {"model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 2, "num_attention_heads": 24,
+                    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 1024,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+}
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides: Any):
+    """A transformers config for a built-in tiny architecture."""
+    from transformers import AutoConfig
+
+    if arch not in TINY_ARCHS:
+        raise ModelError(f"unknown built-in model '{arch}'; choose one of: {', '.join(sorted(TINY_ARCHS))}")
+    kw = dict(TINY_ARCHS[arch])
+    model_type = kw.pop("model_type")
+    kw.update(vocab_size=vocab_size, max_position_embeddings=262144, bos_token_id=0, eos_token_id=1,
+              tie_word_embeddings=False)
+    kw.update(overrides)
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def build_tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
+    """(model, tokenizer) with random weights drawn from `seed`; deterministic across runs."""
+    from transformers import AutoModelForCausalLM
+
+    tok = build_tiny_tokenizer()
+    cfg = tiny_config(arch, vocab_size=len(tok), **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    # Random weights at init scale give near-uniform attention; a larger q/k scale gives peaked, varied
+    # attention patterns so that eviction policies disagree (as they do on trained models).
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.normal_(0.0, 0.12)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.eval()
+    return model, tok
+
+
+def builtin_dir(arch: str, seed: int = 0) -> Path:
+    """Directory holding the saved built-in model `arch` (built on first use, then reused)."""
+    key = hashlib.sha256(json.dumps([arch, seed, TINY_ARCHS.get(arch)], sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_root() / "models" / f"{arch}-s{seed}-{key}"
+    if not (out / "config.json").is_file():
+        model, tok = build_tiny_model(arch, seed=seed)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(out) if not out.exists() else None
+    return out
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    name: str
+    path: str
+    revision: str | None
+    max_prompt_tokens: int
+    chat_template: bool
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int = 4096, revision: str | None = None,
+               attn_implementation: str = "sdpa", device: str = "auto", chat_template: bool = True,
+               seed: int = 0) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a hub id, a local directory or `builtin:<arch>`.
+
+    Offline use: point `path` at a local directory, or set HF_HUB_OFFLINE=1 to use the local hub cache only.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
+    if path.startswith("builtin:"):
+        path = str(builtin_dir(path.split(":", 1)[1], seed=seed))
+    is_local = Path(path).is_dir()
+    if not is_local and (path.startswith((".", "/", "~")) or Path(path).exists()):
+        raise ModelError(f"model directory not found: {path}")
+    dev = resolve_device(device)
+    kw: dict[str, Any] = {"revision": revision} if (revision and not is_local) else {}
+    try:
+        tok = AutoTokenizer.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+                                                     **kw)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot load model '{path}': {first}") from None
+    model.to(dev).eval()
+    return LoadedModel(model=model, tokenizer=tok, name=name, path=path, revision=revision,
+                       max_prompt_tokens=int(max_prompt_tokens), chat_template=chat_template)

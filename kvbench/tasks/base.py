@@ -1,0 +1,96 @@
+"""The contract between tasks and the runner.
+
+A task turns its data into `Sample`s (token ids exactly as fed to the model), scores one prediction at a time,
+and aggregates the per-sample records of `predictions.jsonl` into named 0-100 scores. Tasks never import the
+runner, the cache or the policies; they refer to metrics by name.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class TaskError(ValueError):
+    """Bad task input (missing file, missing field, ...). The CLI prints it as one line and exits non-zero."""
+
+
+@dataclass
+class Sample:
+    id: str
+    input_ids: list[int]  # the whole prompt, tokenized exactly as fed (special tokens included)
+    answers: list[str]
+    max_new_tokens: int
+    # Leading tokens that form the context. Under scenario=context_only only these are under eviction and the
+    # rest (question, answer prefix, chat suffix) is appended afterwards without eviction. None = all tokens.
+    context_tokens: int | None = None
+    # Token ids that end generation. None = the model's own EOS ids (generation_config); a list replaces them
+    # (LongBench samsum: [eos, "\n"]).
+    stop_token_ids: list[int] | None = None
+    min_new_tokens: int = 0  # EOS/stop tokens are not allowed to end generation before this many tokens
+    prompt: str | None = None  # the prompt text, written to predictions.jsonl when save_prompts=true
+    meta: dict[str, Any] = field(default_factory=dict)  # task-specific, JSON-serialisable; copied to the record
+
+
+@dataclass
+class TaskEnv:
+    """What a task may know about the evaluated model when it builds its inputs."""
+
+    tokenizer: Any  # a transformers tokenizer
+    model_name: str  # preset name, e.g. "llama3.2-3b"
+    max_prompt_tokens: int  # the model preset's prompt budget (LongBench middle truncation etc.)
+    seed: int = 42
+
+
+class Task(ABC):
+    """Base class: subclasses set `name` and implement `samples`, `score` and `aggregate`."""
+
+    name: str = ""
+    # Label-free tasks (fidelity) compare against the model's own full-cache output instead of `answers`.
+    needs_reference: bool = False
+
+    @abstractmethod
+    def samples(self, env: TaskEnv) -> Iterator[Sample]:
+        """Yield samples in a fixed, deterministic order (resume and sharding rely on it)."""
+
+    @abstractmethod
+    def score(self, sample: Sample, prediction: str) -> float:
+        """Score one decoded prediction, 0-100 (higher is better)."""
+
+    @abstractmethod
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
+        """Named scores (0-100, higher is better) from the records of predictions.jsonl.
+
+        Each record holds `id`, `prediction`, `answers`, `score`, `prompt_tokens`, `new_tokens`, the timings
+        and `meta` (the sample's meta). Records come in sample order.
+        """
+
+    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+        """Write task-specific extra outputs into run_dir (heatmaps, official-format files).
+
+        Returns extra entries for metrics.json (e.g. {"notes": [...]}); default: nothing.
+        """
+        return {}
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Read a jsonl file; a missing file or a bad line is a TaskError naming the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise TaskError(f"data file not found: {p}")
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskError(f"{p}:{i}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise TaskError(f"{p}:{i}: expected a JSON object")
+            rows.append(row)
+    return rows
