@@ -180,6 +180,10 @@ def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int
         raise ModelError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
     if path.startswith("builtin:"):
         path = str(builtin_dir(path.split(":", 1)[1], seed=seed))
+    elif path.startswith("probe:"):
+        from kvbench.probe_model import probe_dir  # the hand-wired retrieval model, built on first use
+
+        path = str(probe_dir(path.split(":", 1)[1]))
     is_local = Path(path).is_dir()
     if not is_local and (path.startswith((".", "/", "~")) or Path(path).exists()):
         raise ModelError(f"model directory not found: {path}")

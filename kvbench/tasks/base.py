@@ -42,6 +42,7 @@ class TaskEnv:
     tokenizer: Any  # a transformers tokenizer
     model_name: str  # preset name, e.g. "llama3.2-3b"
     max_prompt_tokens: int  # the model preset's prompt budget (LongBench middle truncation etc.)
+    chat_template: bool = True  # the preset's choice: wrap prompts in the tokenizer's chat template where tasks do
     seed: int = 42
 
 
