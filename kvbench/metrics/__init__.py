@@ -9,7 +9,12 @@ import importlib
 from typing import Callable
 
 # name -> "module:function"; resolved lazily so importing kvbench.metrics loads no metric dependencies.
-METRICS: dict[str, str] = {}
+METRICS: dict[str, str] = {
+    "string_match_all": "ruler:string_match_all",
+    "string_match_part": "ruler:string_match_part",
+    "niah_substring": "niah:substring_match",
+    "niah_rouge1x10": "niah:rouge1x10",
+}
 
 
 def get_metric(name: str) -> Callable[..., float]:
