@@ -52,6 +52,8 @@ class Task(ABC):
     name: str = ""
     # Label-free tasks (fidelity) compare against the model's own full-cache output instead of `answers`.
     needs_reference: bool = False
+    # The score name reported as `average` in metrics.json; None = the mean of all scores.
+    average_key: str | None = None
 
     @abstractmethod
     def samples(self, env: TaskEnv) -> Iterator[Sample]:
@@ -68,6 +70,10 @@ class Task(ABC):
         Each record holds `id`, `prediction`, `answers`, `score`, `prompt_tokens`, `new_tokens`, the timings
         and `meta` (the sample's meta). Records come in sample order.
         """
+
+    def provenance(self) -> dict[str, Any]:
+        """Where the data came from (source, revision, checksum, generator settings) for metrics.json."""
+        return {}
 
     def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
         """Write task-specific extra outputs into run_dir (heatmaps, official-format files).
