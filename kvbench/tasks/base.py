@@ -71,6 +71,12 @@ class Task(ABC):
         and `meta` (the sample's meta). Records come in sample order.
         """
 
+    def score_reference(self, sample: Sample, ref_tokens: list[int], ref_logprobs: Any,
+                        test_logprobs: Any) -> dict[str, Any]:
+        """For `needs_reference` tasks: compare the policy's teacher-forced next-token log-probabilities
+        (new, vocab) with the full cache's. Returns {"score": 0-100, ...extra record fields}."""
+        raise NotImplementedError(f"task '{self.name}' does not compare against a reference")
+
     def provenance(self) -> dict[str, Any]:
         """Where the data came from (source, revision, checksum, generator settings) for metrics.json."""
         return {}

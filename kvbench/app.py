@@ -1,0 +1,203 @@
+"""Assemble and execute runs from a resolved config (a plain dict): no Hydra here, so tests can call it directly.
+
+A run directory holds `config.yaml` (the resolved config), `predictions.jsonl` (one line per finished sample),
+`metrics.json` (scores, average, stats, provenance) and whatever the task adds (heatmaps, official files).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from kvbench import __version__
+from kvbench.config import ConfigError, load_group
+from kvbench.models import LoadedModel, load_model
+from kvbench.policies.base import Policy, PolicyError
+from kvbench.runner import SCENARIOS, RunSettings, run_task, summarize
+from kvbench.tasks.base import Task, TaskEnv, TaskError
+
+DIAGNOSTICS = ("attention_loss", "perturbation", "key_logdet")
+# Settings that do not change results: excluded from the resume key.
+_NOT_IN_KEY = ("progress", "overwrite", "device")
+
+
+def instantiate(spec: dict[str, Any], **extra: Any) -> Any:
+    """Build the object a group YAML describes: `_target_` is "module.Class", the other keys its arguments."""
+    spec = dict(spec)
+    target = spec.pop("_target_", None)
+    if not target:
+        raise ConfigError(f"config entry has no _target_: {spec}")
+    module, _, cls = target.rpartition(".")
+    return getattr(importlib.import_module(module), cls)(**spec, **extra)
+
+
+def parse_settings(cfg: dict[str, Any]) -> RunSettings:
+    block, budget = cfg.get("block"), cfg.get("budget")
+    if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block <= 0):
+        raise ConfigError(f"block must be a positive integer or null, got {block!r}")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
+        raise ConfigError(f"budget must be a positive integer, got {budget!r}")
+    if cfg.get("scenario", "question_aware") not in SCENARIOS:
+        raise ConfigError(f"unknown scenario '{cfg.get('scenario')}'; choose one of: {', '.join(SCENARIOS)}")
+    for d in cfg.get("diagnostics") or []:
+        if d not in DIAGNOSTICS:
+            raise ConfigError(f"unknown diagnostic '{d}'; choose from: {', '.join(DIAGNOSTICS)}")
+    shard = cfg.get("shard")
+    if shard is not None:
+        try:
+            i, n = (int(x) for x in str(shard).split("/"))
+            assert 0 <= i < n
+        except (ValueError, AssertionError):
+            raise ConfigError(f"shard must look like i/n with 0 <= i < n, got {shard!r}") from None
+        shard = (i, n)
+    return RunSettings(budget=budget, block=block, scenario=cfg.get("scenario", "question_aware"),
+                       save_prompts=bool(cfg.get("save_prompts")), shard=shard,
+                       diagnostics=tuple(cfg.get("diagnostics") or ()))
+
+
+def build_policy(policy_cfg: dict[str, Any], budget: int | None, seed: int) -> Policy:
+    try:
+        return instantiate(policy_cfg, budget=budget, seed=seed)
+    except TypeError as e:  # unknown option passed to the policy's constructor
+        raise PolicyError(str(e)) from None
+
+
+def build_task(task_cfg: dict[str, Any]) -> Task:
+    try:
+        return instantiate(task_cfg)
+    except TypeError as e:
+        raise TaskError(str(e)) from None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(loaded: LoadedModel, task: Task) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    return {"kvbench": __version__, "commit": _git_commit(), "transformers": transformers.__version__,
+            "torch": torch.__version__, "python": platform.python_version(), "model_path": loaded.path,
+            "model_revision": loaded.revision, "device": str(loaded.model.device),
+            "dtype": str(loaded.model.dtype).replace("torch.", ""), "task": task.provenance()}
+
+
+def run_key(cfg: dict[str, Any]) -> str:
+    stable = {k: v for k, v in cfg.items() if k not in _NOT_IN_KEY}
+    return hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class Session:
+    """Keeps the loaded model between the runs of one process (compare mode runs several policies)."""
+
+    def __init__(self) -> None:
+        self._model: tuple[str, LoadedModel] | None = None
+        self.references: dict[Any, Any] = {}  # full-cache continuations, shared by the runs of one model
+
+    def model(self, cfg: dict[str, Any], seed: int) -> LoadedModel:
+        m = dict(cfg["model"])
+        key = json.dumps([m, cfg.get("device"), seed], sort_keys=True)
+        if self._model is None or self._model[0] != key:
+            from kvbench.attention import install
+
+            if m.get("path") in (None, "", "???"):
+                raise ConfigError("model.path is required (a hub id or a local directory)")
+            loaded = load_model(name=m.get("name", "model"), path=str(m["path"]), dtype=m.get("dtype", "auto"),
+                                max_prompt_tokens=m.get("max_prompt_tokens", 4096), revision=m.get("revision"),
+                                attn_implementation=m.get("attn_implementation", "sdpa"),
+                                device=cfg.get("device", "auto"), chat_template=m.get("chat_template", True),
+                                seed=seed)
+            install(loaded.model)
+            self._model = (key, loaded)
+            self.references = {}
+        return self._model[1]
+
+
+def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Session,
+            progress: bool = True) -> dict[str, Any]:
+    """One (model, policy, budget, block, task) run into `run_dir`; returns its metrics."""
+    settings = parse_settings(cfg)
+    seed = int(cfg.get("seed", 0))
+    policy = build_policy(cfg["policy"], settings.budget, seed)
+    task = build_task(cfg["task"])
+    metrics_path, pred_path = run_dir / "metrics.json", run_dir / "predictions.jsonl"
+    key = run_key(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    meta_path = run_dir / "run.json"
+    if meta_path.is_file() and not cfg.get("overwrite"):
+        old = json.loads(meta_path.read_text())
+        if old.get("key") != key:
+            raise ConfigError(f"{run_dir} holds a run with a different configuration; use overwrite=true or "
+                              f"another hydra.run.dir")
+        if metrics_path.is_file():
+            print(f"kvbench: {run_dir} is finished (overwrite=true recomputes it)")
+            return json.loads(metrics_path.read_text())
+    if cfg.get("overwrite"):
+        for p in (metrics_path, pred_path, meta_path):
+            p.unlink(missing_ok=True)
+    loaded = session.model(cfg, seed)
+    env = TaskEnv(tokenizer=loaded.tokenizer, model_name=loaded.name, max_prompt_tokens=loaded.max_prompt_tokens,
+                  chat_template=loaded.chat_template, seed=seed)
+    _write_config(run_dir, cfg)
+    write_json(meta_path, {"key": key, "policy": policy_name})
+    records = run_task(loaded.model, loaded.tokenizer, policy, task, env, settings, run_dir, progress=progress,
+                       references=session.references)
+    scores = task.aggregate(records)
+    average = scores.get(task.average_key) if task.average_key else (
+        sum(scores.values()) / len(scores) if scores else None)
+    metrics: dict[str, Any] = {
+        "task": task.name, "model": loaded.name, "policy": policy_name, "budget": settings.budget,
+        "block": settings.block, "scenario": settings.scenario, "shard": cfg.get("shard"),
+        "scores": scores, "average": average,
+        "stats": summarize(records, settings.budget, policy.evicts),
+        "provenance": provenance(loaded, task),
+    }
+    metrics.update(task.finalize(run_dir, records, scores) or {})
+    write_json(metrics_path, metrics)
+    return metrics
+
+
+def _write_config(run_dir: Path, cfg: dict[str, Any]) -> None:
+    from omegaconf import OmegaConf
+
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)), encoding="utf-8")
+
+
+def run_configured(cfg: dict[str, Any], choices: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
+    """Entry from the CLI: a single run, or one run per policy of `policy=compare`, then a printed table."""
+    from kvbench.report import print_metrics_table
+
+    session = Session()
+    progress = bool(cfg.get("progress", True))
+    if "compare" in cfg["policy"]:
+        names = list(cfg["policy"]["compare"])
+        for n in names:
+            load_group("policy", n)  # fail on a bad name before any run starts
+        results = []
+        for n in names:
+            sub = dict(cfg, policy=load_group("policy", n))
+            results.append(run_one(sub, n, run_dir / n, session, progress))
+    else:
+        results = [run_one(cfg, str(choices.get("policy", "policy")), run_dir, session, progress)]
+    print_metrics_table(results)
+    print(f"\nrun directory: {run_dir}")
+    return results
+

@@ -1,0 +1,162 @@
+"""The attention wrapper: gives policies what they need from inside the forward, and keeps masks right per layer.
+
+Registered under `kvbench_sdpa` / `kvbench_eager` in HF's `AttentionInterface` **and** `AttentionMaskInterface`
+(without the mask registration HF builds no mask for an unknown implementation and sdpa silently slices the keys).
+The wrapper receives post-norm, post-RoPE queries, the layer's whole key/value (cache + block), the model's own
+`scaling` and softcap; it then
+- stashes the latest queries for policies that score with them (only when the active policy asks),
+- fills the new tokens' per-token policy state (`Policy.on_append`),
+- rebuilds the causal mask when this layer's key length differs from the mask HF built for the first layer (layers
+  hold different numbers of tokens when some are not evicted), and builds per-head masks for ragged heads,
+- computes attention itself (query-chunked, never prompt^2 at once) when the policy needs the probabilities,
+  handing them to `Policy.on_attention` and reusing them for the output,
+and otherwise delegates to sdpa or the model file's own eager function.
+
+The active cache is found through a context variable set by `active(cache)`, so plain forwards outside kvbench
+runs go straight to the base implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import sys
+from typing import Any, Callable, Iterator
+
+import torch
+
+from kvbench.cache import EvictingCache, EvictingLayer
+
+_ACTIVE: contextvars.ContextVar[EvictingCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
+QUERY_CHUNK = 256  # queries per chunk when computing attention probabilities explicitly
+
+
+@contextlib.contextmanager
+def active(cache: EvictingCache) -> Iterator[None]:
+    """Route attention of forwards inside this block through `cache`'s policy."""
+    token = _ACTIVE.set(cache)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _base_function(module: Any, base: str) -> Callable[..., Any]:
+    if base == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward
+    # The model file's own eager function knows its quirks (softcap, sinks, ...).
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _causal_mask(q_len: int, kv_len: int, valid: torch.Tensor | None, n_groups: int,
+                 device: torch.device) -> torch.Tensor:
+    """Bool mask (1 or b, 1 or h_q, q, kv): the block is the last q slots; every earlier slot is visible."""
+    i = torch.arange(q_len, device=device).view(-1, 1)
+    j = torch.arange(kv_len, device=device).view(1, -1)
+    mask = (j <= i + (kv_len - q_len)).view(1, 1, q_len, kv_len)
+    if valid is not None:  # (b, h_kv, kv) -> (b, h_q, 1, kv)
+        mask = mask & valid.repeat_interleave(n_groups, dim=1).unsqueeze(-2)
+    return mask
+
+
+def _fit_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, base: str, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor | None:
+    """The HF mask if it fits this layer; otherwise a rebuilt causal one in the base implementation's format."""
+    if mask is not None and mask.shape[-1] == kv_len:
+        return mask
+    if mask is None and (q_len == 1 or q_len == kv_len):
+        return None  # sdpa/eager handle these exactly without a mask
+    m = _causal_mask(q_len, kv_len, None, 1, device)
+    if base == "sdpa":
+        return m
+    return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, torch.finfo(dtype).min)
+
+
+def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                       softcap: float | None, valid: torch.Tensor | None,
+                       on_probs: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Causal attention of the block (the last q slots) over all slots, computed in query chunks.
+
+    Precision follows HF's eager path (logits in the input dtype, softmax in float32). `on_probs` receives each
+    chunk's probabilities averaged over the query heads of each KV head, (b, h_kv, c, kv) float32.
+    Returns (b, q, h_q, d) like the eager functions.
+    """
+    b, h_q, q_len, d = query.shape  # (b, h_q, q, d)
+    h_kv, kv_len = key.shape[1], key.shape[2]
+    g = h_q // h_kv
+    kt = key.transpose(-1, -2)  # (b, h_kv, d, kv)
+    out = []
+    for s in range(0, q_len, QUERY_CHUNK):
+        e = min(q_len, s + QUERY_CHUNK)
+        c = e - s
+        qc = query[:, :, s:e].reshape(b, h_kv, g * c, d)  # (b, h_kv, g*c, d)
+        logits = torch.matmul(qc, kt).view(b, h_kv, g, c, kv_len) * scaling
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        j = torch.arange(kv_len, device=query.device)
+        i = torch.arange(s, e, device=query.device).view(-1, 1)
+        vis = (j <= i + (kv_len - q_len)).view(1, 1, 1, c, kv_len)
+        if valid is not None:
+            vis = vis & valid.view(b, h_kv, 1, 1, kv_len)
+        probs = torch.softmax(logits.float().masked_fill(~vis, -math.inf), dim=-1)  # (b, h_kv, g, c, kv)
+        if on_probs is not None:
+            on_probs(probs.mean(dim=2))
+        oc = torch.matmul(probs.to(value.dtype).view(b, h_kv, g * c, kv_len), value)  # (b, h_kv, g*c, d)
+        out.append(oc.view(b, h_q, c, d))
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous()  # (b, q, h_q, d)
+
+
+def _make_wrapper(base: str) -> Callable[..., Any]:
+    def kvbench_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                          **kwargs: Any):
+        base_fn = _base_function(module, base)
+        cache = _ACTIVE.get()
+        layer = cache.layers[module.layer_idx] if cache is not None else None
+        if not isinstance(layer, EvictingLayer):  # not a kvbench run, or a sliding layer HF bounds itself
+            return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if scaling is None:
+            scaling = module.head_dim ** -0.5
+        q_len, kv_len = query.shape[-2], key.shape[-2]
+        layer.scaling, layer.softcap, layer.module = scaling, kwargs.get("softcap"), module
+        policy = cache.policy
+        if policy is not None and not cache.frozen:
+            if policy.query_window:
+                layer.stash_queries(query, policy.query_window)
+            if policy.state_names:
+                new = policy.on_append(layer, module, key[..., -q_len:, :], value[..., -q_len:, :], query)
+                for name in policy.state_names:
+                    if name not in layer.state:
+                        layer.state[name] = key.new_zeros(key.shape[:3], dtype=torch.float32)
+                    layer.state[name][..., -q_len:] = new[name]
+            if policy.needs_attention:
+                out = explicit_attention(query, key, value, scaling, layer.softcap, layer.valid,
+                                         lambda p: policy.on_attention(layer, p))
+                return out, None
+        if layer.valid is not None:  # ragged heads: per-head masks, computed explicitly
+            return explicit_attention(query, key, value, scaling, layer.softcap, layer.valid), None
+        mask = _fit_mask(attention_mask, q_len, kv_len, base, query.dtype, query.device)
+        return base_fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+
+    kvbench_attention.__name__ = f"kvbench_{base}"
+    return kvbench_attention
+
+
+def install(model: Any) -> str:
+    """Route `model`'s attention through the kvbench wrapper (idempotent). Returns the implementation name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    impl = model.config._attn_implementation
+    if impl.startswith("kvbench_"):
+        return impl
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(f"attention implementation '{impl}' is not supported; use sdpa or eager")
+    name = f"kvbench_{impl}"
+    AttentionInterface.register(name, _make_wrapper(impl))
+    AttentionMaskInterface.register(name, sdpa_mask if impl == "sdpa" else eager_mask)
+    model.set_attn_implementation(name)
+    return name

@@ -1,0 +1,50 @@
+"""`kvbench`: the Hydra entry point. Composes the config, builds model/policy/task, runs, writes the run directory.
+
+Only this module and kvbench.config import Hydra. Bad input ends in one line on stderr and exit code 2, and a
+run directory that holds no results is removed again.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvbench import config as kconfig
+
+
+def _fail(msg: str, run_dir: Path | None = None) -> None:
+    if run_dir is not None:
+        kconfig.remove_if_empty_run(run_dir)
+    print(f"kvbench: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _job(cfg: Any) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    choices = dict(HydraConfig.get().runtime.choices)
+    try:
+        from kvbench.app import run_configured
+
+        container = OmegaConf.to_container(cfg, resolve=True)
+        run_configured(container, choices, run_dir)
+    except kconfig.user_errors() as e:
+        _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, run_dir)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    err = kconfig.validate_overrides(argv)
+    if err:
+        _fail(err)
+    import hydra
+
+    wrapped = hydra.main(version_base=None, config_path=str(kconfig.CONF_DIR), config_name="config")(_job)
+    wrapped()
+
+
+if __name__ == "__main__":
+    main()

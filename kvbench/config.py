@@ -1,0 +1,93 @@
+"""Config-side helpers: where conf/ lives, early validation of command-line overrides, group YAML loading.
+
+Hydra is imported lazily inside functions (no import-time side effects); only this module and the CLI use it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("model", "policy", "task", "experiment")
+# Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
+_HYDRA_ONLY = {".hydra", "cli.log", "kvbench.log", "main.log", "_job.log"}
+
+
+def group_choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def load_group(group: str, name: str) -> dict[str, Any]:
+    """A group option's YAML as a plain dict (used when one run composes several policies)."""
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown {group} '{name}'; choose one of: {', '.join(group_choices(group))}")
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
+
+
+class ConfigError(ValueError):
+    """A top-level setting with a bad value."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input (reported as one line), as opposed to bugs (reported with a traceback)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from kvbench.models import ModelError
+    from kvbench.policies.base import PolicyError
+    from kvbench.tasks.base import TaskError
+
+    return (TaskError, PolicyError, ModelError, OmegaConfBaseException, ConfigError)
+
+
+def validate_overrides(argv: list[str]) -> str | None:
+    """One-line message for command-line overrides that cannot compose (unknown group option, unknown key,
+    bad syntax), or None. Sweep values are checked one by one."""
+    if any(a in ("-h", "--help", "--hydra-help", "--info", "-i") or a.startswith("--info") for a in argv):
+        return None
+    overrides = [a for a in argv if not a.startswith("-")]
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        return _first_line(e)
+    plain = []
+    for o in parsed:
+        key = o.key_or_group
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        if key in GROUPS and o.package is None:
+            for v in values:
+                if v not in group_choices(key):
+                    return f"unknown {key} '{v}'; choose one of: {', '.join(group_choices(key))}"
+        if key.startswith("hydra.") or key == "hydra":
+            continue
+        prefix = "+" if o.is_add() else ("~" if o.is_delete() else ("++" if o.is_force_add() else ""))
+        plain.append(f"{prefix}{key}={values[0]}" if not o.is_delete() else f"~{key}")
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            compose(config_name="config", overrides=plain)
+    except Exception as e:  # noqa: BLE001 - any compose failure is reported as one line
+        return _first_line(e)
+    finally:
+        GlobalHydra.instance().clear()
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def remove_if_empty_run(run_dir: Path) -> None:
+    """Remove a run directory that holds nothing but Hydra's own files (a run that failed before any result)."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= _HYDRA_ONLY:
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,36 @@
+"""H2O (KeyDiff App. A.1): keep the heavy hitters, tokens with the largest accumulated attention.
+
+Each token's score is the sum of the attention it has received from every query that saw it (all block queries,
+all blocks, all decoding steps), averaged over the query heads of its KV head. The accumulator is per-token
+state, evicted with its token. `recent_ratio` reserves that fraction of the budget for the most recent tokens
+(the original H2O keeps heavy hitters + a recent half); default 0, KeyDiff's formulation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvbench.policies.base import Policy, PolicyError
+
+
+class H2O(Policy):
+    name = "h2o"
+    needs_attention = True
+    state_names = ("acc",)
+
+    def __init__(self, recent_ratio: float = 0.0, budget: int | None = None, **kwargs) -> None:
+        if not 0.0 <= recent_ratio < 1.0:
+            raise PolicyError(f"h2o recent_ratio must be in [0, 1), got {recent_ratio}")
+        self.recent_ratio = float(recent_ratio)
+        super().__init__(budget=budget, n_recent=math.floor(self.recent_ratio * budget) if budget else 0, **kwargs)
+
+    def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
+        return {"acc": keys.new_zeros(keys.shape[:3], dtype=torch.float32)}  # (b, h_kv, q)
+
+    def on_attention(self, layer, probs: torch.Tensor) -> None:
+        layer.state["acc"] += probs.sum(dim=-2)  # (b, h_kv, n): column sums over this chunk's queries
+
+    def score(self, layer) -> torch.Tensor:
+        return layer.state["acc"]

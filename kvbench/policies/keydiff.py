@@ -1,0 +1,58 @@
+"""KeyDiff (paper 000, Eq. 8): keep the keys least similar to the anchor of the layer's cached keys, per KV head.
+
+Variants (000 Tables 2-3, 11):
+- `anchor`: `mean_normalized` (default; mean of unit keys), `mean` (mean of raw keys), `median` (per-dimension
+  median of raw keys), `pairwise` (Eq. 7: score_i = -sum_j cos(k_i, k_j), computed as -k_i/|k_i| . sum_j k_j/|k_j|,
+  which is the same sum without building an n x n matrix).
+- `metric`: `cosine` (default; score = -cos(k_i, a)), `dot` (score = -k_i . a), `euclidean` (score = |k_i - a|).
+  For `pairwise` the metric is cosine by definition.
+- `recent_ratio`: that fraction of the budget is reserved for the most recent tokens (Table 11); default 0.
+The anchor is computed over all keys the layer holds at eviction time (kept + the new block).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.policies.base import Policy, PolicyError
+
+ANCHORS = ("mean_normalized", "mean", "median", "pairwise")
+METRICS = ("cosine", "dot", "euclidean")
+
+
+class KeyDiff(Policy):
+    name = "keydiff"
+
+    def __init__(self, anchor: str = "mean_normalized", metric: str = "cosine", recent_ratio: float = 0.0,
+                 budget: int | None = None, **kwargs) -> None:
+        if anchor not in ANCHORS:
+            raise PolicyError(f"keydiff anchor '{anchor}' unknown; choose one of: {', '.join(ANCHORS)}")
+        if metric not in METRICS:
+            raise PolicyError(f"keydiff metric '{metric}' unknown; choose one of: {', '.join(METRICS)}")
+        if not 0.0 <= recent_ratio < 1.0:
+            raise PolicyError(f"keydiff recent_ratio must be in [0, 1), got {recent_ratio}")
+        self.anchor, self.metric, self.recent_ratio = anchor, metric, float(recent_ratio)
+        n_recent = math.floor(self.recent_ratio * budget) if budget else 0
+        super().__init__(budget=budget, n_recent=n_recent, **kwargs)
+
+    def score(self, layer) -> torch.Tensor:
+        k = layer.keys.float()  # (b, h_kv, n, d)
+        if layer.valid is not None:
+            raise PolicyError("keydiff scores whole heads; it cannot run on ragged per-head caches")
+        unit = F.normalize(k, dim=-1)
+        if self.anchor == "pairwise":
+            return -(unit * unit.sum(dim=-2, keepdim=True)).sum(-1)  # (b, h_kv, n)
+        if self.anchor == "mean_normalized":
+            a = unit.mean(dim=-2, keepdim=True)  # (b, h_kv, 1, d)
+        elif self.anchor == "mean":
+            a = k.mean(dim=-2, keepdim=True)
+        else:
+            a = k.median(dim=-2, keepdim=True).values
+        if self.metric == "cosine":
+            return -F.cosine_similarity(k, a, dim=-1)
+        if self.metric == "dot":
+            return -(k * a).sum(-1)
+        return (k - a).norm(dim=-1)

@@ -1,0 +1,20 @@
+"""Uniformly random eviction: the sanity baseline every policy should beat."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.policies.base import Policy
+
+
+class Random(Policy):
+    name = "random"
+
+    def start_sample(self, sample_seed: int) -> None:
+        # One generator per sample, seeded from (policy seed, sample): results do not depend on sample order.
+        self._gen = torch.Generator().manual_seed(self.seed * 1_000_003 + sample_seed)
+
+    def score(self, layer) -> torch.Tensor:
+        if not hasattr(self, "_gen"):
+            self.start_sample(0)
+        return torch.rand(layer.positions.shape, generator=self._gen).to(layer.positions.device)  # (b, h_kv, n)

@@ -1,0 +1,47 @@
+"""SnapKV: score tokens by the attention of an observation window of the latest queries, smoothed by pooling.
+
+KeyDiff's baseline (000 App. B.2): window 32, kernel 7, average pooling; the CriticalKV/AdaKV setting (002 §4.3)
+uses max pooling. Score of each token outside the window = mean over the window queries of their attention to it,
+pooled along the token axis (per query head, zero padding of kernel//2), then averaged over the group's query
+heads; the window itself (the latest `window` tokens) is always kept.
+Choice: the window is the latest `window` queries of the sequence, kept across blocks and decoding steps, so a
+block smaller than the window (and B = 1 decoding) still scores with `window` queries; `block=null` is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.policies.base import Policy, PolicyError, group_mean, query_attention
+
+
+class SnapKV(Policy):
+    name = "snapkv"
+
+    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", **kwargs) -> None:
+        if pooling not in ("avg", "max"):
+            raise PolicyError(f"snapkv pooling '{pooling}' unknown; choose one of: avg, max")
+        if kernel < 1 or kernel % 2 == 0:
+            raise PolicyError(f"snapkv kernel must be a positive odd number, got {kernel}")
+        self.window, self.kernel, self.pooling = int(window), int(kernel), pooling
+        self.query_window = self.window
+        super().__init__(n_recent=self.window, **kwargs)
+
+    def window_scores(self, layer) -> torch.Tensor:
+        """(b, h_q, n) pooled window attention per query head (the window's own slots get the max, as kept)."""
+        probs = query_attention(layer).mean(dim=-2)  # (b, h_q, n)
+        w = min(self.window, probs.shape[-1])
+        prefix = probs[..., :-w]  # (b, h_q, n - w)
+        b, h, n = prefix.shape
+        flat = prefix.reshape(b * h, 1, n)
+        pad = self.kernel // 2
+        if self.pooling == "avg":
+            pooled = F.avg_pool1d(flat, self.kernel, stride=1, padding=pad)
+        else:
+            pooled = F.max_pool1d(flat, self.kernel, stride=1, padding=pad)
+        pooled = pooled.view(b, h, n)
+        return F.pad(pooled, (0, w), value=float(pooled.max()) if n else 0.0)
+
+    def score(self, layer) -> torch.Tensor:
+        return group_mean(self.window_scores(layer), layer.keys.shape[1])  # (b, h_kv, n)

@@ -1,0 +1,17 @@
+"""StreamingLLM (Sink): the first `n_sink` tokens plus the most recent ones (KeyDiff App. B.2: n_sink = 4)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.policies.base import Policy
+
+
+class StreamingLLM(Policy):
+    name = "streamingllm"
+
+    def __init__(self, n_sink: int = 4, **kwargs) -> None:
+        super().__init__(n_sink=n_sink, **kwargs)
+
+    def score(self, layer) -> torch.Tensor:
+        return layer.positions.float()  # (b, h_kv, n): later = keep; sinks are protected by the base

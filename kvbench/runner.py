@@ -1,0 +1,275 @@
+"""The generation loop (block prefill -> evict -> greedy decode with eviction) and the per-task run loop.
+
+`generate` is the whole mechanism: the prompt goes through the model in blocks of B tokens; after each block
+every layer's cache is pruned back to its budget by the policy; decoding feeds one token at a time (B = 1) and
+evicts after every step. The runner never looks at a policy's class: it only reads its declared needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from kvbench import attention
+from kvbench.cache import EvictingCache
+from kvbench.policies.base import Policy
+from kvbench.policies.full import Full
+from kvbench.tasks.base import Sample, Task, TaskEnv
+
+SCENARIOS = ("question_aware", "context_only")
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids (stop token excluded)
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int  # one-token forwards during decoding
+    evict_s: float
+    peak_kv_tokens: int  # max over layers of physical tokens per KV head
+    kv_bytes_peak: int  # max over time of K+V bytes held, all layers
+    trace: list[list[torch.Tensor | None]] = field(default_factory=list, repr=False)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None, max_new_tokens: int,
+             stop_ids: Iterable[int] = (), min_new_tokens: int = 0, context_tokens: int | None = None,
+             scenario: str = "question_aware", forced: list[int] | None = None,
+             on_logits: Callable[[torch.Tensor], None] | None = None, trace: bool = False) -> GenerationResult:
+    """Greedy generation through a policy-managed cache.
+
+    `block=None` feeds the whole prompt in one forward, then evicts once. `forced` teacher-forces these tokens
+    instead of the argmax (the fidelity task); `on_logits` sees each step's next-token logits (1, vocab) float32.
+    `trace` records, before every forward, each layer's slot positions (tests rebuild attention from them).
+    """
+    device = model.device
+    ids = torch.tensor([input_ids], device=device)  # (1, T)
+    T = ids.shape[1]
+    cache = EvictingCache(model.config, policy)
+    stop = set(stop_ids)
+    timing = {"evict": 0.0}
+    peak_bytes = 0
+    traces: list[list[torch.Tensor | None]] = []
+
+    def forward(chunk: torch.Tensor) -> torch.Tensor:
+        nonlocal peak_bytes
+        if trace:
+            traces.append([getattr(layer, "positions", None) for layer in cache.layers])
+        out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        peak_bytes = max(peak_bytes, cache.kv_bytes())
+        return out.logits[:, -1].float()  # (1, vocab)
+
+    def evict() -> None:
+        if cache.frozen or not policy.evicts:
+            return
+        _sync(device)
+        t0 = time.perf_counter()
+        for layer in cache.evicting_layers():
+            policy.evict(layer)
+        _sync(device)
+        timing["evict"] += time.perf_counter() - t0
+
+    # Prompt segments: (start, end, evicted?). context_only keeps the question out of eviction (CriticalKV App. H).
+    if scenario == "context_only" and context_tokens is not None and 0 < context_tokens < T:
+        segments = [(0, context_tokens, True), (context_tokens, T, False)]
+    else:
+        segments = [(0, T, True)]
+    with attention.active(cache):
+        _sync(device)
+        t0 = time.perf_counter()
+        for start, end, evicted in segments:
+            cache.frozen = not evicted
+            step = end - start if (block is None or policy.single_pass_prefill) else block
+            for s in range(start, end, step):
+                logits = forward(ids[:, s:min(end, s + step)])
+                evict()
+        _sync(device)
+        prefill_s = time.perf_counter() - t0
+
+        new: list[int] = []
+        steps = 0
+        t0 = time.perf_counter()
+        while max_new_tokens > 0:
+            if on_logits is not None:
+                on_logits(logits)
+            if len(new) < min_new_tokens and stop:
+                logits[:, list(stop)] = -float("inf")
+            tok = forced[len(new)] if forced is not None else int(logits.argmax(dim=-1))
+            if forced is None and tok in stop:
+                break
+            new.append(tok)
+            if len(new) >= max_new_tokens or (forced is not None and len(new) >= len(forced)):
+                break
+            logits = forward(torch.tensor([[tok]], device=device))
+            evict()
+            steps += 1
+        _sync(device)
+        decode_s = time.perf_counter() - t0
+    return GenerationResult(tokens=new, prompt_tokens=T, prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps,
+                            evict_s=timing["evict"], peak_kv_tokens=cache.peak_tokens(), kv_bytes_peak=peak_bytes,
+                            trace=traces)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run loop over a task's samples: resumable, one predictions.jsonl line per finished sample.
+
+def sample_seed(sample_id: str) -> int:
+    return zlib.crc32(sample_id.encode("utf-8"))
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Finished records of a predictions file. A torn last line (a killed run) is dropped and cut off the file."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    records, good = [], 0
+    for line in data.split(b"\n"):
+        end = good + len(line) + 1
+        if end > len(data):  # no newline: the write was interrupted
+            break
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+        good = end
+    if good < len(data):
+        with path.open("r+b") as f:
+            f.truncate(good)
+    return records
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One complete line per write, flushed to disk, so a kill never leaves a half record behind a good one."""
+    line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    with path.open("ab") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@dataclass
+class RunSettings:
+    budget: int | None
+    block: int | None
+    scenario: str = "question_aware"
+    save_prompts: bool = False
+    shard: tuple[int, int] | None = None  # (i, n): samples with index % n == i
+    diagnostics: tuple[str, ...] = ()
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEnv, settings: RunSettings,
+             out_dir: Path, progress: bool = True, references: dict[Any, Any] | None = None) -> list[dict[str, Any]]:
+    """Run every (not yet finished) sample of `task`, appending records to out_dir/predictions.jsonl.
+
+    `references` caches full-cache continuations of reference tasks between runs on the same model.
+    """
+    from tqdm import tqdm
+
+    pred_path = out_dir / "predictions.jsonl"
+    records = read_records(pred_path)
+    done = {r["id"] for r in records}
+    samples = list(task.samples(env))
+    if settings.shard is not None:
+        i, n = settings.shard
+        samples = [s for k, s in enumerate(samples) if k % n == i]
+    default_stop = eos_ids(model, tokenizer)
+    todo = [s for s in samples if s.id not in done]
+    bar = tqdm(todo, desc=f"{task.name}", unit="sample", disable=not progress, dynamic_ncols=True)
+    for sample in bar:
+        policy.start_sample(sample_seed(sample.id))
+        if task.needs_reference:
+            record = _reference_sample(model, tokenizer, policy, task, sample, settings,
+                                       references if references is not None else {})
+        else:
+            res = generate(model, policy, sample.input_ids, settings.block, sample.max_new_tokens,
+                           stop_ids=sample.stop_token_ids if sample.stop_token_ids is not None else default_stop,
+                           min_new_tokens=sample.min_new_tokens, context_tokens=sample.context_tokens,
+                           scenario=settings.scenario)
+            prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
+            record = make_record(sample, prediction, res, task.score(sample, prediction), settings)
+        append_record(pred_path, record)
+        records.append(record)
+    order = {s.id: k for k, s in enumerate(samples)}
+    return sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]])
+
+
+def _reference_sample(model: Any, tokenizer: Any, policy: Policy, task: Task, sample: Sample,
+                      settings: RunSettings, references: dict[Any, Any]) -> dict[str, Any]:
+    """Label-free scoring: the full cache's greedy continuation, then the policy teacher-forced along it."""
+    key = (sample.id, zlib.crc32(json.dumps(sample.input_ids).encode()), sample.max_new_tokens)
+    if key not in references:
+        logps: list[torch.Tensor] = []
+        ref = generate(model, Full(), sample.input_ids, None, sample.max_new_tokens, stop_ids=(),
+                       on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
+        references[key] = (ref.tokens, torch.stack(logps))  # (new, vocab)
+    ref_tokens, ref_logp = references[key]
+    logps = []
+    res = generate(model, policy, sample.input_ids, settings.block, len(ref_tokens), stop_ids=(),
+                   context_tokens=sample.context_tokens, scenario=settings.scenario, forced=ref_tokens,
+                   on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
+    test_logp = torch.stack(logps)  # (new, vocab)
+    prediction = tokenizer.decode(test_logp.argmax(dim=-1).tolist(), skip_special_tokens=True)
+    record = make_record(sample, prediction, res, 0.0, settings)
+    extra = task.score_reference(sample, ref_tokens, ref_logp, test_logp)
+    record["score"] = extra.pop("score")
+    record["reference"] = tokenizer.decode(ref_tokens, skip_special_tokens=True)
+    record.update(extra)
+    return record
+
+
+def make_record(sample: Sample, prediction: str, res: GenerationResult, score: float,
+                settings: RunSettings) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "id": sample.id, "prediction": prediction, "answers": sample.answers, "score": score,
+        "prompt_tokens": res.prompt_tokens, "new_tokens": len(res.tokens),
+        "prefill_s": round(res.prefill_s, 6), "decode_s": round(res.decode_s, 6), "decode_steps": res.decode_steps,
+        "evict_s": round(res.evict_s, 6), "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak,
+        "meta": sample.meta,
+    }
+    if settings.save_prompts:
+        rec["prompt"] = sample.prompt
+    return rec
+
+
+def summarize(records: list[dict[str, Any]], budget: int | None, evicts: bool) -> dict[str, Any]:
+    """Speed and memory over all samples (KeyDiff App. B.3 compression ratio: mean of min(1, N / L_i))."""
+    prompt = sum(r["prompt_tokens"] for r in records)
+    prefill = sum(r["prefill_s"] for r in records)
+    steps = sum(r["decode_steps"] for r in records)
+    decode = sum(r["decode_s"] for r in records)
+    ratio = [min(1.0, budget / r["prompt_tokens"]) if (evicts and budget) else 1.0 for r in records]
+    return {
+        "samples": len(records),
+        "prompt_tokens": prompt,
+        "new_tokens": sum(r["new_tokens"] for r in records),
+        "prefill_s": round(prefill, 4),
+        "decode_s": round(decode, 4),
+        "prefill_tokens_per_s": round(prompt / prefill, 2) if prefill else None,
+        "decode_tokens_per_s": round(steps / decode, 2) if decode and steps else None,
+        "evict_s": round(sum(r["evict_s"] for r in records), 4),
+        "peak_kv_tokens": max((r["peak_kv_tokens"] for r in records), default=0),
+        "kv_bytes_peak": max((r["kv_bytes_peak"] for r in records), default=0),
+        "compression_ratio": round(sum(ratio) / len(ratio), 6) if ratio else None,
+    }
+
+
