@@ -56,6 +56,7 @@ def read_probe_meta(model_dir: str | Path) -> dict[str, Any]:
 
 class ProbeTask(Task):
     name = "probe"
+    average_key = "avg"
 
     def __init__(self, context_lengths: Sequence[int] = (1024, 4096),
                  depths: Sequence[float] = (0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100),
@@ -77,6 +78,13 @@ class ProbeTask(Task):
         if too_short:
             raise TaskError(f"task.context_lengths {too_short} too short for {self.num_needles} needle(s): "
                             f"need at least {2 + 3 * self.num_needles} tokens")
+
+    def provenance(self) -> dict[str, Any]:
+        from kvbench.probe_model import GENERATOR_VERSION
+
+        return {"source": "generated in-process from the probe model vocabulary (seeded by env.seed)",
+                "probe_generator_version": GENERATOR_VERSION, "context_lengths": self.context_lengths,
+                "depths": self.depths, "num_needles": self.num_needles, "samples_per_cell": self.samples_per_cell}
 
     def samples(self, env: TaskEnv) -> Iterator[Sample]:
         meta = read_probe_meta(getattr(env.tokenizer, "name_or_path", ""))
