@@ -114,7 +114,9 @@ def read_haystack_dir(path: str | Path) -> str:
 
 
 def haystack_label(haystack_dir: str | None) -> str:
-    return f"dir:{Path(haystack_dir).expanduser()}" if haystack_dir else f"{BUILTIN} filler (kvbench.tasks.haystack)"
+    if haystack_dir:
+        return f"dir:{Path(haystack_dir).expanduser()}"
+    return "built-in filler (kvbench.tasks.haystack, not Paul Graham essays)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
