@@ -175,8 +175,8 @@ class NIAH(Task):
         return out
 
     def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
-        notes = [f"niah scorer: {self.scorer} (0-100{'; rouge-1 F x 100, no stemmer' if self.scorer != 'substring' else ''})",
-                 f"niah haystack: {haystack_label(self.haystack_dir)}"]
+        scale = "recall, 0/100" if self.scorer == "substring" else "ROUGE-1 F x 100, no stemmer"
+        notes = [f"niah scorer: {self.scorer} ({scale})", f"niah haystack: {haystack_label(self.haystack_dir)}"]
         if not self.heatmap or not records:
             return {"notes": notes}
         path = plot_heatmap(self._cells(records), Path(run_dir) / "niah_heatmap.png",

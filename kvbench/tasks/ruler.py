@@ -17,6 +17,7 @@ import random
 import re
 import string
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -103,11 +104,14 @@ DEPTHS = [int(x) for x in np.round(np.linspace(0, 100, num=40, endpoint=True)).a
 # Word lists (wonderwords 2.2.0 assets)
 
 def _wonderwords(name: str) -> list[str]:
-    try:
-        from wonderwords import random_word
-    except ImportError:
-        raise TaskError("RULER needs the `wonderwords==2.2.0` package (its word lists)") from None
-    return random_word._get_words_from_text_file(name)
+    # wonderwords 2.2.0 reads its lists with the deprecated importlib.resources.open_text, on import too.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            from wonderwords import random_word
+        except ImportError:
+            raise TaskError("RULER needs the `wonderwords==2.2.0` package (its word lists)") from None
+        return random_word._get_words_from_text_file(name)
 
 
 class SortedKeySpace(Sequence[str]):
