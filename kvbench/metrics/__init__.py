@@ -14,6 +14,21 @@ METRICS: dict[str, str] = {
     "string_match_part": "ruler:string_match_part",
     "niah_substring": "niah:substring_match",
     "niah_rouge1x10": "niah:rouge1x10",
+    # LongBench v1 (official metric names; f(prediction, ground_truth, **kwargs) -> 0-1)
+    "qa_f1_score": "longbench:qa_f1_score",
+    "qa_f1_zh_score": "longbench:qa_f1_zh_score",
+    "rouge_score": "longbench:rouge_score",
+    "rouge_zh_score": "longbench:rouge_zh_score",
+    "classification_score": "longbench:classification_score",
+    "retrieval_score": "longbench:retrieval_score",
+    "retrieval_zh_score": "longbench:retrieval_zh_score",
+    "count_score": "longbench:count_score",
+    "code_sim_score": "longbench:code_sim_score",
+    # LongBench eval.py aggregation and the leaderboard averages
+    "longbench_sample_score": "longbench:sample_score",
+    "longbench_scorer": "longbench:scorer",
+    "longbench_scorer_e": "longbench:scorer_e",
+    "longbench_summary": "longbench:summary_scores",
 }
 
 

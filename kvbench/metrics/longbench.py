@@ -1,0 +1,352 @@
+"""LongBench v1 metrics and aggregation, re-implemented from the official rules (THUDM/LongBench @ 2e00731,
+`LongBench/metrics.py` and `LongBench/eval.py`; spec: shared docs benchmarks.md §1.6).
+
+Every per-pair function has the official name and signature `f(prediction, ground_truth, **kwargs)` and returns
+the official value (0-1) bit for bit, quirks included:
+
+- qa_f1_score: ASCII punctuation only, Unicode `\\b` for articles, int 0 when nothing overlaps.
+- qa_f1_zh_score: jieba tokens (on the raw text) normalised one by one; `《` is not punctuation but `》` is.
+- rouge_score / rouge_zh_score: pltrdy `rouge` 1.0.1 ROUGE-L (summary level, exclusive): sentences split on ASCII
+  ".", words split on single spaces (so "a. " yields an empty-string word), a set union of backtracked LCS words,
+  f = 2pr/(p+r+1e-8); any exception gives 0.0, including the RecursionError of rouge's recursive LCS backtrack
+  (emulated here, see `ROUGE_MAX_RECON_FRAMES`).
+- code_sim_score: first line without "`", "#", "//", then fuzzywuzzy 0.18.0 `fuzz.ratio` / 100 with an explicit
+  backend: "difflib" (what the official requirements install) or "levenshtein" (python-Levenshtein).
+- classification_score: the official list-removal-while-iterating loop, which skips the element after each
+  removed one.
+- count_score / retrieval_score / retrieval_zh_score: Unicode `\\d+`, string comparison.
+
+`scorer` and `scorer_e` are eval.py's aggregation: the first-line rule for trec/triviaqa/samsum/lsht, max over
+answers, a sequential sum with Python `round` (LongBench) or `np.mean` with NumPy rounding (LongBench-E buckets).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import string
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+FUZZ_BACKENDS = ("difflib", "levenshtein")
+
+# --------------------------------------------------------------------------------------------------------------
+# Normalisation and token F1
+
+_EN_PUNCT = frozenset(string.punctuation)
+_ZH_PUNCT = frozenset(
+    string.punctuation
+    + "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(s: str) -> str:
+    """Lowercase, drop ASCII punctuation, replace the articles a/an/the by a space, collapse whitespace."""
+    s = "".join(ch for ch in s.lower() if ch not in _EN_PUNCT)
+    return " ".join(_ARTICLES.sub(" ", s).split())
+
+
+def normalize_zh_answer(s: str) -> str:
+    """Lowercase, drop ASCII and Chinese punctuation, remove all whitespace."""
+    return "".join("".join(ch for ch in s.lower() if ch not in _ZH_PUNCT).split())
+
+
+def _f1(prediction_tokens: Sequence[str], ground_truth_tokens: Sequence[str]) -> float:
+    num_same = sum((Counter(prediction_tokens) & Counter(ground_truth_tokens)).values())
+    if num_same == 0:
+        return 0  # the official code returns the int 0 here
+    precision = 1.0 * num_same / len(prediction_tokens)
+    recall = 1.0 * num_same / len(ground_truth_tokens)
+    return (2 * precision * recall) / (precision + recall)
+
+
+def qa_f1_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
+    return _f1(normalize_answer(prediction).split(), normalize_answer(ground_truth).split())
+
+
+def _jieba_cut(text: str) -> list[str]:
+    import jieba  # imported on use: jieba builds its dictionary lazily and logs to stderr when it does
+
+    return list(jieba.cut(text, cut_all=False))
+
+
+def qa_f1_zh_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
+    pred = [t for t in (normalize_zh_answer(t) for t in _jieba_cut(prediction)) if len(t) > 0]
+    gt = [t for t in (normalize_zh_answer(t) for t in _jieba_cut(ground_truth)) if len(t) > 0]
+    return _f1(pred, gt)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# ROUGE-L as pltrdy rouge 1.0.1 computes it (Rouge().get_scores([pred], [gt], avg=True)["rouge-l"]["f"])
+
+# rouge's `_recon` backtracks recursively, one Python frame per step, so a long sentence pair overflows the
+# recursion limit; the official `except:` then returns 0.0. Measured with rouge 1.0.1 on CPython 3.11.7 (default
+# limit 1000) in the call chain of `python eval.py` (module -> scorer -> rouge_score -> Rouge.get_scores -> ...):
+# a pair whose backtrack needs 991 `_recon` frames scores, one needing 992 raises. rouge_zh_score calls
+# rouge_score, one frame deeper, so it allows one frame less. Other Python versions count frames differently;
+# this pins the CPython 3.11 behaviour.
+ROUGE_MAX_RECON_FRAMES = 991
+ROUGE_ZH_MAX_RECON_FRAMES = ROUGE_MAX_RECON_FRAMES - 1
+
+
+def _rouge_sentences(text: str) -> list[str]:
+    # The emptiness test is on the raw piece, so a whitespace-only piece becomes the sentence "".
+    return [" ".join(piece.split()) for piece in text.split(".") if len(piece) > 0]
+
+
+def _lcs_words(x: list[str], y: list[str], max_frames: int) -> list[str] | None:
+    """rouge's `_recon_lcs(x, y)` words, or None where its recursive backtrack would exceed `max_frames`."""
+    n, m = len(x), len(y)
+    # Every backtrack step lowers i or j (or both) and it stops when one reaches 0, so it takes at least
+    # min(n, m) steps: skip the O(nm) table when even that is too deep.
+    if min(n, m) + 1 > max_frames:
+        return None
+    table = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(1, n + 1):
+        xi, row, prev = x[i - 1], table[i], table[i - 1]
+        for j in range(1, m + 1):
+            if xi == y[j - 1]:
+                row[j] = prev[j - 1] + 1
+            else:
+                row[j] = prev[j] if prev[j] >= row[j - 1] else row[j - 1]
+    words: list[str] = []
+    i, j, frames = n, m, 1
+    while i != 0 and j != 0:
+        if x[i - 1] == y[j - 1]:
+            words.append(x[i - 1])
+            i, j = i - 1, j - 1
+        elif table[i - 1][j] > table[i][j - 1]:  # rouge's tie-break: strictly greater goes up, else left
+            i -= 1
+        else:
+            j -= 1
+        frames += 1
+        if frames > max_frames:
+            return None
+    return words
+
+
+def _rouge_l_f(prediction: str, ground_truth: str, max_frames: int) -> float:
+    hyp = _rouge_sentences(prediction)
+    ref = _rouge_sentences(ground_truth)
+    if not hyp or not ref:  # rouge raises "Hypothesis is empty." / "Reference is empty."
+        return 0.0
+    hyp_words = [s.split(" ") for s in hyp]
+    ref_words = [s.split(" ") for s in ref]
+    m = len({w for ws in ref_words for w in ws})
+    n = len({w for ws in hyp_words for w in ws})
+    union: set[str] = set()
+    for r in ref_words:
+        for c in hyp_words:
+            words = _lcs_words(r, c, max_frames)
+            if words is None:
+                return 0.0  # RecursionError in rouge, caught by the official bare except
+            union.update(words)
+    llcs = len(union)
+    r_lcs = llcs / m
+    p_lcs = llcs / n
+    return 2.0 * ((p_lcs * r_lcs) / (p_lcs + r_lcs + 1e-8))
+
+
+def rouge_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
+    return _rouge_l_f(prediction, ground_truth, ROUGE_MAX_RECON_FRAMES)
+
+
+def rouge_zh_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
+    prediction = " ".join(_jieba_cut(prediction))
+    ground_truth = " ".join(_jieba_cut(ground_truth))
+    return _rouge_l_f(prediction, ground_truth, ROUGE_ZH_MAX_RECON_FRAMES)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Code edit similarity (fuzzywuzzy 0.18.0 fuzz.ratio)
+
+
+def fuzz_ratio(s1: str | None, s2: str | None, backend: str = "difflib") -> int:
+    """fuzzywuzzy 0.18.0 `fuzz.ratio` with the backend chosen explicitly instead of by what is installed.
+
+    The decorators run in this order: None -> 0, equal -> 100 (so ("", "") -> 100), empty -> 0; then
+    int(round(100 * ratio)) with Python's half-even round. "difflib" is fuzzywuzzy's fallback
+    `difflib.SequenceMatcher(None, s1, s2)` (autojunk on); "levenshtein" is its StringMatcher, i.e.
+    `Levenshtein.ratio` (the Indel ratio).
+    """
+    if s1 is None or s2 is None:
+        return 0
+    if s1 == s2:
+        return 100
+    if len(s1) == 0 or len(s2) == 0:
+        return 0
+    if backend == "difflib":
+        r = difflib.SequenceMatcher(None, s1, s2).ratio()
+    elif backend == "levenshtein":
+        try:
+            import Levenshtein
+        except ImportError:
+            raise ImportError("fuzz_backend=levenshtein needs python-Levenshtein "
+                              "(pip install 'kvbench[levenshtein]')") from None
+        r = Levenshtein.ratio(s1, s2)
+    else:
+        raise ValueError(f"unknown fuzz backend '{backend}'; choose one of: {', '.join(FUZZ_BACKENDS)}")
+    return int(round(100 * r))
+
+
+def code_sim_score(prediction: str, ground_truth: str, fuzz_backend: str = "difflib", **kwargs: Any) -> float:
+    pred = ""
+    for line in prediction.lstrip("\n").split("\n"):
+        if "`" not in line and "#" not in line and "//" not in line:
+            pred = line
+            break
+    return fuzz_ratio(pred, ground_truth, fuzz_backend) / 100
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Classification, counting, retrieval
+
+
+def classification_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
+    matches = [c for c in kwargs["all_classes"] if c in prediction]
+    # Removing from the list being iterated skips the element after each removed one: official behaviour, kept.
+    for t in matches:
+        if t in ground_truth and t != ground_truth:
+            matches.remove(t)
+    return 1.0 / len(matches) if ground_truth in matches else 0.0
+
+
+def _fraction_equal(prediction: str, target: str) -> float:
+    numbers = re.findall(r"\d+", prediction)
+    right = sum(1 for num in numbers if str(num) == str(target))
+    return 0.0 if len(numbers) == 0 else float(right / len(numbers))
+
+
+def count_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
+    return _fraction_equal(prediction, ground_truth)
+
+
+def retrieval_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
+    return _fraction_equal(prediction, re.findall(r"Paragraph (\d+)", ground_truth)[0])
+
+
+def retrieval_zh_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
+    return _fraction_equal(prediction, re.findall(r"段落(\d+)", ground_truth)[0])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# eval.py aggregation
+
+DATASET2METRIC: dict[str, Callable[..., float]] = {
+    "narrativeqa": qa_f1_score, "qasper": qa_f1_score, "multifieldqa_en": qa_f1_score,
+    "multifieldqa_zh": qa_f1_zh_score, "hotpotqa": qa_f1_score, "2wikimqa": qa_f1_score, "musique": qa_f1_score,
+    "dureader": rouge_zh_score, "gov_report": rouge_score, "qmsum": rouge_score, "multi_news": rouge_score,
+    "vcsum": rouge_zh_score, "trec": classification_score, "triviaqa": qa_f1_score, "samsum": rouge_score,
+    "lsht": classification_score, "passage_count": count_score, "passage_retrieval_en": retrieval_score,
+    "passage_retrieval_zh": retrieval_zh_score, "lcc": code_sim_score, "repobench-p": code_sim_score,
+}
+FIRST_LINE_DATASETS = frozenset({"trec", "triviaqa", "samsum", "lsht"})
+E_BUCKETS = ("0-4k", "4-8k", "8k+")
+
+# Leaderboard categories (README "Avg" = mean of the category means; not computed by eval.py).
+EN_CATEGORIES: dict[str, tuple[str, ...]] = {
+    "single_doc_qa": ("narrativeqa", "qasper", "multifieldqa_en"),
+    "multi_doc_qa": ("hotpotqa", "2wikimqa", "musique"),
+    "summarization": ("gov_report", "qmsum", "multi_news"),
+    "few_shot": ("trec", "triviaqa", "samsum"),
+    "synthetic": ("passage_count", "passage_retrieval_en"),
+    "code": ("lcc", "repobench-p"),
+}
+ZH_CATEGORIES: dict[str, tuple[str, ...]] = {
+    "single_doc_qa": ("multifieldqa_zh",), "multi_doc_qa": ("dureader",), "summarization": ("vcsum",),
+    "few_shot": ("lsht",), "synthetic": ("passage_retrieval_zh",), "code": ("lcc", "repobench-p"),
+}
+EN16 = tuple(d for ds in EN_CATEGORIES.values() for d in ds)
+
+
+def _metric_for(dataset: str) -> Callable[..., float]:
+    if dataset not in DATASET2METRIC:
+        raise ValueError(f"unknown LongBench dataset '{dataset}'; choose one of: {', '.join(DATASET2METRIC)}")
+    return DATASET2METRIC[dataset]
+
+
+def first_line(prediction: str) -> str:
+    """eval.py's rule for trec/triviaqa/samsum/lsht: only "\\n" is stripped and split on."""
+    return prediction.lstrip("\n").split("\n")[0]
+
+
+def sample_score(dataset: str, prediction: str, answers: Sequence[str], all_classes: Any,
+                 fuzz_backend: str = "difflib") -> float:
+    """eval.py's per-sample score (0-1): first-line rule where it applies, max of the metric over the answers."""
+    metric = _metric_for(dataset)
+    if dataset in FIRST_LINE_DATASETS:
+        prediction = first_line(prediction)
+    score = 0.0
+    for ground_truth in answers:
+        score = max(score, metric(prediction, ground_truth, all_classes=all_classes, fuzz_backend=fuzz_backend))
+    return score
+
+
+def scorer(dataset: str, predictions: Sequence[str], answers: Sequence[Sequence[str]], all_classes: Any,
+           fuzz_backend: str = "difflib") -> float:
+    """eval.py `scorer`: round(100 * sequential sum / n, 2) with Python's round."""
+    total_score = 0.0
+    for prediction, ground_truths in zip(predictions, answers):
+        total_score += sample_score(dataset, prediction, ground_truths, all_classes, fuzz_backend)
+    return round(100 * total_score / len(predictions), 2)
+
+
+def length_bucket(length: int) -> str:
+    return "0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"
+
+
+def scorer_e(dataset: str, predictions: Sequence[str], answers: Sequence[Sequence[str]], lengths: Sequence[int],
+             all_classes: Any, fuzz_backend: str = "difflib") -> dict[str, float]:
+    """eval.py `scorer_e`: per length bucket, round(100 * np.mean(scores), 2) with NumPy's rounding.
+
+    An empty bucket gives NaN, as np.mean([]) does in the original (its RuntimeWarning is silenced here).
+    """
+    import numpy as np
+
+    scores: dict[str, list[float]] = {b: [] for b in E_BUCKETS}
+    for prediction, ground_truths, length in zip(predictions, answers, lengths):
+        scores[length_bucket(length)].append(sample_score(dataset, prediction, ground_truths, all_classes,
+                                                          fuzz_backend))
+    out = {}
+    for b, vals in scores.items():
+        if not vals:
+            out[b] = math.nan
+            continue
+        # round() on np.float64 is NumPy's rint(x * 100) / 100, which differs from Python's at .xx5 values.
+        out[b] = float(round(100 * np.mean(vals), 2))
+    return out
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def summary_scores(per_dataset: dict[str, float]) -> dict[str, float]:
+    """Leaderboard-style averages from per-dataset scores (eval.py's rounded values).
+
+    Keys: `cat:<category>` (English category means), `avg_leaderboard` (mean of the six English category
+    means, the README's "Avg"), `avg_en16` (plain mean over the 16 English datasets, what KV-cache papers
+    report), `cat_zh:<category>` and `avg_zh_leaderboard` (Chinese leaderboard), each only when all of its
+    datasets are present; `avg_selected` is the plain mean over whatever datasets are present.
+    """
+    out: dict[str, float] = {}
+    cats = {}
+    for cat, members in EN_CATEGORIES.items():
+        if all(d in per_dataset for d in members):
+            cats[cat] = out[f"cat:{cat}"] = _mean([per_dataset[d] for d in members])
+    if len(cats) == len(EN_CATEGORIES):
+        out["avg_leaderboard"] = _mean(list(cats.values()))
+    if all(d in per_dataset for d in EN16):
+        out["avg_en16"] = _mean([per_dataset[d] for d in EN16])
+    zh = {}
+    for cat, members in ZH_CATEGORIES.items():
+        if all(d in per_dataset for d in members) and any(d not in EN16 for d in members):
+            zh[cat] = out[f"cat_zh:{cat}"] = _mean([per_dataset[d] for d in members])
+    if all(all(d in per_dataset for d in members) for members in ZH_CATEGORIES.values()):
+        zh["code"] = _mean([per_dataset[d] for d in ZH_CATEGORIES["code"]])
+        out["avg_zh_leaderboard"] = _mean([zh[c] for c in ZH_CATEGORIES])
+    if per_dataset:
+        out["avg_selected"] = _mean(list(per_dataset.values()))
+    return out
