@@ -193,3 +193,13 @@ def test_metric_registry():
         assert get_metric(name) is getattr(lb, name)
     assert get_metric("longbench_scorer") is lb.scorer
     assert get_metric("longbench_scorer_e") is lb.scorer_e
+
+
+def test_summary_scores_chinese_leaderboard():
+    per = {d: float(i) for i, d in enumerate(lb.DATASET2METRIC)}  # 0..20 in the official order
+    got = lb.summary_scores(per)
+    # multifieldqa_zh 3, dureader 7, vcsum 11, lsht 15, passage_retrieval_zh 18, code (19 + 20) / 2 = 19.5.
+    assert got["cat_zh:single_doc_qa"] == 3.0 and got["cat_zh:synthetic"] == 18.0
+    assert "cat_zh:code" not in got  # the code category is the English one
+    assert got["avg_zh_leaderboard"] == (3 + 7 + 11 + 15 + 18 + 19.5) / 6
+    assert got["avg_selected"] == 210 / 21

@@ -312,3 +312,64 @@ def test_score_cli_errors(tmp_path, capsys):
     assert score_main([str(tmp_path)]) == 2
     assert "'nq' is not a LongBench dataset" in capsys.readouterr().err
     assert score_main([str(tmp_path / "missing")]) == 2
+
+
+# ---- smaller behaviours -----------------------------------------------------------------------------------------
+
+def test_unzipped_layout_and_source_conflicts(tmp_path, tok):
+    (tmp_path / "data").mkdir()
+    shutil.copy(FIX / "trec.jsonl", tmp_path / "data" / "trec.jsonl")
+    task = LongBench(datasets=["trec"], data_dir=str(tmp_path))
+    assert len(list(task.samples(env(tok)))) == 2
+    assert task.provenance["source"] == f"dir:{tmp_path}"
+    with pytest.raises(TaskError, match="not both"):
+        LongBench(data_dir=str(tmp_path), data_zip=str(tmp_path / "data.zip"))
+    (tmp_path / "bad.zip").write_text("not a zip")
+    with pytest.raises(TaskError, match="not a zip file"):
+        list(LongBench(datasets=["trec"], data_zip=str(tmp_path / "bad.zip")).samples(env(tok)))
+
+
+def test_count_tokens_before_fast_and_slow(tok):
+    from kvbench.tasks.longbench import count_tokens_before
+
+    class Slow:  # a tokenizer without offsets: the prefix is encoded instead
+        is_fast = False
+
+        def __call__(self, text, truncation=False):
+            return tok(text)
+
+    ids = tok("abc\n\ndef").input_ids  # <s> a b c \n \n def
+    assert count_tokens_before(tok, "abc\n\ndef", 3, ids) == 4
+    assert count_tokens_before(Slow(), "abc\n\ndef", 3, ids) == 4
+
+
+def test_finalize_records_provenance(tmp_path, tok):
+    task = LongBench(datasets=["lcc"], data_dir=str(FIX), fuzz_backend="levenshtein", write_official=False)
+    recs = _records(task, tok, ["    return 0", "x"])
+    extra = task.finalize(tmp_path, recs, task.aggregate(recs))["longbench"]
+    assert extra["fuzz_backend"] == "levenshtein"
+    assert extra["data"]["source"] == f"dir:{FIX}"
+    assert set(extra["data"]["files_sha256"]) == {"lcc.jsonl"}
+    assert "official_pred_dir" not in extra and not (tmp_path / "longbench_pred").exists()
+
+
+def test_longbench_e_empty_bucket_left_out_of_bucket_average(tok):
+    task = LongBenchE(datasets=["passage_count", "trec"], data_dir=str(FIX), limit=1)  # only length 1200 rows
+    recs = _records(task, tok, ["2", "Animal"])
+    got = task.aggregate(recs)
+    assert got["passage_count:0-4k"] == 100.0 and math.isnan(got["trec:4-8k"])
+    assert got["avg:0-4k"] == 100.0 and "avg:4-8k" not in got and "avg:8k+" not in got
+
+
+def test_aggregate_rejects_foreign_records():
+    with pytest.raises(TaskError, match="meta.dataset"):
+        LongBench().aggregate([{"id": "x", "prediction": "", "answers": [], "meta": {}}])
+
+
+def test_score_cli_missing_fields(tmp_path, capsys):
+    (tmp_path / "trec.jsonl").write_text('{"pred": "a", "answers": ["a"], "all_classes": ["a"]}\n')
+    assert score_main([str(tmp_path), "--longbench-e"]) == 2
+    assert "missing 'length'" in capsys.readouterr().err
+    (tmp_path / "trec.jsonl").write_text('{"pred": "a", "answers": ["a"]}\n')
+    assert score_main([str(tmp_path)]) == 2
+    assert "missing 'all_classes'" in capsys.readouterr().err
