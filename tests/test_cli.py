@@ -1,0 +1,108 @@
+"""The command line: run directory contents, determinism, block=null vs block under full, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbench.models import build_tiny_model
+
+TIMING = {"prefill_s", "decode_s", "evict_s"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("model")
+    model, tok = build_tiny_model("tiny-llama", seed=3)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("data") / "qa.jsonl"
+    words = "the river runs north while the mountain stands tall above the green valley".split()
+    rows = []
+    for i in range(3):
+        text = " ".join(words[(j * (i + 1)) % len(words)] for j in range(400))
+        rows.append({"id": f"q{i}", "prompt": text + " Question: what runs north? Answer:", "answers": ["river"],
+                     "max_new_tokens": 6})
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvbench.cli", *args, "progress=false"], capture_output=True,
+                          text=True, cwd=cwd, timeout=600)
+
+
+def predictions(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def test_run_directory_and_bound(model_dir: Path, data_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    r = run_cli("model=hf", f"model.path={model_dir}", "task=jsonl", f"task.path={data_file}", "policy=keydiff",
+                "budget=128", "block=32", "save_prompts=true", f"hydra.run.dir={out}")
+    assert r.returncode == 0, r.stderr
+    assert {"config.yaml", "predictions.jsonl", "metrics.json"} <= {p.name for p in out.iterdir()}
+    m = json.loads((out / "metrics.json").read_text())
+    assert set(m["scores"]) == {"jsonl"} and m["average"] == m["scores"]["jsonl"]
+    st = m["stats"]
+    assert st["peak_kv_tokens"] == 128 + 32
+    prompt_tokens = [r["prompt_tokens"] for r in predictions(out)]
+    assert st["prompt_tokens"] == sum(prompt_tokens)
+    assert st["compression_ratio"] == pytest.approx(sum(min(1, 128 / n) for n in prompt_tokens) / 3, abs=1e-6)
+    for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "evict_s", "kv_bytes_peak"):
+        assert key in st
+    recs = predictions(out)
+    assert [r["id"] for r in recs] == ["q0", "q1", "q2"]
+    assert all(r["prompt"].endswith("Answer:") and r["new_tokens"] <= 6 for r in recs)
+    assert m["provenance"]["model_path"] == str(model_dir)
+
+
+def test_determinism_and_block_null_under_full(model_dir: Path, data_file: Path, tmp_path: Path) -> None:
+    base = ["model=hf", f"model.path={model_dir}", "task=jsonl", f"task.path={data_file}", "budget=128"]
+    for name, extra in (("a", ["policy=h2o", "block=32"]), ("b", ["policy=h2o", "block=32"]),
+                        ("full32", ["policy=full", "block=32"]), ("fullnull", ["policy=full", "block=null"])):
+        r = run_cli(*base, *extra, f"hydra.run.dir={tmp_path / name}")
+        assert r.returncode == 0, r.stderr
+    assert predictions(tmp_path / "a") == predictions(tmp_path / "b")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("peak_kv_tokens", "kv_bytes_peak")} for r in rows]
+    assert strip(predictions(tmp_path / "full32")) == strip(predictions(tmp_path / "fullnull"))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["policy=nope"], "unknown policy 'nope'; choose one of: "),
+    (["model=nope"], "unknown model 'nope'; choose one of: "),
+    (["task=nope"], "unknown task 'nope'; choose one of: "),
+    (["budgte=3"], "budgte"),
+    (["policy=streamingllm", "budget=4"], "budget 4 must exceed the 4 tokens"),
+    (["policy=keydiff", "budget=0"], "budget must be a positive integer"),
+    (["policy=keydiff", "block=0"], "block must be a positive integer or null"),
+    (["task=jsonl"], "task=jsonl needs task.path"),
+    (["task=jsonl", "task.path=/nonexistent/file.jsonl"], "data file not found: /nonexistent/file.jsonl"),
+    (["model=hf"], "model.path"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(args: list[str], message: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    r = run_cli(*args, f"hydra.run.dir={out}")
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvbench: error: ") and message in lines[0], r.stderr
+    assert not out.exists()
+
+
+def test_jsonl_line_without_prompt(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "x", "answers": ["y"]}\n{"id": "b", "answers": ["y"]}\n')
+    r = run_cli("task=jsonl", f"task.path={bad}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"kvbench: error: {bad}: line 2 needs a string 'prompt' (or 'context' and 'question')"
+    assert not (tmp_path / "run").exists()

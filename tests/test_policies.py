@@ -1,0 +1,158 @@
+"""Pinned selections of the core policies on hand-built caches; expected indices worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbench.cache import EvictingLayer
+from kvbench.policies.base import PolicyError
+from kvbench.policies.full import Full
+from kvbench.policies.h2o import H2O
+from kvbench.policies.keydiff import KeyDiff
+from kvbench.policies.knorm import KNorm
+from kvbench.policies.random import Random
+from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.streamingllm import StreamingLLM
+from kvbench.policies.tova import TOVA
+
+
+def make_layer(keys: list, n_q_heads: int | None = None, queries: list | None = None, layer_idx: int = 2,
+               scaling: float = 1.0) -> EvictingLayer:
+    """A layer holding `keys` (h_kv, n, d) at positions 0..n-1, and optionally stashed `queries` (h_q, w, d)
+    at the latest w positions."""
+    k = torch.tensor(keys, dtype=torch.float32).unsqueeze(0)  # (1, h_kv, n, d)
+    layer = EvictingLayer(layer_idx)
+    layer.update(k, torch.zeros_like(k))
+    layer.scaling, layer.softcap = scaling, None
+    if queries is not None:
+        q = torch.tensor(queries, dtype=torch.float32).unsqueeze(0)  # (1, h_q, w, d)
+        layer.queries = q
+        layer.query_positions = torch.arange(layer.seen - q.shape[2], layer.seen)
+    return layer
+
+
+def kept(policy, layer) -> list:
+    idx, _ = policy.select(layer)
+    return idx[0].tolist()
+
+
+def test_streamingllm_keeps_sinks_and_recent() -> None:
+    layer = make_layer([[[float(i)] for i in range(10)]])
+    assert kept(StreamingLLM(budget=6), layer) == [[0, 1, 2, 3, 8, 9]]
+
+
+def test_knorm_keeps_lowest_norms_and_skips_layers() -> None:
+    # norms: 5, 1, 3, 2, 4 -> keep the three lowest: slots 1, 3, 2 -> sorted [1, 2, 3]
+    layer = make_layer([[[3.0, 4.0], [1.0, 0.0], [0.0, 3.0], [0.0, -2.0], [4.0, 0.0]]])
+    assert kept(KNorm(budget=3), layer) == [[1, 2, 3]]
+    assert KNorm(budget=3).select(make_layer([[[1.0]] * 5], layer_idx=1)) is None  # layers 0, 1 not evicted
+
+
+def test_keydiff_keeps_keys_least_similar_to_mean_unit_key() -> None:
+    # Unit keys at 0, 0, 0, 90, 180 degrees: anchor = mean = (1/5)(2, 1) -> direction (2, 1)/sqrt5.
+    # cos with anchor: 2/sqrt5 (x3), 1/sqrt5, -2/sqrt5 -> least similar: slot 4, then slot 3.
+    keys = [[[1.0, 0.0], [2.0, 0.0], [0.5, 0.0], [0.0, 3.0], [-1.0, 0.0]]]
+    assert kept(KeyDiff(budget=2), make_layer(keys)) == [[3, 4]]
+    # Two heads are scored independently: head 1 mirrors head 0 (y <-> x): same slots.
+    mirrored = [[[k[1], k[0]] for k in keys[0]]]
+    assert kept(KeyDiff(budget=2), make_layer(keys + mirrored)) == [[3, 4], [3, 4]]
+
+
+def test_keydiff_variants() -> None:
+    keys = [[[4.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]
+    # mean anchor = (1.5, 0.5). dot: 6, 1.5, 0.5, 2 -> keep lowest dot: slots 2, 1.
+    assert kept(KeyDiff(budget=2, anchor="mean", metric="dot"), make_layer(keys)) == [[1, 2]]
+    # euclidean to (1.5, 0.5): 2.55, 0.71, 1.58, 0.71 -> farthest: slots 0 and 2.
+    assert kept(KeyDiff(budget=2, anchor="mean", metric="euclidean"), make_layer(keys)) == [[0, 2]]
+    # median anchor (lower median of 4 values, torch semantics) = (1, 0): cosine 1, 1, 0, 0.707 -> keep 2, 3.
+    assert kept(KeyDiff(budget=2, anchor="median"), make_layer(keys)) == [[2, 3]]
+    # pairwise: -sum_j cos(k_i, k_j). Unit keys (1,0), (0,1), (.6,.8), (-.6,.8) sum to S = (1.0, 2.6);
+    # sum_j cos(k_i, k_j) = u_i . S = 1.0, 2.6, 2.68, 1.48 -> keep the two smallest sums: slots 0 and 3.
+    pair_keys = [[[2.0, 0.0], [0.0, 1.0], [0.6, 0.8], [-1.2, 1.6]]]
+    assert kept(KeyDiff(budget=2, anchor="pairwise"), make_layer(pair_keys)) == [[0, 3]]
+    # recent_ratio 0.5 of budget 2 reserves the newest slot (3); the other by KeyDiff: slot 2.
+    assert kept(KeyDiff(budget=2, recent_ratio=0.5), make_layer(keys)) == [[2, 3]]
+
+
+def test_tova_last_query_attention_with_gqa_mean() -> None:
+    # 1-d keys; two query heads share the KV head. head 0 (q=+1) prefers large keys, head 1 (q=-1) small ones.
+    keys = [[[0.0], [3.0], [-2.0], [1.0], [0.5]]]
+    e = [math.exp(v) for v in (0.0, 3.0, -2.0, 1.0, 0.5)]
+    f = [math.exp(-v) for v in (0.0, 3.0, -2.0, 1.0, 0.5)]
+    mean = [(a / sum(e) + b / sum(f)) / 2 for a, b in zip(e, f)]  # 0.5*(p_head0 + p_head1)
+    expect = sorted(sorted(range(5), key=lambda i: -mean[i])[:2])
+    assert expect == [1, 2]  # hand check: slot 1 (0.400+0.006), slot 2 (0.001+0.505)
+    layer = make_layer(keys, queries=[[[1.0]], [[-1.0]]])
+    assert kept(TOVA(budget=2), layer) == [expect]
+
+
+def test_h2o_keeps_largest_accumulated_attention() -> None:
+    layer = make_layer([[[0.0]] * 5])
+    layer.state["acc"] = torch.tensor([[[0.5, 2.0, 0.1, 1.5, 0.2]]])
+    assert kept(H2O(budget=2), layer) == [[1, 3]]
+    assert kept(H2O(budget=3, recent_ratio=0.5), layer) == [[1, 3, 4]]  # newest slot reserved + top 2
+
+
+def test_h2o_accumulates_column_sums() -> None:
+    layer = make_layer([[[0.0]] * 3])
+    policy = H2O(budget=2)
+    layer.state["acc"] = torch.zeros(1, 1, 3)
+    probs = torch.tensor([[[[1.0, 0.0, 0.0], [0.25, 0.75, 0.0], [0.25, 0.25, 0.5]]]])  # (b, h_kv, q, n)
+    policy.on_attention(layer, probs)
+    assert layer.state["acc"].tolist() == [[[1.5, 1.0, 0.5]]]  # exact in binary floating point
+
+
+def test_snapkv_window_attention_pooled() -> None:
+    # One window query (q=1), keys ln(w): attention p = w / 18 with w = [3, 8, 1, 1, 4, 1].
+    # The last slot is the window (kept). Prefix p * 18 = [3, 8, 1, 1, 4]; avg pool k=3 with zero padding:
+    # [11, 12, 10, 6, 5] / 3 -> top 2 of the prefix: slots 1, 0 -> kept [0, 1, 5].
+    w = [3.0, 8.0, 1.0, 1.0, 4.0, 1.0]
+    layer = make_layer([[[math.log(v)] for v in w]], queries=[[[1.0]]])
+    assert kept(SnapKV(budget=3, window=1, kernel=3), layer) == [[0, 1, 5]]
+    # max pooling: [8, 8, 8, 4, 4] -> ties among 0-2; kernel 1 (no smoothing): prefix p -> slots 1, 4
+    assert kept(SnapKV(budget=3, window=1, kernel=1), layer) == [[1, 4, 5]]
+
+
+def test_snapkv_window_queries_are_causal() -> None:
+    # Two window queries at positions 3 and 4. The query at position 3 must not see slot 4.
+    layer = make_layer([[[0.0], [0.0], [0.0], [0.0], [0.0]]], queries=[[[1.0], [1.0]]])
+    layer.keys[0, 0, :, 0] = torch.tensor([0.0, math.log(4.0), 0.0, 0.0, 0.0])
+    # query@3 over slots 0..3: w = [1, 4, 1, 1] / 7; query@4 over 0..4: [1, 4, 1, 1, 1] / 8
+    from kvbench.policies.base import query_attention
+
+    probs = query_attention(layer)[0, 0]  # (w, n)
+    assert torch.allclose(probs[0], torch.tensor([1 / 7, 4 / 7, 1 / 7, 1 / 7, 0.0]))
+    assert torch.allclose(probs[1], torch.tensor([1 / 8, 4 / 8, 1 / 8, 1 / 8, 1 / 8]))
+
+
+def test_random_is_seeded_per_sample() -> None:
+    layer = make_layer([[[0.0]] * 20])
+    a, b = Random(budget=5, seed=1), Random(budget=5, seed=1)
+    a.start_sample(7)
+    b.start_sample(7)
+    assert kept(a, layer) == kept(b, layer)
+    b.start_sample(8)
+    assert kept(a, layer) != kept(b, layer)  # another sample draws another subset (fixed seeds: checked once)
+
+
+def test_no_eviction_within_budget_and_full() -> None:
+    layer = make_layer([[[1.0]] * 4])
+    assert KeyDiff(budget=4).select(layer) is None
+    assert Full().select(layer) is None
+
+
+@pytest.mark.parametrize("factory", [lambda: StreamingLLM(budget=4), lambda: SnapKV(budget=32),
+                                     lambda: KeyDiff(budget=0), lambda: H2O(budget=-3)])
+def test_budget_must_exceed_protected_tokens(factory) -> None:
+    with pytest.raises(PolicyError, match="budget"):
+        factory()
+
+
+def test_unknown_options_are_errors() -> None:
+    with pytest.raises(PolicyError, match="anchor"):
+        KeyDiff(budget=8, anchor="nope")
+    with pytest.raises(PolicyError, match="pooling"):
+        SnapKV(budget=64, pooling="min")
