@@ -17,12 +17,13 @@ from typing import Any
 
 from kvbench import __version__
 from kvbench.config import ConfigError, load_group
+from kvbench.diagnostics import NAMES as DIAGNOSTICS
+from kvbench.diagnostics import aggregate as aggregate_diagnostics
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies.base import Policy, PolicyError
 from kvbench.runner import SCENARIOS, RunSettings, run_task, summarize
 from kvbench.tasks.base import Task, TaskEnv, TaskError
 
-DIAGNOSTICS = ("attention_loss", "perturbation", "key_logdet")
 # Settings that do not change results: excluded from the resume key.
 _NOT_IN_KEY = ("progress", "overwrite", "device")
 
@@ -170,6 +171,8 @@ def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Sessi
         "stats": summarize(records, settings.budget, policy.evicts),
         "provenance": provenance(loaded, task),
     }
+    if settings.diagnostics:
+        metrics["diagnostics"] = aggregate_diagnostics(records)
     metrics.update(task.finalize(run_dir, records, scores) or {})
     write_json(metrics_path, metrics)
     return metrics

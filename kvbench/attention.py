@@ -124,8 +124,8 @@ def _make_wrapper(base: str) -> Callable[..., Any]:
         layer.scaling, layer.softcap, layer.module = scaling, kwargs.get("softcap"), module
         policy = cache.policy
         if policy is not None and not cache.frozen:
-            if policy.query_window:
-                layer.stash_queries(query, policy.query_window)
+            if cache.query_window:
+                layer.stash_queries(query, cache.query_window)
             if policy.state_names:
                 new = policy.on_append(layer, module, key[..., -q_len:, :], value[..., -q_len:, :], query)
                 for name in policy.state_names:

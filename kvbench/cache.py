@@ -38,6 +38,7 @@ class EvictingLayer(DynamicLayer):
         self.query_positions: torch.Tensor | None = None  # (w,) absolute positions of those queries
         self.peak_tokens = 0  # max physical slots held per KV head (incl. padding)
         self.last_new = 0  # tokens appended by the latest update (the current block)
+        self.decoding = False  # set by the runner once the prompt is done (SAGE-KV only slides its window then)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
@@ -85,6 +86,9 @@ class EvictingLayer(DynamicLayer):
             self.valid = base & valid
         elif self.valid is not None:
             self.valid = self.valid.gather(2, idx)
+        if self.valid is not None:
+            # Padding slots get position -1: they name no token (traces and diagnostics skip them).
+            self.positions = self.positions.masked_fill(~self.valid, -1)
 
     def kv_bytes(self) -> int:
         if self.keys is None:
@@ -124,7 +128,13 @@ class EvictingCache(Cache):
         super().__init__(layers=layers)
         self.policy = policy
         self.frozen = False  # context_only scenario: no eviction after the context
+        # Latest queries to stash per layer (Policy.query_window; the runner raises it to 1 for diagnostics).
+        self.query_window = policy.query_window if policy is not None else 0
         self.n_heads = text_cfg.num_attention_heads
+
+    def start_decoding(self) -> None:
+        for layer in self.evicting_layers():
+            layer.decoding = True
 
     def evicting_layers(self) -> list[EvictingLayer]:
         return [layer for layer in self.layers if isinstance(layer, EvictingLayer)]

@@ -19,6 +19,7 @@ import torch
 
 from kvbench import attention
 from kvbench.cache import EvictingCache
+from kvbench.diagnostics import Diagnostics
 from kvbench.policies.base import Policy
 from kvbench.policies.full import Full
 from kvbench.tasks.base import Sample, Task, TaskEnv
@@ -37,6 +38,7 @@ class GenerationResult:
     peak_kv_tokens: int  # max over layers of physical tokens per KV head
     kv_bytes_peak: int  # max over time of K+V bytes held, all layers
     trace: list[list[torch.Tensor | None]] = field(default_factory=list, repr=False)
+    diagnostics: dict[str, Any] | None = None  # Diagnostics.summary() when diagnostics were asked for
 
 
 def _sync(device: torch.device) -> None:
@@ -48,12 +50,14 @@ def _sync(device: torch.device) -> None:
 def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None, max_new_tokens: int,
              stop_ids: Iterable[int] = (), min_new_tokens: int = 0, context_tokens: int | None = None,
              scenario: str = "question_aware", forced: list[int] | None = None,
-             on_logits: Callable[[torch.Tensor], None] | None = None, trace: bool = False) -> GenerationResult:
+             on_logits: Callable[[torch.Tensor], None] | None = None, trace: bool = False,
+             diagnostics: Iterable[str] = ()) -> GenerationResult:
     """Greedy generation through a policy-managed cache.
 
     `block=None` feeds the whole prompt in one forward, then evicts once. `forced` teacher-forces these tokens
     instead of the argmax (the fidelity task); `on_logits` sees each step's next-token logits (1, vocab) float32.
-    `trace` records, before every forward, each layer's slot positions (tests rebuild attention from them).
+    `trace` records, before every forward, each layer's slot positions (tests rebuild attention from them; padding
+    slots of ragged layers read -1). `diagnostics` names kvbench.diagnostics measures taken at every eviction.
     """
     device = model.device
     ids = torch.tensor([input_ids], device=device)  # (1, T)
@@ -61,6 +65,9 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
     cache = EvictingCache(model.config, policy)
     stop = set(stop_ids)
     timing = {"evict": 0.0}
+    diag = Diagnostics(tuple(diagnostics)) if diagnostics else None
+    if diag is not None and not cache.query_window:
+        cache.query_window = diag.query_window
     peak_bytes = 0
     traces: list[list[torch.Tensor | None]] = []
 
@@ -77,10 +84,11 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
             return
         _sync(device)
         t0 = time.perf_counter()
+        spent = diag.elapsed if diag is not None else 0.0
         for layer in cache.evicting_layers():
-            policy.evict(layer)
+            policy.evict(layer, diag.observe if diag is not None else None)
         _sync(device)
-        timing["evict"] += time.perf_counter() - t0
+        timing["evict"] += time.perf_counter() - t0 - ((diag.elapsed - spent) if diag is not None else 0.0)
 
     # Prompt segments: (start, end, evicted?). context_only keeps the question out of eviction (CriticalKV App. H).
     if scenario == "context_only" and context_tokens is not None and 0 < context_tokens < T:
@@ -99,6 +107,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         _sync(device)
         prefill_s = time.perf_counter() - t0
 
+        cache.start_decoding()
         new: list[int] = []
         steps = 0
         t0 = time.perf_counter()
@@ -120,7 +129,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         decode_s = time.perf_counter() - t0
     return GenerationResult(tokens=new, prompt_tokens=T, prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps,
                             evict_s=timing["evict"], peak_kv_tokens=cache.peak_tokens(), kv_bytes_peak=peak_bytes,
-                            trace=traces)
+                            trace=traces, diagnostics=diag.summary() if diag is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -204,7 +213,7 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
             res = generate(model, policy, sample.input_ids, settings.block, sample.max_new_tokens,
                            stop_ids=sample.stop_token_ids if sample.stop_token_ids is not None else default_stop,
                            min_new_tokens=sample.min_new_tokens, context_tokens=sample.context_tokens,
-                           scenario=settings.scenario)
+                           scenario=settings.scenario, diagnostics=settings.diagnostics)
             prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
             record = make_record(sample, prediction, res, task.score(sample, prediction), settings)
         append_record(pred_path, record)
@@ -226,7 +235,8 @@ def _reference_sample(model: Any, tokenizer: Any, policy: Policy, task: Task, sa
     logps = []
     res = generate(model, policy, sample.input_ids, settings.block, len(ref_tokens), stop_ids=(),
                    context_tokens=sample.context_tokens, scenario=settings.scenario, forced=ref_tokens,
-                   on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
+                   on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)),
+                   diagnostics=settings.diagnostics)
     test_logp = torch.stack(logps)  # (new, vocab)
     prediction = tokenizer.decode(test_logp.argmax(dim=-1).tolist(), skip_special_tokens=True)
     record = make_record(sample, prediction, res, 0.0, settings)
@@ -246,6 +256,8 @@ def make_record(sample: Sample, prediction: str, res: GenerationResult, score: f
         "evict_s": round(res.evict_s, 6), "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak,
         "meta": sample.meta,
     }
+    if res.diagnostics is not None:
+        rec["diagnostics"] = res.diagnostics
     if settings.save_prompts:
         rec["prompt"] = sample.prompt
     return rec

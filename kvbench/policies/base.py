@@ -16,7 +16,7 @@ What the engine provides, only when a policy asks for it:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -80,12 +80,15 @@ class Policy:
         raise NotImplementedError
 
     def protected(self, layer: EvictingLayer) -> torch.Tensor | None:
-        """(b, h_kv, n) bool of slots that must be kept: the first `n_sink` positions and the last `n_recent` slots."""
+        """(b, h_kv, n) bool of slots that must be kept: the first `n_sink` positions and the latest `n_recent` tokens."""
         if self.protected_count() == 0:
             return None
-        prot = layer.positions < self.n_sink  # (b, h_kv, n)
+        prot = (layer.positions >= 0) & (layer.positions < self.n_sink)  # (b, h_kv, n); padding has position -1
         if self.n_recent > 0:
-            prot[..., -self.n_recent:] = True
+            if layer.valid is None:  # chronological slots: the latest tokens are the last slots
+                prot[..., -self.n_recent:] = True
+            else:
+                prot |= latest_mask(layer, self.n_recent)
         return prot
 
     def select(self, layer: EvictingLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -105,11 +108,17 @@ class Policy:
         idx = scores.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values  # (b, h_kv, budget)
         return idx, None
 
-    def evict(self, layer: EvictingLayer) -> bool:
-        """Prune `layer` to its budget; True if anything was evicted."""
+    def evict(self, layer: EvictingLayer,
+              observe: Callable[[EvictingLayer, torch.Tensor, torch.Tensor | None], None] | None = None) -> bool:
+        """Prune `layer` to its budget; True if anything was evicted.
+
+        `observe(layer, idx, valid)` (diagnostics) sees the selection while the layer still holds every token.
+        """
         chosen = self.select(layer)
         if chosen is None:
             return False
+        if observe is not None:
+            observe(layer, *chosen)
         layer.keep(*chosen)
         return True
 
@@ -143,3 +152,70 @@ def query_attention(layer: EvictingLayer) -> torch.Tensor:
     visible = visible.repeat_interleave(g, dim=1)  # (b, h_q, w, n)
     logits = logits.masked_fill(~visible, -math.inf)
     return torch.softmax(logits, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared helpers for per-head (ragged) selections. A ragged layer stores each head's kept tokens first, in
+# chronological order, then padding (`valid` False, position -1); tokens appended later follow the padding. So a
+# head's valid slots are always in chronological order, but the latest tokens are not always the last slots.
+
+def valid_counts(layer: EvictingLayer) -> torch.Tensor:
+    """(b, h_kv) number of real tokens each head holds."""
+    if layer.valid is None:
+        b, h, n = layer.positions.shape
+        return torch.full((b, h), n, dtype=torch.long, device=layer.positions.device)
+    return layer.valid.sum(dim=-1)
+
+
+def latest_mask(layer: EvictingLayer, count: int | torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, n) bool: each head's `count` latest real tokens (by position; padding never)."""
+    return rank_mask(layer.positions.float().masked_fill(layer.positions < 0, -math.inf), count)
+
+
+def rank_mask(scores: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """(b, h, n) bool: the top-`count` entries per head (`count` an int or a (b, h) tensor); -inf never selected.
+
+    Ties are broken by slot order (earlier slot first), so selections are deterministic.
+    """
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # (b, h, n)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device)
+                                            .expand_as(order))
+    count = torch.as_tensor(count, device=scores.device)
+    if count.dim() == 2:
+        count = count.unsqueeze(-1)  # (b, h, 1)
+    return (rank < count) & (scores > -math.inf)
+
+
+def compact(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Slot indices (b, h, L) and validity (b, h, L) that keep the `keep` (b, h, n) slots of each head.
+
+    Kept slots come first in slot order (chronological, see above), then padding up to the longest head
+    (L = max count); padding re-uses the head's first kept slot, so no evicted token's K/V survives in it.
+    Heads that all keep the same count need no padding: validity None.
+    """
+    counts = keep.sum(dim=-1)  # (b, h)
+    length = int(counts.max())
+    n = keep.shape[-1]
+    key = (~keep).long() * n + torch.arange(n, device=keep.device)  # kept slots first, each group in slot order
+    idx = key.argsort(dim=-1)[..., :length]  # (b, h, L)
+    if bool((counts == length).all()):
+        return idx, None
+    valid = torch.arange(length, device=keep.device) < counts.unsqueeze(-1)  # (b, h, L)
+    return torch.where(valid, idx, idx[..., :1]), valid
+
+
+def adaptive_counts(scores: torch.Tensor, budget: int, n_protected: torch.Tensor,
+                    alpha_safeguard: float) -> torch.Tensor:
+    """AdaKV budget allocation (002 Alg. 2 line 1): tokens each head keeps, (b, h), summing to h * budget.
+
+    `scores` (b, h, n): protected slots +inf, padding -inf. Each head first keeps its own top
+    floor(alpha_safeguard * (budget - protected)) unprotected tokens (the safeguard); the rest of the layer's
+    h * budget slots go to the best remaining scores over all heads of the layer.
+    """
+    b, h, n = scores.shape
+    safe = rank_mask(scores, n_protected + (alpha_safeguard * (budget - n_protected)).floor().long())
+    pooled = scores.masked_fill(safe, math.inf).reshape(b, h * n)  # (b, h*n)
+    total = min(h * budget, int((pooled > -math.inf).sum(dim=-1).min()))
+    top = pooled.topk(total, dim=-1).indices // n  # (b, total): head of each kept token
+    return torch.zeros(b, h, dtype=torch.long, device=scores.device).scatter_add_(
+        1, top, torch.ones_like(top))

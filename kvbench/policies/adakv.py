@@ -1,0 +1,77 @@
+"""AdaKV (002 Alg. 2 line 1, 4.3): SnapKV scores with per-head budgets chosen per layer.
+
+In each layer the h_kv heads together keep h_kv * N tokens: every head keeps its protected tokens (the SnapKV
+window) and its own best floor(alpha_safeguard * (N - protected)) (the safeguard); the remaining slots go to the
+highest scores over all heads of the layer. Heads thus keep different numbers of tokens: the layer stores them
+padded to its longest head with a per-head validity mask (memory is bounded by the longest head, and padding is
+counted in kv_bytes/peak_kv_tokens); evicted tokens are dropped from memory.
+Defaults follow the AdaKV/CriticalKV setting (002 4.3): window 32, kernel 7, max pooling, alpha_safeguard 0.2.
+Choice: the safeguard is a fraction of the unprotected budget (N - window), as in AdaKV's own code; eviction
+runs when the layer holds more than h_kv * N real tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.policies.base import (PolicyError, adaptive_counts, compact, group_mean, latest_mask,
+                                   query_attention, rank_mask, valid_counts)
+from kvbench.policies.snapkv import SnapKV
+
+
+class AdaKV(SnapKV):
+    name = "adakv"
+
+    def __init__(self, alpha_safeguard: float = 0.2, pooling: str = "max", **kwargs) -> None:
+        if not 0.0 <= alpha_safeguard <= 1.0:
+            raise PolicyError(f"adakv alpha_safeguard must be in [0, 1], got {alpha_safeguard}")
+        self.alpha_safeguard = float(alpha_safeguard)
+        super().__init__(pooling=pooling, **kwargs)
+
+    def window_scores(self, layer) -> torch.Tensor:
+        """SnapKV's pooled window scores (b, h_q, n), on ragged layers too.
+
+        Each head's real tokens are gathered into chronological order (padding last) so pooling never mixes a
+        token with padding or with a later block; the window is each head's latest `window` tokens.
+        """
+        if layer.valid is None:
+            return super().window_scores(layer)
+        probs = query_attention(layer).mean(dim=-2)  # (b, h_q, n); 0 on padding
+        h_kv = layer.keys.shape[1]
+        g = probs.shape[1] // h_kv
+        window = latest_mask(layer, self.window).repeat_interleave(g, dim=1)  # (b, h_q, n)
+        chrono = layer.positions.masked_fill(layer.positions < 0, torch.iinfo(torch.long).max)
+        perm = chrono.argsort(dim=-1).repeat_interleave(g, dim=1)  # (b, h_q, n): real tokens by position first
+        prefix = probs.masked_fill(window, 0.0).gather(-1, perm)  # window and padding read as zero padding
+        b, h, n = prefix.shape
+        pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
+        pooled = pool(prefix.reshape(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2).view(b, h, n)
+        scores = torch.empty_like(pooled).scatter_(-1, perm, pooled)  # back to slot order
+        return scores.masked_fill(window, float(scores.max()) if n else 0.0)
+
+    def ranked_scores(self, layer) -> torch.Tensor:
+        """(b, h_kv, n) scores for selection: protected slots +inf, padding -inf."""
+        scores = self.score(layer).float()
+        prot = self.protected(layer)
+        if prot is not None:
+            scores = scores.masked_fill(prot, math.inf)
+        if layer.valid is not None:
+            scores = scores.masked_fill(~layer.valid, -math.inf)
+        return scores
+
+    def head_counts(self, layer, scores: torch.Tensor) -> torch.Tensor:
+        """(b, h_kv) tokens each head keeps (AdaKV allocation)."""
+        n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
+        return adaptive_counts(scores, self.budget, n_prot, self.alpha_safeguard)
+
+    def select(self, layer):
+        budget = self.layer_budget(layer.layer_idx)
+        if budget is None or layer.physical() <= budget:
+            return None
+        if int(valid_counts(layer).sum(dim=-1).max()) <= budget * layer.keys.shape[1]:
+            return None  # the layer's total is within h_kv * N: nothing to evict yet
+        scores = self.ranked_scores(layer)
+        return compact(rank_mask(scores, self.head_counts(layer, scores)))

@@ -1,0 +1,74 @@
+"""CriticalKV (002 Alg. 1): perturbation-constrained two-stage selection on top of SnapKV or AdaKV.
+
+With A the base policy's pooled window attention (SnapKV) and b the tokens a head keeps besides its protected
+window (N - window for `base: snapkv`; the AdaKV allocation minus the window for `base: adakv`):
+stage 1 keeps the top floor(alpha * b) tokens by A; stage 2 keeps the top b - floor(alpha * b) of the rest by
+(A + eps) * ||v W_O||_1, where ||v_i W_O||_1 is the L1 norm of token i's value projected through the output
+projection columns of each query head of the group, averaged over the group (GQA). That norm is a per-token
+constant: computed once when the token enters the cache (`on_append`) and kept as per-token state.
+Defaults: alpha 0.5, eps 1e-4 (002 4.3 and footnote 2); window 32, kernel 7, max pooling (002 4.3).
+Choice: alpha splits the unprotected budget (Alg. 1 replaces SnapKV's top-k over the tokens outside the window);
+NVIDIA kvpress counts the window inside stage 1 instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvbench.policies.adakv import AdaKV
+from kvbench.policies.base import PolicyError, compact, rank_mask, valid_counts
+
+BASES = ("snapkv", "adakv")
+
+
+class CriticalKV(AdaKV):
+    name = "criticalkv"
+    state_names = ("vnorm",)
+
+    def __init__(self, base: str = "snapkv", alpha: float = 0.5, eps: float = 1e-4, **kwargs: Any) -> None:
+        if base not in BASES:
+            raise PolicyError(f"criticalkv base '{base}' unknown; choose one of: {', '.join(BASES)}")
+        if not 0.0 <= alpha <= 1.0:
+            raise PolicyError(f"criticalkv alpha must be in [0, 1], got {alpha}")
+        self.base, self.alpha, self.eps = base, float(alpha), float(eps)
+        super().__init__(**kwargs)
+
+    def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
+        b, h_kv, q, d = values.shape  # (b, h_kv, q, d)
+        w = module.o_proj.weight  # (hidden, h_q * d)
+        h_q = w.shape[1] // d
+        g = h_q // h_kv
+        v = values.float()
+        norms = torch.empty(b, h_q, q, device=values.device)
+        for h in range(h_q):  # one head at a time: never a (b, h_q, q, hidden) tensor
+            proj = v[:, h // g] @ w[:, h * d:(h + 1) * d].float().T  # (b, q, hidden)
+            norms[:, h] = proj.abs().sum(dim=-1)
+        return {"vnorm": norms.view(b, h_kv, g, q).mean(dim=2)}  # (b, h_kv, q)
+
+    def select(self, layer):
+        budget = self.layer_budget(layer.layer_idx)
+        if budget is None or layer.physical() <= budget:
+            return None
+        h_kv = layer.keys.shape[1]
+        if self.base == "adakv" and int(valid_counts(layer).sum(dim=-1).max()) <= budget * h_kv:
+            return None
+        scores = self.ranked_scores(layer)  # (b, h_kv, n): protected +inf, padding -inf
+        n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
+        if self.base == "adakv":
+            counts = self.head_counts(layer, scores)
+        else:
+            counts = torch.full_like(n_prot, budget)
+        return compact(two_stage(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps))
+
+
+def two_stage(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor, n_prot: torch.Tensor,
+              alpha: float, eps: float) -> torch.Tensor:
+    """002 Alg. 1 per head: (b, h, n) keep mask of `counts` tokens: protected, then floor(alpha * b) by score,
+    then the rest by (score + eps) * vnorm. `scores`: protected +inf, padding -inf."""
+    free = counts - n_prot  # (b, h)
+    stage1 = rank_mask(scores, n_prot + (alpha * free).floor().long())
+    stage2 = ((scores + eps) * vnorm).masked_fill(stage1, math.inf).masked_fill(scores == -math.inf, -math.inf)
+    return rank_mask(stage2, counts)

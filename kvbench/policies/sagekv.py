@@ -1,0 +1,74 @@
+"""SAGE-KV (003 2, App. A.2): one selection after the prompt, then only the recent window slides.
+
+Kept per KV head: the first `sink` positions, the union over the group's query heads of each head's top-`k`
+tokens by the last token's attention (chosen among the tokens that are neither sinks nor recent), and the
+`recent` most recent tokens plus the last token. Sizes from the budget N and the group size g = h_q / h_kv
+(003 App. A.2; N = 8192: g = 4 -> sink 2048, k 1024, recent 2047 + last; g = 7 -> sink 2048, k 512,
+recent 2559 + last): sink = N // 4, k = N // 2^ceil(log2(2g)), recent = N - sink - g*k - 1; each can be set.
+Heads whose unions overlap keep fewer than N tokens: the layer is stored ragged (padded, per-head mask).
+Decoding: the sinks and selected tokens stay fixed; each new token joins the recent window and the window's oldest
+token is dropped, so every head keeps a constant size.
+Deviation: under block processing the same selection is made after every block that overflows the budget, with
+that block's last query (the paper evicts once after a full prefill; `block=null` is exact). If the prompt never
+overflowed the budget, the first decoding step that does makes the selection.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvbench.policies.base import (Policy, PolicyError, compact, latest_mask, query_attention, rank_mask,
+                                   valid_counts)
+
+
+class SageKV(Policy):
+    name = "sagekv"
+    query_window = 1
+    state_names = ("pinned",)  # 1 for the sinks and the selected tokens: never slid out while decoding
+
+    def __init__(self, sink: int | None = None, k: int | None = None, recent: int | None = None,
+                 budget: int | None = None, **kwargs: Any) -> None:
+        self.sink, self.k, self.recent = sink, k, recent
+        super().__init__(budget=budget, **kwargs)
+        self.sizes(1)  # bad explicit sizes fail at config time; group-dependent ones when the model is seen
+
+    def sizes(self, group: int) -> tuple[int, int, int]:
+        """(sink, k, recent) for budget N and `group` query heads per KV head."""
+        n = self.budget
+        sink = n // 4 if self.sink is None else int(self.sink)
+        k = n // 2 ** math.ceil(math.log2(2 * group)) if self.k is None else int(self.k)
+        recent = n - sink - group * k - 1 if self.recent is None else int(self.recent)
+        if sink < 0 or k < 1 or recent < 0 or sink + group * k + recent + 1 > n:
+            raise PolicyError(f"sagekv sizes sink={sink} k={k} recent={recent} with group {group} do not fit "
+                              f"budget {n} (need sink + group*k + recent + 1 <= budget, k >= 1)")
+        return sink, k, recent
+
+    def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
+        return {"pinned": keys.new_zeros(keys.shape[:3], dtype=torch.float32)}  # (b, h_kv, q)
+
+    def select(self, layer):
+        budget = self.layer_budget(layer.layer_idx)
+        if budget is None:
+            return None
+        h_kv = layer.keys.shape[1]
+        g = layer.queries.shape[1] // h_kv
+        sink, k, recent = self.sizes(g)
+        real = layer.positions >= 0  # (b, h_kv, n)
+        pinned = (layer.state["pinned"] > 0) & real
+        if layer.decoding and bool(pinned.any()):  # slide: pinned + the latest recent + 1 other tokens
+            rest = layer.positions.float().masked_fill(pinned | ~real, -math.inf)
+            return compact(pinned | rank_mask(rest, recent + 1))
+        if int(valid_counts(layer).max()) <= budget:
+            return None
+        sinks = real & (layer.positions < sink)
+        latest = latest_mask(layer, recent + 1)
+        cand = (real & ~sinks & ~latest).repeat_interleave(g, dim=1)  # (b, h_q, n)
+        probs = query_attention(layer)[:, :, -1]  # (b, h_q, n): the last token's attention
+        top = rank_mask(probs.masked_fill(~cand, -math.inf), k)  # (b, h_q, n): each query head's top-k
+        union = top.view(top.shape[0], h_kv, g, -1).any(dim=2)  # (b, h_kv, n)
+        pinned = sinks | union
+        layer.state["pinned"] = pinned.float()  # gathered with the kept tokens by layer.keep
+        return compact(pinned | latest)
