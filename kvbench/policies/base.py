@@ -80,7 +80,7 @@ class Policy:
         raise NotImplementedError
 
     def protected(self, layer: EvictingLayer) -> torch.Tensor | None:
-        """(b, h_kv, n) bool of slots that must be kept: the first `n_sink` positions and the latest `n_recent` tokens."""
+        """(b, h_kv, n) bool of slots always kept: the first `n_sink` positions and the latest `n_recent` tokens."""
         if self.protected_count() == 0:
             return None
         prot = (layer.positions >= 0) & (layer.positions < self.n_sink)  # (b, h_kv, n); padding has position -1
