@@ -200,7 +200,8 @@ def write_probe_model(out_dir: str | Path, variant: str = "A") -> Path:
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.dtype = "float32"
     cfg.save_pretrained(out)
-    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID, do_sample=False).save_pretrained(out)
+    gen = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID, do_sample=False)
+    gen.save_pretrained(out)
     save_file(build_state_dict(variant), str(out / "model.safetensors"), metadata={"format": "pt"})
     build_tokenizer().save_pretrained(out)
     (out / META_FILE).write_text(json.dumps(metadata(variant), indent=1) + "\n", encoding="utf-8")

@@ -44,10 +44,23 @@ def _prompt(length: int, depth: float, key: int, value: int, seed: int) -> tuple
     return ids, 1 + slot
 
 
-def _last_argmax(model, batch: list[list[int]]) -> list[int]:
+# With all layer-1 attention on the needle the final residual is C + key + 2 * value (sum of squares 6), so after
+# RMSNorm r = 1/sqrt(6/576 + eps); the value logit is 2r and the runner-up, abstain </s>, is 0.5r.
+FULL_MARGIN = 1.5 / math.sqrt(6 / 576 + 1e-6)
+
+
+def _logits(model, batch: list[list[int]]) -> torch.Tensor:
     with torch.no_grad():
-        logits = model(torch.tensor(batch), logits_to_keep=1).logits  # (b, 1, vocab)
-    return logits[:, -1].argmax(-1).tolist()
+        return model(torch.tensor(batch), logits_to_keep=1).logits[:, -1]  # (b, vocab)
+
+
+def _last_argmax(model, batch: list[list[int]]) -> list[int]:
+    return _logits(model, batch).argmax(-1).tolist()
+
+
+def _margins(logits: torch.Tensor) -> list[float]:
+    top = logits.topk(2, dim=-1).values  # (b, 2)
+    return (top[:, 0] - top[:, 1]).tolist()
 
 
 def test_vocabulary_and_size(built):
@@ -96,7 +109,9 @@ def test_retrieves_at_every_depth(models, variant, length):
         key, value = (7 * i + length) % 128, (31 * i + 5) % 128
         batch.append(_prompt(length, depth, key, value, seed=length + i)[0])
         answers.append(VAL0 + value)
-    assert _last_argmax(models[variant], batch) == answers
+    logits = _logits(models[variant], batch)
+    assert logits.argmax(-1).tolist() == answers
+    assert _margins(logits) == pytest.approx([FULL_MARGIN] * 3, rel=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["A", "B"])
@@ -146,11 +161,13 @@ def test_layer1_key_geometry(models):
     """Doc §4/§1: A's layer-1 keys are ~0 except the needle VALUE (norm s = sqrt(800)); B adds a constant
     3s offset so the needle has norm sqrt((3s*sqrt(2/3))^2 + s^2) = sqrt(5600) and every other key 3s."""
     ids, kpos = _prompt(256, 40, key=70, value=1, seed=3)
-    norms = {}
+    norms, keys = {}, {}
     for v in ("A", "B"):
         with torch.no_grad():
             cache = models[v](torch.tensor([ids]), use_cache=True).past_key_values
-        norms[v] = cache.layers[1].keys[0, 0].norm(dim=-1)  # (n,)
+        k = cache.layers[1].keys[0, 0]  # (n, head_dim)
+        norms[v] = k.norm(dim=-1)  # (n,)
+        keys[v] = k / norms[v].clamp_min(1e-12)[:, None]  # unit keys; A's zero keys stay ~0
     others = [i for i in range(len(ids)) if i != kpos + 1]
     assert norms["A"][kpos + 1].item() == pytest.approx(math.sqrt(800), rel=1e-5)
     assert norms["A"][others].max().item() < 1e-6  # e^-40 leak of the prev-token head at most
@@ -158,6 +175,11 @@ def test_layer1_key_geometry(models):
     assert norms["B"][kpos + 1].item() == pytest.approx(math.sqrt(5600), rel=1e-4)
     assert norms["B"][others].min().item() == pytest.approx(3 * math.sqrt(800), rel=1e-5)
     assert norms["B"][others].max().item() == pytest.approx(3 * math.sqrt(800), rel=1e-5)
+    # What K-norm (keep the smallest) and KeyDiff (keep the least similar to the mean direction) see: in A the
+    # needle is the largest and most typical key, in B the smallest and least typical one.
+    assert norms["A"].argmax().item() == kpos + 1 and norms["B"].argmin().item() == kpos + 1
+    for v, pick in (("A", torch.argmax), ("B", torch.argmin)):
+        assert pick(keys[v] @ torch.nn.functional.normalize(keys[v].mean(0), dim=0)).item() == kpos + 1
 
 
 def test_probe_dir_builds_once(tmp_path, monkeypatch):
@@ -196,3 +218,27 @@ def test_model_presets():
         cfg = OmegaConf.to_container(OmegaConf.load(root / f"{name}.yaml"))
         assert cfg == {"name": name, "path": path, "dtype": "float32", "max_prompt_tokens": 65536,
                        "chat_template": False, "revision": None, "attn_implementation": "sdpa"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["A", "B"])
+@pytest.mark.parametrize("length", [1024, 4096])
+def test_doc_accuracy_grid(built, models, variant, length):
+    """docs/probe-model.md "Measured": 11 depths x 20 samples plus 20 four-needle prompts, all correct, each with
+    the full-attention margin (run with `python -m pytest tests/test_probe_model.py -m slow`)."""
+    from transformers import AutoTokenizer
+
+    from kvbench.tasks.base import TaskEnv
+    from kvbench.tasks.probe import ProbeTask
+
+    env = TaskEnv(tokenizer=AutoTokenizer.from_pretrained(built[variant]), model_name="probe",
+                  max_prompt_tokens=65536, chat_template=False, seed=42)
+    single = ProbeTask(context_lengths=[length], depths=range(0, 101, 10), samples_per_cell=20)
+    multi = ProbeTask(context_lengths=[length], depths=range(0, 101, 10), num_needles=4, samples_per_cell=2)
+    samples = list(single.samples(env)) + list(multi.samples(env))[:20]
+    for i in range(0, len(samples), 5):
+        chunk = samples[i:i + 5]
+        logits = _logits(models[variant], [s.input_ids for s in chunk])
+        answers = [env.tokenizer.convert_tokens_to_ids(s.answers[0]) for s in chunk]
+        assert logits.argmax(-1).tolist() == answers
+        assert _margins(logits) == pytest.approx([FULL_MARGIN] * len(chunk), rel=1e-5)
