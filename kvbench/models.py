@@ -83,6 +83,8 @@ def build_tiny_tokenizer(vocab_size: int = 512):
 TINY_ARCHS: dict[str, dict[str, Any]] = {
     "tiny-llama": {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512},
+    "tiny-llama-4l": {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512},
     "tiny-qwen2": {"model_type": "qwen2", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "intermediate_size": 512},
     "tiny-qwen3": {"model_type": "qwen3", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -114,8 +116,16 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
     return AutoConfig.for_model(model_type, **kw)
 
 
-def build_tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
-    """(model, tokenizer) with random weights drawn from `seed`; deterministic across runs."""
+def build_tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, locality: bool = True,
+                     **overrides: Any):
+    """(model, tokenizer) with random weights drawn from `seed`; deterministic across runs.
+
+    Plain random weights give near-uniform next-token distributions and attention spread evenly over the whole
+    context, so every eviction looks equally catastrophic. Two changes make the tiny models behave more like
+    trained ones without training: a larger output scale (peaked next-token distributions) and, with
+    `locality`, a recency prior in attention: every token carries a constant embedding component that q and k
+    project into one low-frequency RoPE plane, adding ~cos(theta * distance) to each logit.
+    """
     from transformers import AutoModelForCausalLM
 
     tok = build_tiny_tokenizer()
@@ -123,18 +133,40 @@ def build_tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float3
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    # Random weights at init scale give near-uniform attention; a larger q/k scale gives peaked, varied
-    # attention patterns so that eviction policies disagree (as they do on trained models).
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
         for name, p in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.normal_(0.0, 0.12)
+                p.normal_(0.0, 0.12)  # peaked, varied attention patterns
+        model.get_output_embeddings().weight.mul_(8.0)
+        if locality:
+            _add_recency_prior(model)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.bos_token_id = tok.bos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.eval()
     return model, tok
+
+
+def _add_recency_prior(model: Any, strength: float = 0.7, wavelength: float = 1000.0) -> None:
+    """Route a constant embedding dimension (0) into the RoPE plane whose angle per token is ~1/wavelength."""
+    import math
+
+    cfg = model.config
+    layers = model.model.layers
+    if not all(hasattr(layer.self_attn, "q_proj") and hasattr(layer.self_attn, "k_proj") for layer in layers):
+        return  # fused projections (Phi-3): keep plain random weights
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    plane = min(d // 2 - 1, round(d / 2 * math.log(wavelength) / math.log(theta)))
+    emb = model.get_input_embeddings().weight  # (vocab, hidden)
+    emb[:, 0] = 16 * emb[:, 1:].std()  # about half of each embedding's norm
+    for layer in layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+            for h in range(proj.out_features // d):
+                for r in (h * d + plane, h * d + plane + d // 2):
+                    proj.weight[r].zero_()
+                    proj.weight[r, 0] = strength
 
 
 def builtin_dir(arch: str, seed: int = 0) -> Path:
