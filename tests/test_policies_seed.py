@@ -406,3 +406,30 @@ def test_aggregate_over_samples() -> None:
     got = aggregate(recs)["attention_loss"]
     assert got["mean"] == pytest.approx(0.3) and got["per_layer"] == {"0": pytest.approx(0.3), "1": pytest.approx(0.3)}
     assert got["samples"] == 2 and got["events"] == 6
+
+
+def test_run_reports_diagnostics_in_records_and_metrics(tmp_path) -> None:
+    import json
+
+    from kvbench.app import Session, run_one
+    from kvbench.config import load_group
+
+    model, tok = build_tiny_model("tiny-llama", seed=3)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    rows = [{"id": f"q{i}", "prompt": " ".join(["river north valley"] * (20 + 10 * i)), "answers": ["x"],
+             "max_new_tokens": 3} for i in range(2)]
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {"model": {"name": "m", "path": str(tmp_path / "model"), "dtype": "float32", "max_prompt_tokens": 4000,
+                     "chat_template": False},
+           "policy": dict(load_group("policy", "adakv"), window=8),
+           "task": dict(load_group("task", "jsonl"), path=str(tmp_path / "qa.jsonl")),
+           "budget": 32, "block": 16, "seed": 0, "scenario": "question_aware", "device": "cpu",
+           "diagnostics": ["attention_loss", "key_logdet"]}
+    metrics = run_one(cfg, "adakv", tmp_path / "run", Session(), progress=False)
+    recs = [json.loads(line) for line in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
+    means = [r["diagnostics"]["attention_loss"]["mean"] for r in recs]
+    assert set(recs[0]["diagnostics"]) == {"attention_loss", "key_logdet"}
+    assert metrics["diagnostics"]["attention_loss"]["mean"] == pytest.approx(sum(means) / 2)
+    assert metrics["diagnostics"]["attention_loss"]["samples"] == 2
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["diagnostics"] == metrics["diagnostics"]
