@@ -117,7 +117,7 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
 
 
 def build_tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, locality: bool = True,
-                     **overrides: Any):
+                     output_scale: float = 8.0, **overrides: Any):
     """(model, tokenizer) with random weights drawn from `seed`; deterministic across runs.
 
     Plain random weights give near-uniform next-token distributions and attention spread evenly over the whole
@@ -138,7 +138,7 @@ def build_tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float3
         for name, p in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.normal_(0.0, 0.12)  # peaked, varied attention patterns
-        model.get_output_embeddings().weight.mul_(8.0)
+        model.get_output_embeddings().weight.mul_(output_scale)
         if locality:
             _add_recency_prior(model)
     model.generation_config.eos_token_id = tok.eos_token_id

@@ -26,7 +26,8 @@ ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3", 
 
 
 def _model(arch: str, impl: str = "sdpa", **kw):
-    model, tok = build_tiny_model(arch, **kw)
+    # Output scale 1: logits of order 1, the scale the architecture note's 1e-5 tolerances refer to.
+    model, tok = build_tiny_model(arch, output_scale=1.0, **kw)
     model.set_attn_implementation(impl)
     attention.install(model)
     return model, tok
