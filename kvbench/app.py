@@ -6,14 +6,16 @@ A run directory holds `config.yaml` (the resolved config), `predictions.jsonl` (
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from kvbench import __version__
 from kvbench.config import ConfigError, load_group
@@ -95,15 +97,49 @@ def provenance(loaded: LoadedModel, task: Task) -> dict[str, Any]:
             "dtype": str(loaded.model.dtype).replace("torch.", ""), "task": task.provenance()}
 
 
-def run_key(cfg: dict[str, Any]) -> str:
+def run_key(cfg: dict[str, Any], policy_name: str | None = None) -> str:
+    """Resume key: every setting that changes results (model, policy and its name, task, budget, block, shard,
+    seed, ...), so predictions are only ever continued under the configuration that produced them."""
     stable = {k: v for k, v in cfg.items() if k not in _NOT_IN_KEY}
+    if policy_name is not None:
+        stable["policy_name"] = policy_name
     return hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def task_average(task: Task, scores: dict[str, float]) -> float | None:
+    """The `average` of metrics.json: the task's average_key score, else the mean of all scores."""
+    if task.average_key:
+        return scores.get(task.average_key)
+    return sum(scores.values()) / len(scores) if scores else None
+
+
 def write_json(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and rename, so a kill leaves either the old or the new file, never half."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Exclusive lock on a run directory: a second process on the same directory (the same command started
+    twice, a sweep launched twice) would append duplicate predictions, so it fails at once instead.
+    The kernel drops the lock when its process dies, SIGKILL included."""
+    import fcntl
+
+    with (run_dir / ".lock").open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"another kvbench process is running in {run_dir}") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class Session:
@@ -134,16 +170,29 @@ class Session:
 
 def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Session,
             progress: bool = True) -> dict[str, Any]:
-    """One (model, policy, budget, block, task) run into `run_dir`; returns its metrics."""
+    """One (model, policy, budget, block, task) run into `run_dir`; returns its metrics.
+
+    Resumable: a rerun into the same directory with the same configuration skips finished samples (and a
+    finished run entirely); another configuration is refused unless overwrite=true.
+    """
     settings = parse_settings(cfg)
     seed = int(cfg.get("seed", 0))
     policy = build_policy(cfg["policy"], settings.budget, seed)
     task = build_task(cfg["task"])
-    metrics_path, pred_path = run_dir / "metrics.json", run_dir / "predictions.jsonl"
-    key = run_key(cfg)
+    session.model(cfg, seed)  # a model that cannot load is bad input: fail before the run directory exists
     run_dir.mkdir(parents=True, exist_ok=True)
-    meta_path = run_dir / "run.json"
-    if meta_path.is_file() and not cfg.get("overwrite"):
+    with run_lock(run_dir):
+        return _run_locked(cfg, policy_name, run_dir, session, progress, settings, seed, policy, task)
+
+
+def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Session, progress: bool,
+                settings: RunSettings, seed: int, policy: Policy, task: Task) -> dict[str, Any]:
+    metrics_path, pred_path, meta_path = run_dir / "metrics.json", run_dir / "predictions.jsonl", run_dir / "run.json"
+    key = run_key(cfg, policy_name)
+    if cfg.get("overwrite"):
+        for p in (metrics_path, pred_path, meta_path):
+            p.unlink(missing_ok=True)
+    elif meta_path.is_file():
         old = json.loads(meta_path.read_text())
         if old.get("key") != key:
             raise ConfigError(f"{run_dir} holds a run with a different configuration; use overwrite=true or "
@@ -151,23 +200,25 @@ def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Sessi
         if metrics_path.is_file():
             print(f"kvbench: {run_dir} is finished (overwrite=true recomputes it)")
             return json.loads(metrics_path.read_text())
-    if cfg.get("overwrite"):
-        for p in (metrics_path, pred_path, meta_path):
-            p.unlink(missing_ok=True)
+        if old.get("commit") != _git_commit():
+            print(f"kvbench: warning: resuming {run_dir}, started at commit {old.get('commit')}, with commit "
+                  f"{_git_commit()}", file=sys.stderr)
+    elif pred_path.is_file():
+        raise ConfigError(f"{pred_path} exists without run.json (its configuration is unknown); use "
+                          f"overwrite=true or another hydra.run.dir")
     loaded = session.model(cfg, seed)
     env = TaskEnv(tokenizer=loaded.tokenizer, model_name=loaded.name, max_prompt_tokens=loaded.max_prompt_tokens,
                   chat_template=loaded.chat_template, seed=seed)
     _write_config(run_dir, cfg)
-    write_json(meta_path, {"key": key, "policy": policy_name})
+    if not meta_path.is_file():
+        write_json(meta_path, {"key": key, "policy": policy_name, "kvbench": __version__, "commit": _git_commit()})
     records = run_task(loaded.model, loaded.tokenizer, policy, task, env, settings, run_dir, progress=progress,
                        references=session.references)
     scores = task.aggregate(records)
-    average = scores.get(task.average_key) if task.average_key else (
-        sum(scores.values()) / len(scores) if scores else None)
     metrics: dict[str, Any] = {
         "task": task.name, "model": loaded.name, "policy": policy_name, "budget": settings.budget,
         "block": settings.block, "scenario": settings.scenario, "shard": cfg.get("shard"),
-        "scores": scores, "average": average,
+        "scores": scores, "average": task_average(task, scores),
         "stats": summarize(records, settings.budget, policy.evicts),
         "provenance": provenance(loaded, task),
     }
@@ -181,7 +232,7 @@ def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Sessi
 def _write_config(run_dir: Path, cfg: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
 
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)), encoding="utf-8")
+    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg)))
 
 
 def run_configured(cfg: dict[str, Any], choices: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
@@ -190,6 +241,11 @@ def run_configured(cfg: dict[str, Any], choices: dict[str, Any], run_dir: Path) 
 
     session = Session()
     progress = bool(cfg.get("progress", True))
+    if cfg.get("shard") is not None:
+        # Each shard gets its own directory below the run's (shards of one sweep share the Hydra subdir);
+        # kvbench-report merges the shards back into one row.
+        index, count = parse_settings(cfg).shard or (0, 1)
+        run_dir = run_dir / f"shard{index}of{count}"
     if "compare" in cfg["policy"]:
         names = list(cfg["policy"]["compare"])
         for n in names:

@@ -36,6 +36,9 @@ def _job(cfg: Any) -> None:
 
 
 def main() -> None:
+    # conf/config.yaml lists `experiment: null`, so Hydra wants `experiment=NAME`; the common `+experiment=NAME`
+    # (appending a group absent from the defaults) is accepted as the same thing.
+    sys.argv[1:] = [a[1:] if a.startswith("+experiment=") else a for a in sys.argv[1:]]
     argv = sys.argv[1:]
     err = kconfig.validate_overrides(argv)
     if err:

@@ -12,7 +12,7 @@ from typing import Any
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("model", "policy", "task", "experiment")
 # Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
-_HYDRA_ONLY = {".hydra", "cli.log", "kvbench.log", "main.log", "_job.log"}
+_HYDRA_ONLY = {".hydra", "cli.log", "kvbench.log", "main.log", "_job.log", ".lock"}
 
 
 def group_choices(group: str) -> list[str]:
@@ -46,7 +46,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def validate_overrides(argv: list[str]) -> str | None:
     """One-line message for command-line overrides that cannot compose (unknown group option, unknown key,
-    bad syntax), or None. Sweep values are checked one by one."""
+    bad syntax), or None. Sweep values are checked one by one; with --multirun every job of the sweep
+    (command line plus an experiment's hydra.sweeper.params) is composed and its settings, policy and task
+    are built before the first job starts (up to MAX_PREFLIGHT_JOBS jobs)."""
     if any(a in ("-h", "--help", "--hydra-help", "--info", "-i") or a.startswith("--info") for a in argv):
         return None
     overrides = [a for a in argv if not a.startswith("-")]
@@ -74,11 +76,66 @@ def validate_overrides(argv: list[str]) -> str | None:
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            compose(config_name="config", overrides=plain)
+            cfg = compose(config_name="config", overrides=plain, return_hydra_config=True)
+            if "-m" in argv or "--multirun" in argv:
+                return _preflight(compose, cfg, [o for o in overrides if not o.lstrip("+~").startswith("hydra")])
     except Exception as e:  # noqa: BLE001 - any compose failure is reported as one line
         return _first_line(e)
     finally:
         GlobalHydra.instance().clear()
+    return None
+
+
+MAX_PREFLIGHT_JOBS = 256
+
+
+def sweep_jobs(sweeper_params: dict[str, Any] | None, overrides: list[str]) -> list[list[str]]:
+    """The jobs of a basic-launcher sweep, as Hydra's BasicSweeper expands them: the config's
+    hydra.sweeper.params first, command-line overrides after (a key given on both wins on the command line)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = [f"{k}={v}" for k, v in (sweeper_params or {}).items()] + overrides
+    parsed = OverridesParser.create().parse_overrides(args)
+    return [job for chunk in BasicSweeper.split_arguments(parsed, None) for job in chunk]
+
+
+def _preflight(compose: Any, cfg: Any, overrides: list[str]) -> str | None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from kvbench.app import build_policy, build_task, parse_settings
+
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params) if cfg.hydra.sweeper.get("params") else None
+    jobs = sweep_jobs(params, overrides)
+    if len(jobs) > MAX_PREFLIGHT_JOBS:
+        return None
+    parser = OverridesParser.create()
+    composed: dict[tuple[str, ...], Any] = {}
+    tasks_seen: set[str] = set()
+    for job in jobs:
+        try:
+            # Compose once per combination of group choices (the slow part); plain key=value overrides are
+            # then set on a copy, as Hydra applies them after the defaults list.
+            parsed = parser.parse_overrides(job)
+            simple = [o for o in parsed if not (o.key_or_group in GROUPS or "/" in o.key_or_group or o.is_add()
+                                                or o.is_delete() or o.is_force_add())]
+            base = tuple(o.input_line for o in parsed if o not in simple)
+            if base not in composed:
+                composed[base] = compose(config_name="config", overrides=list(base))
+            job_cfg = composed[base].copy()
+            for o in simple:
+                OmegaConf.update(job_cfg, o.key_or_group, o.value(), merge=False)
+            job_cfg = OmegaConf.to_container(job_cfg, resolve=True)
+            settings = parse_settings(job_cfg)
+            if "compare" not in job_cfg["policy"]:
+                build_policy(job_cfg["policy"], settings.budget, int(job_cfg.get("seed", 0)))
+            task_key = repr(job_cfg["task"])
+            if task_key not in tasks_seen:
+                build_task(job_cfg["task"])
+                tasks_seen.add(task_key)
+        except user_errors() + (ValueError,) as e:
+            return f"sweep job [{' '.join(job)}]: {_first_line(e)}"
     return None
 
 

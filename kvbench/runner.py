@@ -140,23 +140,35 @@ def sample_seed(sample_id: str) -> int:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """Finished records of a predictions file. A torn last line (a killed run) is dropped and cut off the file."""
+    """Finished records of a predictions file, in file order.
+
+    A torn or unreadable line ends the file: it and everything after it are cut off (a killed run leaves at most
+    its last line torn). A repeated id keeps its first record (appends are one line per finished sample, so a
+    repeat can only come from outside interference; the first record is the one a clean run would hold).
+    """
     if not path.is_file():
         return []
     data = path.read_bytes()
-    records, good = [], 0
+    records, good, seen = [], 0, set()
     for line in data.split(b"\n"):
         end = good + len(line) + 1
         if end > len(data):  # no newline: the write was interrupted
             break
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
             break
+        if not isinstance(record, dict) or "id" not in record:
+            break
+        if record["id"] not in seen:
+            seen.add(record["id"])
+            records.append(record)
         good = end
     if good < len(data):
         with path.open("r+b") as f:
             f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
     return records
 
 

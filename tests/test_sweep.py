@@ -1,0 +1,192 @@
+"""Sweeps and reports: a 2x2 multirun on the tiny model gives a 4-row paper-shaped table; shards merge into the
+unsharded result; the report layout (full row first, LongBench categories, summaries, plots); sweep pre-flight;
+every experiment preset composes and names existing models, policies and tasks."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbench import config
+from kvbench.report import main as report_main
+from kvbench.report import report
+
+ROOT = Path(__file__).resolve().parent.parent
+FIDELITY = ["model=tiny-llama", "task=fidelity", "task.new_tokens=4", "progress=false"]
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_multirun_2x2_gives_a_4_row_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sweep = tmp_path / "sweep"
+    res = subprocess.run([sys.executable, "-m", "kvbench.cli", "--multirun", *FIDELITY, "task.lengths=[128]",
+                          "policy=keydiff,streamingllm", "budget=64,128", f"hydra.sweep.dir={sweep}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert len(list(sweep.rglob("metrics.json"))) == 4
+    report_main([str(sweep), "--no-plots"])
+    printed = capsys.readouterr().out
+
+    rows = _csv(sweep / "table.csv")
+    assert list(rows[0]) == ["model", "policy", "budget", "top1", "kl_mean", "kl_max", "match_len", "Avg"]
+    # Sweep order (policy-major, as given on the command line), budgets ascending.
+    assert [(r["model"], r["policy"], r["budget"]) for r in rows] == [
+        ("tiny-llama", "keydiff", "64"), ("tiny-llama", "keydiff", "128"),
+        ("tiny-llama", "streamingllm", "64"), ("tiny-llama", "streamingllm", "128")]
+    for r in rows:  # fidelity's average is top1; scores are copied as stored (0-100), never rescaled
+        m = json.loads(next(p for p in sweep.rglob("metrics.json")
+                            if p.parent.name == f"{r['policy']}_N{r['budget']}_B128").read_text())
+        assert float(r["Avg"]) == float(r["top1"]) == m["scores"]["top1"] == m["average"]
+        assert float(r["kl_mean"]) == m["scores"]["kl_mean"]
+    md = (sweep / "table.md").read_text()
+    assert md in printed
+    table = [line for line in md.split("## Scores")[1].split("##")[0].splitlines() if line.startswith("|")]
+    assert table[0].split("|")[-2].strip() == "Avg" and len(table[2:]) == 4
+    runs = _csv(sweep / "runs.csv")
+    # Compression ratio (KeyDiff App. B.3): mean of min(1, N / prompt length); the prompt is 128 tokens.
+    assert [float(r["compression"]) for r in runs] == [0.5, 1.0, 0.5, 1.0]
+    assert all(r["commit"] and r["transformers"] and r["torch"] and r["model_path"] for r in runs)
+    assert json.loads(runs[0]["task_provenance"])["lengths"] == [128]
+
+
+def test_shards_merge_into_the_unsharded_result(tmp_path: Path) -> None:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from kvbench.app import Session, run_one
+
+    def cfg(shard: str | None) -> dict:
+        with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base=None):
+            c = compose(config_name="config", overrides=[*FIDELITY, "task.lengths=[96,128,160]", "policy=keydiff",
+                                                         "budget=64", "block=32", f"shard={shard or 'null'}"])
+        return OmegaConf.to_container(c, resolve=True)
+
+    session = Session()
+    sharded, whole = tmp_path / "sharded", tmp_path / "whole"
+    for i in (0, 1):
+        run_one(cfg(f"{i}/2"), "keydiff", sharded / "job" / f"shard{i}of2", session, progress=False)
+    unsharded = run_one(cfg(None), "keydiff", whole, session, progress=False)
+
+    rep = report(sharded, plots=False, quiet=True)
+    assert len(rep.rows) == 1 and rep.notes == []
+    entry = rep.rows[0].entries["fidelity"]
+    # Recomputed from the merged predictions through the task's aggregate: exactly the unsharded numbers.
+    assert entry.scores == unsharded["scores"]
+    assert entry.average == unsharded["average"]
+    assert entry.stats["samples"] == 3 and entry.stats["prompt_tokens"] == 96 + 128 + 160
+    assert entry.label == ""
+
+    (sharded / "job" / "shard1of2" / "metrics.json").unlink()  # one shard unfinished
+    rep = report(sharded, plots=False, quiet=True)
+    assert rep.rows[0].entries["fidelity"].label == "(1/2 shards)"
+    assert any("only shards [0] of 2" in n for n in rep.notes)
+    assert any("unfinished" in n for n in rep.notes)
+
+
+def _fake_run(root: Path, name: str, metrics: dict, cfg: dict) -> None:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    import yaml
+
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def _metrics(model: str, policy: str, budget: int | None, task: str, scores: dict, average: float) -> dict:
+    return {"model": model, "policy": policy, "budget": budget, "block": 128, "task": task, "shard": None,
+            "scores": scores, "average": average,
+            "stats": {"samples": 2, "prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": 20.0, "evict_s": 0.1,
+                      "peak_kv_tokens": 129, "kv_bytes_peak": 2**20, "compression_ratio": 0.5},
+            "provenance": {"kvbench": "0.1.0", "commit": "abc", "transformers": "5.23.0", "torch": "2.13.0",
+                           "model_path": f"org/{model}", "model_revision": "r1", "task": {"source": "x"}},
+            "notes": ["scorer: official"]}
+
+
+def _cfg(policy_target: str, budget: int | None, task: str) -> dict:
+    return {"model": {"name": "m"}, "policy": {"_target_": policy_target}, "task": {"_target_": task},
+            "budget": budget, "block": 128, "seed": 0, "scenario": "question_aware", "shard": None}
+
+
+def test_report_layout_full_row_first_categories_and_plots(tmp_path: Path) -> None:
+    lb = "kvbench.tasks.longbench.LongBench"
+    kd, full = "kvbench.policies.keydiff.KeyDiff", "kvbench.policies.full.Full"
+    scores = {"qasper": 40.0, "narrativeqa": 20.0, "trec": 70.0, "cat:single_doc_qa": 30.0, "avg_selected": 43.0}
+    for k, budget in enumerate((4096, 2048)):
+        s = {n: v - k for n, v in scores.items()}
+        _fake_run(tmp_path, f"kd{budget}", _metrics("llama", "keydiff", budget, "longbench", s, s["avg_selected"]),
+                  _cfg(kd, budget, lb))
+    # The full cache was run at a budget too: the budget does not apply to it, and its row comes first.
+    _fake_run(tmp_path, "full", _metrics("llama", "full", 2048, "longbench", scores, 43.0), _cfg(full, 2048, lb))
+    rep = report(tmp_path, plots=True, quiet=True)
+
+    rows = _csv(tmp_path / "table.csv")
+    # Datasets in LongBench order (narrativeqa before qasper), summaries after the details, then Avg.
+    assert list(rows[0]) == ["model", "policy", "budget", "narrativeqa", "qasper", "trec", "cat:single_doc_qa",
+                             "avg_selected", "Avg"]
+    assert [(r["policy"], r["budget"], r["Avg"]) for r in rows] == [
+        ("full", "", "43.0"), ("keydiff", "2048", "42.0"), ("keydiff", "4096", "43.0")]
+    assert [c.category for c in rep.columns] == ["Single Doc. QA", "Single Doc. QA", "Few-shot Learning"]
+    md = (tmp_path / "table.md").read_text()
+    assert "| *Single Doc. QA* |" in md.replace("  ", " ") or "*Single Doc. QA*" in md
+    assert "*Few-shot Learning*" in md
+    assert "org/llama (revision r1" in md and "scorer: official" in md and '{"source": "x"}' in md
+    assert (tmp_path / "score_vs_budget.png").stat().st_size > 0
+    assert not list(tmp_path.glob("heatmap_*.png"))  # no NIAH cells here
+
+
+def test_report_draws_niah_heatmaps_side_by_side(tmp_path: Path) -> None:
+    niah = "kvbench.tasks.niah.NIAH"
+    for policy, target in (("tova", "kvbench.policies.tova.TOVA"), ("keydiff", "kvbench.policies.keydiff.KeyDiff")):
+        cells = {"L1024_D0": 100.0, "L1024_D50": 0.0, "L2048_D0": 100.0, "L2048_D50": 100.0, "avg": 75.0}
+        _fake_run(tmp_path, policy, _metrics("llama", policy, 512, "niah", cells, 75.0), _cfg(target, 512, niah))
+    rep = report(tmp_path, plots=True, quiet=True)
+    assert [c.name for c in rep.columns] == ["L1024_D0", "L1024_D50", "L2048_D0", "L2048_D50"]
+    assert [c.category for c in rep.columns] == ["niah L1024", "niah L1024", "niah L2048", "niah L2048"]
+    assert (tmp_path / "heatmap_niah_llama.png").stat().st_size > 0
+    assert not (tmp_path / "score_vs_budget.png").exists()  # one budget: no curve
+
+
+def test_report_of_an_empty_directory_is_a_one_line_error(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        report_main([str(tmp_path)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == f"kvbench-report: error: no finished runs (metrics.json) below {tmp_path}"
+
+
+def test_sweep_preflight_names_the_bad_job() -> None:
+    err = config.validate_overrides(["--multirun", *FIDELITY, "policy=keydiff", "budget=64,0"])
+    assert err == ("sweep job [model=tiny-llama task=fidelity task.new_tokens=4 progress=False policy=keydiff "
+                   "budget=0]: budget must be a positive integer, got 0")
+    assert config.validate_overrides(["--multirun", *FIDELITY, "policy=keydiff,tova", "budget=64,128"]) is None
+
+
+def test_sweep_jobs_expand_like_hydra_with_command_line_last() -> None:
+    jobs = config.sweep_jobs({"policy": "a,b", "budget": "1,2"}, ["budget=3", "seed=0,1"])
+    assert jobs == [["policy=a", "budget=3", "seed=0"], ["policy=a", "budget=3", "seed=1"],
+                    ["policy=b", "budget=3", "seed=0"], ["policy=b", "budget=3", "seed=1"]]
+
+
+@pytest.mark.parametrize("name", config.group_choices("experiment"))
+def test_experiment_preset_composes_with_existing_choices(name: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"experiment={name}"], return_hydra_config=True)
+    params = dict(cfg.hydra.sweeper.params)
+    assert params, f"{name} has no hydra.sweeper.params"
+    assert cfg.hydra.sweep.dir == f"results/{name}"
+    for group in ("model", "policy", "task"):
+        for value in str(params.get(group, "")).split(",") if group in params else []:
+            assert value in config.group_choices(group), (name, group, value)
+    for key in ("budget", "block"):
+        for value in str(params[key]).split(",") if key in params else []:
+            assert value == "null" or int(value) > 0
