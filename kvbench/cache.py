@@ -86,6 +86,8 @@ class EvictingLayer(DynamicLayer):
             self.valid = base & valid
         elif self.valid is not None:
             self.valid = self.valid.gather(2, idx)
+        if self.valid is not None and bool(self.valid.all()):
+            self.valid = None  # all heads hold the same number of tokens again: the fast uniform path
         if self.valid is not None:
             # Padding slots get position -1: they name no token (traces and diagnostics skip them).
             self.positions = self.positions.masked_fill(~self.valid, -1)

@@ -105,6 +105,9 @@ def test_ragged_keep_then_append_keeps_positions_and_recent_window() -> None:
                                 [False, True, False, False, False, False, True, True]]
     # K/V bytes count the padding: 2 heads x 8 slots x 1 dim x 4 bytes x (K + V)
     assert layer.kv_bytes() == 2 * 8 * 1 * 4 * 2
+    # a selection that leaves every head the same count drops the mask (uniform layers use sdpa again)
+    layer.keep(torch.tensor([[[5, 7], [1, 7]]]))
+    assert layer.positions[0].tolist() == [[7, 9], [7, 9]] and layer.valid is None
 
 
 def test_compact_pads_with_a_kept_slot() -> None:
