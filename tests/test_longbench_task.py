@@ -213,8 +213,8 @@ def test_hub_download_path_with_fake_downloader(tmp_path, tok):
     assert calls == [{"repo_id": "THUDM/LongBench", "filename": "data.zip", "repo_type": "dataset",
                       "revision": HF_REVISION, "cache_dir": None}]
     assert [s.id for s in samples] == ["lcc/0", "lcc/1", "trec/0", "trec/1"]
-    assert task.provenance["source"] == f"hf:THUDM/LongBench@{HF_REVISION}"
-    assert set(task.provenance["files_sha256"]) == {"lcc.jsonl", "trec.jsonl"}
+    assert task.provenance()["data"]["source"] == f"hf:THUDM/LongBench@{HF_REVISION}"
+    assert set(task.provenance()["data"]["files_sha256"]) == {"lcc.jsonl", "trec.jsonl"}
     # The same records as the offline directory.
     offline = list(LongBench(datasets=["lcc", "trec"], data_dir=str(FIX)).samples(env(tok)))
     assert [s.input_ids for s in samples] == [s.input_ids for s in offline]
@@ -280,7 +280,7 @@ def test_longbench_e_aggregate(tok):
     assert [r["id"] for r in recs] == ["passage_count_e/0", "passage_count_e/1", "passage_count_e/2"]
     assert task.aggregate(recs) == {"passage_count:0-4k": 100.0, "passage_count:4-8k": 0.0,
                                     "passage_count:8k+": 50.0, "avg:0-4k": 100.0, "avg:4-8k": 0.0,
-                                    "avg:8k+": 50.0}
+                                    "avg:8k+": 50.0, "avg": 50.0}  # avg: (100 + 0 + 50) / 3
 
 
 # ---- kvbench-score ----------------------------------------------------------------------------------------------
@@ -321,7 +321,7 @@ def test_unzipped_layout_and_source_conflicts(tmp_path, tok):
     shutil.copy(FIX / "trec.jsonl", tmp_path / "data" / "trec.jsonl")
     task = LongBench(datasets=["trec"], data_dir=str(tmp_path))
     assert len(list(task.samples(env(tok)))) == 2
-    assert task.provenance["source"] == f"dir:{tmp_path}"
+    assert task.provenance()["data"]["source"] == f"dir:{tmp_path}"
     with pytest.raises(TaskError, match="not both"):
         LongBench(data_dir=str(tmp_path), data_zip=str(tmp_path / "data.zip"))
     (tmp_path / "bad.zip").write_text("not a zip")

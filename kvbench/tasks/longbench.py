@@ -126,6 +126,7 @@ class LongBench(Task):
 
     name = "longbench"
     e_variant = False  # LongBench-E: <name>_e files, scores per length bucket
+    average_key = "avg_selected"  # plain mean over the datasets run (avg_en16 when all 16 English ones ran)
 
     def __init__(self, datasets: Sequence[str] | None = None, limit: int | None = None,
                  data_dir: str | None = None, data_zip: str | None = None, repo_id: str = HF_REPO_ID,
@@ -160,7 +161,7 @@ class LongBench(Task):
         self.fuzz_backend = fuzz_backend
         self.write_official = write_official
         self.downloader = downloader
-        self.provenance: dict[str, Any] = {}  # filled by load_rows: source and sha256 of what was read
+        self._data_provenance: dict[str, Any] = {}  # filled by load_rows: source and sha256 of what was read
 
     # -- data ----------------------------------------------------------------------------------------------------
 
@@ -195,7 +196,7 @@ class LongBench(Task):
                 zp = download_data_zip(self.repo_id, self.revision, self.cache_dir, self.downloader)
                 source = f"hf:{self.repo_id}@{self.revision}"
             zip_bytes = zp.read_bytes()
-            self.provenance["data_zip_sha256"] = _sha256_bytes(zip_bytes)
+            self._data_provenance["data_zip_sha256"] = _sha256_bytes(zip_bytes)
             try:
                 with zipfile.ZipFile(zp) as z:
                     names = set(z.namelist())
@@ -206,8 +207,8 @@ class LongBench(Task):
             except zipfile.BadZipFile:
                 raise TaskError(f"{self.name}: not a zip file: {zp}") from None
             where = {d: f"{zp}:data/{f}" for d, f in files.items()}
-        self.provenance["source"] = source
-        self.provenance["files_sha256"] = {files[d]: _sha256_bytes(b) for d, b in blobs.items()}
+        self._data_provenance["source"] = source
+        self._data_provenance["files_sha256"] = {files[d]: _sha256_bytes(b) for d, b in blobs.items()}
         return {d: _parse_jsonl(b, where[d]) for d, b in blobs.items()}
 
     # -- samples -------------------------------------------------------------------------------------------------
@@ -301,12 +302,19 @@ class LongBench(Task):
             vals = [buckets[b] for buckets in per.values() if not math.isnan(buckets[b])]
             if vals:
                 out[f"avg:{b}"] = sum(vals) / len(vals)
+        bucket_means = [out[f"avg:{b}"] for b in E_BUCKETS if f"avg:{b}" in out]
+        if bucket_means:
+            out["avg"] = sum(bucket_means) / len(bucket_means)
         return out
 
-    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
-        extra: dict[str, Any] = {"fuzz_backend": self.fuzz_backend, "data": dict(self.provenance) or {
+    def provenance(self) -> dict[str, Any]:
+        """Data source and checksums (filled while loading) and the code_sim backend used."""
+        return {"fuzz_backend": self.fuzz_backend, "data": dict(self._data_provenance) or {
             "source": f"dir:{self.data_dir}" if self.data_dir else f"zip:{self.data_zip}" if self.data_zip
             else f"hf:{self.repo_id}@{self.revision}"}}
+
+    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+        extra: dict[str, Any] = self.provenance()
         if self.write_official and records:
             out_dir = Path(run_dir) / f"{self.name}_pred"
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -329,3 +337,4 @@ class LongBenchE(LongBench):
 
     name = "longbench_e"
     e_variant = True
+    average_key = "avg"  # mean of the three length-bucket averages

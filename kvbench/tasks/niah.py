@@ -72,6 +72,7 @@ def cell_key(length: int, depth: float) -> str:
 
 class NIAH(Task):
     name = "niah"
+    average_key = "avg"
 
     def __init__(self, context_lengths: Sequence[int] = (1024, 2048, 4096),
                  depths: Sequence[float] = (0, 25, 50, 75, 100), needle: str = DEFAULT_NEEDLE,

@@ -529,6 +529,7 @@ def _qa(c: _Ctx, qas: list[dict[str, Any]], docs: list[str], num_samples: int) -
 
 class Ruler(Task):
     name = "ruler"
+    average_key = "avg"
 
     def __init__(self, tasks: Sequence[str] = tuple(TASKS), lengths: Sequence[int] = (4096,), num_samples: int = 25,
                  haystack_dir: str | None = None, squad_path: str | None = None, hotpot_path: str | None = None,
