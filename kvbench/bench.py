@@ -261,16 +261,18 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
             "peak_rss_mib": mem.rss_peak_mib(), "rss_start_mib": rss0, "peak_gpu_mib": mem.gpu_peak_mib()}
 
 
-def configurations(policies: Sequence[str], budgets: Sequence[int], lengths: Sequence[int],
-                   block: int) -> list[Config]:
-    """Every (policy, budget) at every length, with the two baselines added: full once per length, the floor at
-    every budget."""
-    names = [FULL, FLOOR] + [p for p in policies if p not in (FULL, FLOOR)]
+def configurations(policies: Sequence[str], budgets: Sequence[int], lengths: Sequence[int], block: int,
+                   baselines: Sequence[str] = (FULL, FLOOR), full_max_tokens: int | None = None) -> list[Config]:
+    """Every (policy, budget) at every length, with the baselines added: full once per length (up to
+    `full_max_tokens`: its attention is quadratic), the floor at every budget."""
+    names = [b for b in (FULL, FLOOR) if b in baselines or b in policies]
+    names += [p for p in policies if p not in (FULL, FLOOR)]
     out = []
     for n in lengths:
         for name in names:
             if name == FULL:
-                out.append(Config(FULL, None, None, n))
+                if full_max_tokens is None or n <= full_max_tokens:
+                    out.append(Config(FULL, None, None, n))
             else:
                 out.extend(Config(name, b, block, n) for b in budgets)
     return out
@@ -385,7 +387,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=_int_list, default=None, help="prompt lengths, e.g. 2k,8k,32k")
     p.add_argument("--policies", default=None,
                    help=f"comma-separated conf/policy names (default: {','.join(DEFAULT_POLICIES)}); "
-                        f"{FULL} and {FLOOR} are always added as baselines")
+                        f"the baselines (--baselines) are added")
+    p.add_argument("--baselines", default=f"{FULL},{FLOOR}",
+                   help=f"baselines added to the policies: {FULL},{FLOOR} (default), one of them, or none")
+    p.add_argument("--full-max-tokens", type=lambda v: _int_list(v)[0], default=None,
+                   help="run the full baseline only up to this prompt length (one quadratic forward)")
     p.add_argument("--budgets", type=_int_list, default=None, help="budgets N, e.g. 512,1024")
     p.add_argument("--block", type=int, default=None, help="block size B")
     p.add_argument("--new-tokens", type=int, default=None, help="greedy tokens decoded per configuration")
@@ -412,6 +418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = [s.strip() for s in a.policies.split(",") if s.strip()] if a.policies else preset["policies"]
     if block <= 0 or new_tokens < 1 or repeats < 1:
         p.error("--block, --new-tokens and --repeats must be positive")
+    baselines = [] if a.baselines.strip() == "none" else [s.strip() for s in a.baselines.split(",") if s.strip()]
+    if any(b not in (FULL, FLOOR) for b in baselines):
+        p.error(f"--baselines takes {FULL}, {FLOOR}, both (comma-separated) or none, got '{a.baselines}'")
+    a.baselines = baselines
     threads = torch.get_num_threads()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -437,8 +447,9 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
         if log:
             log(f"kvbench-bench: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
         t0 = time.perf_counter()
-        rows = run_bench(model, configurations(policies, budgets, lengths, block), new_tokens, repeats, a.seed,
-                         desc, log)
+        rows = run_bench(model, configurations(policies, budgets, lengths, block, a.baselines, a.full_max_tokens),
+                         new_tokens,
+                         repeats, a.seed, desc, log)
     except (BenchError, PolicyError) as e:
         print(f"kvbench-bench: error: {e}", file=sys.stderr)
         return 2

@@ -69,6 +69,15 @@ def test_configurations_add_baselines_once() -> None:
     assert [(c.policy, c.budget, c.block) for c in cfgs] == [
         ("full", None, None, ), ("streamingllm", 8, 4), ("streamingllm", 16, 4), ("keydiff", 8, 4),
         ("keydiff", 16, 4)]
+    cfgs = bench.configurations(["keydiff"], [8], [100, 200], 4, baselines=["full"], full_max_tokens=100)
+    assert [(c.policy, c.prompt_tokens) for c in cfgs] == [("full", 100), ("keydiff", 100), ("keydiff", 200)]
+    assert [c.policy for c in bench.configurations(["h2o"], [8], [100], 4, baselines=[])] == ["h2o"]
+
+
+def test_bad_baselines_option(tmp_path) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--baselines", "keydiff", "--out", str(tmp_path / "b.json")])
+    assert e.value.code == 2
 
 
 @pytest.fixture
