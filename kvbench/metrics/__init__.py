@@ -10,6 +10,8 @@ from typing import Callable
 
 # name -> "module:function"; resolved lazily so importing kvbench.metrics loads no metric dependencies.
 METRICS: dict[str, str] = {
+    "substring_any": "basic:substring_any",
+    "fidelity": "fidelity:fidelity",
     "string_match_all": "ruler:string_match_all",
     "string_match_part": "ruler:string_match_part",
     "niah_substring": "niah:substring_match",
