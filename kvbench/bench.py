@@ -42,10 +42,12 @@ FULL = "full"
 DEFAULT_POLICIES = ("keydiff", "h2o", "tova", "snapkv")
 ROW_FIELDS = ("policy", "prompt_tokens", "budget", "block", "prefill_s", "prefill_tokens_per_s",
               "decode_tokens_per_s", "evict_s", "peak_kv_tokens", "kv_bytes_peak", "peak_rss_mib")
+# --quick runs single-threaded unless told otherwise: on a shared CI machine a second torch thread that is not
+# scheduled stalls every parallel operator (see docs/bench.md); one thread takes ~75 CPU-seconds for this run.
 QUICK = {"lengths": [512, 1024, 2048], "budgets": [256], "block": 64, "new_tokens": 8, "repeats": 3,
-         "policies": ["keydiff"]}
+         "policies": ["keydiff"], "threads": 1}
 FULL_RUN = {"lengths": [2048, 8192, 32768], "budgets": [1024], "block": 128, "new_tokens": 16, "repeats": 3,
-            "policies": list(DEFAULT_POLICIES)}
+            "policies": list(DEFAULT_POLICIES), "threads": None}
 
 
 class BenchError(ValueError):
@@ -140,9 +142,9 @@ def build_model(arch: str = "tiny-llama3", config: str | None = None, layers: in
     model.to(resolve_device(device)).eval()
     install(model)
     cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     desc = (f"{name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
-            f"{cfg.num_key_value_heads} heads, head_dim {getattr(cfg, 'head_dim', None) or cfg.hidden_size // cfg.num_attention_heads}, "
-            f"{dtype}")
+            f"{cfg.num_key_value_heads} heads, head_dim {head_dim}, {dtype}")
     return model, desc
 
 
@@ -379,7 +381,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbench-bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help=f"CI-sized run: lengths {QUICK['lengths']}, N={QUICK['budgets'][0]}, B={QUICK['block']}, "
-                        f"policies {QUICK['policies']} + baselines, {QUICK['repeats']} rounds")
+                        f"policies {QUICK['policies']} + baselines, {QUICK['repeats']} rounds, 1 thread")
     p.add_argument("--arch", default="tiny-llama3", help="built-in tiny architecture (kvbench.models.TINY_ARCHS)")
     p.add_argument("--config", default=None,
                    help="take the architecture from an HF config.json / model directory / hub id / conf/model preset")
@@ -398,7 +400,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds; medians are reported")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
     p.add_argument("--dtype", default=None, help="float32 (default on CPU) | bfloat16 (default on CUDA) | float16")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's; 1 with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json", help="rows as a JSON list")
     p.add_argument("--markdown", default=None, help="markdown table file (default: --out with .md)")
@@ -423,8 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--baselines takes {FULL}, {FLOOR}, both (comma-separated) or none, got '{a.baselines}'")
     a.baselines = baselines
     threads = torch.get_num_threads()
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    if a.threads or preset["threads"]:
+        torch.set_num_threads(a.threads or preset["threads"])
     try:
         return _main(a, lengths, budgets, block, new_tokens, repeats, policies)
     finally:

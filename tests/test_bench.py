@@ -21,10 +21,12 @@ BYTES_PER_TOKEN = 2 * 2 * 1 * 2 * 64 * 4
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("bench") / "bench.json"
+    threads = torch.get_num_threads()
     rc = bench.main(["--arch", "tiny-llama", "--lengths", ",".join(map(str, LENGTHS)), "--budgets", str(N),
-                     "--block", str(B), "--new-tokens", str(NEW), "--repeats", "2", "--policies", "keydiff", "--threads", "1",
-                     "--out", str(out), "--quiet"])
+                     "--block", str(B), "--new-tokens", str(NEW), "--repeats", "2", "--policies", "keydiff",
+                     "--threads", "1", "--out", str(out), "--quiet"])
     assert rc == 0
+    assert torch.get_num_threads() == threads  # --threads applies to the run only
     assert out.with_suffix(".md").read_text().count("| keydiff ") == len(LENGTHS)
     return json.loads(out.read_text())
 
