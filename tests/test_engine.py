@@ -22,6 +22,8 @@ from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
 from kvbench.runner import generate
 
+from float64_reference import reference_logits
+
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-gemma"]
 
 
@@ -67,65 +69,6 @@ def test_budget_at_least_prompt_evicts_nothing() -> None:
 
 
 # 2. With eviction: explicit float64 re-implementation driven by the logged kept positions ------------------------
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = pos.double().unsqueeze(-1) * inv  # (n, d/2)
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
-def reference_logits(model, chunks: list[list[int]], trace: list[list[torch.Tensor | None]]) -> list[torch.Tensor]:
-    """Llama forward in float64, chunk by chunk; chunk s attends, per layer and KV head, to exactly the positions
-    `trace[s]` held before it (plus itself, causally). K/V of a token are those computed when it was fed."""
-    cfg = model.config
-    sd = {k: v.double() for k, v in model.state_dict().items()}
-    L, h_q, h_kv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.head_dim
-    theta = cfg.rope_parameters["rope_theta"]
-    eps = cfg.rms_norm_eps
-    kv: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(L)]  # pos -> (k, v) (h_kv, d)
-    out, seen = [], 0
-    for s, chunk in enumerate(chunks):
-        pos = torch.arange(seen, seen + len(chunk))
-        x = sd["model.embed_tokens.weight"][torch.tensor(chunk)]  # (q, hidden)
-        for li in range(L):
-            p = f"model.layers.{li}."
-            h = _rms(x, sd[p + "input_layernorm.weight"], eps)
-            q = (h @ sd[p + "self_attn.q_proj.weight"].T).view(-1, h_q, d).transpose(0, 1)  # (h_q, q, d)
-            k = (h @ sd[p + "self_attn.k_proj.weight"].T).view(-1, h_kv, d).transpose(0, 1)
-            v = (h @ sd[p + "self_attn.v_proj.weight"].T).view(-1, h_kv, d).transpose(0, 1)
-            q, k = _rope(q, pos, theta), _rope(k, pos, theta)
-            for j, pj in enumerate(pos.tolist()):
-                kv[li][pj] = (k[:, j], v[:, j])
-            heads = []
-            for hq in range(h_q):
-                hk = hq // (h_q // h_kv)
-                held = [] if trace[s][li] is None else trace[s][li][0, hk].tolist()
-                o = []
-                for j, pj in enumerate(pos.tolist()):
-                    visible = held + list(range(seen, pj + 1))
-                    K = torch.stack([kv[li][t][0][hk] for t in visible])  # (m, d)
-                    V = torch.stack([kv[li][t][1][hk] for t in visible])
-                    a = torch.softmax(K @ q[hq, j] / math.sqrt(d), dim=0)
-                    o.append(a @ V)
-                heads.append(torch.stack(o))  # (q, d)
-            attn = torch.stack(heads, 1).reshape(len(chunk), h_q * d) @ sd[p + "self_attn.o_proj.weight"].T
-            x = x + attn
-            h = _rms(x, sd[p + "post_attention_layernorm.weight"], eps)
-            mlp = (torch.nn.functional.silu(h @ sd[p + "mlp.gate_proj.weight"].T) * (h @ sd[p + "mlp.up_proj.weight"].T))
-            x = x + mlp @ sd[p + "mlp.down_proj.weight"].T
-        x = _rms(x, sd["model.norm.weight"], eps)
-        out.append(x[-1] @ sd["lm_head.weight"].T)
-        seen += len(chunk)
-    return out
-
-
 @pytest.mark.parametrize("policy_factory,layers", [
     (lambda: KeyDiff(budget=24), 2),  # per-head kept sets, uniform budget
     (lambda: H2O(budget=24), 2),  # attention computed by the wrapper itself

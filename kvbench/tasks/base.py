@@ -94,16 +94,21 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.is_file():
         raise TaskError(f"data file not found: {p}")
+    return parse_jsonl(p.read_bytes(), str(p))
+
+
+def parse_jsonl(data: bytes, where: str) -> list[dict[str, Any]]:
+    """JSON objects, one per non-blank line of `data`; a bad line is a TaskError naming `where` and the line."""
     rows = []
-    with p.open(encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskError(f"{p}:{i}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise TaskError(f"{p}:{i}: expected a JSON object")
-            rows.append(row)
+    # Split on "\n" only: str.splitlines would also cut at U+2028 & co., which JSON strings may hold raw.
+    for i, line in enumerate(data.decode("utf-8").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskError(f"{where}:{i}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise TaskError(f"{where}:{i}: expected a JSON object")
+        rows.append(row)
     return rows

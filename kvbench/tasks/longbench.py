@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from kvbench.metrics import get_metric
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, parse_jsonl
 
 HF_REPO_ID = "THUDM/LongBench"  # now zai-org/LongBench; the hub redirects
 # HF `main` as of 2024-12-18. data.zip has been unchanged since the paper-release upload (HF commit 4a90f81,
@@ -90,21 +90,6 @@ def count_tokens_before(tokenizer: Any, text: str, char_pos: int, input_ids: Seq
 
 def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _parse_jsonl(data: bytes, where: str) -> list[dict[str, Any]]:
-    rows = []
-    for i, line in enumerate(data.decode("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TaskError(f"{where}:{i}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise TaskError(f"{where}:{i}: expected a JSON object")
-        rows.append(row)
-    return rows
 
 
 def download_data_zip(repo_id: str = HF_REPO_ID, revision: str = HF_REVISION, cache_dir: str | None = None,
@@ -209,7 +194,7 @@ class LongBench(Task):
             where = {d: f"{zp}:data/{f}" for d, f in files.items()}
         self._data_provenance["source"] = source
         self._data_provenance["files_sha256"] = {files[d]: _sha256_bytes(b) for d, b in blobs.items()}
-        return {d: _parse_jsonl(b, where[d]) for d, b in blobs.items()}
+        return {d: parse_jsonl(b, where[d]) for d, b in blobs.items()}
 
     # -- samples -------------------------------------------------------------------------------------------------
 
