@@ -37,7 +37,6 @@ class EvictingLayer(DynamicLayer):
         self.queries: torch.Tensor | None = None  # (b, h_q, w, d) latest queries kept for the policy
         self.query_positions: torch.Tensor | None = None  # (w,) absolute positions of those queries
         self.peak_tokens = 0  # max physical slots held per KV head (incl. padding)
-        self.last_new = 0  # tokens appended by the latest update (the current block)
         self.decoding = False  # set by the runner once the prompt is done (SAGE-KV only slides its window then)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -56,7 +55,6 @@ class EvictingLayer(DynamicLayer):
         for name, s in self.state.items():  # policies fill the new tokens' state in the attention wrapper
             self.state[name] = torch.cat([s, s.new_zeros(b, h, q)], dim=-1)
         self.seen += q
-        self.last_new = q
         self.peak_tokens = max(self.peak_tokens, self.keys.shape[-2])
         return self.keys, self.values
 
@@ -132,7 +130,6 @@ class EvictingCache(Cache):
         self.frozen = False  # context_only scenario: no eviction after the context
         # Latest queries to stash per layer (Policy.query_window; the runner raises it to 1 for diagnostics).
         self.query_window = policy.query_window if policy is not None else 0
-        self.n_heads = text_cfg.num_attention_heads
 
     def start_decoding(self) -> None:
         for layer in self.evicting_layers():
