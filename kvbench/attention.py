@@ -51,17 +51,6 @@ def _base_function(module: Any, base: str) -> Callable[..., Any]:
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
-def _causal_mask(q_len: int, kv_len: int, valid: torch.Tensor | None, n_groups: int,
-                 device: torch.device) -> torch.Tensor:
-    """Bool mask (1 or b, 1 or h_q, q, kv): the block is the last q slots; every earlier slot is visible."""
-    i = torch.arange(q_len, device=device).view(-1, 1)
-    j = torch.arange(kv_len, device=device).view(1, -1)
-    mask = (j <= i + (kv_len - q_len)).view(1, 1, q_len, kv_len)
-    if valid is not None:  # (b, h_kv, kv) -> (b, h_q, 1, kv)
-        mask = mask & valid.repeat_interleave(n_groups, dim=1).unsqueeze(-2)
-    return mask
-
-
 def _fit_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, base: str, dtype: torch.dtype,
               device: torch.device) -> torch.Tensor | None:
     """The HF mask if it fits this layer; otherwise a rebuilt causal one in the base implementation's format."""
@@ -69,7 +58,10 @@ def _fit_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, base: str, dty
         return mask
     if mask is None and (q_len == 1 or q_len == kv_len):
         return None  # sdpa/eager handle these exactly without a mask
-    m = _causal_mask(q_len, kv_len, None, 1, device)
+    # The block is the last q slots; every earlier slot is visible to all of it.
+    i = torch.arange(q_len, device=device).view(-1, 1)
+    j = torch.arange(kv_len, device=device).view(1, -1)
+    m = (j <= i + (kv_len - q_len)).view(1, 1, q_len, kv_len)  # (1, 1, q, kv) bool
     if base == "sdpa":
         return m
     return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, torch.finfo(dtype).min)

@@ -22,6 +22,8 @@ from typing import Any, Sequence
 
 import torch
 
+from kvbench.policies.base import query_attention
+
 NAMES = ("attention_loss", "perturbation", "key_logdet")
 _QUERY_NAMES = ("attention_loss", "perturbation")
 RIDGE = 1e-6
@@ -50,23 +52,20 @@ class Diagnostics:
     def observe(self, layer: Any, idx: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Called by Policy.evict with the selection (idx, valid) while `layer` still holds every token."""
         t0 = time.perf_counter()
-        real = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
-        keep = torch.zeros_like(real).scatter_(-1, idx, True)  # padding indices repeat a kept slot
+        keep = torch.zeros_like(layer.positions, dtype=torch.bool).scatter_(-1, idx, True)  # padding repeats a kept slot
         if any(n in _QUERY_NAMES for n in self.names):
-            self._query_terms(layer, real, keep)
+            self._query_terms(layer, keep)
         if "key_logdet" in self.names:
             self._add("key_logdet", layer.layer_idx, key_logdet(layer.keys, keep))
         self.elapsed += time.perf_counter() - t0
 
-    def _query_terms(self, layer: Any, real: torch.Tensor, keep: torch.Tensor) -> None:
-        k, v = layer.keys.float(), layer.values.float()  # (b, h_kv, n, d)
-        b, h_kv, n, d = k.shape
-        q = layer.queries[:, :, -1].float()  # (b, h_q, d): the latest query
-        g = q.shape[1] // h_kv
-        logits = torch.matmul(q.view(b, h_kv, g, d), k.transpose(-1, -2)) * layer.scaling  # (b, h_kv, g, n)
-        if getattr(layer, "softcap", None):
-            logits = torch.tanh(logits / layer.softcap) * layer.softcap
-        probs = torch.softmax(logits.masked_fill(~real.unsqueeze(2), -math.inf), dim=-1)
+    def _query_terms(self, layer: Any, keep: torch.Tensor) -> None:
+        v = layer.values.float()  # (b, h_kv, n, d)
+        b, h_kv, n, _ = v.shape
+        # The latest query's attention over the pre-eviction cache (padding gets 0), the policies' own helper.
+        probs = query_attention(layer)[:, :, -1]  # (b, h_q, n)
+        g = probs.shape[1] // h_kv
+        probs = probs.view(b, h_kv, g, n)
         kept = probs * keep.unsqueeze(2)  # (b, h_kv, g, n)
         if "attention_loss" in self.names:
             self._add("attention_loss", layer.layer_idx, float((1.0 - kept.sum(dim=-1)).mean()))
