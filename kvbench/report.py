@@ -180,22 +180,6 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def read_predictions(path: Path) -> list[dict[str, Any]]:
-    """Complete records of a predictions file, read-only (a torn last line is ignored, a repeated id kept once)."""
-    out, seen = [], set()
-    if not path.is_file():
-        return out
-    for line in path.read_bytes().split(b"\n"):
-        try:
-            rec = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if isinstance(rec, dict) and "id" in rec and rec["id"] not in seen:
-            seen.add(rec["id"])
-            out.append(rec)
-    return out
-
-
 def _class_attr(spec: dict[str, Any] | None, attr: str, default: Any) -> Any:
     """A class attribute of a config's `_target_` without building the object (policy.evicts, ...)."""
     target = (spec or {}).get("_target_")
@@ -246,6 +230,8 @@ def _shard_of(run: Run) -> tuple[int, int] | None:
 
 def merge_shards(runs: Sequence[Run], root: Path, notes: list[str]) -> Entry:
     """One entry from runs that differ only in `shard` (an unsharded run among them wins)."""
+    from kvbench.runner import read_records  # the resume reader, read-only here
+
     runs = sorted(runs, key=lambda r: r.order)
     whole = [r for r in runs if _shard_of(r) is None]
     if whole:
@@ -262,7 +248,7 @@ def merge_shards(runs: Sequence[Run], root: Path, notes: list[str]) -> Entry:
             continue
         by_index[i] = r
     shards = [by_index[i] for i in sorted(by_index)]
-    parts = [read_predictions(r.path / "predictions.jsonl") for r in shards]
+    parts = [read_records(r.path / "predictions.jsonl", repair=False) for r in shards]
     complete = sorted(by_index) == list(range(n))
     total = sum(len(p) for p in parts)
     if complete and all(len(p) == len(range(i, total, n)) for i, p in enumerate(parts)):

@@ -139,11 +139,11 @@ def sample_seed(sample_id: str) -> int:
     return zlib.crc32(sample_id.encode("utf-8"))
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path, repair: bool = True) -> list[dict[str, Any]]:
     """Finished records of a predictions file, in file order.
 
     A torn or unreadable line ends the file: it and everything after it are cut off (a killed run leaves at most
-    its last line torn). A repeated id keeps its first record (appends are one line per finished sample, so a
+    its last line torn); `repair=False` only reads (reports must not modify a run that may still be going). A repeated id keeps its first record (appends are one line per finished sample, so a
     repeat can only come from outside interference; the first record is the one a clean run would hold).
     """
     if not path.is_file():
@@ -164,7 +164,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             seen.add(record["id"])
             records.append(record)
         good = end
-    if good < len(data):
+    if repair and good < len(data):
         with path.open("r+b") as f:
             f.truncate(good)
             f.flush()

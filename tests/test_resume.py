@@ -49,6 +49,8 @@ def test_torn_last_line_is_cut_and_appending_continues(tmp_path: Path) -> None:
     path = tmp_path / "predictions.jsonl"
     good = b'{"id": "a", "score": 1}\n{"id": "b", "score": 2}\n'
     path.write_bytes(good + b'{"id": "c", "sco')
+    assert [r["id"] for r in read_records(path, repair=False)] == ["a", "b"]
+    assert path.read_bytes() == good + b'{"id": "c", "sco'  # a report only reads: the file is untouched
     assert [r["id"] for r in read_records(path)] == ["a", "b"]
     assert path.read_bytes() == good
     append_record(path, {"id": "c", "score": 3})
