@@ -179,7 +179,8 @@ def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Sessi
     seed = int(cfg.get("seed", 0))
     policy = build_policy(cfg["policy"], settings.budget, seed)
     task = build_task(cfg["task"])
-    session.model(cfg, seed)  # a model that cannot load is bad input: fail before the run directory exists
+    if not run_dir.exists():  # a model that cannot load is bad input: fail before creating the run directory
+        session.model(cfg, seed)  # (an existing directory may be a finished run, which needs no model)
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir):
         return _run_locked(cfg, policy_name, run_dir, session, progress, settings, seed, policy, task)

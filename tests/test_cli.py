@@ -89,6 +89,8 @@ def test_determinism_and_block_null_under_full(model_dir: Path, data_file: Path,
     (["task=jsonl"], "task=jsonl needs task.path"),
     (["task=jsonl", "task.path=/nonexistent/file.jsonl"], "data file not found: /nonexistent/file.jsonl"),
     (["model=hf"], "model.path"),
+    (["policy=keydiff", "model=hf", "model.path=/nonexistent/dir"], "model directory not found: /nonexistent/dir"),
+    (["model=hf", "model.path=/nonexistent/dir"], "model directory not found: /nonexistent/dir"),  # compare mode
 ])
 def test_bad_input_is_one_line_and_writes_nothing(args: list[str], message: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
