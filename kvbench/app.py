@@ -93,7 +93,7 @@ def provenance(loaded: LoadedModel, task: Task) -> dict[str, Any]:
 
     return {"kvbench": __version__, "commit": _git_commit(), "transformers": transformers.__version__,
             "torch": torch.__version__, "python": platform.python_version(), "model_path": loaded.path,
-            "model_revision": loaded.revision, "device": str(loaded.model.device),
+            "model_revision": loaded.revision, "model_source": loaded.source, "device": str(loaded.model.device),
             "dtype": str(loaded.model.dtype).replace("torch.", ""), "task": task.provenance()}
 
 

