@@ -308,6 +308,16 @@ def _niah(c: _Ctx, args: dict[str, Any], num_samples: int, essay_words: Callable
     return [_fit(gen, size, inc, lambda g: c.ntok(g.text) + ttg <= c.max_len, "niah") for _ in range(num_samples)]
 
 
+def vt_noise(n: int, chain_len: int) -> list[str]:
+    """vt's noise haystack before the chain lines go in: `n` noise lines, or, when there are fewer lines than the
+    chain has assignments, the lines cut into their sentences (each non-empty piece gets its "." back; the empty
+    piece after the last "." stays), so that the chain still finds enough insertion points."""
+    lines = [NOISE] * n
+    if n < chain_len:
+        lines = [p + "." if p.strip() else p for line in lines for p in line.split(".")]
+    return lines
+
+
 def _vt(c: _Ctx, args: dict[str, Any], num_samples: int) -> list[_Gen]:
     num_chains, num_hops = args["num_chains"], args["num_hops"]
     rng, nprng = c.rng, c.nprng
@@ -329,9 +339,7 @@ def _vt(c: _Ctx, args: dict[str, Any], num_samples: int) -> list[_Gen]:
 
     def gen(n: int, is_icl: bool = False) -> _Gen:
         vars_, chs = chains(is_icl)
-        sentences = [NOISE] * n
-        if len(sentences) <= len(chs[0]):  # too few noise lines for the chain: split them into sentences
-            sentences = [p + "." if p.strip() else p for s in sentences for p in s.split(".")]
+        sentences = vt_noise(n, len(chs[0]))
         for ch in chs:
             positions = sorted(rng.sample(range(len(sentences)), len(ch)))
             for j, p in enumerate(positions):
@@ -352,17 +360,20 @@ def _vt(c: _Ctx, args: dict[str, Any], num_samples: int) -> list[_Gen]:
     inc = 5 if c.max_len < 4096 else 10
     size = _search(lambda n: c.ntok(gen(n).text), inc, ttg + icl_tokens, c.max_len)
     cut_key = TEMPLATES["variable_tracking"]["template"][:20]
-    out = []
-    for _ in range(num_samples):
-        g = _fit(gen, size, inc, lambda g: c.ntok(g.text) + ttg + icl_tokens <= c.max_len, "vt")
-        # New variable names and value in the example for every sample, then insert it before the task text.
+
+    def with_example(n: int) -> _Gen:
+        # One attempt, as the official retry loop makes it: draw the sample, then new variable names and value for
+        # the example, insert it before the task text; the fit is measured on this whole text.
+        g = gen(n)
         ex = icl
         for item in ex.strip().split()[-num_hops - 1:]:
             ex = ex.replace(item, "".join(rng.choices(string.ascii_uppercase, k=len(item))).upper())
         ex = ex.replace("12345", str(nprng.randint(10000, 99999)))
         cut = g.text.index(cut_key)
-        out.append(_Gen(g.text[:cut] + ex + "\n" + g.text[cut:], g.answers, g.context))
-    return out
+        return _Gen(g.text[:cut] + ex + "\n" + g.text[cut:], g.answers, g.context)
+
+    return [_fit(with_example, size, inc, lambda g: c.ntok(g.text) + ttg <= c.max_len, "vt")
+            for _ in range(num_samples)]
 
 
 def _cwe(c: _Ctx, args: dict[str, Any], num_samples: int, extra_words: Callable[[], list[str]]) -> list[_Gen]:
@@ -443,15 +454,29 @@ def _fwe(c: _Ctx, args: dict[str, Any], num_samples: int) -> list[_Gen]:
         context = " ".join(lst)
         return _Gen(template.format(context=context, query=""), v[1:4], context)
 
-    # Sizing: one vocabulary, grow the word count until the text reaches max_len, then step back once.
+    # Sizing: one vocabulary; grow the word count by `inc` while the text is still shorter than max_len (each
+    # grown text measured), then step back once: the last size measured below max_len.
     v = vocab()
-    n, total = max_len // wordlen, 0
-    while total < max_len:
-        total = c.ntok(text_for(v, n).text)
+    n = max_len // wordlen
+    while c.ntok(text_for(v, n).text) < max_len:
         n += inc
     n -= inc
-    return [_fit(lambda m: text_for(vocab(), m), n, inc, lambda g: c.ntok(g.text) <= max_len, "fwe")
-            for _ in range(num_samples)]
+
+    def sample() -> _Gen:
+        # One vocabulary per sample, kept while the word count shrinks by `inc` until the text fits. The official
+        # loop has no floor; once no word is left only the template remains, and if even that is too long it would
+        # never end.
+        v, m = vocab(), n
+        g = text_for(v, m)
+        while c.ntok(g.text) > max_len:
+            if m <= 0:
+                raise TaskError("ruler: cannot fit a fwe sample into the length budget with this tokenizer; "
+                                "use a larger length")
+            m -= inc
+            g = text_for(v, m)
+        return g
+
+    return [sample() for _ in range(num_samples)]
 
 
 def read_squad(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
