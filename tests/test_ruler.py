@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,9 @@ def test_sorted_key_space_equals_brute_force():
 def qa_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("qa")
     articles = []
-    for a in range(6):
+    # 60 paragraphs: the qa_1 search probes (at most 30 documents at length 1024) stay below the document count,
+    # so the shared document list is never shuffled in place (test_qa_all_documents_shuffles_...).
+    for a in range(12):
         paras = []
         for p in range(5):
             text = f"Paragraph {a}-{p} tells that the keeper of hall {a}{p} is named Keeper{a}{p}."
@@ -256,6 +259,24 @@ def test_fwe_keeps_the_vocabulary_across_shrink_retries():
     assert len(gens[0].context.split()) == _fwe_words(size - 50, 32)
     assert set(gens[0].context.split()) <= set(base[0].context.split())
 
+
+def test_qa_all_documents_shuffles_the_shared_list_in_place(tmp_path, tok):
+    # When a sample asks for all documents, RULER shuffles its one document list in place (not a copy), so each
+    # such request reorders the order the previous one left: sample 1's documents are sample 0's order shuffled
+    # once more with random.Random(42).
+    paras = [{"context": f"Paragraph {p} names keeper K{p}.", "qas": [
+        {"question": f"Who keeps {p}?", "is_impossible": False, "answers": [{"text": f"K{p}"}]}]} for p in range(5)]
+    squad = tmp_path / "squad.json"
+    squad.write_text(json.dumps({"data": [{"title": "t", "paragraphs": paras}]}))
+    r = Ruler(tasks=["qa_1"], lengths=[4096], num_samples=2, squad_path=str(squad))
+    orders = []
+    for s in r.samples(_env(tok)):
+        blocks = s.prompt.split("Document ")[1:]
+        assert [b.split(":\n", 1)[0] for b in blocks] == ["1", "2", "3", "4", "5"]  # all 5 documents
+        orders.append([b.split(":\n", 1)[1].split("\n\n")[0] for b in blocks])
+    expected = list(orders[0])
+    random.Random(42).shuffle(expected)
+    assert orders[1] == expected != orders[0]
 
 def test_generation_is_deterministic_and_seeded(tok):
     r = Ruler(tasks=["niah_multikey_3", "fwe"], lengths=[1024], num_samples=2)

@@ -527,19 +527,24 @@ def _qa(c: _Ctx, qas: list[dict[str, Any]], docs: list[str], num_samples: int) -
     if num_samples > len(qas):
         raise TaskError(f"ruler qa: num_samples={num_samples} but the file has only {len(qas)} questions")
 
+    # RULER's document list lives for the whole generator run. A request for all of it (n >= the number of
+    # documents, e.g. a search probe at 128K tokens) shuffles that list itself, in place, so from then on the
+    # document ids of every question point into the shuffled order. Kept: the official data has it.
+    pool = list(docs)
+
     def gen(index: int, n: int) -> _Gen:
         q = qas[index]
         gold, more = q["context"], q.get("more_context", [])
-        if n < len(docs):
+        if n < len(pool):
             if n - len(gold) > len(more):
                 taken = set(gold + more)
-                extra = [i for i in range(len(docs)) if i not in taken]
+                extra = [i for i in range(len(pool)) if i not in taken]
                 ids = gold + more + rng.sample(extra, max(0, n - len(gold) - len(more)))
             else:
                 ids = gold + rng.sample(more, n - len(gold))
-            chosen = [docs[i] for i in ids]
+            chosen = [pool[i] for i in ids]
         else:
-            chosen = list(docs)
+            chosen = pool
         random.Random(c.seed).shuffle(chosen)
         context = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(chosen))
         return _Gen(template.format(context=context, query=q["query"]), list(q["outputs"]), context)
