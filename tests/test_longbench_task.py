@@ -395,3 +395,14 @@ def test_score_cli_missing_fields(tmp_path, capsys):
     (tmp_path / "trec.jsonl").write_text('{"pred": "a", "answers": ["a"]}\n')
     assert score_main([str(tmp_path)]) == 2
     assert "missing 'all_classes'" in capsys.readouterr().err
+
+
+def test_binary_files_are_one_line_errors(tmp_path, tok, capsys):
+    # A data file that is not UTF-8 (0xff on line 2) is bad input: the LongBench reader names file and line ...
+    (tmp_path / "trec.jsonl").write_bytes(b'{"input": "a"}\n\xff\n')
+    with pytest.raises(TaskError, match=r"trec\.jsonl:2: not UTF-8 text \(byte 0xff at offset 15\)"):
+        list(LongBench(datasets=["trec"], data_dir=str(tmp_path)).samples(env(tok)))
+    # ... and kvbench-score exits 2 with one line.
+    assert score_main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"kvbench-score: {tmp_path / 'trec.jsonl'}: not UTF-8 text; " \
+                                              f"expected a jsonl file of predictions"

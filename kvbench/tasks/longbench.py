@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from kvbench.metrics import get_metric
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, parse_jsonl
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, parse_jsonl, read_bytes
 from kvbench.tasks.haystack import encode_prompt
 
 HF_REPO_ID = "THUDM/LongBench"  # now zai-org/LongBench; the hub redirects
@@ -176,7 +176,7 @@ class LongBench(Task):
             if missing:
                 raise TaskError(f"{self.name}: data_dir {root} lacks {', '.join(missing)} "
                                 f"(expected <data_dir>/<file> or <data_dir>/data/<file>)")
-            blobs = {d: p.read_bytes() for d, p in paths.items()}
+            blobs = {d: read_bytes(p) for d, p in paths.items()}
             where = {d: str(p) for d, p in paths.items()}
             source = f"dir:{root}"
         else:

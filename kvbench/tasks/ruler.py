@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, read_text
 from kvbench.tasks.haystack import (chat_wrapper, encode_prompt, filler_text, haystack_label, prefix_token_count,
                                     read_haystack_dir)
 from kvbench.tasks.haystack import sentence_splitter as pick_splitter
@@ -517,7 +517,7 @@ def _load_json(path: str | Path, what: str) -> Any:
     if not p.is_file():
         raise TaskError(f"{what} not found: {p}")
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        return json.loads(read_text(p))
     except json.JSONDecodeError as e:
         raise TaskError(f"{what} {p}: not valid JSON ({e.msg})") from None
 
