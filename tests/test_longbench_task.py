@@ -18,8 +18,9 @@ from kvbench.tasks.base import TaskEnv, TaskError
 from kvbench.tasks.longbench import (HF_REVISION, LongBench, LongBenchE, context_end, load_spec,
                                      truncate_middle)
 
+from shared_reference import reference_file
+
 FIX = Path(__file__).parent / "fixtures" / "longbench"
-REF = Path("/work/shared/reference/longbench")
 ALL21 = ["narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotqa", "2wikimqa", "musique",
          "dureader", "gov_report", "qmsum", "multi_news", "vcsum", "trec", "triviaqa", "samsum", "lsht",
          "passage_count", "passage_retrieval_en", "passage_retrieval_zh", "lcc", "repobench-p"]
@@ -44,11 +45,9 @@ def rows(name):
 # ---- definitions ------------------------------------------------------------------------------------------------
 
 def test_templates_and_maxlen_equal_official_reference():
-    if not REF.is_dir():
-        pytest.skip("shared/reference/longbench not available")
+    prompts = json.loads(reference_file("longbench", "dataset2prompt.json").read_text(encoding="utf-8"))
+    maxlen = json.loads(reference_file("longbench", "dataset2maxlen.json").read_text(encoding="utf-8"))
     spec = load_spec()
-    prompts = json.loads((REF / "dataset2prompt.json").read_text(encoding="utf-8"))
-    maxlen = json.loads((REF / "dataset2maxlen.json").read_text(encoding="utf-8"))
     assert list(spec) == list(prompts)
     assert {d: s["template"] for d, s in spec.items()} == prompts
     assert {d: s["max_new_tokens"] for d, s in spec.items()} == maxlen

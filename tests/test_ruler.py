@@ -16,7 +16,7 @@ from kvbench.tasks.base import TaskEnv, TaskError
 from kvbench.tasks.ruler import (DEPTHS, NOISE, TASKS, TEMPLATES, Ruler, SortedKeySpace, cwe_vocab, niah_keys,
                                  vt_noise)
 
-REF = Path("/work/shared/reference/ruler")
+from shared_reference import reference_file
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +35,12 @@ def _ntok(tok, text):
 # --- constants against the official files ------------------------------------------------------------------------
 
 def test_templates_equal_official_constants():
-    f = REF / "data_synthetic_constants.json"
-    if not f.is_file():
-        pytest.skip("reference data_synthetic_constants.json not present")
+    f = reference_file("ruler", "data_synthetic_constants.json")
     assert TEMPLATES == json.loads(f.read_text())["TASKS"]
 
 
 def test_task_table_equals_official_synthetic_yaml():
-    f = REF / "synthetic.yaml"
-    if not f.is_file():
-        pytest.skip("reference synthetic.yaml not present")
+    f = reference_file("ruler", "synthetic.yaml")
     import yaml
 
     official = yaml.safe_load(f.read_text())
