@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kvbench import __version__
-from kvbench.config import ConfigError, load_group
+from kvbench.config import ConfigError, load_group, remove_if_empty_run, user_errors
 from kvbench.diagnostics import NAMES as DIAGNOSTICS
 from kvbench.diagnostics import aggregate as aggregate_diagnostics
 from kvbench.models import LoadedModel, load_model
@@ -182,8 +182,19 @@ def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Sessi
     if not run_dir.exists():  # a model that cannot load is bad input: fail before creating the run directory
         session.model(cfg, seed)  # (an existing directory may be a finished run, which needs no model)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with run_lock(run_dir):
-        return _run_locked(cfg, policy_name, run_dir, session, progress, settings, seed, policy, task)
+    fresh = not (run_dir / "run.json").exists()
+    try:
+        with run_lock(run_dir):
+            return _run_locked(cfg, policy_name, run_dir, session, progress, settings, seed, policy, task)
+    except user_errors():
+        # Bad input found only when the task builds its samples (a data file read then): a new run that has no
+        # prediction yet leaves nothing behind.
+        pred = run_dir / "predictions.jsonl"
+        if fresh and not (pred.is_file() and pred.stat().st_size > 0):
+            for name in ("config.yaml", "run.json", "predictions.jsonl"):
+                (run_dir / name).unlink(missing_ok=True)
+            remove_if_empty_run(run_dir)
+        raise
 
 
 def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Session, progress: bool,

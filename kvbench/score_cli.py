@@ -38,16 +38,22 @@ def read_pred_dir(pred_dir: Path) -> dict[str, list[dict[str, Any]]]:
             raise ScoreError(f"{p}: '{dataset}' is not a LongBench dataset; expected files named "
                              f"<dataset>.jsonl with dataset one of: {', '.join(lbm.DATASET2METRIC)}")
         rows = []
-        with p.open(encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ScoreError(f"{p}:{i}: not valid JSON ({e.msg})") from None
-                for key in ("pred", "answers", "all_classes"):
-                    if key not in row:
-                        raise ScoreError(f"{p}:{i}: missing '{key}' (need pred, answers, all_classes, length)")
-                rows.append(row)
+        try:
+            with p.open(encoding="utf-8") as f:  # lines as eval.py reads them
+                lines = list(f)
+        except UnicodeDecodeError:
+            raise ScoreError(f"{p}: not UTF-8 text; expected a jsonl file of predictions") from None
+        for i, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ScoreError(f"{p}:{i}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ScoreError(f"{p}:{i}: expected a JSON object")
+            for key in ("pred", "answers", "all_classes"):
+                if key not in row:
+                    raise ScoreError(f"{p}:{i}: missing '{key}' (need pred, answers, all_classes, length)")
+            rows.append(row)
         if not rows:
             raise ScoreError(f"{p}: no predictions")
         out[dataset] = rows

@@ -108,3 +108,31 @@ def test_jsonl_line_without_prompt(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert r.stderr.strip() == f"kvbench: error: {bad}: line 2 needs a string 'prompt' (or 'context' and 'question')"
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("task_args,bad_name", [
+    (["task=jsonl"], "task.path"),
+    (["task=fidelity"], "task.path"),
+    # Read only while the samples are built (after the run directory exists): compare mode and a single policy.
+    (["task=niah", "task.context_lengths=[512]", "task.depths=[50]"], "task.haystack_dir"),
+    (["task=ruler", "task.tasks=[qa_1]", "task.lengths=[1024]", "task.num_samples=1", "policy=keydiff"],
+     "task.squad_path"),
+])
+def test_binary_input_file_is_one_line_and_writes_nothing(task_args: list[str], bad_name: str,
+                                                          tmp_path: Path) -> None:
+    # Valid JSON up to a byte that is not UTF-8 (0xff), on line 2.
+    data = b'{"id": "a", "prompt": "x", "answers": ["y"]}\n{"id": "b", "prompt": "\xff\xfe", "answers": []}\n'
+    if bad_name == "task.haystack_dir":
+        (tmp_path / "hay").mkdir()
+        bad = tmp_path / "hay" / "essay.txt"
+    else:
+        bad = tmp_path / "data.jsonl"
+    bad.write_bytes(data)
+    target = bad.parent if bad_name == "task.haystack_dir" else bad
+    out = tmp_path / "run"
+    r = run_cli(*task_args, f"{bad_name}={target}", f"hydra.run.dir={out}")
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("Loading weights")]
+    assert lines == [f"kvbench: error: {bad}:2: not UTF-8 text (byte 0xff at offset 68); expected a UTF-8 "
+                     f"text file"], r.stderr
+    assert not out.exists()

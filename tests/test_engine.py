@@ -62,7 +62,7 @@ def test_budget_at_least_prompt_evicts_nothing() -> None:
     ids = _prompt(200)[0].tolist()
     full = generate(model, Full(), ids, None, 12, stop_ids=())
     for policy in (KeyDiff(budget=400), StreamingLLM(budget=400), TOVA(budget=400), H2O(budget=400),
-                   SnapKV(budget=400), KNorm(budget=400), Random(budget=400)):
+                   SnapKV(budget=400), KNorm(budget=400, skip_layers=[]), Random(budget=400)):
         res = generate(model, policy, ids, 32, 12, stop_ids=())
         assert res.tokens == full.tokens, policy.name
         assert res.peak_kv_tokens == 200 + 11  # prompt + fed-back generated tokens, nothing dropped
@@ -87,7 +87,7 @@ def test_eviction_matches_float64_reference(policy_factory, layers: int) -> None
     ref = reference_logits(model, chunks, res.trace)
     # logged[0] comes from the last prompt block; each later one from a one-token decoding step
     ref_steps = [ref[len(chunks) - len(res.tokens)]] + ref[len(chunks) - len(res.tokens) + 1:]
-    for got, want in zip(logged, ref_steps):
+    for got, want in zip(logged, ref_steps, strict=True):
         assert (got.double() - want).abs().max().item() < 1e-5
     # the run really evicted: some layer held fewer tokens than it had seen
     assert any(t is not None and t.shape[-1] < 70 for t in res.trace[-1])
@@ -108,6 +108,18 @@ def test_cache_bounded(policy) -> None:
     assert res.peak_kv_tokens == 40 + 16
     bytes_per_token = 2 * 2 * 64 * 4 * 2  # K+V x 2 kv heads x head_dim 64 x fp32 x 2 layers
     assert res.kv_bytes_peak == (40 + 16) * bytes_per_token
+
+
+def test_knorm_default_skips_layers_0_and_1_and_bounds_the_rest() -> None:
+    # K-norm's default leaves layers 0 and 1 uncompressed; on a 2-layer model it would evict nothing, so use 4.
+    model, _ = _model("tiny-llama", num_hidden_layers=4)
+    ids = _prompt(300)[0].tolist()
+    res = generate(model, KNorm(budget=40), ids, 16, 10, stop_ids=(), trace=True)
+    assert len(res.trace) == 19 + 9  # 19 prompt blocks (300 = 18 x 16 + 12), then 9 one-token decoding steps
+    for k, step in enumerate(res.trace[1:], 1):  # before forward k: the tokens seen so far, or N after eviction
+        seen = min(16 * k, 300) + max(0, k - 19)
+        assert [p.shape[-1] for p in step] == [seen, seen, min(seen, 40), min(seen, 40)]
+    assert res.peak_kv_tokens == 300 + 9  # the uncompressed layers hold the whole prompt plus 9 fed-back tokens
 
 
 def test_block_null_is_one_forward_then_one_eviction() -> None:

@@ -18,8 +18,9 @@ from kvbench.tasks.base import TaskEnv, TaskError
 from kvbench.tasks.longbench import (HF_REVISION, LongBench, LongBenchE, context_end, load_spec,
                                      truncate_middle)
 
+from shared_reference import reference_file
+
 FIX = Path(__file__).parent / "fixtures" / "longbench"
-REF = Path("/work/shared/reference/longbench")
 ALL21 = ["narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotqa", "2wikimqa", "musique",
          "dureader", "gov_report", "qmsum", "multi_news", "vcsum", "trec", "triviaqa", "samsum", "lsht",
          "passage_count", "passage_retrieval_en", "passage_retrieval_zh", "lcc", "repobench-p"]
@@ -44,11 +45,9 @@ def rows(name):
 # ---- definitions ------------------------------------------------------------------------------------------------
 
 def test_templates_and_maxlen_equal_official_reference():
-    if not REF.is_dir():
-        pytest.skip("shared/reference/longbench not available")
+    prompts = json.loads(reference_file("longbench", "dataset2prompt.json").read_text(encoding="utf-8"))
+    maxlen = json.loads(reference_file("longbench", "dataset2maxlen.json").read_text(encoding="utf-8"))
     spec = load_spec()
-    prompts = json.loads((REF / "dataset2prompt.json").read_text(encoding="utf-8"))
-    maxlen = json.loads((REF / "dataset2maxlen.json").read_text(encoding="utf-8"))
     assert list(spec) == list(prompts)
     assert {d: s["template"] for d, s in spec.items()} == prompts
     assert {d: s["max_new_tokens"] for d, s in spec.items()} == maxlen
@@ -103,9 +102,27 @@ def test_chat_template_skip_list(tok):
         d = s.meta["dataset"]
         wrapped = s.prompt.startswith("<s><|user|>\n") and s.prompt.endswith("<|end|>\n<|assistant|>\n")
         assert wrapped == (d not in NO_CHAT), d
-        if wrapped:
-            # The template text already holds BOS and encoding adds another, as pred.py does.
-            assert s.input_ids[:2] == [tok.bos_token_id, tok.bos_token_id]
+        # Exactly one BOS, first: the chat template's own "<s>" text for wrapped prompts (encoding adds none),
+        # the tokenizer's default BOS for the bare datasets.
+        assert s.input_ids[0] == tok.bos_token_id and s.input_ids.count(tok.bos_token_id) == 1, d
+        assert s.input_ids == tok(s.prompt, add_special_tokens=not wrapped).input_ids, d
+
+
+def test_chat_prompt_ids_by_hand(tok):
+    # trec is bare; qasper is chat-wrapped. For the wrapped prompt the ids are the template's "<s>" (the BOS id),
+    # then the user tag, then the text: no BOS added by encoding on top of the template's.
+    [bare] = list(LongBench(datasets=["trec"], limit=1, data_dir=str(FIX)).samples(env(tok, chat=True)))
+    [chat] = list(LongBench(datasets=["qasper"], limit=1, data_dir=str(FIX)).samples(env(tok, chat=True)))
+    assert bare.prompt.startswith("Please")
+    assert bare.input_ids[:5] == [tok.bos_token_id, 55, 486, 298, 76]  # <s> P le as e
+    user = tok.convert_tokens_to_ids("<|user|>")
+    assert chat.input_ids[:2] == [tok.bos_token_id, user]
+    # HF's own chat tokenization (apply_chat_template(tokenize=True)) adds no special tokens either.
+    row = rows("qasper.jsonl")[0]
+    text = load_spec()["qasper"]["template"].format(**row)
+    ref = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                  return_dict=True)["input_ids"]
+    assert chat.input_ids == list(ref)
 
 
 def test_missing_chat_template_is_an_error(tok):
@@ -335,12 +352,16 @@ def test_count_tokens_before_fast_and_slow(tok):
     class Slow:  # a tokenizer without offsets: the prefix is encoded instead
         is_fast = False
 
-        def __call__(self, text, truncation=False):
-            return tok(text)
+        def __call__(self, text, truncation=False, add_special_tokens=True):
+            return tok(text, add_special_tokens=add_special_tokens)
 
     ids = tok("abc\n\ndef").input_ids  # <s> a b c \n \n def
     assert count_tokens_before(tok, "abc\n\ndef", 3, ids) == 4
     assert count_tokens_before(Slow(), "abc\n\ndef", 3, ids) == 4
+    # A chat prompt is encoded without added special tokens: no BOS to count in front.
+    bare = tok("abc\n\ndef", add_special_tokens=False).input_ids
+    assert count_tokens_before(tok, "abc\n\ndef", 3, bare, add_special_tokens=False) == 3
+    assert count_tokens_before(Slow(), "abc\n\ndef", 3, bare, add_special_tokens=False) == 3
 
 
 def test_finalize_records_provenance(tmp_path, tok):
@@ -373,3 +394,14 @@ def test_score_cli_missing_fields(tmp_path, capsys):
     (tmp_path / "trec.jsonl").write_text('{"pred": "a", "answers": ["a"]}\n')
     assert score_main([str(tmp_path)]) == 2
     assert "missing 'all_classes'" in capsys.readouterr().err
+
+
+def test_binary_files_are_one_line_errors(tmp_path, tok, capsys):
+    # A data file that is not UTF-8 (0xff on line 2) is bad input: the LongBench reader names file and line ...
+    (tmp_path / "trec.jsonl").write_bytes(b'{"input": "a"}\n\xff\n')
+    with pytest.raises(TaskError, match=r"trec\.jsonl:2: not UTF-8 text \(byte 0xff at offset 15\)"):
+        list(LongBench(datasets=["trec"], data_dir=str(tmp_path)).samples(env(tok)))
+    # ... and kvbench-score exits 2 with one line.
+    assert score_main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"kvbench-score: {tmp_path / 'trec.jsonl'}: not UTF-8 text; " \
+                                              f"expected a jsonl file of predictions"

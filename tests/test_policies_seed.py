@@ -266,7 +266,7 @@ def test_ragged_heads_match_float64_reference(policy_factory) -> None:
     chunks = [ids[s:s + 16] for s in range(0, len(ids), 16)] + [[t] for t in res.tokens[:-1]]
     ref = reference_logits(model, chunks, res.trace)
     first = len(chunks) - len(res.tokens)
-    for got, want in zip(logged, ref[first:]):
+    for got, want in zip(logged, ref[first:], strict=True):
         assert (got.double() - want).abs().max().item() < 1e-5
     # the run was really ragged: some head held padding
     assert any(t is not None and bool((t < 0).any()) for step in res.trace for t in step)
@@ -288,7 +288,7 @@ def test_deterministic_and_bounded(name: str) -> None:
     ids = _prompt(120, seed=1)
     runs = [generate(model, NEW_POLICIES[name](), ids, 16, 4, stop_ids=(), trace=True) for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens
-    assert all(torch.equal(a, b) for a, b in zip(runs[0].trace[-1], runs[1].trace[-1]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].trace[-1], runs[1].trace[-1], strict=True))
     h_kv = model.config.num_key_value_heads
     for step in runs[0].trace[1:]:  # before every forward after the first: evicted back to the budget
         for pos in step:

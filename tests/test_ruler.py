@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import random
 from pathlib import Path
 
 import pytest
@@ -11,9 +13,10 @@ from kvbench.metrics import get_metric
 from kvbench.metrics.ruler import dataset_score, postprocess_pred, string_match_all, string_match_part
 from kvbench.models import build_tiny_tokenizer
 from kvbench.tasks.base import TaskEnv, TaskError
-from kvbench.tasks.ruler import (DEPTHS, TASKS, TEMPLATES, Ruler, SortedKeySpace, cwe_vocab, niah_keys)
+from kvbench.tasks.ruler import (DEPTHS, NOISE, TASKS, TEMPLATES, Ruler, SortedKeySpace, cwe_vocab, niah_keys,
+                                 vt_noise)
 
-REF = Path("/work/shared/reference/ruler")
+from shared_reference import reference_file
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +35,12 @@ def _ntok(tok, text):
 # --- constants against the official files ------------------------------------------------------------------------
 
 def test_templates_equal_official_constants():
-    f = REF / "data_synthetic_constants.json"
-    if not f.is_file():
-        pytest.skip("reference data_synthetic_constants.json not present")
+    f = reference_file("ruler", "data_synthetic_constants.json")
     assert TEMPLATES == json.loads(f.read_text())["TASKS"]
 
 
 def test_task_table_equals_official_synthetic_yaml():
-    f = REF / "synthetic.yaml"
-    if not f.is_file():
-        pytest.skip("reference synthetic.yaml not present")
+    f = reference_file("ruler", "synthetic.yaml")
     import yaml
 
     official = yaml.safe_load(f.read_text())
@@ -74,7 +73,9 @@ def test_sorted_key_space_equals_brute_force():
 def qa_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("qa")
     articles = []
-    for a in range(6):
+    # 60 paragraphs: the qa_1 search probes (at most 30 documents at length 1024) stay below the document count,
+    # so the shared document list is never shuffled in place (test_qa_all_documents_shuffles_...).
+    for a in range(12):
         paras = []
         for p in range(5):
             text = f"Paragraph {a}-{p} tells that the keeper of hall {a}{p} is named Keeper{a}{p}."
@@ -148,6 +149,130 @@ def test_vt_has_one_shot_example_and_five_names(tok):
     assert s.prompt.endswith(" 5 variables are assigned the value "
                              f"{s.prompt.split('VAR ' + s.answers[0] + ' = ')[1].split()[0]}, they are: ")
 
+
+# --- vt and fwe against the official generators' logic -------------------------------------------------------------
+
+def test_vt_noise_is_split_only_below_the_chain_length():
+    # Official rule: the noise lines are cut into sentences only when there are fewer lines than assignments.
+    assert vt_noise(5, 5) == [NOISE] * 5
+    assert vt_noise(6, 5) == [NOISE] * 6
+    pieces = ["The grass is green.", " The sky is blue.", " The sun is yellow.", " Here we go.",
+              " There and back again.", ""]  # NOISE.split(".") with the "." put back on each non-empty piece
+    assert vt_noise(4, 5) == pieces * 4
+    assert vt_noise(1, 5) == pieces
+
+
+def test_vt_example_at_the_boundary_keeps_whole_noise_lines(tok):
+    # With the tiny tokenizer the one-shot example never fits its 500 tokens, so it stays at the smallest size:
+    # 5 noise lines for a 5-assignment chain. 5 is not below 5, so the lines stay whole, and 5 positions sampled
+    # from range(5) are 0..4: the context alternates assignment, noise line, assignment, ...
+    s = next(Ruler(tasks=["vt"], lengths=[4096], num_samples=1).samples(_env(tok)))
+    head = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+    example = s.prompt.split(head)[1].split("\nQuestion:")[0].split("\n")
+    assert len(example) == 10
+    assert example[1::2] == [NOISE] * 5
+    assert example[0].startswith("VAR ") and example[0].split(" = ")[1].isdigit()
+    assert all(line.startswith("VAR ") and " = VAR " in line for line in example[2::2])
+
+
+def test_vt_fit_is_measured_with_the_randomized_example(tok):
+    # Each retry draws the sample and the example's new names together and measures that whole text. At this
+    # length, measuring the task text plus the un-randomized example's count instead let samples run 2-8 tokens
+    # over the budget.
+    length = 3182
+    for s in Ruler(tasks=["vt"], lengths=[length], num_samples=3).samples(_env(tok)):
+        assert _ntok(tok, s.prompt) + TEMPLATES["variable_tracking"]["tokens_to_generate"] <= length, s.id
+
+
+class WordTok:
+    """A stand-in tokenizer: one token per whitespace word. Records every count it is asked for; the call numbered
+    `force` (1-based) reports 10,000 extra tokens, to force one shrink retry."""
+
+    chat_template = None
+
+    def __init__(self, force: int | None = None) -> None:
+        self.calls: list[int] = []
+        self.force = force
+
+    def __call__(self, text, add_special_tokens=True):
+        n = len(text.split())
+        self.calls.append(n)
+        return {"input_ids": [0] * (n + (10_000 if len(self.calls) == self.force else 0))}
+
+
+def _fwe(tok, num_samples=2, length=1650):
+    env = TaskEnv(tokenizer=tok, model_name="fake", max_prompt_tokens=length, chat_template=False)
+    return Ruler(tasks=["fwe"], lengths=[length], num_samples=num_samples).generate("fwe", length, env)
+
+
+def _fwe_words(n, vocab_size):
+    # Zipf counts of the spec: int(n * k^-2 / zeta(2)) for ranks k = 1..vocab_size.
+    z = math.pi ** 2 / 6
+    return sum(int(n * k ** -2.0 / z) for k in range(1, vocab_size + 1))
+
+
+def _fwe_count(n):
+    t = TEMPLATES["freq_words_extraction"]
+    fixed = len(t["template"].format(context="", query="").split()) + len(t["answer_prefix"].split())
+    return fixed + _fwe_words(n, 32)
+
+
+def _fwe_grid():
+    # length 1650: max_len = 1650 - 50 = 1600, vocabulary 1600 // 50 = 32 words, increment 1600 // 32 = 50,
+    # start 1600 // 6 = 266 words; the sizes probed, up to the first one whose text is not below 1600.
+    grid = [266]
+    while _fwe_count(grid[-1]) < 1600:
+        grid.append(grid[-1] + 50)
+    return grid
+
+
+def test_fwe_sizing_keeps_the_last_size_below_the_budget():
+    # Grow while the measured text is below 1600, then step back once: the size used is the last one measured
+    # below 1600, which fits, so every sample is measured once and never retried.
+    grid = _fwe_grid()
+    count = _fwe_count
+    assert len(grid) > 2 and count(grid[-1]) > 1600  # the last probe is over: a retry would show
+    tok = WordTok()
+    gens = _fwe(tok)
+    assert tok.calls == [count(n) for n in grid] + [count(grid[-2])] * 2
+    assert [len(g.context.split()) for g in gens] == [_fwe_words(grid[-2], 32)] * 2
+
+
+def test_fwe_keeps_the_vocabulary_across_shrink_retries():
+    plain = WordTok()
+    base = _fwe(plain)
+    first_sample_call = len(plain.calls) - 1  # 1-based number of sample 0's count (after the sizing counts)
+    forced = WordTok(force=first_sample_call)
+    gens = _fwe(forced)
+    # Sample 0 is measured over budget once and shrinks by one increment (50 words), with the same vocabulary:
+    # same answers, and sample 1 draws exactly what it drew before.
+    assert forced.calls[:first_sample_call - 1] == plain.calls[:first_sample_call - 1]
+    assert len(forced.calls) == len(plain.calls) + 1
+    assert gens[0].answers == base[0].answers
+    assert gens[1].text == base[1].text
+    size = _fwe_grid()[-2]
+    assert len(base[0].context.split()) == _fwe_words(size, 32)
+    assert len(gens[0].context.split()) == _fwe_words(size - 50, 32)
+    assert set(gens[0].context.split()) <= set(base[0].context.split())
+
+
+def test_qa_all_documents_shuffles_the_shared_list_in_place(tmp_path, tok):
+    # When a sample asks for all documents, RULER shuffles its one document list in place (not a copy), so each
+    # such request reorders the order the previous one left: sample 1's documents are sample 0's order shuffled
+    # once more with random.Random(42).
+    paras = [{"context": f"Paragraph {p} names keeper K{p}.", "qas": [
+        {"question": f"Who keeps {p}?", "is_impossible": False, "answers": [{"text": f"K{p}"}]}]} for p in range(5)]
+    squad = tmp_path / "squad.json"
+    squad.write_text(json.dumps({"data": [{"title": "t", "paragraphs": paras}]}))
+    r = Ruler(tasks=["qa_1"], lengths=[4096], num_samples=2, squad_path=str(squad))
+    orders = []
+    for s in r.samples(_env(tok)):
+        blocks = s.prompt.split("Document ")[1:]
+        assert [b.split(":\n", 1)[0] for b in blocks] == ["1", "2", "3", "4", "5"]  # all 5 documents
+        orders.append([b.split(":\n", 1)[1].split("\n\n")[0] for b in blocks])
+    expected = list(orders[0])
+    random.Random(42).shuffle(expected)
+    assert orders[1] == expected != orders[0]
 
 def test_generation_is_deterministic_and_seeded(tok):
     r = Ruler(tasks=["niah_multikey_3", "fwe"], lengths=[1024], num_samples=2)

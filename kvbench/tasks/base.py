@@ -89,19 +89,44 @@ class Task(ABC):
         return {}
 
 
+def decode_text(data: bytes, where: str) -> str:
+    """`data` as UTF-8 text. Anything else (a binary file, another encoding) is a TaskError naming `where`, the
+    line and the first byte that is not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise TaskError(f"{where}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                        f"expected a UTF-8 text file") from None
+
+
+def read_bytes(path: str | Path) -> bytes:
+    """A file's bytes; a file that cannot be read (permissions, a directory) is a TaskError."""
+    p = Path(path)
+    try:
+        return p.read_bytes()
+    except OSError as e:
+        raise TaskError(f"cannot read {p}: {e.strerror or type(e).__name__}") from None
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's contents; see decode_text for what is not."""
+    return decode_text(read_bytes(path), str(Path(path)))
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Read a jsonl file; a missing file or a bad line is a TaskError naming the file and line."""
     p = Path(path)
     if not p.is_file():
         raise TaskError(f"data file not found: {p}")
-    return parse_jsonl(p.read_bytes(), str(p))
+    return parse_jsonl(read_bytes(p), str(p))
 
 
 def parse_jsonl(data: bytes, where: str) -> list[dict[str, Any]]:
     """JSON objects, one per non-blank line of `data`; a bad line is a TaskError naming `where` and the line."""
     rows = []
     # Split on "\n" only: str.splitlines would also cut at U+2028 & co., which JSON strings may hold raw.
-    for i, line in enumerate(data.decode("utf-8").split("\n"), 1):
+    for i, line in enumerate(decode_text(data, where).split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import TaskError
+from kvbench.tasks.base import TaskError, read_text
 
 BUILTIN = "builtin"
 
@@ -110,7 +110,7 @@ def read_haystack_dir(path: str | Path) -> str:
     files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix == ".txt")
     if not files:
         raise TaskError(f"haystack_dir {d} contains no .txt files")
-    return "".join(p.read_text(encoding="utf-8") for p in files)
+    return "".join(read_text(p) for p in files)
 
 
 def haystack_label(haystack_dir: str | None) -> str:

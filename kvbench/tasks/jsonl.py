@@ -1,7 +1,8 @@
 """Bring-your-own data: one JSON object per line.
 
 Fields: `id`, `prompt` (fed verbatim: `tokenizer(prompt)` with the tokenizer's default special tokens; the chat
-template only with `chat_template=true`) or `context` + `question` (concatenated as context + question; the
+template only with `chat_template=true`, and then no special tokens are added because the template text already
+holds the model's BOS) or `context` + `question` (concatenated as context + question; the
 context part alone is under eviction with scenario=context_only), `answers` (list of strings), optional
 `max_new_tokens`. Score: 100 if any answer occurs in the prediction (case-insensitive), else 0.
 """
@@ -12,6 +13,7 @@ from typing import Any, Iterator
 
 from kvbench.metrics import get_metric
 from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, read_jsonl
+from kvbench.tasks.haystack import encode_prompt
 
 
 class JsonlTask(Task):
@@ -49,7 +51,7 @@ class JsonlTask(Task):
         if self.chat_template:
             text = env.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                      add_generation_prompt=True)
-        return text, env.tokenizer(text).input_ids
+        return text, encode_prompt(env.tokenizer, text, self.chat_template)
 
     def samples(self, env: TaskEnv) -> Iterator[Sample]:
         for i, row in enumerate(self.rows):
@@ -60,7 +62,7 @@ class JsonlTask(Task):
                 prompt, ids = self._encode(env, row["context"] + row["question"])
                 # Tokens of the prompt text up to the end of the context (chat prefix included) are the context.
                 ctx_end = prompt.index(row["context"]) + len(row["context"])
-                ctx_ids = env.tokenizer(prompt[:ctx_end]).input_ids
+                ctx_ids = encode_prompt(env.tokenizer, prompt[:ctx_end], self.chat_template)
                 context_tokens = min(len(ctx_ids), len(ids))
             yield Sample(id=str(row.get("id", i)), input_ids=ids, answers=list(row.get("answers", [])),
                          max_new_tokens=int(row.get("max_new_tokens", self.max_new_tokens)),

@@ -6,7 +6,10 @@ Prompt path per record, as pred.py builds it:
    keep decode(first half) + decode(last half) with half = int(max_length / 2) and special tokens skipped;
 3. the chat template (`apply_chat_template`, one user turn, generation prompt) unless the model preset disables
    it or the dataset is one pred.py leaves bare (trec, triviaqa, samsum, lsht, lcc, repobench-p);
-4. encode again with special tokens (a template that already holds BOS gets a second one, as in pred.py).
+4. encode again: a plain prompt with the tokenizer's default special tokens (its BOS, as pred.py adds), a
+   chat-templated one without added special tokens, because the template text already holds the model's BOS
+   (pred.py's re-encoding would give such a prompt a second BOS; the model was trained with one, and NIAH/RULER
+   encode chat prompts the same way, `kvbench.tasks.haystack.encode_prompt`).
 Generation: greedy, the dataset's max_new_tokens; samsum stops at EOS or "\\n" after at least one new token.
 
 `context_tokens` (scenario context_only): the prompt text up to the end of the substituted `{context}` is the
@@ -30,7 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from kvbench.metrics import get_metric
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, parse_jsonl
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, parse_jsonl, read_bytes
+from kvbench.tasks.haystack import encode_prompt
 
 HF_REPO_ID = "THUDM/LongBench"  # now zai-org/LongBench; the hub redirects
 # HF `main` as of 2024-12-18. data.zip has been unchanged since the paper-release upload (HF commit 4a90f81,
@@ -74,10 +78,13 @@ def context_end(prompt: str, final: str, tail: str, junction: int | None) -> int
     return None
 
 
-def count_tokens_before(tokenizer: Any, text: str, char_pos: int, input_ids: Sequence[int]) -> int:
-    """Number of leading tokens of `input_ids` (= tokenizer(text).input_ids) that start before `char_pos`."""
+def count_tokens_before(tokenizer: Any, text: str, char_pos: int, input_ids: Sequence[int],
+                        add_special_tokens: bool = True) -> int:
+    """Number of leading tokens of `input_ids` (= tokenizer(text, add_special_tokens=...).input_ids) that start
+    before `char_pos`."""
     if getattr(tokenizer, "is_fast", False):
-        offsets = tokenizer(text, truncation=False, return_offsets_mapping=True)["offset_mapping"]
+        offsets = tokenizer(text, truncation=False, add_special_tokens=add_special_tokens,
+                            return_offsets_mapping=True)["offset_mapping"]
         n = 0
         for start, end in offsets:
             # Special tokens added by the tokenizer have (0, 0) and belong to the front.
@@ -85,7 +92,8 @@ def count_tokens_before(tokenizer: Any, text: str, char_pos: int, input_ids: Seq
                 break
             n += 1
         return n
-    return min(len(tokenizer(text[:char_pos], truncation=False).input_ids), len(input_ids))
+    prefix = tokenizer(text[:char_pos], truncation=False, add_special_tokens=add_special_tokens).input_ids
+    return min(len(prefix), len(input_ids))
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -168,7 +176,7 @@ class LongBench(Task):
             if missing:
                 raise TaskError(f"{self.name}: data_dir {root} lacks {', '.join(missing)} "
                                 f"(expected <data_dir>/<file> or <data_dir>/data/<file>)")
-            blobs = {d: p.read_bytes() for d, p in paths.items()}
+            blobs = {d: read_bytes(p) for d, p in paths.items()}
             where = {d: str(p) for d, p in paths.items()}
             source = f"dir:{root}"
         else:
@@ -214,18 +222,20 @@ class LongBench(Task):
         max_length = self.max_length if self.max_length is not None else env.max_prompt_tokens
         text, junction = truncate_middle(tok, prompt, max_length)
         prompt = text
-        if env.chat_template and spec["chat_template"]:
+        chat = bool(env.chat_template and spec["chat_template"])
+        if chat:
             if not getattr(tok, "chat_template", None):
                 raise TaskError(f"{self.name}: the model preset asks for a chat template but tokenizer "
                                 f"'{env.model_name}' has none; set chat_template: false in the preset")
             prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
-        input_ids = list(tok(prompt, truncation=False).input_ids)
+        input_ids = encode_prompt(tok, prompt, chat)  # one BOS: the chat text holds it, a plain prompt gets it
         meta: dict[str, Any] = {"dataset": dataset, "_id": row.get("_id"), "all_classes": row.get("all_classes"),
                                 "length": row.get("length"), "index": index, "truncated": junction is not None}
         pos = context_end(text, prompt, tail, junction)
         # None (whole prompt is context) only if the prompt text cannot be found in the chat-templated one.
-        context_tokens = None if pos is None else count_tokens_before(tok, prompt, pos, input_ids)
+        context_tokens = None if pos is None else count_tokens_before(tok, prompt, pos, input_ids,
+                                                                      add_special_tokens=not chat)
         stop, min_new = None, 0
         if dataset == "samsum":
             # pred.py: eos_token_id=[eos, last id of "\n"], min_length=context_length+1.

@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, read_text
 
 META_FILE = "probe_meta.json"  # written next to the weights by kvbench.probe_model
 HEATMAP_FILE = "probe_heatmap.png"
@@ -45,7 +45,7 @@ def read_probe_meta(model_dir: str | Path) -> dict[str, Any]:
         raise TaskError(f"task=probe needs the probe model (model=probe or model=probe-b): "
                         f"tokenizer directory '{model_dir}' has no {META_FILE}")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json.loads(read_text(path))
     except json.JSONDecodeError as e:
         raise TaskError(f"{path}: not valid JSON ({e.msg})") from None
     missing = [k for k in ("filler_ids", "key_ids", "value_ids", "bos_id") if k not in meta]

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, read_text
 from kvbench.tasks.haystack import (chat_wrapper, encode_prompt, filler_text, haystack_label, prefix_token_count,
                                     read_haystack_dir)
 from kvbench.tasks.haystack import sentence_splitter as pick_splitter
@@ -308,6 +308,16 @@ def _niah(c: _Ctx, args: dict[str, Any], num_samples: int, essay_words: Callable
     return [_fit(gen, size, inc, lambda g: c.ntok(g.text) + ttg <= c.max_len, "niah") for _ in range(num_samples)]
 
 
+def vt_noise(n: int, chain_len: int) -> list[str]:
+    """vt's noise haystack before the chain lines go in: `n` noise lines, or, when there are fewer lines than the
+    chain has assignments, the lines cut into their sentences (each non-empty piece gets its "." back; the empty
+    piece after the last "." stays), so that the chain still finds enough insertion points."""
+    lines = [NOISE] * n
+    if n < chain_len:
+        lines = [p + "." if p.strip() else p for line in lines for p in line.split(".")]
+    return lines
+
+
 def _vt(c: _Ctx, args: dict[str, Any], num_samples: int) -> list[_Gen]:
     num_chains, num_hops = args["num_chains"], args["num_hops"]
     rng, nprng = c.rng, c.nprng
@@ -329,9 +339,7 @@ def _vt(c: _Ctx, args: dict[str, Any], num_samples: int) -> list[_Gen]:
 
     def gen(n: int, is_icl: bool = False) -> _Gen:
         vars_, chs = chains(is_icl)
-        sentences = [NOISE] * n
-        if len(sentences) <= len(chs[0]):  # too few noise lines for the chain: split them into sentences
-            sentences = [p + "." if p.strip() else p for s in sentences for p in s.split(".")]
+        sentences = vt_noise(n, len(chs[0]))
         for ch in chs:
             positions = sorted(rng.sample(range(len(sentences)), len(ch)))
             for j, p in enumerate(positions):
@@ -352,17 +360,20 @@ def _vt(c: _Ctx, args: dict[str, Any], num_samples: int) -> list[_Gen]:
     inc = 5 if c.max_len < 4096 else 10
     size = _search(lambda n: c.ntok(gen(n).text), inc, ttg + icl_tokens, c.max_len)
     cut_key = TEMPLATES["variable_tracking"]["template"][:20]
-    out = []
-    for _ in range(num_samples):
-        g = _fit(gen, size, inc, lambda g: c.ntok(g.text) + ttg + icl_tokens <= c.max_len, "vt")
-        # New variable names and value in the example for every sample, then insert it before the task text.
+
+    def with_example(n: int) -> _Gen:
+        # One attempt, as the official retry loop makes it: draw the sample, then new variable names and value for
+        # the example, insert it before the task text; the fit is measured on this whole text.
+        g = gen(n)
         ex = icl
         for item in ex.strip().split()[-num_hops - 1:]:
             ex = ex.replace(item, "".join(rng.choices(string.ascii_uppercase, k=len(item))).upper())
         ex = ex.replace("12345", str(nprng.randint(10000, 99999)))
         cut = g.text.index(cut_key)
-        out.append(_Gen(g.text[:cut] + ex + "\n" + g.text[cut:], g.answers, g.context))
-    return out
+        return _Gen(g.text[:cut] + ex + "\n" + g.text[cut:], g.answers, g.context)
+
+    return [_fit(with_example, size, inc, lambda g: c.ntok(g.text) + ttg <= c.max_len, "vt")
+            for _ in range(num_samples)]
 
 
 def _cwe(c: _Ctx, args: dict[str, Any], num_samples: int, extra_words: Callable[[], list[str]]) -> list[_Gen]:
@@ -443,15 +454,29 @@ def _fwe(c: _Ctx, args: dict[str, Any], num_samples: int) -> list[_Gen]:
         context = " ".join(lst)
         return _Gen(template.format(context=context, query=""), v[1:4], context)
 
-    # Sizing: one vocabulary, grow the word count until the text reaches max_len, then step back once.
+    # Sizing: one vocabulary; grow the word count by `inc` while the text is still shorter than max_len (each
+    # grown text measured), then step back once: the last size measured below max_len.
     v = vocab()
-    n, total = max_len // wordlen, 0
-    while total < max_len:
-        total = c.ntok(text_for(v, n).text)
+    n = max_len // wordlen
+    while c.ntok(text_for(v, n).text) < max_len:
         n += inc
     n -= inc
-    return [_fit(lambda m: text_for(vocab(), m), n, inc, lambda g: c.ntok(g.text) <= max_len, "fwe")
-            for _ in range(num_samples)]
+
+    def sample() -> _Gen:
+        # One vocabulary per sample, kept while the word count shrinks by `inc` until the text fits. The official
+        # loop has no floor; once no word is left only the template remains, and if even that is too long it would
+        # never end.
+        v, m = vocab(), n
+        g = text_for(v, m)
+        while c.ntok(g.text) > max_len:
+            if m <= 0:
+                raise TaskError("ruler: cannot fit a fwe sample into the length budget with this tokenizer; "
+                                "use a larger length")
+            m -= inc
+            g = text_for(v, m)
+        return g
+
+    return [sample() for _ in range(num_samples)]
 
 
 def read_squad(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
@@ -492,7 +517,7 @@ def _load_json(path: str | Path, what: str) -> Any:
     if not p.is_file():
         raise TaskError(f"{what} not found: {p}")
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        return json.loads(read_text(p))
     except json.JSONDecodeError as e:
         raise TaskError(f"{what} {p}: not valid JSON ({e.msg})") from None
 
@@ -502,19 +527,24 @@ def _qa(c: _Ctx, qas: list[dict[str, Any]], docs: list[str], num_samples: int) -
     if num_samples > len(qas):
         raise TaskError(f"ruler qa: num_samples={num_samples} but the file has only {len(qas)} questions")
 
+    # RULER's document list lives for the whole generator run. A request for all of it (n >= the number of
+    # documents, e.g. a search probe at 128K tokens) shuffles that list itself, in place, so from then on the
+    # document ids of every question point into the shuffled order. Kept: the official data has it.
+    pool = list(docs)
+
     def gen(index: int, n: int) -> _Gen:
         q = qas[index]
         gold, more = q["context"], q.get("more_context", [])
-        if n < len(docs):
+        if n < len(pool):
             if n - len(gold) > len(more):
                 taken = set(gold + more)
-                extra = [i for i in range(len(docs)) if i not in taken]
+                extra = [i for i in range(len(pool)) if i not in taken]
                 ids = gold + more + rng.sample(extra, max(0, n - len(gold) - len(more)))
             else:
                 ids = gold + rng.sample(more, n - len(gold))
-            chosen = [docs[i] for i in ids]
+            chosen = [pool[i] for i in ids]
         else:
-            chosen = list(docs)
+            chosen = pool
         random.Random(c.seed).shuffle(chosen)
         context = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(chosen))
         return _Gen(template.format(context=context, query=q["query"]), list(q["outputs"]), context)
