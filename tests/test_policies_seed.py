@@ -19,6 +19,7 @@ from kvbench.policies.base import Policy, PolicyError, adaptive_counts, compact
 from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
+from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.sagekv import SageKV
 from kvbench.runner import generate
 
@@ -211,6 +212,60 @@ def test_criticalkv_on_adakv_follows_adakv_budgets() -> None:
         assert kept_lists(idx, valid) == [[0, 1, 2, 3, 7], [5, 6, 7]]
     with pytest.raises(PolicyError):
         CriticalKV(budget=40, base="h2o")
+
+
+# PyramidKV ---------------------------------------------------------------------------------------------------------
+# Budgets by hand. N = 64, window 8 -> F = 56, beta 20, 4 layers: min = 56 / 20 = 2.8, max = 112 - 2.8 = 109.2,
+# step (109.2 - 2.8) / 3 = 35.4667: F_l = 109.2, 73.733, 38.267, 2.8 -> 109, 74, 38, 3 (sum 224 = 4 x 56)
+# -> N_l = 117, 82, 46, 11, mean 64.
+# After 115 tokens (>= 2F = 112): max 109.2 >= 115 - 8 = 107 -> max = 107, min = 112 - 107 = 5, step 34:
+# 107, 73, 39, 5 -> 115, 81, 47, 13. After 100 tokens (< 2F): every layer keeps N = 64.
+# N = 128, window 8 -> F = 120, 8 layers: min 6, max 234, step 228 / 7 = 32.571: 234, 201.43, 168.86, 136.29,
+# 103.71, 71.14, 38.57, 6 -> 234, 201, 169, 136, 104, 71, 39, 6 (sum 960 = 8 x 120) -> +8.
+@pytest.mark.parametrize("budget,layers,seen,expected", [
+    (64, 4, None, [117, 82, 46, 11]),
+    (64, 4, 10_000, [117, 82, 46, 11]),
+    (64, 4, 115, [115, 81, 47, 13]),
+    (64, 4, 100, [64, 64, 64, 64]),
+    (128, 8, None, [242, 209, 177, 144, 112, 79, 47, 14]),
+])
+def test_pyramidkv_layer_budgets(budget: int, layers: int, seen: int | None, expected: list[int]) -> None:
+    policy = PyramidKV(budget=budget)
+    assert (policy.beta, policy.window, policy.kernel, policy.pooling) == (20, 8, 7, "max")
+    policy.attach(layers)
+    got = [policy.layer_budget(i, seen) for i in range(layers)]
+    assert got == expected and sum(got) == layers * budget  # the layers keep N per KV head on average
+
+
+def test_pyramidkv_scores_like_snapkv_within_its_layer_budget() -> None:
+    # One head, window 1 (slot 9), kernel 1: A ~ w = 9,1,8,2,7,3,6,4,5 | 1. N = 6 -> F = 5, beta 10, 2 layers:
+    # min .5, max 9.5 >= 10 - 1 seen -> capped: max 9, min 1 -> layer 0 keeps N_0 = 10 (all), layer 1 N_1 = 2:
+    # the window and the best other token (slot 0).
+    policy = PyramidKV(budget=6, window=1, kernel=1, beta=10)
+    weights = [9, 1, 8, 2, 7, 3, 6, 4, 5, 1]
+    with pytest.raises(PolicyError, match="number of layers"):
+        policy.select(make_layer([log_keys(weights)], [[[1.0]]], layer_idx=1))
+    policy.attach(2)
+    assert [policy.layer_budget(i, 10) for i in (0, 1)] == [10, 2]
+    assert policy.select(make_layer([log_keys(weights)], [[[1.0]]], layer_idx=0)) is None
+    idx, valid = policy.select(make_layer([log_keys(weights)], [[[1.0]]], layer_idx=1))
+    assert valid is None and idx[0].tolist() == [[0, 9]]
+    # uncapped (a long prompt), min .5 rounds to 0: the deepest layer keeps only its window
+    assert policy.layer_budget(1) == 1
+    with pytest.raises(PolicyError, match="beta"):
+        PyramidKV(budget=64, beta=0.5)
+
+
+def test_pyramidkv_run_keeps_n_per_layer_on_average() -> None:
+    # 4 layers, N = 40, window 8, B = 16: F = 32, min 1.6, max 62.4, step 20.267 -> 62, 42, 22, 2 (+8).
+    model = _model("tiny-llama", num_hidden_layers=4)
+    policy = PyramidKV(budget=40)
+    res = generate(model, policy, _prompt(200, seed=3), 16, 3, stop_ids=(), trace=True)
+    assert policy.num_layers == 4  # told by the cache
+    assert [pos.shape[-1] for pos in res.trace[-1]] == [70, 50, 30, 10]
+    # all layers together: at most 4 x (N + B) tokens per KV head; 2 KV heads x 64 dims x (K + V) x 4 bytes each
+    assert res.kv_bytes_peak <= 4 * (40 + 16) * 2 * 64 * 2 * 4
+    assert res.peak_kv_tokens == 70 + 16  # the first layer
 
 
 # HashEvict ---------------------------------------------------------------------------------------------------------
