@@ -7,9 +7,11 @@ The wrapper receives post-norm, post-RoPE queries, the layer's whole key/value (
 - stashes the latest queries for policies that score with them (only when the active policy asks),
 - fills the new tokens' per-token policy state (`Policy.on_append`),
 - rebuilds the causal mask when this layer's key length differs from the mask HF built for the first layer (layers
-  hold different numbers of tokens when some are not evicted), and builds per-head masks for ragged heads,
+  hold different numbers of tokens when some are not evicted),
 - computes attention itself (query-chunked, never prompt^2 at once) when the policy needs the probabilities,
   handing them to `Policy.on_attention` and reusing them for the output,
+- on ragged layers (per-head budgets, stored flat per KV head: see cache.py) ignores the `key`/`value` it is handed
+  (the layer's flat storage) and attends head by head, each KV head's query group over that head's own keys,
 and otherwise delegates to sdpa or the model file's own eager function.
 
 The active cache is found through a context variable set by `active(cache)`, so plain forwards outside kvbench
@@ -68,8 +70,7 @@ def _fit_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, base: str, dty
 
 
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                       softcap: float | None, valid: torch.Tensor | None,
-                       on_probs: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                       softcap: float | None, on_probs: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """Causal attention of the block (the last q slots) over all slots, computed in query chunks.
 
     Precision follows HF's eager path (logits in the input dtype, softmax in float32). `on_probs` receives each
@@ -82,7 +83,8 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     off = kv_len - q_len  # slots before the block: visible to every query
     kt = key.transpose(-1, -2).reshape(b * h_kv, d, kv_len)  # (b*h_kv, d, kv)
     zero = query.new_zeros(())
-    out = value.new_empty(b, h_kv, g, q_len, d)
+    d_v = value.shape[-1]
+    out = value.new_empty(b, h_kv, g, q_len, d_v)
     # Per chunk of c queries, the (b, h_kv, g, c, kv) logits are the big tensor: every step below works on it in
     # place (scale fused into the matmul, causal mask only on the part a query can miss), which measured ~20 %
     # cheaper than fresh tensors per step on CPU.
@@ -99,14 +101,31 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             j = torch.arange(first, kv_len, device=query.device)
             i = torch.arange(s, e, device=query.device).view(-1, 1)
             logits[..., first:].masked_fill_((j > i + off).view(1, 1, 1, c, kv_len - first), -math.inf)
-        if valid is not None:
-            logits.masked_fill_(~valid.view(b, h_kv, 1, 1, kv_len), -math.inf)
         probs = torch.softmax(logits, dim=-1)  # (b, h_kv, g, c, kv)
         if on_probs is not None:
             on_probs(probs.mean(dim=2))
         out[:, :, :, s:e] = torch.matmul(probs.to(value.dtype).view(b, h_kv, g * c, kv_len),
-                                         value).view(b, h_kv, g, c, d)
-    return out.view(b, h_q, q_len, d).transpose(1, 2).contiguous()  # (b, q, h_q, d)
+                                         value).view(b, h_kv, g, c, d_v)
+    return out.view(b, h_q, q_len, d_v).transpose(1, 2).contiguous()  # (b, q, h_q, d_v)
+
+
+def ragged_attention(query: torch.Tensor, layer: EvictingLayer, scaling: float,
+                     softcap: float | None) -> torch.Tensor:
+    """Attention of the block over a ragged layer's flat storage: per (batch, KV head) segment, the head's query
+    group attends to that head's own keys (the block is the last q of them), exactly as `explicit_attention`.
+
+    No padded tensor is built; the cost is one small attention per KV head. Returns (b, q, h_q, d_v).
+    """
+    b, h_q, q_len, _ = query.shape  # (b, h_q, q, d)
+    h_kv = layer.lengths.shape[1]
+    g = h_q // h_kv
+    out = layer.values.new_empty(b, q_len, h_q, layer.values.shape[-1])
+    sizes = layer.lengths.flatten().tolist()
+    for i, (k, v) in enumerate(zip(layer.keys.split(sizes), layer.values.split(sizes))):  # (n_i, d) each
+        bi, hi = divmod(i, h_kv)
+        qi = query[bi:bi + 1, hi * g:(hi + 1) * g]  # (1, g, q, d)
+        out[bi, :, hi * g:(hi + 1) * g] = explicit_attention(qi, k[None, None], v[None, None], scaling, softcap)[0]
+    return out
 
 
 def _make_wrapper(base: str) -> Callable[..., Any]:
@@ -127,17 +146,18 @@ def _make_wrapper(base: str) -> Callable[..., Any]:
             if cache.query_window:
                 layer.stash_queries(query, cache.query_window)
             if policy.state_names:
-                new = policy.on_append(layer, module, key[..., -q_len:, :], value[..., -q_len:, :], query)
+                new = policy.on_append(layer, module, *layer.block_kv(q_len), query)
                 for name in policy.state_names:
-                    if name not in layer.state:
-                        layer.state[name] = key.new_zeros(key.shape[:3], dtype=torch.float32)
-                    layer.state[name][..., -q_len:] = new[name]
+                    layer.set_block_state(name, new[name])
             if policy.needs_attention:
-                out = explicit_attention(query, key, value, scaling, layer.softcap, layer.valid,
+                if layer.ragged:
+                    raise NotImplementedError(f"policy '{policy.name}' needs attention probabilities, which "
+                                              "kvbench does not compute on ragged per-head layers")
+                out = explicit_attention(query, key, value, scaling, layer.softcap,
                                          lambda p: policy.on_attention(layer, p))
                 return out, None
-        if layer.valid is not None:  # ragged heads: per-head masks, computed explicitly
-            return explicit_attention(query, key, value, scaling, layer.softcap, layer.valid), None
+        if layer.ragged:  # per-head budgets: `key`/`value` are the flat storage, attended head by head
+            return ragged_attention(query, layer, scaling, layer.softcap), None
         mask = _fit_mask(attention_mask, q_len, kv_len, base, query.dtype, query.device)
         return base_fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
 

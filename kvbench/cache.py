@@ -18,10 +18,20 @@ if TYPE_CHECKING:
 
 
 class EvictingLayer(DynamicLayer):
-    """One full-attention layer's cache: K/V plus, per slot, its absolute position and per-token policy state.
+    """One full-attention layer's cache: K/V plus, per token, its absolute position and per-token policy state.
 
-    All per-slot tensors share the token axis and are pruned together by `keep`. `valid` (optional) marks real
-    slots when heads hold different numbers of tokens (per-head budgets): shorter heads are padded at the end.
+    Two storage layouts, chosen after every eviction by what the layer holds:
+    - uniform (every KV head holds the same number of tokens): keys/values (b, h_kv, n, d), positions and each
+      state tensor (b, h_kv, n), slots in chronological order;
+    - ragged (per-head budgets: AdaKV, CriticalKV on AdaKV, SAGE-KV): flattened per head, as AdaKV's own code
+      stores it. The (batch, KV head) segments lie one after another, each in chronological order:
+      keys/values (S, d), positions and state (S,), `lengths` (b, h_kv) the tokens of each segment, S their sum.
+      What is held is exactly the kept tokens (+ the block being appended): no padding.
+    `update` appends the block at the end of every head's segment and returns the layer's storage (for ragged
+    layers the flat (S, d) tensors, which only the kvbench attention wrapper reads, head by head).
+    Policies always score a padded (b, h_kv, L) view: `unpack` builds it for a ragged layer at eviction time
+    (each head's tokens first, then padding: `valid` False, position -1, zero K/V) and `keep`/`pack` turn the
+    result back into storage, so the view is never held across steps (`Policy.evict` does both).
     """
 
     is_sliding = False
@@ -31,66 +41,152 @@ class EvictingLayer(DynamicLayer):
         super().__init__()
         self.layer_idx = layer_idx
         self.seen = 0  # tokens ever appended (logical length)
-        self.positions: torch.Tensor | None = None  # (b, h_kv, n) absolute position of each slot
-        self.valid: torch.Tensor | None = None  # (b, h_kv, n) bool, only for ragged per-head budgets
-        self.state: dict[str, torch.Tensor] = {}  # name -> (b, h_kv, n) per-token policy state
+        self.positions: torch.Tensor | None = None  # (b, h_kv, n) or ragged (S,): absolute position of each token
+        self.lengths: torch.Tensor | None = None  # (b, h_kv) tokens per head; set only for ragged storage
+        self.valid: torch.Tensor | None = None  # (b, h_kv, L) bool real slots; set only in the padded view
+        self.state: dict[str, torch.Tensor] = {}  # name -> (b, h_kv, n) or ragged (S,) per-token policy state
         self.queries: torch.Tensor | None = None  # (b, h_q, w, d) latest queries kept for the policy
         self.query_positions: torch.Tensor | None = None  # (w,) absolute positions of those queries
-        self.peak_tokens = 0  # max physical slots held per KV head (incl. padding)
+        self.peak_tokens = 0  # max over time of tokens held per KV head (ragged: layer total / (b * h_kv), ceil)
         self.decoding = False  # set by the runner once the prompt is done (SAGE-KV only slides its window then)
+
+    @property
+    def ragged(self) -> bool:
+        """True when stored flat per head (heads hold different numbers of tokens)."""
+        return self.lengths is not None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        b, h, q, _ = key_states.shape  # (b, h_kv, q, d)
+        if self.valid is not None:
+            raise RuntimeError("append to a layer in its padded scoring view; pack() it first")
+        b, h, q, d = key_states.shape  # (b, h_kv, q, d)
         new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
-        if self.keys.numel() == 0:
+        if self.ragged:
+            sizes = self.lengths.flatten().tolist()
+            self.keys = _interleave(self.keys, key_states.reshape(b * h * q, d), sizes, q)  # (S + b*h*q, d)
+            self.values = _interleave(self.values, value_states.reshape(b * h * q, -1), sizes, q)
+            self.positions = _interleave(self.positions, new_pos.reshape(-1), sizes, q)
+            self.state = {k: _interleave(s, s.new_zeros(b * h * q), sizes, q) for k, s in self.state.items()}
+            self.lengths = self.lengths + q
+        elif self.keys.numel() == 0:
             self.keys, self.values, self.positions = key_states, value_states, new_pos.contiguous()
         else:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
             self.positions = torch.cat([self.positions, new_pos], dim=-1)
-        if self.valid is not None:
-            self.valid = torch.cat([self.valid, self.valid.new_ones(b, h, q)], dim=-1)
-        for name, s in self.state.items():  # policies fill the new tokens' state in the attention wrapper
-            self.state[name] = torch.cat([s, s.new_zeros(b, h, q)], dim=-1)
+            # policies fill the new tokens' state in the attention wrapper
+            self.state = {k: torch.cat([s, s.new_zeros(b, h, q)], dim=-1) for k, s in self.state.items()}
         self.seen += q
-        self.peak_tokens = max(self.peak_tokens, self.keys.shape[-2])
+        self.peak_tokens = max(self.peak_tokens, self.tokens_per_head())
         return self.keys, self.values
 
     def physical(self) -> int:
-        return 0 if (self.keys is None or self.keys.numel() == 0) else self.keys.shape[-2]
+        """Slots of the longest head (uniform layers: every head's length)."""
+        if self.keys is None or self.keys.numel() == 0:
+            return 0
+        return int(self.lengths.max()) if self.ragged else self.keys.shape[-2]
+
+    def tokens_per_head(self) -> int:
+        """Tokens held per KV head: the layer's total over its b * h_kv heads, rounded up (exact when uniform)."""
+        if self.keys is None or self.keys.numel() == 0:
+            return 0
+        if self.ragged:
+            return -(-self.keys.shape[0] // self.lengths.numel())
+        return self.keys.shape[-2]
 
     def get_seq_length(self) -> int:
         return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Ragged layers ignore HF's mask (the wrapper attends head by head); the size only has to be consistent.
         phys = self.physical()
         return phys + query_length, self.seen - phys
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("an evicting cache cannot be cropped by token count")
 
+    # -- the block just appended (read and filled by the attention wrapper) -------------------------------------
+    def _block_index(self, q: int) -> torch.Tensor:
+        """(b*h_kv, q) flat indices of each ragged head's latest q tokens."""
+        ends = self.lengths.flatten().cumsum(0)  # (b*h_kv,)
+        return (ends - q).unsqueeze(-1) + torch.arange(q, device=ends.device)
+
+    def block_kv(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (b, h_kv, q, d) of the latest q tokens of every head."""
+        if not self.ragged:
+            return self.keys[..., -q:, :], self.values[..., -q:, :]
+        b, h = self.lengths.shape
+        idx = self._block_index(q).flatten()
+        return self.keys[idx].view(b, h, q, -1), self.values[idx].view(b, h, q, -1)
+
+    def set_block_state(self, name: str, new: torch.Tensor) -> None:
+        """Write per-token state `new` (b, h_kv, q) of the latest q tokens (creating the state, zeros, if needed)."""
+        if name not in self.state:
+            self.state[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.positions.device)
+        q = new.shape[-1]
+        if self.ragged:
+            self.state[name][self._block_index(q).flatten()] = new.reshape(-1).to(self.state[name].dtype)
+        else:
+            self.state[name][..., -q:] = new
+
+    # -- the scoring view and eviction ----------------------------------------------------------------------------
+    def head_positions(self) -> torch.Tensor:
+        """(b, h_kv, L) absolute positions per head; for a ragged layer padded at the end with -1 (a copy)."""
+        if not self.ragged:
+            return self.positions
+        return _pad(self.positions, self._valid_slots(), -1)
+
+    def _valid_slots(self) -> torch.Tensor:
+        return torch.arange(int(self.lengths.max()), device=self.lengths.device) < self.lengths.unsqueeze(-1)
+
+    def unpack(self) -> None:
+        """Ragged layers: replace the flat storage by the padded (b, h_kv, L) scoring view (see the class doc)."""
+        if not self.ragged:
+            return
+        valid = self._valid_slots()  # (b, h_kv, L)
+        self.keys, self.values = _pad(self.keys, valid, 0), _pad(self.values, valid, 0)
+        self.positions = _pad(self.positions, valid, -1)
+        self.state = {k: _pad(s, valid, 0) for k, s in self.state.items()}
+        self.valid, self.lengths = valid, None
+
+    def pack(self) -> None:
+        """Store the padded view's real slots: uniform layout if every head holds as many tokens, else flat."""
+        if self.valid is None:
+            return
+        valid, self.valid = self.valid, None
+        counts = valid.sum(dim=-1)  # (b, h_kv)
+        d = self.keys.shape[-1]
+        self.keys, self.values, self.positions = self.keys[valid], self.values[valid], self.positions[valid]
+        self.state = {k: s[valid] for k, s in self.state.items()}
+        if bool((counts == counts.flatten()[0]).all()):  # the fast uniform path again
+            b, h = counts.shape
+            n = int(counts.flatten()[0])
+            self.keys, self.values = self.keys.view(b, h, n, d), self.values.view(b, h, n, -1)
+            self.positions = self.positions.view(b, h, n)
+            self.state = {k: s.view(b, h, n) for k, s in self.state.items()}
+        else:
+            self.lengths = counts
+
     def keep(self, idx: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Keep only the slots `idx` (b, h_kv, k), given in chronological order; `valid` (b, h_kv, k) marks padding."""
+        """Keep only the slots `idx` (b, h_kv, k) of the (padded) layout, in chronological order; `valid` (b, h_kv, k)
+        marks padding. The result is stored uniform or flat (`pack`)."""
+        if self.ragged:
+            raise RuntimeError("keep() indexes the padded view; unpack() the ragged layer first")
         d = self.keys.shape[-1]
         gidx = idx.unsqueeze(-1).expand(*idx.shape, d)  # (b, h_kv, k, d)
         self.keys = self.keys.gather(2, gidx)
-        self.values = self.values.gather(2, gidx)
+        self.values = self.values.gather(2, idx.unsqueeze(-1).expand(*idx.shape, self.values.shape[-1]))
         self.positions = self.positions.gather(2, idx)
         self.state = {k: v.gather(2, idx) for k, v in self.state.items()}
-        if valid is not None:
-            base = self.valid.gather(2, idx) if self.valid is not None else torch.ones_like(valid)
-            self.valid = base & valid
-        elif self.valid is not None:
-            self.valid = self.valid.gather(2, idx)
-        if self.valid is not None and bool(self.valid.all()):
-            self.valid = None  # all heads hold the same number of tokens again: the fast uniform path
         if self.valid is not None:
-            # Padding slots get position -1: they name no token (traces and diagnostics skip them).
-            self.positions = self.positions.masked_fill(~self.valid, -1)
+            base = self.valid.gather(2, idx)
+            valid = base if valid is None else base & valid
+        self.valid = valid
+        self.pack()
 
     def kv_bytes(self) -> int:
+        """Bytes of K and V held (exact: ragged layers hold no padding)."""
         if self.keys is None:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
@@ -107,6 +203,22 @@ class EvictingLayer(DynamicLayer):
         if window > 0 and self.queries.shape[-2] > window:
             self.queries = self.queries[..., -window:, :]
             self.query_positions = self.query_positions[-window:]
+
+
+def _interleave(old: torch.Tensor, new: torch.Tensor, sizes: list[int], q: int) -> torch.Tensor:
+    """Flat per-head storage with `q` new rows appended to each segment: old (S, ...) split by `sizes`,
+    new (len(sizes) * q, ...) -> (S + len(sizes) * q, ...)."""
+    parts: list[torch.Tensor] = []
+    for o, n in zip(old.split(sizes), new.split(q)):
+        parts += [o, n]
+    return torch.cat(parts)
+
+
+def _pad(flat: torch.Tensor, valid: torch.Tensor, fill: float) -> torch.Tensor:
+    """Flat per-head storage (S, ...) -> padded (b, h_kv, L, ...) with `fill` where `valid` (b, h_kv, L) is False."""
+    out = flat.new_full((*valid.shape, *flat.shape[1:]), fill)
+    out[valid] = flat
+    return out
 
 
 class EvictingCache(Cache):
@@ -127,6 +239,8 @@ class EvictingCache(Cache):
                 raise ValueError(f"layer {i} has attention type '{kind}', which kvbench does not support")
         super().__init__(layers=layers)
         self.policy = policy
+        if policy is not None:
+            policy.attach(len(layers))  # per-layer budgets (PyramidKV) depend on the model's depth
         self.frozen = False  # context_only scenario: no eviction after the context
         # Latest queries to stash per layer (Policy.query_window; the runner raises it to 1 for diagnostics).
         self.query_window = policy.query_window if policy is not None else 0
@@ -139,9 +253,18 @@ class EvictingCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, EvictingLayer)]
 
     def peak_tokens(self) -> int:
-        """Max over layers of the physical tokens held per KV head, over the cache's lifetime."""
+        """Max over layers and over the cache's lifetime of the tokens a layer held per KV head.
+
+        Per KV head = the layer's total held tokens / (batch x h_kv), rounded up: every head's length for uniform
+        layers, the per-head average for ragged (per-head budget) layers, whose heads differ.
+        """
         return max((layer.peak_tokens for layer in self.evicting_layers()), default=0)
 
     def kv_bytes(self) -> int:
-        """Bytes of K and V held now, all layers (padding of ragged heads included)."""
+        """Bytes of K and V held now, all layers (exact: what the tensors hold, no padding)."""
         return sum(layer.kv_bytes() for layer in self.layers if layer.keys is not None)
+
+    def head_positions(self) -> list[torch.Tensor | None]:
+        """Per layer, (b, h_kv, L) absolute positions of the tokens each head holds (-1 pads ragged heads);
+        None for layers HF bounds itself (sliding)."""
+        return [layer.head_positions() if isinstance(layer, EvictingLayer) else None for layer in self.layers]

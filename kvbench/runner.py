@@ -35,7 +35,7 @@ class GenerationResult:
     decode_s: float
     decode_steps: int  # one-token forwards during decoding
     evict_s: float
-    peak_kv_tokens: int  # max over layers of physical tokens per KV head
+    peak_kv_tokens: int  # max over layers and time of tokens held per KV head (ragged: layer total / h_kv)
     kv_bytes_peak: int  # max over time of K+V bytes held, all layers
     trace: list[list[torch.Tensor | None]] = field(default_factory=list, repr=False)
     diagnostics: dict[str, Any] | None = None  # Diagnostics.summary() when diagnostics were asked for
@@ -56,8 +56,8 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
 
     `block=None` feeds the whole prompt in one forward, then evicts once. `forced` teacher-forces these tokens
     instead of the argmax (the fidelity task); `on_logits` sees each step's next-token logits (1, vocab) float32.
-    `trace` records, before every forward, each layer's slot positions (tests rebuild attention from them; padding
-    slots of ragged layers read -1). `diagnostics` names kvbench.diagnostics measures taken at every eviction.
+    `trace` records, before every forward, each layer's per-head token positions (b, h_kv, L) (tests rebuild
+    attention from them; ragged layers' shorter heads are padded with -1 in this record only). `diagnostics` names kvbench.diagnostics measures taken at every eviction.
     """
     device = model.device
     ids = torch.tensor([input_ids], device=device)  # (1, T)
@@ -74,7 +74,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
     def forward(chunk: torch.Tensor) -> torch.Tensor:
         nonlocal peak_bytes
         if trace:
-            traces.append([getattr(layer, "positions", None) for layer in cache.layers])
+            traces.append(cache.head_positions())
         out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
         peak_bytes = max(peak_bytes, cache.kv_bytes())
         return out.logits[:, -1].float()  # (1, vocab)

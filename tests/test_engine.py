@@ -16,6 +16,7 @@ from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
+from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.random import Random
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
@@ -74,6 +75,7 @@ def test_budget_at_least_prompt_evicts_nothing() -> None:
     (lambda: H2O(budget=24), 2),  # attention computed by the wrapper itself
     (lambda: KNorm(budget=24, skip_layers=[0]), 3),  # per-layer lengths: layer 0 keeps all, mask rebuilt per layer
     (lambda: SnapKV(budget=24, window=4, kernel=3), 2),
+    (lambda: PyramidKV(budget=24, window=4, kernel=3), 3),  # per-layer budgets shrinking with depth
 ])
 def test_eviction_matches_float64_reference(policy_factory, layers: int) -> None:
     model, _ = _model("tiny-llama", num_hidden_layers=layers)

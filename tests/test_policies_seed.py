@@ -11,14 +11,15 @@ import pytest
 import torch
 
 from kvbench import attention
-from kvbench.cache import EvictingLayer
+from kvbench.cache import EvictingCache, EvictingLayer
 from kvbench.diagnostics import Diagnostics, aggregate, key_logdet
 from kvbench.models import build_tiny_model
 from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import Policy, PolicyError, compact
+from kvbench.policies.base import Policy, PolicyError, adaptive_counts, compact
 from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
+from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.sagekv import SageKV
 from kvbench.runner import generate
 
@@ -60,56 +61,90 @@ def kept_lists(idx: torch.Tensor, valid: torch.Tensor | None) -> list[list[int]]
 # Two KV heads (one query head each), window 1 (slot 7, the query's own token), kernel 1 (no smoothing), N = 4.
 # Head 0 weights 8,8,8,8,8,1,1 | 1 -> A = 8/43 (slots 0-4), 1/43 (5, 6).
 # Head 1 weights 1,1.2,1.4,1.6,1.8,2,6 | 1 -> A = .0625 .075 .0875 .1 .1125 .125 .375.
-# The layer keeps 2 * 4 = 8 tokens: the two windows, then (free budget 3 per head):
-#  alpha 0   : global top 6 = h1 slot 6 (.375), h0 slots 0-4 (.186)           -> head 0: 6 tokens, head 1: 2
-#  alpha 0.7 : safeguard floor(2.1) = 2 each (h0: 0, 1; h1: 6, 5), then 2 more: h0 slots 2, 3 -> 5 and 3
-#  alpha 1   : safeguard 3 each = SnapKV per head: h0 slots 0, 1, 2 (ties: earlier slot), h1 slots 4, 5, 6
+# The layer has 2 * 4 = 8 slots; each head keeps its window. Free budget F = N - window = 3 per head.
+# allocation=adakv (AdaKV's code): c = shares of the global top 2F = 6 unprotected scores = h1 slot 6 (.375),
+# h0 slots 0-4 (.186) -> c = (5, 1); head h keeps round((1 - a) c_h + floor(a F)) by its own scores:
+#  a 0   : floor 0, round(5), round(1)          = 5, 1 -> h0 slots 0-4, h1 slot 6
+#  a 0.2 : floor(0.6) = 0, round(4.0), round(.8) = 4, 1 -> h0 slots 0-3 (ties: earlier slot), h1 slot 6 (7 < 8 kept)
+#  a 0.5 : floor(1.5) = 1, round(3.5), round(1.5) = 4, 2 (half to even) -> h0 slots 0-3, h1 slots 6, 5
+#  a 1   : floor 3, 3 each = SnapKV per head: h0 slots 0, 1, 2, h1 slots 4, 5, 6
+# allocation=kvpress: each head keeps its top floor(a N) slots counting its window (at least the window), then
+# the layer's best remaining scores fill the 8 slots:
+#  a 0.2 : floor(0.8) = 0 -> window only; global top 6 as above            -> h0 slots 0-4, h1 slot 6
+#  a 0.75: floor(3) -> window + h0 0, 1 and h1 6, 5; 2 more: h0 2, 3 (.186) beat h1 4 (.1125)
+#  a 1   : floor(4) -> window + 3 each = SnapKV per head
 ADA_KEYS = [log_keys([8, 8, 8, 8, 8, 1, 1, 1]), log_keys([1, 1.2, 1.4, 1.6, 1.8, 2, 6, 1])]
 ADA_QUERIES = [[[1.0]], [[1.0]]]
 
 
-@pytest.mark.parametrize("alpha,expected", [
-    (0.0, [[0, 1, 2, 3, 4, 7], [6, 7]]),
-    (0.7, [[0, 1, 2, 3, 7], [5, 6, 7]]),
-    (1.0, [[0, 1, 2, 7], [4, 5, 6, 7]]),
+@pytest.mark.parametrize("allocation,alpha,expected", [
+    ("adakv", 0.0, [[0, 1, 2, 3, 4, 7], [6, 7]]),
+    ("adakv", 0.2, [[0, 1, 2, 3, 7], [6, 7]]),
+    ("adakv", 0.5, [[0, 1, 2, 3, 7], [5, 6, 7]]),
+    ("adakv", 1.0, [[0, 1, 2, 7], [4, 5, 6, 7]]),
+    ("kvpress", 0.2, [[0, 1, 2, 3, 4, 7], [6, 7]]),
+    ("kvpress", 0.75, [[0, 1, 2, 3, 7], [5, 6, 7]]),
+    ("kvpress", 1.0, [[0, 1, 2, 7], [4, 5, 6, 7]]),
 ])
-def test_adakv_per_head_budgets(alpha: float, expected: list[list[int]]) -> None:
-    policy = AdaKV(budget=4, window=1, kernel=1, alpha_safeguard=alpha)
+def test_adakv_per_head_budgets(allocation: str, alpha: float, expected: list[list[int]]) -> None:
+    policy = AdaKV(budget=4, window=1, kernel=1, alpha_safeguard=alpha, allocation=allocation)
     idx, valid = policy.select(make_layer(ADA_KEYS, ADA_QUERIES))
     assert kept_lists(idx, valid) == expected
     if alpha == 1.0:
         assert valid is None  # equal counts: no padding
-    else:
-        assert idx.shape[-1] == max(len(e) for e in expected)  # padded to the longest head only
 
 
-def test_adakv_default_safeguard_is_a_fifth_of_the_free_budget() -> None:
-    # N = 4, window 1: free 3, floor(0.2 * 3) = 0 -> same as alpha 0.
-    idx, valid = AdaKV(budget=4, window=1, kernel=1).select(make_layer(ADA_KEYS, ADA_QUERIES))
-    assert kept_lists(idx, valid) == [[0, 1, 2, 3, 4, 7], [6, 7]]
+def test_adakv_defaults_are_adakv_code_allocation_with_a_fifth_safeguard() -> None:
+    policy = AdaKV(budget=4, window=1, kernel=1)
+    assert (policy.allocation, policy.alpha_safeguard) == ("adakv", 0.2)
+    idx, valid = policy.select(make_layer(ADA_KEYS, ADA_QUERIES))
+    assert kept_lists(idx, valid) == [[0, 1, 2, 3, 7], [6, 7]]
     with pytest.raises(PolicyError):
         AdaKV(budget=4, alpha_safeguard=1.5)
+    with pytest.raises(PolicyError, match="allocation"):
+        AdaKV(budget=40, allocation="mix")
 
 
-def test_ragged_keep_then_append_keeps_positions_and_recent_window() -> None:
+def test_adakv_code_rounding_never_exceeds_the_layer_budget() -> None:
+    # Three heads, N = 3, one protected slot each (slot 0) -> F = 2, global top 2 * 3 = 6 unprotected scores:
+    # h0 .9, h1 .8, h2 .7 .6 .5 .4 -> c = (1, 1, 4). a = 0.5: floor(1.0) = 1; 0.5 c + 1 = 1.5, 1.5, 3 round to
+    # 2, 2, 3 = 7 > 6: one token back from a head rounded up the most (h0, h1 tie: h0) -> 1, 2, 3 (+1 protected).
+    inf = math.inf
+    scores = torch.tensor([[[inf, .9, .1, .1, .1, .1], [inf, .8, .1, .1, .1, .1], [inf, .7, .6, .5, .4, .1]]])
+    counts = adaptive_counts(scores, 3, torch.ones(1, 3, dtype=torch.long), 0.5, "adakv")
+    assert counts.tolist() == [[2, 3, 4]]
+    # kvpress on the same scores: safeguard floor(1.5) = 1 = the protected slot; then the global top 6 -> (2, 2, 5)
+    assert adaptive_counts(scores, 3, torch.ones(1, 3, dtype=torch.long), 0.5, "kvpress").tolist() == [[2, 2, 5]]
+
+
+def test_ragged_layer_is_stored_flat_per_head() -> None:
     layer = make_layer(ADA_KEYS, ADA_QUERIES)
-    layer.keep(*AdaKV(budget=4, window=1, kernel=1, alpha_safeguard=0.0).select(layer))
-    # compacted: each head's kept tokens in order, then padding (position -1)
-    assert layer.positions[0].tolist() == [[0, 1, 2, 3, 4, 7], [6, 7, -1, -1, -1, -1]]
-    assert layer.valid[0].tolist() == [[True] * 6, [True, True] + [False] * 4]
+    assert AdaKV(budget=4, window=1, kernel=1, alpha_safeguard=0.0).evict(layer)
+    # flat: head 0's six kept tokens, then head 1's two, each chronological; no padding is held
+    assert layer.ragged and layer.lengths.tolist() == [[6, 2]] and layer.valid is None
+    assert layer.positions.tolist() == [0, 1, 2, 3, 4, 7, 6, 7]
+    assert layer.keys[:, 0].tolist() == pytest.approx([math.log(8)] * 5 + [0.0, math.log(6), 0.0])
+    # 8 tokens x d 1 x 4 bytes x (K + V); the padded layout held 2 heads x 6 slots
+    assert layer.kv_bytes() == 8 * 1 * 4 * 2 and layer.tokens_per_head() == 4
     new = torch.ones(1, 2, 2, 1)
-    layer.update(new, new)  # a block of two tokens at positions 8, 9 lands after the padding
-    assert layer.positions[0].tolist() == [[0, 1, 2, 3, 4, 7, 8, 9], [6, 7, -1, -1, -1, -1, 8, 9]]
-    assert layer.valid[0, 1].tolist() == [True, True, False, False, False, False, True, True]
-    # the recent window (3 latest tokens) is 7, 8, 9 in both heads, not the last three slots; sink: position 0
+    layer.update(new, new)  # a block of two tokens (positions 8, 9) joins the end of each head's segment
+    assert layer.positions.tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 6, 7, 8, 9]
+    assert layer.head_positions()[0].tolist() == [[0, 1, 2, 3, 4, 7, 8, 9], [6, 7, 8, 9, -1, -1, -1, -1]]
+    assert layer.kv_bytes() == 12 * 1 * 4 * 2 and layer.tokens_per_head() == 6
+    assert layer.peak_tokens == 8  # the first 8 tokens per head, before the eviction
+    # within budget (2 x 6 = 12 >= 12 held): evict packs the scoring view back unchanged
+    assert not AdaKV(budget=6, window=1, kernel=1).evict(layer)
+    assert layer.ragged and layer.positions.tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 6, 7, 8, 9]
+    # the scoring view: each head's tokens first, then padding; the recent window (3 latest) and sink (position
+    # 0) are found by position, not by slot
+    layer.unpack()
+    assert layer.valid[0].tolist() == [[True] * 8, [True] * 4 + [False] * 4]
     prot = Policy(budget=10, n_sink=1, n_recent=3).protected(layer)
     assert prot[0].tolist() == [[True, False, False, False, False, True, True, True],
-                                [False, True, False, False, False, False, True, True]]
-    # K/V bytes count the padding: 2 heads x 8 slots x 1 dim x 4 bytes x (K + V)
-    assert layer.kv_bytes() == 2 * 8 * 1 * 4 * 2
-    # a selection that leaves every head the same count drops the mask (uniform layers use sdpa again)
-    layer.keep(torch.tensor([[[5, 7], [1, 7]]]))
-    assert layer.positions[0].tolist() == [[7, 9], [7, 9]] and layer.valid is None
+                                [False, True, True, True, False, False, False, False]]
+    # a selection that leaves every head the same count stores the layer uniform again (sdpa path)
+    layer.keep(torch.tensor([[[5, 7], [1, 3]]]))
+    assert not layer.ragged and layer.valid is None and layer.positions[0].tolist() == [[7, 9], [7, 9]]
 
 
 def test_compact_pads_with_a_kept_slot() -> None:
@@ -139,6 +174,21 @@ def test_criticalkv_two_stages(alpha: float, expected: list[int]) -> None:
     assert valid is None and idx[0].tolist() == [expected]
 
 
+# Stage-1 split, same cache, alpha .75, the head keeps 5 (window 1):
+#  outside (default): stage 1 = 1 + floor(.75 * 4) = 4 -> window + slots 0, 1, 2; stage 2 keeps 1: slot 6
+#  inside (kvpress) : stage 1 = max(1, floor(.75 * 5)) = 3 -> window + slots 0, 1; stage 2 keeps 2: slots 6, 4
+@pytest.mark.parametrize("stage1_window,expected", [("outside", [0, 1, 2, 6, 7]), ("inside", [0, 1, 4, 6, 7])])
+def test_criticalkv_stage1_window(stage1_window: str, expected: list[int]) -> None:
+    layer = make_layer(CRIT_KEYS, [[[1.0]]])
+    layer.state["vnorm"] = torch.tensor([[CRIT_VNORM]])
+    policy = CriticalKV(budget=5, window=1, kernel=1, alpha=0.75, stage1_window=stage1_window)
+    idx, valid = policy.select(layer)
+    assert valid is None and idx[0].tolist() == [expected]
+    assert CriticalKV(budget=40).stage1_window == "outside"
+    with pytest.raises(PolicyError, match="stage1_window"):
+        CriticalKV(budget=40, stage1_window="both")
+
+
 def test_criticalkv_value_norm_through_output_projection() -> None:
     # h_q = 2 query heads share one KV head, d = 2, hidden = 2. W_O columns of head 0: identity -> |v1| + |v2|;
     # head 1: diag(2, -1) -> 2|v1| + |v2|. For v = (1, -3): 4 and 5 -> group mean 4.5; v = (0, 0): 0.
@@ -153,13 +203,69 @@ def test_criticalkv_value_norm_through_output_projection() -> None:
 
 
 def test_criticalkv_on_adakv_follows_adakv_budgets() -> None:
-    # With vnorm = 1 everywhere, stage 2 ranks by A + eps as stage 1 does: the selection is AdaKV's.
+    # With vnorm = 1 everywhere, stage 2 ranks by A + eps as stage 1 does: the selection is AdaKV's (see above).
     layer = make_layer(ADA_KEYS, ADA_QUERIES)
     layer.state["vnorm"] = torch.ones(1, 2, 8)
-    idx, valid = CriticalKV(budget=4, window=1, kernel=1, base="adakv", alpha_safeguard=0.7).select(layer)
-    assert kept_lists(idx, valid) == [[0, 1, 2, 3, 7], [5, 6, 7]]
+    for allocation, alpha in (("adakv", 0.5), ("kvpress", 0.75)):
+        policy = CriticalKV(budget=4, window=1, kernel=1, base="adakv", alpha_safeguard=alpha, allocation=allocation)
+        idx, valid = policy.select(layer)
+        assert kept_lists(idx, valid) == [[0, 1, 2, 3, 7], [5, 6, 7]]
     with pytest.raises(PolicyError):
         CriticalKV(budget=40, base="h2o")
+
+
+# PyramidKV ---------------------------------------------------------------------------------------------------------
+# Budgets by hand. N = 64, window 8 -> F = 56, beta 20, 4 layers: min = 56 / 20 = 2.8, max = 112 - 2.8 = 109.2,
+# step (109.2 - 2.8) / 3 = 35.4667: F_l = 109.2, 73.733, 38.267, 2.8 -> 109, 74, 38, 3 (sum 224 = 4 x 56)
+# -> N_l = 117, 82, 46, 11, mean 64.
+# After 115 tokens (>= 2F = 112): max 109.2 >= 115 - 8 = 107 -> max = 107, min = 112 - 107 = 5, step 34:
+# 107, 73, 39, 5 -> 115, 81, 47, 13. After 100 tokens (< 2F): every layer keeps N = 64.
+# N = 128, window 8 -> F = 120, 8 layers: min 6, max 234, step 228 / 7 = 32.571: 234, 201.43, 168.86, 136.29,
+# 103.71, 71.14, 38.57, 6 -> 234, 201, 169, 136, 104, 71, 39, 6 (sum 960 = 8 x 120) -> +8.
+@pytest.mark.parametrize("budget,layers,seen,expected", [
+    (64, 4, None, [117, 82, 46, 11]),
+    (64, 4, 10_000, [117, 82, 46, 11]),
+    (64, 4, 115, [115, 81, 47, 13]),
+    (64, 4, 100, [64, 64, 64, 64]),
+    (128, 8, None, [242, 209, 177, 144, 112, 79, 47, 14]),
+])
+def test_pyramidkv_layer_budgets(budget: int, layers: int, seen: int | None, expected: list[int]) -> None:
+    policy = PyramidKV(budget=budget)
+    assert (policy.beta, policy.window, policy.kernel, policy.pooling) == (20, 8, 7, "max")
+    policy.attach(layers)
+    got = [policy.layer_budget(i, seen) for i in range(layers)]
+    assert got == expected and sum(got) == layers * budget  # the layers keep N per KV head on average
+
+
+def test_pyramidkv_scores_like_snapkv_within_its_layer_budget() -> None:
+    # One head, window 1 (slot 9), kernel 1: A ~ w = 9,1,8,2,7,3,6,4,5 | 1. N = 6 -> F = 5, beta 10, 2 layers:
+    # min .5, max 9.5 >= 10 - 1 seen -> capped: max 9, min 1 -> layer 0 keeps N_0 = 10 (all), layer 1 N_1 = 2:
+    # the window and the best other token (slot 0).
+    policy = PyramidKV(budget=6, window=1, kernel=1, beta=10)
+    weights = [9, 1, 8, 2, 7, 3, 6, 4, 5, 1]
+    with pytest.raises(PolicyError, match="number of layers"):
+        policy.select(make_layer([log_keys(weights)], [[[1.0]]], layer_idx=1))
+    policy.attach(2)
+    assert [policy.layer_budget(i, 10) for i in (0, 1)] == [10, 2]
+    assert policy.select(make_layer([log_keys(weights)], [[[1.0]]], layer_idx=0)) is None
+    idx, valid = policy.select(make_layer([log_keys(weights)], [[[1.0]]], layer_idx=1))
+    assert valid is None and idx[0].tolist() == [[0, 9]]
+    # uncapped (a long prompt), min .5 rounds to 0: the deepest layer keeps only its window
+    assert policy.layer_budget(1) == 1
+    with pytest.raises(PolicyError, match="beta"):
+        PyramidKV(budget=64, beta=0.5)
+
+
+def test_pyramidkv_run_keeps_n_per_layer_on_average() -> None:
+    # 4 layers, N = 40, window 8, B = 16: F = 32, min 1.6, max 62.4, step 20.267 -> 62, 42, 22, 2 (+8).
+    model = _model("tiny-llama", num_hidden_layers=4)
+    policy = PyramidKV(budget=40)
+    res = generate(model, policy, _prompt(200, seed=3), 16, 3, stop_ids=(), trace=True)
+    assert policy.num_layers == 4  # told by the cache
+    assert [pos.shape[-1] for pos in res.trace[-1]] == [70, 50, 30, 10]
+    # all layers together: at most 4 x (N + B) tokens per KV head; 2 KV heads x 64 dims x (K + V) x 4 bytes each
+    assert res.kv_bytes_peak <= 4 * (40 + 16) * 2 * 64 * 2 * 4
+    assert res.peak_kv_tokens == 70 + 16  # the first layer
 
 
 # HashEvict ---------------------------------------------------------------------------------------------------------
@@ -300,10 +406,43 @@ def test_deterministic_and_bounded(name: str) -> None:
             for h in range(h_kv):  # each head's real tokens stay in chronological order
                 real = pos[0, h][pos[0, h] >= 0]
                 assert bool((real.diff() > 0).all())
-    if name in ("adakv", "criticalkv-adakv"):
-        assert runs[0].peak_kv_tokens <= 40 * h_kv + 16
-    else:
-        assert runs[0].peak_kv_tokens <= 40 + 16
+    assert runs[0].peak_kv_tokens <= 40 + 16  # AdaKV: the layer total / h_kv
+
+
+# Ragged layers hold exactly the layer total (flat per head), no padding -----------------------------------------
+@pytest.mark.parametrize("allocation", ["adakv", "kvpress"])
+@pytest.mark.parametrize("arch,h_kv,d", [("tiny-llama", 2, 64), ("tiny-llama3", 8, 128)])
+def test_adakv_peak_is_the_layer_total(arch: str, h_kv: int, d: int, allocation: str) -> None:
+    N, B = 96, 32
+    model = _model(arch)
+    res = generate(model, AdaKV(budget=N, allocation=allocation), _prompt(224), B, 3, stop_ids=(), trace=True)
+    assert any(t is not None and bool((t < 0).any()) for step in res.trace for t in step)  # really ragged
+    for step in res.trace[1:]:
+        for pos in step:
+            assert int((pos >= 0).sum()) <= h_kv * N  # the layer total is cut back to h_kv * N after every step
+    # per KV head (layer total / h_kv) never above N + B; reached with the 4th block, before the first eviction
+    assert res.peak_kv_tokens == N + B
+    # 2 layers x h_kv heads x (N + B) tokens x head_dim x (K + V) x 4 bytes (fp32)
+    assert res.kv_bytes_peak == 2 * h_kv * (N + B) * d * 2 * 4
+
+
+def test_ragged_cache_holds_exactly_its_tokens() -> None:
+    # kvpress allocation fills the layer's h_kv * N slots exactly, however the heads share them.
+    model = _model()  # tiny-llama: 2 layers, 2 KV heads, head_dim 64, fp32
+    policy = AdaKV(budget=40, window=8, allocation="kvpress")
+    cache = EvictingCache(model.config, policy)
+    ids = torch.tensor([_prompt(120, seed=1)])
+    with attention.active(cache), torch.inference_mode():
+        for s in range(0, 120, 16):
+            model(input_ids=ids[:, s:s + 16], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            for layer in cache.evicting_layers():
+                policy.evict(layer)
+    layers = cache.evicting_layers()
+    assert all(layer.ragged and layer.valid is None for layer in layers)  # heads differ; no view left behind
+    assert [int(layer.lengths.sum()) for layer in layers] == [2 * 40, 2 * 40]
+    # 2 layers x 2 heads x 40 tokens x 64 dims x (K + V) x 4 bytes; the padded layout held 2 x the longest head
+    assert cache.kv_bytes() == 2 * 2 * 40 * 64 * 2 * 4
+    assert cache.peak_tokens() == 40 + 16
 
 
 # Diagnostics -------------------------------------------------------------------------------------------------------

@@ -1,13 +1,19 @@
 """AdaKV (002 Alg. 2 line 1, 4.3): SnapKV scores with per-head budgets chosen per layer.
 
-In each layer the h_kv heads together keep h_kv * N tokens: every head keeps its protected tokens (the SnapKV
-window) and its own best floor(alpha_safeguard * (N - protected)) (the safeguard); the remaining slots go to the
-highest scores over all heads of the layer. Heads thus keep different numbers of tokens: the layer stores them
-padded to its longest head with a per-head validity mask (memory is bounded by the longest head, and padding is
-counted in kv_bytes/peak_kv_tokens); evicted tokens are dropped from memory.
+In each layer the h_kv heads share h_kv * N slots: every head keeps its protected tokens (the SnapKV window),
+and the rest of the layer's budget goes to heads by their scores, with a safeguard `alpha_safeguard` (a) so
+that no head is starved. Two published allocation rules (`allocation`; details in base.adaptive_counts):
+- `adakv` (default; AdaKV's own code, the method "as originally defined" that 002 4.3 runs): with F = N - window,
+  head h keeps its window + its top round((1 - a) * c_h + floor(a * F)), c_h = its share of the layer's top
+  h_kv * F scores;
+- `kvpress` (NVIDIA kvpress AdaKVPress): each head keeps its top floor(a * N) slots counting the window, the rest
+  of the h_kv * N slots go to the layer's best remaining scores.
+Heads thus keep different numbers of tokens: the layer is stored flat per head (cache.py), so what it holds is
+the layer total (at most h_kv * N after an eviction), reported in peak_kv_tokens (per-head average) and
+kv_bytes_peak. Scoring runs on a padded view built only during the eviction.
 Defaults follow the AdaKV/CriticalKV setting (002 4.3): window 32, kernel 7, max pooling, alpha_safeguard 0.2.
-Choice: the safeguard is a fraction of the unprotected budget (N - window), as in AdaKV's own code; eviction
-runs when the layer holds more than h_kv * N real tokens.
+Choice: eviction runs when the layer holds more than h_kv * N real tokens. With `adakv`, rounding can make the
+counts exceed h_kv * F by a few tokens; kvbench takes them back (heads rounded up the most first).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvbench.policies.base import (PolicyError, adaptive_counts, compact, group_mean, latest_mask,
+from kvbench.policies.base import (ALLOCATIONS, PolicyError, adaptive_counts, compact, latest_mask,
                                    query_attention, rank_mask, valid_counts)
 from kvbench.policies.snapkv import SnapKV
 
@@ -25,10 +31,14 @@ from kvbench.policies.snapkv import SnapKV
 class AdaKV(SnapKV):
     name = "adakv"
 
-    def __init__(self, alpha_safeguard: float = 0.2, pooling: str = "max", **kwargs) -> None:
+    def __init__(self, alpha_safeguard: float = 0.2, allocation: str = "adakv", pooling: str = "max",
+                 **kwargs) -> None:
         if not 0.0 <= alpha_safeguard <= 1.0:
             raise PolicyError(f"adakv alpha_safeguard must be in [0, 1], got {alpha_safeguard}")
+        if allocation not in ALLOCATIONS:
+            raise PolicyError(f"adakv allocation '{allocation}' unknown; choose one of: {', '.join(ALLOCATIONS)}")
         self.alpha_safeguard = float(alpha_safeguard)
+        self.allocation = allocation
         super().__init__(pooling=pooling, **kwargs)
 
     def window_scores(self, layer) -> torch.Tensor:
@@ -65,10 +75,10 @@ class AdaKV(SnapKV):
     def head_counts(self, layer, scores: torch.Tensor) -> torch.Tensor:
         """(b, h_kv) tokens each head keeps (AdaKV allocation)."""
         n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
-        return adaptive_counts(scores, self.budget, n_prot, self.alpha_safeguard)
+        return adaptive_counts(scores, self.budget, n_prot, self.alpha_safeguard, self.allocation)
 
     def select(self, layer):
-        budget = self.layer_budget(layer.layer_idx)
+        budget = self.layer_budget(layer.layer_idx, layer.seen)
         if budget is None or layer.physical() <= budget:
             return None
         if int(valid_counts(layer).sum(dim=-1).max()) <= budget * layer.keys.shape[1]:

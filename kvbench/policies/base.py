@@ -11,6 +11,12 @@ What the engine provides, only when a policy asks for it:
   attention probabilities (the engine computes attention itself then, and reuses them for the output).
 - `state_names`: per-token state tensors (b, h_kv, n) kept in `layer.state` and pruned with the tokens; new
   tokens' entries are filled by `on_append` when they enter the cache.
+- `attach(num_layers)`: called when a cache is built for a model, with its number of decoder layers (per-layer
+  budgets such as PyramidKV's depend on it).
+
+Scoring always sees a layer in the (b, h_kv, n) layout: `evict` asks a ragged layer (flat per-head storage, see
+cache.py) for its transient padded view first and stores the selection back flat, so nothing padded outlives
+the eviction.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class Policy:
         self.n_recent = int(n_recent)
         self.skip_layers = frozenset(int(i) for i in skip_layers)
         self.seed = int(seed)
+        self.num_layers: int | None = None  # the model's depth, told by `attach`
         if self.evicts:
             if budget is None or budget <= 0:
                 raise PolicyError(f"budget must be a positive integer for policy '{self.name}', got {budget}")
@@ -56,11 +63,15 @@ class Policy:
     def protected_count(self) -> int:
         return self.n_sink + self.n_recent
 
-    def layer_budget(self, layer_idx: int) -> int | None:
-        """Tokens layer `layer_idx` may keep per KV head; None = this layer is not evicted."""
+    def layer_budget(self, layer_idx: int, seen: int | None = None) -> int | None:
+        """Tokens layer `layer_idx` may keep per KV head once it has seen `seen` tokens; None = not evicted."""
         if not self.evicts or layer_idx in self.skip_layers:
             return None
         return self.budget
+
+    def attach(self, num_layers: int) -> None:
+        """Called when a cache is built for a model: its number of decoder layers (sliding ones included)."""
+        self.num_layers = int(num_layers)
 
     def start_sample(self, sample_seed: int) -> None:
         """Called before each sample; stochastic policies reseed here so results do not depend on sample order."""
@@ -96,7 +107,7 @@ class Policy:
 
         Returns None when the layer is within its budget (nothing evicted).
         """
-        budget = self.layer_budget(layer.layer_idx)
+        budget = self.layer_budget(layer.layer_idx, layer.seen)
         if budget is None or layer.physical() <= budget:
             return None
         scores = self.score(layer).float()  # (b, h_kv, n)
@@ -113,14 +124,19 @@ class Policy:
         """Prune `layer` to its budget; True if anything was evicted.
 
         `observe(layer, idx, valid)` (diagnostics) sees the selection while the layer still holds every token.
+        A ragged layer is scored in its padded view, built here and packed back before returning.
         """
-        chosen = self.select(layer)
-        if chosen is None:
-            return False
-        if observe is not None:
-            observe(layer, *chosen)
-        layer.keep(*chosen)
-        return True
+        layer.unpack()
+        try:
+            chosen = self.select(layer)
+            if chosen is None:
+                return False
+            if observe is not None:
+                observe(layer, *chosen)
+            layer.keep(*chosen)
+            return True
+        finally:
+            layer.pack()  # no-op after keep; restores the flat storage when nothing was evicted
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,9 +171,9 @@ def query_attention(layer: EvictingLayer) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Shared helpers for per-head (ragged) selections. A ragged layer stores each head's kept tokens first, in
-# chronological order, then padding (`valid` False, position -1); tokens appended later follow the padding. So a
-# head's valid slots are always in chronological order, but the latest tokens are not always the last slots.
+# Shared helpers for per-head (ragged) selections. In the padded view of a ragged layer each head's real tokens
+# come first, in chronological order, then padding (`valid` False, position -1). The helpers only assume that a
+# head's real slots are chronological, not that the latest tokens are the last slots.
 
 def valid_counts(layer: EvictingLayer) -> torch.Tensor:
     """(b, h_kv) number of real tokens each head holds."""
@@ -190,8 +206,8 @@ def compact(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Slot indices (b, h, L) and validity (b, h, L) that keep the `keep` (b, h, n) slots of each head.
 
     Kept slots come first in slot order (chronological, see above), then padding up to the longest head
-    (L = max count); padding re-uses the head's first kept slot, so no evicted token's K/V survives in it.
-    Heads that all keep the same count need no padding: validity None.
+    (L = max count); padding re-uses the head's first kept slot and is dropped when the layer stores the
+    selection (flat per head). Heads that all keep the same count need no padding: validity None.
     """
     counts = keep.sum(dim=-1)  # (b, h)
     length = int(counts.max())
@@ -204,18 +220,46 @@ def compact(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return torch.where(valid, idx, idx[..., :1]), valid
 
 
-def adaptive_counts(scores: torch.Tensor, budget: int, n_protected: torch.Tensor,
-                    alpha_safeguard: float) -> torch.Tensor:
-    """AdaKV budget allocation (002 Alg. 2 line 1): tokens each head keeps, (b, h), summing to h * budget.
+ALLOCATIONS = ("adakv", "kvpress")
 
-    `scores` (b, h, n): protected slots +inf, padding -inf. Each head first keeps its own top
-    floor(alpha_safeguard * (budget - protected)) unprotected tokens (the safeguard); the rest of the layer's
-    h * budget slots go to the best remaining scores over all heads of the layer.
+
+def adaptive_counts(scores: torch.Tensor, budget: int, n_protected: torch.Tensor, alpha_safeguard: float,
+                    rule: str = "adakv") -> torch.Tensor:
+    """AdaKV budget allocation (002 Alg. 2 line 1): tokens each head keeps, (b, h), protected ones included.
+
+    `scores` (b, h, n): protected slots +inf, padding -inf; `n_protected` (b, h); a = `alpha_safeguard`.
+    The layer's heads share h * budget slots; two published rules:
+    - `adakv` (AdaKV's own code): with F = budget - protected per head, count c_h = how many of the layer's
+      top sum(F) unprotected scores are head h's, then head h keeps its protected tokens and its own top
+      round((1 - a) * c_h + floor(a * F)) (torch.round, half to even, computed in float32 as that code does).
+      The total can fall short of h * budget, or (rounding) exceed it: kvbench then takes one token back from
+      the heads rounded up the most (lower head first), so a layer never holds more than h * budget.
+    - `kvpress` (NVIDIA kvpress AdaKVPress): each head first keeps its own top floor(a * budget) slots counting
+      its protected ones (the window has the highest scores there), at least its protected tokens; the rest of
+      the h * budget slots go to the best remaining scores over all heads.
+    A head with fewer tokens than its count keeps them all (`rank_mask`).
     """
     b, h, n = scores.shape
-    safe = rank_mask(scores, n_protected + (alpha_safeguard * (budget - n_protected)).floor().long())
-    pooled = scores.masked_fill(safe, math.inf).reshape(b, h * n)  # (b, h*n)
-    total = min(h * budget, int((pooled > -math.inf).sum(dim=-1).min()))
-    top = pooled.topk(total, dim=-1).indices // n  # (b, total): head of each kept token
-    return torch.zeros(b, h, dtype=torch.long, device=scores.device).scatter_add_(
-        1, top, torch.ones_like(top))
+    if rule == "kvpress":
+        safe_count = n_protected.clamp_min(math.floor(alpha_safeguard * budget))
+        safe = rank_mask(scores, safe_count)
+        pooled = scores.masked_fill(safe, math.inf).reshape(b, h * n)  # (b, h*n)
+        total = min(h * budget, int((pooled > -math.inf).sum(dim=-1).min()))
+        top = pooled.topk(total, dim=-1).indices // n  # (b, total): head of each kept token
+        return torch.zeros(b, h, dtype=torch.long, device=scores.device).scatter_add_(1, top, torch.ones_like(top))
+    if rule != "adakv":
+        raise ValueError(f"unknown allocation rule '{rule}'; choose one of: {', '.join(ALLOCATIONS)}")
+    free = budget - n_protected  # (b, h) F per head
+    floor_cap = (free.double() * alpha_safeguard).floor()  # (b, h) int(a * F) in double, as Python computes it
+    unprot = scores.masked_fill(scores == math.inf, -math.inf).reshape(b, h * n)  # (b, h*n)
+    total = min(int(free.sum(dim=-1).min()), int((unprot > -math.inf).sum(dim=-1).min()))
+    top = unprot.topk(total, dim=-1).indices // n  # (b, total)
+    c = torch.zeros(b, h, dtype=torch.long, device=scores.device).scatter_add_(1, top, torch.ones_like(top))
+    exact = c * (1 - alpha_safeguard) + floor_cap.float()  # (b, h) float32, as AdaKV's code computes it
+    k = torch.round(exact).long()
+    excess = k.sum(dim=-1) - free.sum(dim=-1)  # (b,) > 0 only through rounding up
+    for bi in range(b):
+        if int(excess[bi]) > 0:
+            order = torch.sort(k[bi] - exact[bi], descending=True, stable=True).indices[:int(excess[bi])]
+            k[bi, order] -= 1
+    return n_protected + k

@@ -7,8 +7,13 @@ stage 1 keeps the top floor(alpha * b) tokens by A; stage 2 keeps the top b - fl
 projection columns of each query head of the group, averaged over the group (GQA). That norm is a per-token
 constant: computed once when the token enters the cache (`on_append`) and kept as per-token state.
 Defaults: alpha 0.5, eps 1e-4 (002 4.3 and footnote 2); window 32, kernel 7, max pooling (002 4.3).
-Choice: alpha splits the unprotected budget (Alg. 1 replaces SnapKV's top-k over the tokens outside the window);
-NVIDIA kvpress counts the window inside stage 1 instead.
+Stage-1 split (`stage1_window`), for a head keeping `count` tokens of which `w` protected:
+- `outside` (default): stage 1 keeps w + floor(alpha * (count - w)): alpha splits the budget outside the window,
+  since Alg. 1 replaces SnapKV's top-k, which SnapKV (kept "as originally defined", 002 4.3) runs over the
+  tokens outside its window;
+- `inside` (NVIDIA kvpress CriticalKVPress / CriticalAdaKVPress): stage 1 keeps max(w, floor(alpha * count)),
+  the window counting inside alpha * b (there the window has the highest base scores).
+With `base: adakv` the per-head counts come from the AdaKV allocation (`allocation`, `alpha_safeguard`).
 """
 
 from __future__ import annotations
@@ -22,18 +27,23 @@ from kvbench.policies.adakv import AdaKV
 from kvbench.policies.base import PolicyError, compact, rank_mask, valid_counts
 
 BASES = ("snapkv", "adakv")
+STAGE1 = ("outside", "inside")
 
 
 class CriticalKV(AdaKV):
     name = "criticalkv"
     state_names = ("vnorm",)
 
-    def __init__(self, base: str = "snapkv", alpha: float = 0.5, eps: float = 1e-4, **kwargs: Any) -> None:
+    def __init__(self, base: str = "snapkv", alpha: float = 0.5, eps: float = 1e-4, stage1_window: str = "outside",
+                 **kwargs: Any) -> None:
         if base not in BASES:
             raise PolicyError(f"criticalkv base '{base}' unknown; choose one of: {', '.join(BASES)}")
         if not 0.0 <= alpha <= 1.0:
             raise PolicyError(f"criticalkv alpha must be in [0, 1], got {alpha}")
-        self.base, self.alpha, self.eps = base, float(alpha), float(eps)
+        if stage1_window not in STAGE1:
+            raise PolicyError(f"criticalkv stage1_window '{stage1_window}' unknown; choose one of: "
+                              f"{', '.join(STAGE1)}")
+        self.base, self.alpha, self.eps, self.stage1_window = base, float(alpha), float(eps), stage1_window
         super().__init__(**kwargs)
 
     def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
@@ -49,7 +59,7 @@ class CriticalKV(AdaKV):
         return {"vnorm": norms.view(b, h_kv, g, q).mean(dim=2)}  # (b, h_kv, q)
 
     def select(self, layer):
-        budget = self.layer_budget(layer.layer_idx)
+        budget = self.layer_budget(layer.layer_idx, layer.seen)
         if budget is None or layer.physical() <= budget:
             return None
         h_kv = layer.keys.shape[1]
@@ -61,14 +71,22 @@ class CriticalKV(AdaKV):
             counts = self.head_counts(layer, scores)
         else:
             counts = torch.full_like(n_prot, budget)
-        return compact(two_stage(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps))
+        return compact(two_stage(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps,
+                                 self.stage1_window))
 
 
 def two_stage(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor, n_prot: torch.Tensor,
-              alpha: float, eps: float) -> torch.Tensor:
-    """002 Alg. 1 per head: (b, h, n) keep mask of `counts` tokens: protected, then floor(alpha * b) by score,
-    then the rest by (score + eps) * vnorm. `scores`: protected +inf, padding -inf."""
-    free = counts - n_prot  # (b, h)
-    stage1 = rank_mask(scores, n_prot + (alpha * free).floor().long())
+              alpha: float, eps: float, stage1_window: str = "outside") -> torch.Tensor:
+    """002 Alg. 1 per head: (b, h, n) keep mask of `counts` tokens: the stage-1 count by score (protected
+    first), then the rest by (score + eps) * vnorm. `scores`: protected +inf, padding -inf.
+
+    Stage-1 count: n_prot + floor(alpha * (counts - n_prot)) (`outside`) or max(n_prot, floor(alpha * counts))
+    (`inside`), floors of the double products as Python's int() takes them.
+    """
+    if stage1_window == "outside":
+        first = n_prot + ((counts - n_prot).double() * alpha).floor().long()  # (b, h)
+    else:
+        first = torch.maximum(n_prot, (counts.double() * alpha).floor().long())
+    stage1 = rank_mask(scores, first)
     stage2 = ((scores + eps) * vnorm).masked_fill(stage1, math.inf).masked_fill(scores == -math.inf, -math.inf)
     return rank_mask(stage2, counts)
