@@ -11,7 +11,8 @@ that no head is starved. Two published allocation rules (`allocation`; details i
 Heads thus keep different numbers of tokens: the layer is stored flat per head (cache.py), so what it holds is
 the layer total (at most h_kv * N after an eviction), reported in peak_kv_tokens (per-head average) and
 kv_bytes_peak. Scoring runs on a padded view built only during the eviction.
-Defaults follow the AdaKV/CriticalKV setting (002 4.3): window 32, kernel 7, max pooling, alpha_safeguard 0.2.
+Defaults follow the AdaKV/CriticalKV setting (002 4.3): window 32, kernel 7, max pooling; alpha_safeguard 0.2
+(kvpress's default; 002 gives none, AdaKV's README example uses 0.5).
 Choice: eviction runs when the layer holds more than h_kv * N real tokens. With `adakv`, rounding can make the
 counts exceed h_kv * F by a few tokens; kvbench takes them back (heads rounded up the most first).
 """
