@@ -2,7 +2,8 @@
 
 `generate` is the whole mechanism: the prompt goes through the model in blocks of B tokens; after each block
 every layer's cache is pruned back to its budget by the policy; decoding feeds one token at a time (B = 1) and
-evicts after every step. The runner never looks at a policy's class: it only reads its declared needs.
+evicts after every step. The protocol (PROTOCOLS) can instead feed the prompt in one forward and/or leave the
+cache to grow while decoding. The runner never looks at a policy's class: it only reads its declared needs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,22 @@ from kvbench.policies.full import Full
 from kvbench.tasks.base import Sample, Task, TaskEnv
 
 SCENARIOS = ("question_aware", "context_only")
+# When the cache is pruned, as the seed papers run it: name -> (prompt in one forward, evict while decoding).
+PROTOCOLS = {
+    "blockwise": (False, True),  # KeyDiff Eq. 6, HashEvict (B = 1): after every prompt block and decoding step
+    "prefill_once": (True, False),  # SnapKV, AdaKV, CriticalKV Alg. 2, kvpress: once after the prompt, then grow
+    "prefill_once_decode_evict": (True, True),  # KeyDiff Table 7 (B = inf), SAGE-KV: once, then at every step
+}
+
+
+def resolve_protocol(protocol: str, block: int | None) -> tuple[str, int | None]:
+    """The canonical (protocol, block) of a setting: block is None (does not apply) unless the prompt goes in
+    blocks, and blockwise with block=None (B = inf) is the same computation as prefill_once_decode_evict."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol '{protocol}'; choose one of: {', '.join(PROTOCOLS)}")
+    if PROTOCOLS[protocol][0] or block is None:
+        return ("prefill_once_decode_evict" if protocol == "blockwise" else protocol), None
+    return protocol, block
 
 
 @dataclass
@@ -51,17 +68,20 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
              stop_ids: Iterable[int] = (), min_new_tokens: int = 0, context_tokens: int | None = None,
              scenario: str = "question_aware", forced: list[int] | None = None,
              on_logits: Callable[[torch.Tensor], None] | None = None, trace: bool = False,
-             diagnostics: Iterable[str] = ()) -> GenerationResult:
+             diagnostics: Iterable[str] = (), protocol: str = "blockwise") -> GenerationResult:
     """Greedy generation through a policy-managed cache.
 
-    `block=None` feeds the whole prompt in one forward, then evicts once. `forced` teacher-forces these tokens
-    instead of the argmax (the fidelity task); `on_logits` sees each step's next-token logits (1, vocab) float32.
-    `trace` records, before every forward, each layer's slot positions (tests rebuild attention from them; padding
-    slots of ragged layers read -1). `diagnostics` names kvbench.diagnostics measures taken at every eviction.
+    `block=None` feeds the whole prompt in one forward, then evicts once. `protocol`
+    (PROTOCOLS) says whether the prompt goes in blocks (else `block` is ignored) and whether decoding steps evict.
+    `forced` teacher-forces these tokens instead of the argmax (the fidelity task); `on_logits` sees each step's
+    next-token logits (1, vocab) float32. `trace` records, before every forward, each
+    layer's slot positions (tests rebuild attention from them; padding slots of ragged layers read -1).
+    `diagnostics` names kvbench.diagnostics measures taken at every eviction.
     """
     device = model.device
     ids = torch.tensor([input_ids], device=device)  # (1, T)
     T = ids.shape[1]
+    one_pass, decode_evicts = PROTOCOLS[protocol]
     cache = EvictingCache(model.config, policy)
     stop = set(stop_ids)
     timing = {"evict": 0.0}
@@ -100,7 +120,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         t0 = time.perf_counter()
         for start, end, evicted in segments:
             cache.frozen = not evicted
-            step = end - start if (block is None or policy.single_pass_prefill) else block
+            step = end - start if (block is None or one_pass or policy.single_pass_prefill) else block
             for s in range(start, end, step):
                 logits = forward(ids[:, s:min(end, s + step)])
                 evict()
@@ -123,7 +143,8 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
             if len(new) >= max_new_tokens or (forced is not None and len(new) >= len(forced)):
                 break
             logits = forward(torch.tensor([[tok]], device=device))
-            evict()
+            if decode_evicts:
+                evict()
             steps += 1
         _sync(device)
         decode_s = time.perf_counter() - t0
@@ -184,8 +205,9 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 @dataclass
 class RunSettings:
     budget: int | None
-    block: int | None
+    block: int | None  # None: the prompt goes in one forward (the protocol says so, or B = inf)
     scenario: str = "question_aware"
+    protocol: str = "blockwise"
     save_prompts: bool = False
     shard: tuple[int, int] | None = None  # (i, n): samples with index % n == i
     diagnostics: tuple[str, ...] = ()
@@ -225,7 +247,8 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
             res = generate(model, policy, sample.input_ids, settings.block, sample.max_new_tokens,
                            stop_ids=sample.stop_token_ids if sample.stop_token_ids is not None else default_stop,
                            min_new_tokens=sample.min_new_tokens, context_tokens=sample.context_tokens,
-                           scenario=settings.scenario, diagnostics=settings.diagnostics)
+                           scenario=settings.scenario, diagnostics=settings.diagnostics,
+                           protocol=settings.protocol)
             prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
             record = make_record(sample, prediction, res, task.score(sample, prediction), settings)
         append_record(pred_path, record)
@@ -248,7 +271,7 @@ def _reference_sample(model: Any, tokenizer: Any, policy: Policy, task: Task, sa
     res = generate(model, policy, sample.input_ids, settings.block, len(ref_tokens), stop_ids=(),
                    context_tokens=sample.context_tokens, scenario=settings.scenario, forced=ref_tokens,
                    on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)),
-                   diagnostics=settings.diagnostics)
+                   diagnostics=settings.diagnostics, protocol=settings.protocol)
     test_logp = torch.stack(logps)  # (new, vocab)
     prediction = tokenizer.decode(test_logp.argmax(dim=-1).tolist(), skip_special_tokens=True)
     record = make_record(sample, prediction, res, 0.0, settings)
