@@ -23,7 +23,7 @@ from kvbench.diagnostics import NAMES as DIAGNOSTICS
 from kvbench.diagnostics import aggregate as aggregate_diagnostics
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies.base import Policy, PolicyError
-from kvbench.runner import SCENARIOS, RunSettings, resolve_protocol, run_task, summarize
+from kvbench.runner import SCENARIOS, RunSettings, generation_provenance, resolve_protocol, run_task, summarize
 from kvbench.tasks.base import Task, TaskEnv, TaskError
 
 # Settings that do not change results: excluded from the resume key.
@@ -98,7 +98,8 @@ def provenance(loaded: LoadedModel, task: Task) -> dict[str, Any]:
     return {"kvbench": __version__, "commit": _git_commit(), "transformers": transformers.__version__,
             "torch": torch.__version__, "python": platform.python_version(), "model_path": loaded.path,
             "model_revision": loaded.revision, "model_source": loaded.source, "device": str(loaded.model.device),
-            "dtype": str(loaded.model.dtype).replace("torch.", ""), "task": task.provenance()}
+            "dtype": str(loaded.model.dtype).replace("torch.", ""), "task": task.provenance(),
+            "generation": generation_provenance(loaded.model)}
 
 
 def run_key(cfg: dict[str, Any], policy_name: str | None = None) -> str:

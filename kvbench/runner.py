@@ -58,6 +58,41 @@ class GenerationResult:
     diagnostics: dict[str, Any] | None = None  # Diagnostics.summary() when diagnostics were asked for
 
 
+def greedy_processors(model: Any, prompt: torch.Tensor, stop_ids: Iterable[int] = (), min_new_tokens: int = 0,
+                      max_new_tokens: int = 0) -> Any:
+    """The logits processors `model.generate(prompt, do_sample=False, eos_token_id=stop_ids,
+    min_new_tokens=min_new_tokens, max_new_tokens=max_new_tokens)` applies: those the model's generation_config
+    asks for (repetition_penalty, no_repeat_ngram_size, bad_words_ids, suppress_tokens, ...; official LongBench
+    pred.py decodes through generate, so they apply there) plus min_new_tokens. Built by transformers' own
+    `_get_logits_processor`, so the set, order and arguments are generate's (tests/test_protocol.py checks it
+    token for token against generate). A LogitsProcessorList; call it with (1, seq) ids and (1, vocab) logits."""
+    import copy
+
+    cfg = copy.deepcopy(model.generation_config)
+    cfg.do_sample = False  # sampling warpers (temperature, top-p, ...) do not apply to greedy search
+    cfg.eos_token_id = list(stop_ids) or None
+    cfg.min_new_tokens = int(min_new_tokens) or None
+    cfg.max_length = prompt.shape[-1] + int(max_new_tokens)  # as generate sets it (ForcedEOS reads it)
+    model._prepare_special_tokens(cfg, kwargs_has_attention_mask=False, device=prompt.device, batch_size=1)
+    return model._get_logits_processor(cfg, input_ids_seq_length=prompt.shape[-1], encoder_input_ids=prompt,
+                                       device=prompt.device, model_kwargs={})
+
+
+def describe_processors(processors: Iterable[Any]) -> list[dict[str, Any]]:
+    """metrics.json form of a processor list: class name and scalar settings, e.g.
+    {"name": "RepetitionPenaltyLogitsProcessor", "penalty": 1.05}."""
+    return [{"name": type(p).__name__, **{k: v for k, v in vars(p).items()
+                                          if isinstance(v, (bool, int, float, str)) and not k.startswith("_")}}
+            for p in processors]
+
+
+def generation_provenance(model: Any) -> dict[str, Any]:
+    """metrics.json's record of how tokens are picked: greedy, with the generation_config's processors (each
+    sample adds min_new_tokens and its stop tokens as eos, as a generate call with those arguments would)."""
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # (1, 1): the processors' settings only
+    return {"decoding": "greedy", "processors": describe_processors(greedy_processors(model, prompt))}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -71,10 +106,11 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
              diagnostics: Iterable[str] = (), protocol: str = "blockwise") -> GenerationResult:
     """Greedy generation through a policy-managed cache.
 
-    `block=None` feeds the whole prompt in one forward, then evicts once. `protocol`
+    Greedy = what `model.generate(do_sample=False)` picks: the generation_config's processors apply
+    (greedy_processors). `block=None` feeds the whole prompt in one forward, then evicts once. `protocol`
     (PROTOCOLS) says whether the prompt goes in blocks (else `block` is ignored) and whether decoding steps evict.
     `forced` teacher-forces these tokens instead of the argmax (the fidelity task); `on_logits` sees each step's
-    next-token logits (1, vocab) float32. `trace` records, before every forward, each
+    next-token logits (1, vocab) float32, before the processors. `trace` records, before every forward, each
     layer's slot positions (tests rebuild attention from them; padding slots of ragged layers read -1).
     `diagnostics` names kvbench.diagnostics measures taken at every eviction.
     """
@@ -84,6 +120,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
     one_pass, decode_evicts = PROTOCOLS[protocol]
     cache = EvictingCache(model.config, policy)
     stop = set(stop_ids)
+    processors = greedy_processors(model, ids, sorted(stop), min_new_tokens, max_new_tokens)
     timing = {"evict": 0.0}
     diag = Diagnostics(tuple(diagnostics)) if diagnostics else None
     if diag is not None and not cache.query_window:
@@ -134,8 +171,8 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         while max_new_tokens > 0:
             if on_logits is not None:
                 on_logits(logits)
-            if len(new) < min_new_tokens and stop:
-                logits[:, list(stop)] = -float("inf")
+            if processors:  # what generate(do_sample=False) does to the logits (min_new_tokens included)
+                logits = processors(torch.tensor([input_ids + new], device=device), logits)
             tok = forced[len(new)] if forced is not None else int(logits.argmax(dim=-1))
             if forced is None and tok in stop:
                 break

@@ -1,9 +1,10 @@
-"""Protocols: when the cache is pruned.
+"""Protocols (when the cache is pruned) and greedy decoding as model.generate does it.
 
 - prefill_once: the whole prompt in one forward, one eviction to N, then the cache grows by one per decoded token
   (SnapKV / AdaKV / CriticalKV / kvpress); `block` is ignored and recorded null.
 - prefill_once_decode_evict: one forward, one eviction, then eviction at every decoding step (KeyDiff Table 7,
   SAGE-KV) = blockwise with block=None.
+- the generation_config's logits processors (repetition penalty, ...) apply as in model.generate(do_sample=False).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvbench.app import parse_settings
 from kvbench.cache import EvictingCache
 from kvbench.config import ConfigError, model_label, protocol_label
 from kvbench.models import build_tiny_model
+from kvbench.policies.full import Full
 from kvbench.policies.snapkv import SnapKV
 from kvbench.runner import generate, resolve_protocol
 
@@ -158,6 +160,7 @@ def test_run_directories_metrics_and_report_rows_carry_the_protocol(tmp_path: Pa
     metrics = json.loads((once / "metrics.json").read_text())
     assert (metrics["protocol"], metrics["block"], metrics["model"]) == ("prefill_once", None, "Tiny-Chat-7")
     assert "block: null" in (once / "config.yaml").read_text()
+    assert metrics["provenance"]["generation"] == {"decoding": "greedy", "processors": []}
     report(runs, plots=False, quiet=True)
     rows = [line.split(",") for line in (runs / "table.csv").read_text().splitlines()]
     assert rows[0][:5] == ["model", "policy", "budget", "block", "protocol"]
@@ -165,6 +168,41 @@ def test_run_directories_metrics_and_report_rows_carry_the_protocol(tmp_path: Pa
                                                       ("Tiny-Chat-7", "snapkv", "64", "32", "blockwise")]
     md = (runs / "table.md").read_text()
     assert "| prefill_once" in md and "| blockwise" in md
+
+
+# --- greedy decoding = model.generate(do_sample=False) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("settings", [{"repetition_penalty": 1.5}, {"no_repeat_ngram_size": 2},
+                                      {"repetition_penalty": 1.3, "min_new_tokens": 5}])
+def test_greedy_applies_the_generation_config_processors_like_generate(settings: dict) -> None:
+    model, _ = build_tiny_model("tiny-llama", output_scale=1.0)
+    attention.install(model)
+    ids = _ids(60, seed=1)
+    eos = model.generation_config.eos_token_id
+    min_new = settings.pop("min_new_tokens", None)
+
+    def hf_generate() -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, min_new_tokens=min_new)
+        new = out[0, len(ids):].tolist()
+        return new[:new.index(eos)] if eos in new else new
+
+    plain = hf_generate()
+    model.generation_config.update(**settings)
+    hf_tokens = hf_generate()
+    assert hf_tokens != plain  # the processors change the answer (so this test fails without them)
+    res = generate(model, Full(), ids, None, 16, stop_ids=[eos], min_new_tokens=min_new or 0)
+    assert res.tokens == hf_tokens
+
+
+def test_generation_provenance_names_the_processors() -> None:
+    from kvbench.runner import generation_provenance
+
+    model, _ = build_tiny_model("tiny-llama")
+    assert generation_provenance(model) == {"decoding": "greedy", "processors": []}
+    model.generation_config.update(repetition_penalty=1.05, do_sample=True, temperature=0.7)
+    assert generation_provenance(model) == {
+        "decoding": "greedy", "processors": [{"name": "RepetitionPenaltyLogitsProcessor", "penalty": 1.05}]}
 
 
 def test_report_never_mixes_protocols_unlabelled(tmp_path: Path) -> None:
