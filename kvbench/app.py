@@ -23,7 +23,7 @@ from kvbench.diagnostics import NAMES as DIAGNOSTICS
 from kvbench.diagnostics import aggregate as aggregate_diagnostics
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies.base import Policy, PolicyError
-from kvbench.runner import SCENARIOS, RunSettings, run_task, summarize
+from kvbench.runner import SCENARIOS, RunSettings, generation_provenance, resolve_protocol, run_task, summarize
 from kvbench.tasks.base import Task, TaskEnv, TaskError
 
 # Settings that do not change results: excluded from the resume key.
@@ -46,6 +46,10 @@ def parse_settings(cfg: dict[str, Any]) -> RunSettings:
         raise ConfigError(f"block must be a positive integer or null, got {block!r}")
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
         raise ConfigError(f"budget must be a positive integer, got {budget!r}")
+    try:
+        protocol, block = resolve_protocol(cfg.get("protocol", "blockwise"), block)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.get("scenario", "question_aware") not in SCENARIOS:
         raise ConfigError(f"unknown scenario '{cfg.get('scenario')}'; choose one of: {', '.join(SCENARIOS)}")
     for d in cfg.get("diagnostics") or []:
@@ -59,7 +63,7 @@ def parse_settings(cfg: dict[str, Any]) -> RunSettings:
         except (ValueError, AssertionError):
             raise ConfigError(f"shard must look like i/n with 0 <= i < n, got {shard!r}") from None
         shard = (i, n)
-    return RunSettings(budget=budget, block=block, scenario=cfg.get("scenario", "question_aware"),
+    return RunSettings(budget=budget, block=block, protocol=protocol, scenario=cfg.get("scenario", "question_aware"),
                        save_prompts=bool(cfg.get("save_prompts")), shard=shard,
                        diagnostics=tuple(cfg.get("diagnostics") or ()))
 
@@ -94,7 +98,8 @@ def provenance(loaded: LoadedModel, task: Task) -> dict[str, Any]:
     return {"kvbench": __version__, "commit": _git_commit(), "transformers": transformers.__version__,
             "torch": torch.__version__, "python": platform.python_version(), "model_path": loaded.path,
             "model_revision": loaded.revision, "model_source": loaded.source, "device": str(loaded.model.device),
-            "dtype": str(loaded.model.dtype).replace("torch.", ""), "task": task.provenance()}
+            "dtype": str(loaded.model.dtype).replace("torch.", ""), "task": task.provenance(),
+            "generation": generation_provenance(loaded.model)}
 
 
 def run_key(cfg: dict[str, Any], policy_name: str | None = None) -> str:
@@ -176,6 +181,8 @@ def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Sessi
     finished run entirely); another configuration is refused unless overwrite=true.
     """
     settings = parse_settings(cfg)
+    # Recorded as run: a block the protocol ignores is null (config.yaml, resume key, metrics alike).
+    cfg = dict(cfg, protocol=settings.protocol, block=settings.block)
     seed = int(cfg.get("seed", 0))
     policy = build_policy(cfg["policy"], settings.budget, seed)
     task = build_task(cfg["task"])
@@ -229,14 +236,18 @@ def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: S
     scores = task.aggregate(records)
     metrics: dict[str, Any] = {
         "task": task.name, "model": loaded.name, "policy": policy_name, "budget": settings.budget,
-        "block": settings.block, "scenario": settings.scenario, "shard": cfg.get("shard"),
+        "block": settings.block, "protocol": settings.protocol, "scenario": settings.scenario,
+        "shard": cfg.get("shard"),
         "scores": scores, "average": task_average(task, scores),
         "stats": summarize(records, settings.budget, policy.evicts),
         "provenance": provenance(loaded, task),
     }
     if settings.diagnostics:
         metrics["diagnostics"] = aggregate_diagnostics(records)
-    metrics.update(task.finalize(run_dir, records, scores) or {})
+    from kvbench.report import describe_run
+
+    label = describe_run(loaded.name, policy_name, settings.budget, settings.block, settings.protocol, policy.evicts)
+    metrics.update(task.finalize(run_dir, records, scores, label=label) or {})
     write_json(metrics_path, metrics)
     return metrics
 

@@ -40,6 +40,7 @@ def main() -> None:
     # (appending a group absent from the defaults) is accepted as the same thing.
     sys.argv[1:] = [a[1:] if a.startswith("+experiment=") else a for a in sys.argv[1:]]
     argv = sys.argv[1:]
+    kconfig.register_resolvers()
     err = kconfig.validate_overrides(argv)
     if err:
         _fail(err)

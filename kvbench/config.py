@@ -5,6 +5,7 @@ Hydra is imported lazily inside functions (no import-time side effects); only th
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,36 @@ def load_group(group: str, name: str) -> dict[str, Any]:
 
 class ConfigError(ValueError):
     """A top-level setting with a bad value."""
+
+
+def model_label(name: Any, path: Any = None) -> str:
+    """What a run directory calls the model: the preset's name, or for the generic `hf` preset the model's own
+    name (the last component of its hub id or directory, as LoadedModel.name), made safe for a file name."""
+    label = str(name)
+    if label == "hf" and path:
+        label = Path(str(path).rstrip("/")).name or label
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label)
+
+
+def protocol_label(protocol: Any, block: Any) -> str:
+    """What a run directory calls the protocol: `blockwise_B128`, `prefill_once`, ... (the block only where the
+    prompt goes in blocks). A bad value passes through unchanged; the run then fails on it with one line."""
+    from kvbench.runner import resolve_protocol
+
+    try:
+        protocol, block = resolve_protocol(str(protocol), block)
+    except ValueError:
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", str(protocol))
+    return f"{protocol}_B{block}" if block is not None else protocol
+
+
+def register_resolvers() -> None:
+    """The resolvers conf/config.yaml's run directory names use (${kvbench_model:...}, ${kvbench_protocol:...}).
+    Called by the CLI before Hydra composes anything; registering twice is harmless."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("kvbench_model", model_label, replace=True)
+    OmegaConf.register_new_resolver("kvbench_protocol", protocol_label, replace=True)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

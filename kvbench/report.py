@@ -6,9 +6,11 @@ i, i+n, i+2n, ...) and the scores are recomputed by the task's own `aggregate`, 
 run's `config.yaml`; speed and memory are recomputed from the merged records by `runner.summarize`.
 
 Tables (KeyDiff Table 1 and HashEvict Tables 1-2 shape):
-- scores: one row per (model, policy, budget, any other setting that varies), grouped by model with the
-  full-cache row first; one column per score, grouped by category (LongBench dataset categories, NIAH context
-  lengths, else the task), then `Avg` (the mean of the row's task averages). Scores are printed as stored (0-100).
+- scores: one row per (model, policy, budget, block, protocol, any other setting that varies), grouped by model
+  with the full-cache row first; block and protocol are always shown ("-" where they do not apply: the block
+  under a prefill_once* protocol, both for the full cache), so two protocols never share a table unlabelled;
+  one column per score, grouped by category (LongBench dataset categories, NIAH context lengths, else the
+  task), then `Avg` (the mean of the row's task averages). Scores are printed as stored (0-100).
 - summary scores: the tasks' own summary numbers (LongBench category means, RULER per-length means, ...).
 - speed and memory: prefill/decode tokens/s, eviction time, peak KV tokens and bytes, compression ratio.
 - provenance: code and library versions, models, task data sources and checksums, metric backends (notes).
@@ -33,6 +35,7 @@ from typing import Any, Iterable, Sequence
 # Settings that never change results; runs differing only in these (and in `shard`) are the same entry.
 IGNORED_SETTINGS = ("shard", "progress", "overwrite", "device", "save_prompts")
 IDENTITY = ("model", "policy", "budget")
+ALWAYS_SHOWN = ("block", "protocol")  # settings shown as columns even when every row has the same value
 CELL = re.compile(r"^L(\d+)_D(\d+(?:\.\d+)?)$")  # NIAH / probe cell scores
 LONGBENCH_CATEGORIES = {"single_doc_qa": "Single Doc. QA", "multi_doc_qa": "Multi Doc. QA",
                         "summarization": "Summarization", "few_shot": "Few-shot Learning",
@@ -193,13 +196,21 @@ def _class_attr(spec: dict[str, Any] | None, attr: str, default: Any) -> Any:
 
 
 def _settings(run: Run) -> dict[str, Any]:
+    from kvbench.runner import resolve_protocol
+
     m = run.metrics
-    cfg = run.config or {"budget": m.get("budget"), "block": m.get("block"), "scenario": m.get("scenario")}
+    cfg = run.config or {"budget": m.get("budget"), "block": m.get("block"), "protocol": m.get("protocol"),
+                         "scenario": m.get("scenario")}
     flat = {k: v for k, v in _flatten(cfg).items() if k.split(".")[0] not in IGNORED_SETTINGS}
+    try:  # runs from before the protocol setting were blockwise; a block the protocol ignores does not apply
+        flat["protocol"], block = resolve_protocol(str(cfg.get("protocol") or "blockwise"), cfg.get("block"))
+        flat["block"] = NA if block is None else block
+    except ValueError:
+        pass
     policy_cfg = cfg.get("policy") if isinstance(cfg.get("policy"), dict) else None
     evicts = _class_attr(policy_cfg, "evicts", m.get("policy") != "full")
-    if not evicts:  # the full cache: budget and (single-pass prefill) block do not apply
-        flat["budget"] = NA
+    if not evicts:  # the full cache: budget and protocol do not apply, nor (single-pass prefill) the block
+        flat["budget"] = flat["protocol"] = NA
         if _class_attr(policy_cfg, "single_pass_prefill", True):
             flat["block"] = NA
     return flat
@@ -358,13 +369,16 @@ def _columns(entries: list[Entry]) -> tuple[list[Column], list[Column]]:
 
 
 def _varying(entries: list[Entry]) -> list[str]:
-    """Setting keys (besides model, policy, budget) whose value differs between entries: the extra columns.
-    Group options (policy.*, task.*, model.*) count only when they differ within one policy/task/model."""
+    """The extra columns: block and protocol always, then the setting keys (besides model, policy, budget) whose
+    value differs between entries. Group options (policy.*, task.*, model.*) count only when they differ within
+    one policy/task/model."""
     keys: list[str] = []
     for e in entries:
         keys += [k for k in e.settings if k not in keys]
-    out = []
+    out = [k for k in ALWAYS_SHOWN if k in keys]
     for k in keys:
+        if k in ALWAYS_SHOWN:
+            continue
         top = k.split(".")[0]
         if top in ("budget", "model", "policy", "task") and "." not in k:
             continue
@@ -440,6 +454,26 @@ def _speed(e: Entry) -> list[Any]:
 
 def _setting_name(k: str) -> str:
     return k.split(".", 1)[1] if k.startswith("policy.") else k
+
+
+def _na(v: Any) -> Any:
+    return NA if v is None else v
+
+
+def _settings_text(settings: dict[str, Any]) -> str:
+    """A row's shown settings in a few words for plot labels: "blockwise B=128", "prefill_once window=16"."""
+    rest = dict(settings)
+    protocol, block = rest.pop("protocol", NA), rest.pop("block", NA)
+    words = [] if protocol is NA else [str(protocol)]
+    words += [] if block is NA else [f"B={_fmt(block)}"]
+    return " ".join(words + [f"{_setting_name(k)}={_fmt(v)}" for k, v in rest.items()])
+
+
+def describe_run(model: str, policy: str, budget: Any, block: Any, protocol: Any, evicts: bool = True) -> str:
+    """One line naming a run for its own plots: "smollm2-135m: snapkv N=256, blockwise B=128"."""
+    if not evicts:
+        return f"{model}: {policy}"
+    return f"{model}: {policy} N={budget}, {_settings_text({'protocol': protocol, 'block': _na(block)})}"
 
 
 def score_table(rep: Report, paper_style: bool = True) -> tuple[list[str], list[list[Any]]]:
@@ -560,11 +594,11 @@ def _csv(v: Any) -> Any:
 # Plots (matplotlib Figure + Agg canvas: no pyplot, no global backend change)
 
 
-def _figure(width: float, height: float) -> Any:
+def _figure(width: float, height: float, layout: str | None = None) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height))
+    fig = Figure(figsize=(width, height), layout=layout)
     FigureCanvasAgg(fig)
     return fig
 
@@ -586,7 +620,9 @@ def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
                 continue
             ncol = min(len(rows), 4)
             nrow = math.ceil(len(rows) / ncol)
-            fig = _figure(0.6 + ncol * (0.9 + 0.5 * len(lengths)), 0.4 + nrow * (1.0 + 0.3 * len(depths)))
+            # constrained layout: two-line panel titles never run into the tick labels of the row above
+            fig = _figure(1.2 + ncol * (1.1 + 0.5 * len(lengths)), 0.6 + nrow * (1.3 + 0.3 * len(depths)),
+                          layout="constrained")
             axes = fig.subplots(nrow, ncol, squeeze=False)
             im = None
             for k, (r, c) in enumerate(zip(rows, cells)):
@@ -596,8 +632,7 @@ def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
                 ax.set_xticks(range(len(lengths)), [f"{L:g}" for L in lengths], fontsize=7)
                 ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
                 budget = "" if r.budget is NA else f" N={r.budget}"
-                extra = " ".join(f"{_setting_name(k)}={_fmt(v)}" for k, v in r.settings.items())
-                ax.set_title(f"{r.policy}{budget} {extra}".strip(), fontsize=8)
+                ax.set_title(f"{r.policy}{budget}\n{_settings_text(r.settings)}".strip(), fontsize=8)
                 if k % ncol == 0:
                     ax.set_ylabel("depth (%)", fontsize=7)
                 if k // ncol == nrow - 1:
@@ -616,16 +651,16 @@ def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
 def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
     """Avg against budget, one line per policy (and setting), one panel per model; full cache dashed."""
     models = list(dict.fromkeys(r.model for r in rep.rows))
-    series: dict[str, dict[tuple[str, ...], list[tuple[int, float]]]] = {m: {} for m in models}
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {m: {} for m in models}
     flat: dict[str, list[tuple[str, float]]] = {m: [] for m in models}
     for r in rep.rows:
         if not _is_num(r.avg):
             continue
-        label = (r.policy, *(f"{_setting_name(k)}={_fmt(v)}" for k, v in r.settings.items()))
+        label = f"{r.policy} {_settings_text(r.settings)}".strip()
         if isinstance(r.budget, int) and not isinstance(r.budget, bool):
             series[r.model].setdefault(label, []).append((r.budget, r.avg))  # type: ignore[arg-type]
         else:
-            flat[r.model].append((" ".join(label), r.avg))  # type: ignore[arg-type]
+            flat[r.model].append((label, r.avg))  # type: ignore[arg-type]
     if not any(len(pts) > 1 for s in series.values() for pts in s.values()):
         return None
     fig = _figure(4.2 * len(models), 3.4)
@@ -633,7 +668,7 @@ def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
     for ax, m in zip(axes, models):
         for label, pts in series[m].items():
             pts.sort()
-            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=" ".join(label))
+            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=label)
         for label, v in flat[m]:
             ax.axhline(v, linestyle="--", color="black", linewidth=1, label=label)
         budgets = sorted({b for pts in series[m].values() for b, _ in pts})
@@ -642,7 +677,8 @@ def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
             ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_xlabel("budget N (tokens)")
         ax.set_ylabel("Avg")
-        ax.set_title(m)
+        tasks = dict.fromkeys(t for r in rep.rows if r.model == m for t in r.entries)
+        ax.set_title(f"{m}: Avg of {', '.join(tasks)}", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = out_dir / "score_vs_budget.png"
@@ -686,7 +722,7 @@ def _entries_from_metrics(results: Iterable[dict[str, Any]]) -> list[Entry]:
     for k, m in enumerate(results):
         run = Run(Path("."), m, {}, (0, float(k)))
         e = _entry_from_run(run)
-        e.settings = {"budget": e.budget, "block": NA if e.budget is NA else m.get("block")}
+        e.settings = {k: v for k, v in e.settings.items() if k in ("budget", *ALWAYS_SHOWN)}
         out.append(e)
     return out
 
@@ -695,13 +731,8 @@ def metrics_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[st
     """Scores and speed side by side, one row per metrics dict (the `policy=compare` table)."""
     rep = build_report(_entries_from_metrics(results))
     s_head, s_body = score_table(rep, paper_style=False)
-    fixed = len(IDENTITY) + len(rep.varying)
-    head = [*s_head[:fixed], "block", *s_head[fixed:], *SPEED_HEAD]
-    body = []
-    for row, r in zip(s_body, rep.rows):
-        e = next(iter(r.entries.values()))
-        block = e.settings.get("block")
-        body.append([_fmt(v) for v in [*row[:fixed], "full" if block is None else block, *row[fixed:], *_speed(e)]])
+    head = [*s_head, *SPEED_HEAD]
+    body = [[_fmt(v) for v in [*row, *_speed(next(iter(r.entries.values())))]] for row, r in zip(s_body, rep.rows)]
     return head, body
 
 

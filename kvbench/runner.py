@@ -2,7 +2,8 @@
 
 `generate` is the whole mechanism: the prompt goes through the model in blocks of B tokens; after each block
 every layer's cache is pruned back to its budget by the policy; decoding feeds one token at a time (B = 1) and
-evicts after every step. The runner never looks at a policy's class: it only reads its declared needs.
+evicts after every step. The protocol (PROTOCOLS) can instead feed the prompt in one forward and/or leave the
+cache to grow while decoding. The runner never looks at a policy's class: it only reads its declared needs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,22 @@ from kvbench.policies.full import Full
 from kvbench.tasks.base import Sample, Task, TaskEnv
 
 SCENARIOS = ("question_aware", "context_only")
+# When the cache is pruned, as the seed papers run it: name -> (prompt in one forward, evict while decoding).
+PROTOCOLS = {
+    "blockwise": (False, True),  # KeyDiff Eq. 6, HashEvict (B = 1): after every prompt block and decoding step
+    "prefill_once": (True, False),  # SnapKV, AdaKV, CriticalKV Alg. 2, kvpress: once after the prompt, then grow
+    "prefill_once_decode_evict": (True, True),  # KeyDiff Table 7 (B = inf), SAGE-KV: once, then at every step
+}
+
+
+def resolve_protocol(protocol: str, block: int | None) -> tuple[str, int | None]:
+    """The canonical (protocol, block) of a setting: block is None (does not apply) unless the prompt goes in
+    blocks, and blockwise with block=None (B = inf) is the same computation as prefill_once_decode_evict."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol '{protocol}'; choose one of: {', '.join(PROTOCOLS)}")
+    if PROTOCOLS[protocol][0] or block is None:
+        return ("prefill_once_decode_evict" if protocol == "blockwise" else protocol), None
+    return protocol, block
 
 
 @dataclass
@@ -41,6 +58,41 @@ class GenerationResult:
     diagnostics: dict[str, Any] | None = None  # Diagnostics.summary() when diagnostics were asked for
 
 
+def greedy_processors(model: Any, prompt: torch.Tensor, stop_ids: Iterable[int] = (), min_new_tokens: int = 0,
+                      max_new_tokens: int = 0) -> Any:
+    """The logits processors `model.generate(prompt, do_sample=False, eos_token_id=stop_ids,
+    min_new_tokens=min_new_tokens, max_new_tokens=max_new_tokens)` applies: those the model's generation_config
+    asks for (repetition_penalty, no_repeat_ngram_size, bad_words_ids, suppress_tokens, ...; official LongBench
+    pred.py decodes through generate, so they apply there) plus min_new_tokens. Built by transformers' own
+    `_get_logits_processor`, so the set, order and arguments are generate's (tests/test_protocol.py checks it
+    token for token against generate). A LogitsProcessorList; call it with (1, seq) ids and (1, vocab) logits."""
+    import copy
+
+    cfg = copy.deepcopy(model.generation_config)
+    cfg.do_sample = False  # sampling warpers (temperature, top-p, ...) do not apply to greedy search
+    cfg.eos_token_id = list(stop_ids) or None
+    cfg.min_new_tokens = int(min_new_tokens) or None
+    cfg.max_length = prompt.shape[-1] + int(max_new_tokens)  # as generate sets it (ForcedEOS reads it)
+    model._prepare_special_tokens(cfg, kwargs_has_attention_mask=False, device=prompt.device, batch_size=1)
+    return model._get_logits_processor(cfg, input_ids_seq_length=prompt.shape[-1], encoder_input_ids=prompt,
+                                       device=prompt.device, model_kwargs={})
+
+
+def describe_processors(processors: Iterable[Any]) -> list[dict[str, Any]]:
+    """metrics.json form of a processor list: class name and scalar settings, e.g.
+    {"name": "RepetitionPenaltyLogitsProcessor", "penalty": 1.05}."""
+    return [{"name": type(p).__name__, **{k: v for k, v in vars(p).items()
+                                          if isinstance(v, (bool, int, float, str)) and not k.startswith("_")}}
+            for p in processors]
+
+
+def generation_provenance(model: Any) -> dict[str, Any]:
+    """metrics.json's record of how tokens are picked: greedy, with the generation_config's processors (each
+    sample adds min_new_tokens and its stop tokens as eos, as a generate call with those arguments would)."""
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # (1, 1): the processors' settings only
+    return {"decoding": "greedy", "processors": describe_processors(greedy_processors(model, prompt))}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -51,19 +103,25 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
              stop_ids: Iterable[int] = (), min_new_tokens: int = 0, context_tokens: int | None = None,
              scenario: str = "question_aware", forced: list[int] | None = None,
              on_logits: Callable[[torch.Tensor], None] | None = None, trace: bool = False,
-             diagnostics: Iterable[str] = ()) -> GenerationResult:
+             diagnostics: Iterable[str] = (), protocol: str = "blockwise") -> GenerationResult:
     """Greedy generation through a policy-managed cache.
 
-    `block=None` feeds the whole prompt in one forward, then evicts once. `forced` teacher-forces these tokens
-    instead of the argmax (the fidelity task); `on_logits` sees each step's next-token logits (1, vocab) float32.
-    `trace` records, before every forward, each layer's per-head token positions (b, h_kv, L) (tests rebuild
-    attention from them; ragged layers' shorter heads are padded with -1 in this record only). `diagnostics` names kvbench.diagnostics measures taken at every eviction.
+    Greedy = what `model.generate(do_sample=False)` picks: the generation_config's processors apply
+    (greedy_processors). `block=None` feeds the whole prompt in one forward, then evicts once. `protocol`
+    (PROTOCOLS) says whether the prompt goes in blocks (else `block` is ignored) and whether decoding steps evict.
+    `forced` teacher-forces these tokens instead of the argmax (the fidelity task); `on_logits` sees each step's
+    next-token logits (1, vocab) float32, before the processors. `trace` records, before every forward, each
+    layer's per-head token positions (b, h_kv, L) (tests rebuild attention from them; ragged layers' shorter
+    heads are padded with -1 in this record only). `diagnostics` names kvbench.diagnostics measures taken at
+    every eviction.
     """
     device = model.device
     ids = torch.tensor([input_ids], device=device)  # (1, T)
     T = ids.shape[1]
+    one_pass, decode_evicts = PROTOCOLS[protocol]
     cache = EvictingCache(model.config, policy)
     stop = set(stop_ids)
+    processors = greedy_processors(model, ids, sorted(stop), min_new_tokens, max_new_tokens)
     timing = {"evict": 0.0}
     diag = Diagnostics(tuple(diagnostics)) if diagnostics else None
     if diag is not None and not cache.query_window:
@@ -100,7 +158,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         t0 = time.perf_counter()
         for start, end, evicted in segments:
             cache.frozen = not evicted
-            step = end - start if (block is None or policy.single_pass_prefill) else block
+            step = end - start if (block is None or one_pass or policy.single_pass_prefill) else block
             for s in range(start, end, step):
                 logits = forward(ids[:, s:min(end, s + step)])
                 evict()
@@ -114,8 +172,8 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         while max_new_tokens > 0:
             if on_logits is not None:
                 on_logits(logits)
-            if len(new) < min_new_tokens and stop:
-                logits[:, list(stop)] = -float("inf")
+            if processors:  # what generate(do_sample=False) does to the logits (min_new_tokens included)
+                logits = processors(torch.tensor([input_ids + new], device=device), logits)
             tok = forced[len(new)] if forced is not None else int(logits.argmax(dim=-1))
             if forced is None and tok in stop:
                 break
@@ -123,7 +181,8 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
             if len(new) >= max_new_tokens or (forced is not None and len(new) >= len(forced)):
                 break
             logits = forward(torch.tensor([[tok]], device=device))
-            evict()
+            if decode_evicts:
+                evict()
             steps += 1
         _sync(device)
         decode_s = time.perf_counter() - t0
@@ -184,8 +243,9 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 @dataclass
 class RunSettings:
     budget: int | None
-    block: int | None
+    block: int | None  # None: the prompt goes in one forward (the protocol says so, or B = inf)
     scenario: str = "question_aware"
+    protocol: str = "blockwise"
     save_prompts: bool = False
     shard: tuple[int, int] | None = None  # (i, n): samples with index % n == i
     diagnostics: tuple[str, ...] = ()
@@ -225,7 +285,8 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
             res = generate(model, policy, sample.input_ids, settings.block, sample.max_new_tokens,
                            stop_ids=sample.stop_token_ids if sample.stop_token_ids is not None else default_stop,
                            min_new_tokens=sample.min_new_tokens, context_tokens=sample.context_tokens,
-                           scenario=settings.scenario, diagnostics=settings.diagnostics)
+                           scenario=settings.scenario, diagnostics=settings.diagnostics,
+                           protocol=settings.protocol)
             prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
             record = make_record(sample, prediction, res, task.score(sample, prediction), settings)
         append_record(pred_path, record)
@@ -248,7 +309,7 @@ def _reference_sample(model: Any, tokenizer: Any, policy: Policy, task: Task, sa
     res = generate(model, policy, sample.input_ids, settings.block, len(ref_tokens), stop_ids=(),
                    context_tokens=sample.context_tokens, scenario=settings.scenario, forced=ref_tokens,
                    on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)),
-                   diagnostics=settings.diagnostics)
+                   diagnostics=settings.diagnostics, protocol=settings.protocol)
     test_logp = torch.stack(logps)  # (new, vocab)
     prediction = tokenizer.decode(test_logp.argmax(dim=-1).tolist(), skip_special_tokens=True)
     record = make_record(sample, prediction, res, 0.0, settings)

@@ -36,14 +36,17 @@ def test_multirun_2x2_gives_a_4_row_table(tmp_path: Path, capsys: pytest.Capture
     printed = capsys.readouterr().out
 
     rows = _csv(sweep / "table.csv")
-    assert list(rows[0]) == ["model", "policy", "budget", "top1", "kl_mean", "kl_max", "match_len", "Avg"]
+    assert list(rows[0]) == ["model", "policy", "budget", "block", "protocol", "top1", "kl_mean", "kl_max",
+                             "match_len", "Avg"]
     # Sweep order (policy-major, as given on the command line), budgets ascending.
-    assert [(r["model"], r["policy"], r["budget"]) for r in rows] == [
-        ("tiny-llama", "keydiff", "64"), ("tiny-llama", "keydiff", "128"),
-        ("tiny-llama", "streamingllm", "64"), ("tiny-llama", "streamingllm", "128")]
+    assert [(r["model"], r["policy"], r["budget"], r["block"], r["protocol"]) for r in rows] == [
+        ("tiny-llama", "keydiff", "64", "128", "blockwise"), ("tiny-llama", "keydiff", "128", "128", "blockwise"),
+        ("tiny-llama", "streamingllm", "64", "128", "blockwise"),
+        ("tiny-llama", "streamingllm", "128", "128", "blockwise")]
     for r in rows:  # fidelity's average is top1; scores are copied as stored (0-100), never rescaled
-        m = json.loads(next(p for p in sweep.rglob("metrics.json")
-                            if p.parent.name == f"{r['policy']}_N{r['budget']}_B128").read_text())
+        # sweep subdir: <model>/<task>/<policy>_N<budget>_<protocol label (with the block for blockwise)>
+        m = json.loads((sweep / "tiny-llama" / "fidelity" / f"{r['policy']}_N{r['budget']}_blockwise_B128" /
+                        "metrics.json").read_text())
         assert float(r["Avg"]) == float(r["top1"]) == m["scores"]["top1"] == m["average"]
         assert float(r["kl_mean"]) == m["scores"]["kl_mean"]
     md = (sweep / "table.md").read_text()
@@ -129,10 +132,12 @@ def test_report_layout_full_row_first_categories_and_plots(tmp_path: Path) -> No
 
     rows = _csv(tmp_path / "table.csv")
     # Datasets in LongBench order (narrativeqa before qasper), summaries after the details, then Avg.
-    assert list(rows[0]) == ["model", "policy", "budget", "narrativeqa", "qasper", "trec", "cat:single_doc_qa",
-                             "avg_selected", "Avg"]
-    assert [(r["policy"], r["budget"], r["Avg"]) for r in rows] == [
-        ("full", "", "43.0"), ("keydiff", "2048", "42.0"), ("keydiff", "4096", "43.0")]
+    assert list(rows[0]) == ["model", "policy", "budget", "block", "protocol", "narrativeqa", "qasper", "trec",
+                             "cat:single_doc_qa", "avg_selected", "Avg"]
+    # Budget, block and protocol do not apply to the full cache (its config has no protocol: blockwise then).
+    assert [(r["policy"], r["budget"], r["block"], r["protocol"], r["Avg"]) for r in rows] == [
+        ("full", "", "", "", "43.0"), ("keydiff", "2048", "128", "blockwise", "42.0"),
+        ("keydiff", "4096", "128", "blockwise", "43.0")]
     assert [c.category for c in rep.columns] == ["Single Doc. QA", "Single Doc. QA", "Few-shot Learning"]
     md = (tmp_path / "table.md").read_text()
     assert "| *Single Doc. QA* |" in md.replace("  ", " ") or "*Single Doc. QA*" in md

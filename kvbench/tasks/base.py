@@ -81,7 +81,8 @@ class Task(ABC):
         """Where the data came from (source, revision, checksum, generator settings) for metrics.json."""
         return {}
 
-    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float],
+                 label: str = "") -> dict[str, Any]:
         """Write task-specific extra outputs into run_dir (heatmaps, official-format files).
 
         Returns extra entries for metrics.json (e.g. {"notes": [...]}); default: nothing.

@@ -308,7 +308,8 @@ class LongBench(Task):
             "source": f"dir:{self.data_dir}" if self.data_dir else f"zip:{self.data_zip}" if self.data_zip
             else f"hf:{self.repo_id}@{self.revision}"}}
 
-    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float],
+                 label: str = "") -> dict[str, Any]:
         extra: dict[str, Any] = self.provenance()
         if self.write_official and records:
             out_dir = Path(run_dir) / f"{self.name}_pred"

@@ -175,13 +175,14 @@ class NIAH(Task):
         out["avg"] = round(sum(all_scores) / len(all_scores), 2) if all_scores else 0.0
         return out
 
-    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float],
+                 label: str = "") -> dict[str, Any]:
         scale = "recall, 0/100" if self.scorer == "substring" else "ROUGE-1 F x 100, no stemmer"
         notes = [f"niah scorer: {self.scorer} ({scale})", f"niah haystack: {haystack_label(self.haystack_dir)}"]
         if not self.heatmap or not records:
             return {"notes": notes}
         path = plot_heatmap(self._cells(records), Path(run_dir) / "niah_heatmap.png",
-                            title=f"NIAH ({self.scorer})")
+                            title=f"NIAH ({self.scorer})" + (f"\n{label}" if label else ""))
         notes.append(f"niah heatmap: {path.name}")
         return {"notes": notes}
 
@@ -207,7 +208,7 @@ def plot_heatmap(cells: dict[tuple[int, float], list[float]], path: Path, title:
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set_xlabel("Context length (tokens)")
     ax.set_ylabel("Depth (%)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.set_xticks(np.arange(-0.5, len(lengths)), minor=True)
     ax.set_yticks(np.arange(-0.5, len(depths)), minor=True)
     ax.grid(which="minor", color="white", linewidth=0.5)

@@ -168,11 +168,12 @@ class ProbeTask(Task):
             out["avg"] = sum(out.values()) / len(out)
         return out
 
-    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float],
+                 label: str = "") -> dict[str, Any]:
         cells = self._cells(records)
         if cells:
-            _heatmap(Path(run_dir) / HEATMAP_FILE, {k: sum(v) / len(v) for k, v in cells.items()},
-                     title=f"probe retrieval ({scores.get('avg', float('nan')):.1f} avg)")
+            title = f"probe retrieval ({scores.get('avg', float('nan')):.1f} avg)" + (f"\n{label}" if label else "")
+            _heatmap(Path(run_dir) / HEATMAP_FILE, {k: sum(v) / len(v) for k, v in cells.items()}, title=title)
         return {"notes": [NOTE]}
 
 
@@ -184,7 +185,7 @@ def _heatmap(path: Path, cells: dict[tuple[int, float], float], title: str) -> N
     lengths = sorted({k[0] for k in cells})
     depths = sorted({k[1] for k in cells})
     grid = [[cells.get((n, d), float("nan")) for n in lengths] for d in depths]
-    fig = Figure(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.35 * len(depths)))
+    fig = Figure(figsize=(max(4.5, 1.2 + 0.9 * len(lengths)), 1.5 + 0.35 * len(depths)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
@@ -192,7 +193,7 @@ def _heatmap(path: Path, cells: dict[tuple[int, float], float], title: str) -> N
     ax.set_yticks(range(len(depths)), [format(d, "g") for d in depths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth (%)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=8)
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
             if not math.isnan(v):

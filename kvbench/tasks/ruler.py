@@ -685,7 +685,8 @@ class Ruler(Task):
         out["avg"] = round(sum(out[f"L{L}"] for L in lengths) / len(lengths), 2) if lengths else 0.0
         return out
 
-    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float],
+                 label: str = "") -> dict[str, Any]:
         notes = [f"ruler: generation rules of NVIDIA/RULER@{RULER_COMMIT[:7]} (docs/ruler.md); seed per (task, length)"]
         if any(TASKS[t][1].get("type_haystack") == "essay" for t in self.tasks):
             notes.append(f"ruler essay haystack: {haystack_label(self.haystack_dir)}; sentence splitter: "
