@@ -34,11 +34,13 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     decode_steps: int  # one-token forwards during decoding
-    evict_s: float
+    evict_s: float  # evict_prefill_s + evict_decode_s
     peak_kv_tokens: int  # max over layers and time of tokens held per KV head (ragged: layer total / h_kv)
     kv_bytes_peak: int  # max over time of K+V bytes held, all layers
     trace: list[list[torch.Tensor | None]] = field(default_factory=list, repr=False)
     diagnostics: dict[str, Any] | None = None  # Diagnostics.summary() when diagnostics were asked for
+    evict_prefill_s: float = 0.0  # eviction time inside prefill_s
+    evict_decode_s: float = 0.0  # eviction time inside decode_s
 
 
 def _sync(device: torch.device) -> None:
@@ -64,7 +66,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
     T = ids.shape[1]
     cache = EvictingCache(model.config, policy)
     stop = set(stop_ids)
-    timing = {"evict": 0.0}
+    timing = {"prefill": 0.0, "decode": 0.0}  # eviction seconds, by phase
     diag = Diagnostics(tuple(diagnostics)) if diagnostics else None
     if diag is not None and not cache.query_window:
         cache.query_window = diag.query_window
@@ -79,7 +81,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         peak_bytes = max(peak_bytes, cache.kv_bytes())
         return out.logits[:, -1].float()  # (1, vocab)
 
-    def evict() -> None:
+    def evict(phase: str) -> None:
         if cache.frozen or not policy.evicts:
             return
         _sync(device)
@@ -88,7 +90,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         for layer in cache.evicting_layers():
             policy.evict(layer, diag.observe if diag is not None else None)
         _sync(device)
-        timing["evict"] += time.perf_counter() - t0 - ((diag.elapsed - spent) if diag is not None else 0.0)
+        timing[phase] += time.perf_counter() - t0 - ((diag.elapsed - spent) if diag is not None else 0.0)
 
     # Prompt segments: (start, end, evicted?). context_only keeps the question out of eviction (CriticalKV App. H).
     if scenario == "context_only" and context_tokens is not None and 0 < context_tokens < T:
@@ -103,7 +105,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
             step = end - start if (block is None or policy.single_pass_prefill) else block
             for s in range(start, end, step):
                 logits = forward(ids[:, s:min(end, s + step)])
-                evict()
+                evict("prefill")
         _sync(device)
         prefill_s = time.perf_counter() - t0
 
@@ -123,12 +125,13 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
             if len(new) >= max_new_tokens or (forced is not None and len(new) >= len(forced)):
                 break
             logits = forward(torch.tensor([[tok]], device=device))
-            evict()
+            evict("decode")
             steps += 1
         _sync(device)
         decode_s = time.perf_counter() - t0
     return GenerationResult(tokens=new, prompt_tokens=T, prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps,
-                            evict_s=timing["evict"], peak_kv_tokens=cache.peak_tokens(), kv_bytes_peak=peak_bytes,
+                            evict_s=timing["prefill"] + timing["decode"], evict_prefill_s=timing["prefill"],
+                            evict_decode_s=timing["decode"], peak_kv_tokens=cache.peak_tokens(), kv_bytes_peak=peak_bytes,
                             trace=traces, diagnostics=diag.summary() if diag is not None else None)
 
 
