@@ -51,11 +51,13 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     decode_steps: int  # one-token forwards during decoding
-    evict_s: float
+    evict_s: float  # evict_prefill_s + evict_decode_s
     peak_kv_tokens: int  # max over layers and time of tokens held per KV head (ragged: layer total / h_kv)
     kv_bytes_peak: int  # max over time of K+V bytes held, all layers
     trace: list[list[torch.Tensor | None]] = field(default_factory=list, repr=False)
     diagnostics: dict[str, Any] | None = None  # Diagnostics.summary() when diagnostics were asked for
+    evict_prefill_s: float = 0.0  # eviction time inside prefill_s
+    evict_decode_s: float = 0.0  # eviction time inside decode_s
 
 
 def greedy_processors(model: Any, prompt: torch.Tensor, stop_ids: Iterable[int] = (), min_new_tokens: int = 0,
@@ -122,7 +124,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
     cache = EvictingCache(model.config, policy)
     stop = set(stop_ids)
     processors = greedy_processors(model, ids, sorted(stop), min_new_tokens, max_new_tokens)
-    timing = {"evict": 0.0}
+    timing = {"prefill": 0.0, "decode": 0.0}  # eviction seconds, by phase
     diag = Diagnostics(tuple(diagnostics)) if diagnostics else None
     if diag is not None and not cache.query_window:
         cache.query_window = diag.query_window
@@ -137,7 +139,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         peak_bytes = max(peak_bytes, cache.kv_bytes())
         return out.logits[:, -1].float()  # (1, vocab)
 
-    def evict() -> None:
+    def evict(phase: str) -> None:
         if cache.frozen or not policy.evicts:
             return
         _sync(device)
@@ -146,7 +148,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         for layer in cache.evicting_layers():
             policy.evict(layer, diag.observe if diag is not None else None)
         _sync(device)
-        timing["evict"] += time.perf_counter() - t0 - ((diag.elapsed - spent) if diag is not None else 0.0)
+        timing[phase] += time.perf_counter() - t0 - ((diag.elapsed - spent) if diag is not None else 0.0)
 
     # Prompt segments: (start, end, evicted?). context_only keeps the question out of eviction (CriticalKV App. H).
     if scenario == "context_only" and context_tokens is not None and 0 < context_tokens < T:
@@ -161,7 +163,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
             step = end - start if (block is None or one_pass or policy.single_pass_prefill) else block
             for s in range(start, end, step):
                 logits = forward(ids[:, s:min(end, s + step)])
-                evict()
+                evict("prefill")
         _sync(device)
         prefill_s = time.perf_counter() - t0
 
@@ -182,12 +184,13 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
                 break
             logits = forward(torch.tensor([[tok]], device=device))
             if decode_evicts:
-                evict()
+                evict("decode")
             steps += 1
         _sync(device)
         decode_s = time.perf_counter() - t0
     return GenerationResult(tokens=new, prompt_tokens=T, prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps,
-                            evict_s=timing["evict"], peak_kv_tokens=cache.peak_tokens(), kv_bytes_peak=peak_bytes,
+                            evict_s=timing["prefill"] + timing["decode"], evict_prefill_s=timing["prefill"],
+                            evict_decode_s=timing["decode"], peak_kv_tokens=cache.peak_tokens(), kv_bytes_peak=peak_bytes,
                             trace=traces, diagnostics=diag.summary() if diag is not None else None)
 
 

@@ -28,7 +28,7 @@ def rows(tmp_path_factory) -> list[dict]:
     assert rc == 0
     assert torch.get_num_threads() == threads  # --threads applies to the run only
     assert out.with_suffix(".md").read_text().count("| keydiff ") == len(LENGTHS)
-    return json.loads(out.read_text())
+    return json.loads(out.read_text())["rows"]
 
 
 def test_rows_schema_and_baselines(rows) -> None:
@@ -39,8 +39,10 @@ def test_rows_schema_and_baselines(rows) -> None:
         assert r["prefill_s"] > 0 and r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert r["peak_rss_mib"] > 0 and r["evict_s"] >= 0
         assert r["repeats"] == 2 and r["decode_steps"] == NEW - 1
+        assert r["evict_s"] >= 0 and r["evict_prefill_s"] >= 0 and r["evict_decode_s"] >= 0
     full = [r for r in rows if r["policy"] == "full"]
     assert all(r["budget"] is None and r["block"] is None and r["evict_s"] == 0 for r in full)
+    assert all(r["evict_prefill_s"] == 0 and r["evict_decode_s"] == 0 for r in full)
     assert all(r["budget"] == N and r["block"] == B for r in rows if r["policy"] != "full")
 
 
@@ -62,7 +64,8 @@ def test_ratios_come_from_the_same_run(rows) -> None:
         assert kd["kv_vs_full"] == round((N + B) / (n + NEW - 1), 4)
         # the row's times are rounded to microseconds, its ratios to 1e-4
         assert kd["vs_floor"] == pytest.approx(kd["prefill_s"] / floor["prefill_s"] - 1, abs=2e-4)
-        assert kd["evict_share"] == pytest.approx(kd["evict_s"] / kd["prefill_s"], abs=2e-4)
+        assert kd["evict_share"] == pytest.approx(kd["evict_s"] / kd["total_s"], abs=2e-4)
+        assert kd["prefill_evict_share"] <= 1 and kd["vs_hf_forward"] is None and kd["decode_vs_hf"] is None
         assert floor["vs_floor"] == 0.0 and full["vs_floor"] is None
 
 
@@ -134,19 +137,96 @@ def test_peak_memory_is_per_call() -> None:
     assert mem.rss_peak_mib() < start + 50
 
 
-def test_evict_timer_counts_prefill_evictions_only() -> None:
-    calls = []
+def test_generate_splits_eviction_time_into_prefill_and_decode(monkeypatch) -> None:
+    """A fake clock advanced only inside Policy.evict: 1 s per call while the prompt is processed, 100 s per call
+    while decoding. 40 prompt tokens in blocks of 8 = 5 blocks, 3 new tokens = 2 decoding steps, 2 layers."""
+    from kvbench import runner
+    from kvbench.models import build_tiny_model
+    from kvbench.policies.keydiff import KeyDiff
 
-    class Fake:
+    clock = [0.0]
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
+
+    class Ticking(KeyDiff):
         def evict(self, layer, observe=None):
-            calls.append((layer, observe))
-            return True
+            clock[0] += 100.0 if layer.decoding else 1.0
+            return super().evict(layer, observe)
 
-    policy = Fake()
-    timer = bench._EvictTimer(policy, torch.device("cpu"))
-    assert policy.evict("a") is True and policy.evict("b", "obs") is True
-    after_prefill = timer.prefill_s
-    assert after_prefill > 0
-    timer.on_logits(torch.zeros(1, 4))
-    policy.evict("c")
-    assert timer.prefill_s == after_prefill and calls == [("a", None), ("b", "obs"), ("c", None)]
+    model, _ = build_tiny_model("tiny-llama")
+    from kvbench.attention import install
+
+    install(model)
+    res = runner.generate(model, Ticking(budget=16), list(range(10, 50)), 8, 3, stop_ids=())
+    assert res.decode_steps == 2
+    assert res.evict_prefill_s == 5 * 2 * 1.0
+    assert res.evict_decode_s == 2 * 2 * 100.0
+    assert res.evict_s == res.evict_prefill_s + res.evict_decode_s
+
+
+def _row(policy: str, n: int, prefill: float, decode: float, evict_pre: float, evict_dec: float,
+         rss: float = 500.0, kv: int = 2**20, budget: int = 64) -> dict:
+    return {"policy": policy, "prompt_tokens": n, "budget": budget, "block": 16, "prefill_s": prefill,
+            "decode_s": decode, "decode_steps": 10, "decode_ms_per_token": 100 * decode, "evict_prefill_s": evict_pre,
+            "evict_decode_s": evict_dec, "total_s": prefill + decode, "evict_s": evict_pre + evict_dec,
+            "evict_share": (evict_pre + evict_dec) / (prefill + decode), "kv_bytes_peak": kv,
+            "peak_rss_mib": rss, "rss_start_mib": 400.0}
+
+
+def test_goals_are_ratios_of_rows_of_one_run() -> None:
+    rows = [
+        {**_row(bench.HF_DECODE, 64, 0.5, 1.0, 0, 0), "budget": 64},  # 100 ms per token
+        {**_row(bench.HF_FORWARD, 8000, 10.0, 2.0, 0, 0), "budget": None},
+        _row("keydiff", 2000, 2.0, 1.1, 0.05, 0.05),  # 3.2 % evict, 1.10x decode
+        _row("keydiff", 8000, 9.0, 1.1, 0.2, 0.1, rss=510.0),  # 0.90x HF forward, +10 MiB
+        _row("snapkv", 2000, 2.0, 1.3, 0.3, 0.1),  # 12.1 % evict, 1.30x decode
+        _row("snapkv", 8000, 11.0, 1.3, 0.8, 0.3, rss=530.0),  # 1.10x HF forward, +30 MiB
+        _row("knorm", 2000, 2.0, 1.0, 0.05, 0.05, kv=2**20),
+        _row("knorm", 8000, 16.0, 1.0, 0.05, 0.05, rss=540.0, kv=2**20 + 30 * 2**20),  # +40 MiB, KV +30 MiB
+    ]
+    bench._add_ratios(rows)
+    by = {(g["goal"].split(" ")[0], g["policy"]): g for g in bench.goals(rows)}
+    assert by["eviction", "keydiff"]["passed"] and not by["eviction", "snapkv"]["passed"]  # 5 % vs 12 % limits
+    assert by["eviction", "snapkv"]["detail"] == "2000: 12.1 %, 8000: 8.9 %"
+    assert by["decode", "keydiff"]["passed"] and not by["decode", "snapkv"]["passed"]
+    assert by["decode", "keydiff"]["detail"] == "2000: 1.10x, 8000: 1.10x"
+    assert by["prefill", "keydiff"]["detail"] == "8000: 0.90x" and by["prefill", "keydiff"]["passed"]
+    assert not by["prefill", "snapkv"]["passed"]
+    assert ("end", "keydiff") not in by  # KeyDiff is the reference
+    assert by["end", "snapkv"]["detail"] == "2000: 1.06x, 8000: 1.22x" and by["end", "snapkv"]["passed"]
+    assert not by["end", "knorm"]["passed"]  # 17.0 s vs KeyDiff's 10.1 s at 8000
+    assert by["peak", "keydiff"]["passed"] and not by["peak", "snapkv"]["passed"]  # +10 / +30 MiB, KV flat
+    assert by["peak", "knorm"]["passed"]  # +40 MiB, of which 30 MiB are the KV of its unbounded layers
+    lines = bench.goal_lines(bench.goals(rows))
+    assert lines[0].startswith("PASS  eviction <= 5 % of the run: keydiff (")
+    assert sum(ln.startswith("FAIL") for ln in lines) == 6  # snapkv: all but end to end; knorm: prefill, end to end
+
+
+def test_real_model_side_by_side_with_hf(tmp_path, one_thread) -> None:
+    """--model with a local directory: its tokenizer makes the prompt, the hf rows run HF's own loop."""
+    from kvbench.models import builtin_dir
+
+    out = tmp_path / "b.json"
+    rc = bench.main(["--model", str(builtin_dir("tiny-llama")), "--lengths", "40", "--budgets", "16", "--block",
+                     "8", "--new-tokens", "3", "--repeats", "1", "--policies", "keydiff", "--out", str(out),
+                     "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in data["rows"]}
+    assert set(rows) == {"hf-decode", "hf-forward", "streamingllm", "keydiff"}
+    assert rows["hf-decode"]["prompt_tokens"] == 16 and rows["hf-decode"]["peak_kv_tokens"] == 16 + 3 - 1
+    assert rows["hf-forward"]["peak_kv_tokens"] == 40 + 3 - 1 and rows["hf-forward"]["evict_s"] == 0
+    kd = rows["keydiff"]
+    assert kd["decode_vs_hf"] == pytest.approx(kd["decode_ms_per_token"] / rows["hf-decode"]["decode_ms_per_token"],
+                                               abs=2e-3)
+    assert kd["vs_hf_forward"] == pytest.approx(kd["prefill_s"] / rows["hf-forward"]["prefill_s"], abs=2e-3)
+    assert {g["policy"] for g in data["goals"]} == {"keydiff", "streamingllm"}
+    md = out.with_suffix(".md").read_text()
+    assert "Command: `kvbench-bench --model " in md and "## Goals (issue 14)" in md
+
+
+def test_unknown_model_is_one_line(tmp_path, capsys) -> None:
+    assert bench.main(["--model", "nosuch-model", "--lengths", "16", "--out", str(tmp_path / "b.json"),
+                       "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "kvbench-bench: error: unknown model 'nosuch-model': neither a conf/model preset nor a model directory"
+    assert not (tmp_path / "b.json").exists()
