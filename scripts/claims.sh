@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Table 3: the seed papers' qualitative claims put to the test on SmolLM2-135M-Instruct, each under its paper's
+# protocol where kvbench and a 135M model allow. Writes results/claims/claims.md (claim, paper, setting, numbers,
+# holds?) from the runs below plus the NIAH grid (scripts/niah_grid.sh) and the RULER table (scripts/ruler_4k.sh).
+#
+#   scripts/claims.sh                 # after scripts/niah_grid.sh (and ideally scripts/ruler_4k.sh)
+#   QUICK=1 scripts/claims.sh         # one 500-token cell per configuration (scratch output only)
+#
+# Extra configurations run here (NIAH: built-in filler haystack, 2000-token contexts, depths 0-100 %, 32 new
+# tokens; budgets are absolute token counts, the papers' fractions of a ~1900-token prompt):
+#   K-norm vs Random (004): one compression after the prompt (paper/kvpress: prefill_once), layers 0-1 kept
+#     whole, N = 1024 and 512 (about 54 % and 27 % of the prompt kept).
+#   CriticalKV on SnapKV and AdaKV (002): prefill_once as in 002 Alg. 2 / kvpress, max pooling, N = 256 and 512.
+#   SAGE-KV vs StreamingLLM (003): one selection after the prompt, eviction at every decoding step
+#     (prefill_once_decode_evict), N = 256 and 512.
+#   HashEvict vs H2O (001): RULER niah_multikey_1 and cwe at 4K (the paper's Figure 5 tasks), N = 1229 and 2048
+#     (30 % and 50 % of 4K), block-wise; the paper hashes token by token (B = 1), kvbench's B = 128 is its faster
+#     approximation (B = 1 on a 4K prompt is 4096 forwards: not affordable on a 2-core CPU).
+# From the NIAH grid: KeyDiff vs TOVA/SnapKV/H2O under block-wise processing (000), StreamingLLM on mid-context
+# needles. On a kvbench without the `protocol` setting, prefill_once and prefill_once_decode_evict both fall back
+# to block=null (one forward, one eviction, then eviction at every decoding step); the table says which ran.
+NAME=claims
+source "$(dirname "$0")/lib.sh"
+
+if grep -q '^protocol:' conf/config.yaml; then HAS_PROTOCOL=1; else HAS_PROTOCOL=0; fi
+# protocol NAME: the overrides that select a paper's protocol on this kvbench.
+protocol() {
+    if [[ "$HAS_PROTOCOL" == 1 ]]; then
+        if [[ "$1" == blockwise ]]; then echo "protocol=blockwise block=128"; else echo "protocol=$1"; fi
+    elif [[ "$1" == blockwise ]]; then echo "block=128"
+    else echo "block=null"; fi
+}
+[[ -n "$PROTOCOL" ]] && echo "[claims] PROTOCOL=$PROTOCOL is ignored: each claim uses its paper's protocol" >&2
+PROTO_ARGS=()
+
+NIAH=(task=niah "task.context_lengths=[2000]" "task.depths=[0,25,50,75,100]" task.max_new_tokens=32)
+RULER=(task=ruler "task.tasks=[niah_multikey_1,cwe]" "task.lengths=[4096]" task.num_samples=${SAMPLES:-2})
+KNORM_BUDGETS=1024,512; CKV_BUDGETS=256,512; SAGE_BUDGETS=256,512; HASH_BUDGETS=1229,2048
+if [[ "$QUICK" == 1 ]]; then
+    NIAH=(task=niah "task.context_lengths=[500]" "task.depths=[50]" task.max_new_tokens=32)
+    RULER=(task=ruler "task.tasks=[niah_multikey_1]" "task.lengths=[1024]" task.num_samples=1)
+    KNORM_BUDGETS=256; CKV_BUDGETS=256; SAGE_BUDGETS=256; HASH_BUDGETS=512
+fi
+
+start_run
+read -ra P_ONCE <<< "$(protocol prefill_once)"
+read -ra P_ONCE_DEC <<< "$(protocol prefill_once_decode_evict)"
+read -ra P_BLOCK <<< "$(protocol blockwise)"
+sweep 0 "${NIAH[@]}" "${P_ONCE[@]}" policy=knorm,random "budget=$KNORM_BUDGETS" "hydra.sweep.dir=$RUNS/knorm_random"
+# (One policy per command where a policy option is set: Hydra applies non-sweep overrides to the default policy
+# before it expands a policy sweep. criticalkv and adakv pool with max by default; the snapkv preset uses avg.)
+sweep 1 "${NIAH[@]}" "${P_ONCE[@]}" policy=snapkv policy.pooling=max "budget=$CKV_BUDGETS" \
+    "hydra.sweep.dir=$RUNS/criticalkv_snapkv"
+sweep 1 "${NIAH[@]}" "${P_ONCE[@]}" policy=criticalkv "budget=$CKV_BUDGETS" "hydra.sweep.dir=$RUNS/criticalkv_snapkv"
+sweep 0 "${NIAH[@]}" "${P_ONCE[@]}" policy=adakv "budget=$CKV_BUDGETS" "hydra.sweep.dir=$RUNS/criticalkv_adakv"
+sweep 1 "${NIAH[@]}" "${P_ONCE[@]}" policy=criticalkv policy.base=adakv "budget=$CKV_BUDGETS" \
+    "hydra.sweep.dir=$RUNS/criticalkv_adakv"
+sweep 0 "${NIAH[@]}" "${P_ONCE_DEC[@]}" policy=sagekv,streamingllm "budget=$SAGE_BUDGETS" \
+    "hydra.sweep.dir=$RUNS/sagekv_streamingllm"
+sweep 1 "${RULER[@]}" "${P_BLOCK[@]}" policy=hashevict,h2o "budget=$HASH_BUDGETS" "hydra.sweep.dir=$RUNS/hashevict_h2o"
+sweep 0 "${RULER[@]}" "${P_BLOCK[@]}" policy=full budget=null "hydra.sweep.dir=$RUNS/hashevict_h2o"
+wait_workers
+
+if [[ "$QUICK" == 1 ]]; then SUFFIX=-quick; else SUFFIX=; fi
+NIAH_RUNS=${NIAH_RUNS:-$( [[ -d results/runs/niah_grid$SUFFIX ]] && echo results/runs/niah_grid$SUFFIX || echo results/niah_grid/runs)}
+RULER_RUNS=${RULER_RUNS:-$( [[ -d results/runs/ruler_4k$SUFFIX ]] && echo results/runs/ruler_4k$SUFFIX || echo results/ruler_4k/runs)}
+EXTRA_MD="Claims table: \`python scripts/claims_table.py $RUNS $NIAH_RUNS $RULER_RUNS $OUT\` (NIAH grid and RULER runs from scripts/niah_grid.sh and scripts/ruler_4k.sh)."
+finish_run
+python scripts/claims_table.py "$RUNS" "$NIAH_RUNS" "$RULER_RUNS" "$OUT"
