@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvbench.metrics import longbench as lbm
+from kvbench.tasks.base import TaskError, parse_jsonl
 
 
 class ScoreError(ValueError):
@@ -37,23 +38,14 @@ def read_pred_dir(pred_dir: Path) -> dict[str, list[dict[str, Any]]]:
         if dataset not in lbm.DATASET2METRIC:
             raise ScoreError(f"{p}: '{dataset}' is not a LongBench dataset; expected files named "
                              f"<dataset>.jsonl with dataset one of: {', '.join(lbm.DATASET2METRIC)}")
-        rows = []
         try:
-            with p.open(encoding="utf-8") as f:  # lines as eval.py reads them
-                lines = list(f)
-        except UnicodeDecodeError:
-            raise ScoreError(f"{p}: not UTF-8 text; expected a jsonl file of predictions") from None
-        for i, line in enumerate(lines, 1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ScoreError(f"{p}:{i}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ScoreError(f"{p}:{i}: expected a JSON object")
+            rows = parse_jsonl(p.read_bytes(), str(p))  # the one jsonl reader (lines split on "\n", as eval.py)
+        except TaskError as e:
+            raise ScoreError(str(e)) from None
+        for i, row in enumerate(rows, 1):
             for key in ("pred", "answers", "all_classes"):
                 if key not in row:
                     raise ScoreError(f"{p}:{i}: missing '{key}' (need pred, answers, all_classes, length)")
-            rows.append(row)
         if not rows:
             raise ScoreError(f"{p}: no predictions")
         out[dataset] = rows

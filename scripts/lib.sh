@@ -4,6 +4,7 @@
 # Every script sets NAME and calls, in order:
 #   start_run                     scratch dir results/runs/<name>/ (git-ignored), clock started
 #   sweep <worker> <overrides...> one `kvbench --multirun` command, queued on worker <worker> (0..WORKERS-1)
+#   sweep_policies <budgets> <policies> <overrides...>   the full cache plus one sweep per policy
 #   wait_workers                  run the queued commands (workers in parallel, each worker's commands in order)
 #   finish_run                    kvbench-report, copy tables/plots/run files into results/<name>/, RUN.md
 #
@@ -58,6 +59,19 @@ sweep() {
     COMMANDS+=("$line")
     printf '%q ' $KVBENCH "${args[@]}" >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
     printf '\n' >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
+}
+
+# sweep_policies <budgets> <policies,comma,separated> <kvbench overrides...>: the full cache on worker 0, then
+# one sweep per policy over <budgets>, the policies dealt to the workers in turn (K-norm, the slowest at long
+# prompts, and the attention-scored policies land on different workers).
+sweep_policies() {
+    local budgets=$1 policies=$2 i
+    shift 2
+    sweep 0 "$@" policy=full budget=null "hydra.sweep.dir=$RUNS"
+    IFS=, read -ra PLIST <<< "$policies"
+    for i in "${!PLIST[@]}"; do
+        sweep $((i + 1)) "$@" "policy=${PLIST[$i]}" "budget=$budgets" "hydra.sweep.dir=$RUNS"
+    done
 }
 
 wait_workers() {

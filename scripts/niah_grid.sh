@@ -6,7 +6,7 @@
 #   PROTOCOL=prefill_once scripts/niah_grid.sh   # another eviction protocol (kvbench with `protocol`)
 #
 # Grid: context lengths 500/1000/2000/4000 tokens x depths 0/25/50/75/100 %, the built-in filler haystack,
-# substring scoring; the full cache once, and every evicting policy of conf/policy/compare.yaml at N = 256 and
+# substring scoring; the full cache once, and all twelve evicting policies at N = 256 and
 # N = 1024 (block B = 128). 32 new tokens: the full answer sentence is 25 tokens of SmolLM2's tokenizer.
 # 8000-token contexts are left out: one 8k sample costs about as much as the 500-4000 samples of its depth
 # together (results/README.md gives the measured costs).
@@ -16,20 +16,14 @@ source "$(dirname "$0")/lib.sh"
 LENGTHS=${LENGTHS:-[500,1000,2000,4000]}
 DEPTHS=${DEPTHS:-[0,25,50,75,100]}
 BUDGETS=${BUDGETS:-256,1024}
-POLICIES=${POLICIES:-streamingllm,random,knorm,keydiff,tova,h2o,snapkv,adakv,criticalkv,hashevict,sagekv}
+POLICIES=${POLICIES:-streamingllm,random,knorm,keydiff,tova,h2o,snapkv,pyramidkv,adakv,criticalkv,hashevict,sagekv}
 if [[ "$QUICK" == 1 ]]; then
     LENGTHS=[500]; DEPTHS=[50]; BUDGETS=256; POLICIES=streamingllm,keydiff
 fi
 TASK=(task=niah "task.context_lengths=$LENGTHS" "task.depths=$DEPTHS" task.max_new_tokens=32 block=128)
 
 start_run
-# Worker 0 takes the full cache first, then every worker takes policies in turn (K-norm, the slowest at long
-# prompts, and the attention-scored policies are spread over both).
-sweep 0 "${TASK[@]}" policy=full budget=null "hydra.sweep.dir=$RUNS"
-IFS=, read -ra PLIST <<< "$POLICIES"
-for i in "${!PLIST[@]}"; do
-    sweep $((i + 1)) "${TASK[@]}" "policy=${PLIST[$i]}" "budget=$BUDGETS" "hydra.sweep.dir=$RUNS"
-done
+sweep_policies "$BUDGETS" "$POLICIES" "${TASK[@]}"
 wait_workers
 finish_run
 python scripts/niah_heatmaps.py "$RUNS" "$OUT"

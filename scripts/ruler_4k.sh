@@ -27,10 +27,6 @@ fi
 TASK=(task=ruler "task.tasks=$TASKS" "task.lengths=$LENGTHS" "task.num_samples=$SAMPLES" block=128)
 
 start_run
-sweep 0 "${TASK[@]}" policy=full budget=null "hydra.sweep.dir=$RUNS"
-IFS=, read -ra PLIST <<< "$POLICIES"
-for i in "${!PLIST[@]}"; do
-    sweep $((i + 1)) "${TASK[@]}" "policy=${PLIST[$i]}" "budget=$BUDGET" "hydra.sweep.dir=$RUNS"
-done
+sweep_policies "$BUDGET" "$POLICIES" "${TASK[@]}"
 wait_workers
 finish_run

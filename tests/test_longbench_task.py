@@ -403,5 +403,5 @@ def test_binary_files_are_one_line_errors(tmp_path, tok, capsys):
         list(LongBench(datasets=["trec"], data_dir=str(tmp_path)).samples(env(tok)))
     # ... and kvbench-score exits 2 with one line.
     assert score_main([str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == f"kvbench-score: {tmp_path / 'trec.jsonl'}: not UTF-8 text; " \
-                                              f"expected a jsonl file of predictions"
+    assert capsys.readouterr().err.strip() == f"kvbench-score: {tmp_path / 'trec.jsonl'}:2: not UTF-8 text " \
+                                              f"(byte 0xff at offset 15); expected a UTF-8 text file"
