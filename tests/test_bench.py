@@ -137,7 +137,7 @@ def test_peak_memory_is_per_call() -> None:
     assert mem.rss_peak_mib() < start + 50
 
 
-def test_generate_splits_eviction_time_into_prefill_and_decode(monkeypatch) -> None:
+def test_generate_splits_eviction_time_into_prefill_and_decode() -> None:
     """A fake clock advanced only inside Policy.evict: 1 s per call while the prompt is processed, 100 s per call
     while decoding. 40 prompt tokens in blocks of 8 = 5 blocks, 3 new tokens = 2 decoding steps, 2 layers."""
     from kvbench import runner
@@ -145,7 +145,6 @@ def test_generate_splits_eviction_time_into_prefill_and_decode(monkeypatch) -> N
     from kvbench.policies.keydiff import KeyDiff
 
     clock = [0.0]
-    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
 
     class Ticking(KeyDiff):
         def evict(self, layer, observe=None):
@@ -156,11 +155,12 @@ def test_generate_splits_eviction_time_into_prefill_and_decode(monkeypatch) -> N
     from kvbench.attention import install
 
     install(model)
-    res = runner.generate(model, Ticking(budget=16), list(range(10, 50)), 8, 3, stop_ids=())
+    res = runner.generate(model, Ticking(budget=16), list(range(10, 50)), 8, 3, stop_ids=(), clock=lambda: clock[0])
     assert res.decode_steps == 2
     assert res.evict_prefill_s == 5 * 2 * 1.0
     assert res.evict_decode_s == 2 * 2 * 100.0
     assert res.evict_s == res.evict_prefill_s + res.evict_decode_s
+    assert res.prefill_s == 5 * 2 * 1.0 and res.decode_s == 2 * 2 * 100.0  # the same clock times the phases
 
 
 def _row(policy: str, n: int, prefill: float, decode: float, evict_pre: float, evict_dec: float,
