@@ -527,10 +527,10 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def goal_lines(results: Sequence[dict[str, Any]]) -> list[str]:
-    """PASS/FAIL lines grouped by goal, in the order the goals were first met."""
-    order = list(dict.fromkeys(g["goal"] for g in results))
-    return [f"{'PASS' if g['passed'] else 'FAIL'}  {g['goal']}: {g['policy']} ({g['detail']})"
-            for goal in order for g in results if g["goal"] == goal]
+    """PASS/FAIL lines grouped by goal (in issue 14's order), policies in run order within a goal."""
+    rank = {k: i for i, k in enumerate(("eviction", "decode", "prefill", "end", "peak"))}
+    ordered = sorted(results, key=lambda g: rank.get(g["goal"].split(" ")[0], len(rank)))  # stable: run order kept
+    return [f"{'PASS' if g['passed'] else 'FAIL'}  {g['goal']}: {g['policy']} ({g['detail']})" for g in ordered]
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
