@@ -209,8 +209,8 @@ def test_real_model_side_by_side_with_hf(tmp_path, one_thread) -> None:
 
     out = tmp_path / "b.json"
     rc = bench.main(["--model", str(builtin_dir("tiny-llama")), "--lengths", "40", "--budgets", "16", "--block",
-                     "8", "--new-tokens", "3", "--repeats", "1", "--policies", "keydiff", "--out", str(out),
-                     "--quiet"])
+                     "8", "--new-tokens", "3", "--repeats", "1", "--policies", "keydiff", "--clock", "cpu",
+                     "--out", str(out), "--quiet"])
     assert rc == 0
     data = json.loads(out.read_text())
     rows = {r["policy"]: r for r in data["rows"]}
@@ -222,6 +222,7 @@ def test_real_model_side_by_side_with_hf(tmp_path, one_thread) -> None:
                                                abs=2e-3)
     assert kd["vs_hf_forward"] == pytest.approx(kd["prefill_s"] / rows["hf-forward"]["prefill_s"], abs=2e-3)
     assert {g["policy"] for g in data["goals"]} == {"keydiff", "streamingllm"}
+    assert all(r["clock"] == "cpu" and r["prefill_s"] > 0 and r["decode_s"] > 0 for r in data["rows"])
     md = out.with_suffix(".md").read_text()
     assert "Command: `kvbench-bench --model " in md and "## Goals (issue 14)" in md
 
