@@ -54,19 +54,30 @@ def _base_function(module: Any, base: str) -> Callable[..., Any]:
 
 
 def _fit_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, base: str, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor | None:
-    """The HF mask if it fits this layer; otherwise a rebuilt causal one in the base implementation's format."""
+              device: torch.device, memo: dict[Any, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """The HF mask if it fits this layer; otherwise a rebuilt causal one in the base implementation's format.
+
+    `memo` keeps rebuilt masks by shape: layers with the same length (all evicted layers, when some layers are not
+    evicted) share one instead of rebuilding it per layer and block; it holds at most 4 (masks are read-only).
+    """
     if mask is not None and mask.shape[-1] == kv_len:
         return mask
     if mask is None and (q_len == 1 or q_len == kv_len):
         return None  # sdpa/eager handle these exactly without a mask
+    key = (q_len, kv_len, base, dtype, device)
+    if memo is not None and key in memo:
+        return memo[key]
     # The block is the last q slots; every earlier slot is visible to all of it.
     i = torch.arange(q_len, device=device).view(-1, 1)
     j = torch.arange(kv_len, device=device).view(1, -1)
     m = (j <= i + (kv_len - q_len)).view(1, 1, q_len, kv_len)  # (1, 1, q, kv) bool
-    if base == "sdpa":
-        return m
-    return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, torch.finfo(dtype).min)
+    if base != "sdpa":
+        m = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, torch.finfo(dtype).min)
+    if memo is not None:
+        if len(memo) >= 4:
+            memo.clear()
+        memo[key] = m
+    return m
 
 
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -142,7 +153,8 @@ def _make_wrapper(base: str) -> Callable[..., Any]:
         q_len, kv_len = query.shape[-2], key.shape[-2]
         layer.scaling, layer.softcap, layer.module = scaling, kwargs.get("softcap"), module
         policy = cache.policy
-        if policy is not None and not cache.frozen:
+        # Layers the policy never evicts (K-norm's first two) cost no policy work: no queries, state or attention.
+        if policy is not None and not cache.frozen and layer.layer_idx in cache.evicted:
             if cache.query_window:
                 layer.stash_queries(query, cache.query_window)
             if policy.state_names:
@@ -158,7 +170,7 @@ def _make_wrapper(base: str) -> Callable[..., Any]:
                 return out, None
         if layer.ragged:  # per-head budgets: `key`/`value` are the flat storage, attended head by head
             return ragged_attention(query, layer, scaling, layer.softcap), None
-        mask = _fit_mask(attention_mask, q_len, kv_len, base, query.dtype, query.device)
+        mask = _fit_mask(attention_mask, q_len, kv_len, base, query.dtype, query.device, cache.masks)
         return base_fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
 
     kvbench_attention.__name__ = f"kvbench_{base}"

@@ -302,8 +302,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 @torch.inference_mode()
-def hf_generate(model: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
+def hf_generate(model: Any, ids: list[int], new_tokens: int,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """HF's own loop, no kvbench: one forward over `ids` into a plain `DynamicCache` (logits of the last token only,
     as HF's `generate` asks), then greedy decoding with the same hand loop as `runner.generate` (`new_tokens - 1`
     one-token forwards). The kvbench attention wrapper passes straight through to HF's sdpa outside a kvbench run."""
@@ -312,14 +316,14 @@ def hf_generate(model: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
     device = model.device
     cache = DynamicCache(config=model.config)
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
                 logits_to_keep=1)
     _sync(device)
-    prefill_s = time.perf_counter() - t0
+    prefill_s = clock() - t0
     logits = out.logits[:, -1].float()
     tokens, steps = [], 0
-    t0 = time.perf_counter()
+    t0 = clock()
     while True:
         tok = int(logits.argmax(dim=-1))
         tokens.append(tok)
@@ -329,7 +333,7 @@ def hf_generate(model: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
         logits = out.logits[:, -1].float()
         steps += 1
     _sync(device)
-    decode_s = time.perf_counter() - t0
+    decode_s = clock() - t0
     kv = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
              for layer in cache.layers)
     return {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "tokens": tokens,
@@ -338,8 +342,9 @@ def hf_generate(model: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
 
 
 def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int = 0,
-            prompt: Sequence[int] | None = None) -> dict[str, Any]:
-    """One call of configuration `cfg` on `prompt` (default: a random prompt); raw numbers for one round."""
+            prompt: Sequence[int] | None = None, clock: str = "wall") -> dict[str, Any]:
+    """One call of configuration `cfg` on `prompt` (default: a random prompt); raw numbers for one round, timed by
+    `clock` (CLOCKS: wall time, or the process's CPU time)."""
     from kvbench.runner import generate
 
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -347,13 +352,13 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
     if cfg.policy in (HF_FORWARD, HF_DECODE):
         rss0 = mem.start()
         c0, w0 = time.process_time(), time.perf_counter()
-        m = hf_generate(model, ids, new_tokens)
+        m = hf_generate(model, ids, new_tokens, CLOCKS[clock])
     else:
         policy = _make_policy(cfg.policy, cfg.budget, seed)
         policy.start_sample(seed)
         rss0 = mem.start()
         c0, w0 = time.process_time(), time.perf_counter()
-        res = generate(model, policy, ids, cfg.block, new_tokens, stop_ids=())
+        res = generate(model, policy, ids, cfg.block, new_tokens, stop_ids=(), clock=CLOCKS[clock])
         m = {"prefill_s": res.prefill_s, "decode_s": res.decode_s, "decode_steps": res.decode_steps,
              "tokens": res.tokens, "evict_prefill_s": res.evict_prefill_s, "evict_decode_s": res.evict_decode_s,
              "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak}
@@ -386,7 +391,7 @@ def configurations(policies: Sequence[str], budgets: Sequence[int], lengths: Seq
 
 def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: int, seed: int = 0,
               model_desc: str = "", log: Callable[[str], None] | None = None,
-              prompt: Sequence[int] | None = None) -> list[dict[str, Any]]:
+              prompt: Sequence[int] | None = None, clock: str = "wall") -> list[dict[str, Any]]:
     """Measure every configuration `repeats` times, interleaved (round r runs them all, in an order rotated by r),
     after one unmeasured warm-up call per policy; returns one row per configuration with medians. `prompt`: the
     token ids every configuration reads its first `prompt_tokens` from (default: random ids per length)."""
@@ -394,19 +399,19 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
     for name in dict.fromkeys(c.policy for c in configs):  # warm-up: kernels, thread pools, allocator
         c = next(c for c in configs if c.policy == name)
         warm = min(c.prompt_tokens, (c.budget or 0) + 2 * (c.block or 64))
-        measure(model, Config(c.policy, c.budget, c.block, warm), min(new_tokens, 2), mem, seed, prompt)
+        measure(model, Config(c.policy, c.budget, c.block, warm), min(new_tokens, 2), mem, seed, prompt, clock)
     raw: dict[Config, list[dict[str, Any]]] = {c: [] for c in configs}
     for r in range(repeats):
         k = r % len(configs)
         for c in list(configs[k:]) + list(configs[:k]):
-            m = measure(model, c, new_tokens, mem, seed, prompt)
+            m = measure(model, c, new_tokens, mem, seed, prompt, clock)
             raw[c].append(m)
             if log:
                 log(f"round {r + 1}/{repeats} {c.policy:>12} N={c.budget} B={c.block} T={c.prompt_tokens}: "
                     f"prefill {m['prefill_s']:.3f} s (evict {m['evict_prefill_s']:.3f}), decode {m['decode_s']:.3f} s "
                     f"(evict {m['evict_decode_s']:.3f}), peak RSS {m['peak_rss_mib']:.0f} MiB, "
                     f"cpu/wall {m['cpu_per_wall']:.2f}")
-    rows = [_row(c, raw[c], model, model_desc, mem.method) for c in configs]
+    rows = [{**_row(c, raw[c], model, model_desc, mem.method), "clock": clock} for c in configs]
     _add_ratios(rows)
     return rows
 
@@ -522,10 +527,10 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def goal_lines(results: Sequence[dict[str, Any]]) -> list[str]:
-    """PASS/FAIL lines grouped by goal, in the order the goals were first met."""
-    order = list(dict.fromkeys(g["goal"] for g in results))
-    return [f"{'PASS' if g['passed'] else 'FAIL'}  {g['goal']}: {g['policy']} ({g['detail']})"
-            for goal in order for g in results if g["goal"] == goal]
+    """PASS/FAIL lines grouped by goal (in issue 14's order), policies in run order within a goal."""
+    rank = {k: i for i, k in enumerate(("eviction", "decode", "prefill", "end", "peak"))}
+    ordered = sorted(results, key=lambda g: rank.get(g["goal"].split(" ")[0], len(rank)))  # stable: run order kept
+    return [f"{'PASS' if g['passed'] else 'FAIL'}  {g['goal']}: {g['policy']} ({g['detail']})" for g in ordered]
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -600,6 +605,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="float32 (default on CPU; with --model: the preset's) | bfloat16 (default on CUDA) | float16")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's; 1 with --quick)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="what the times measure: wall (default) or the process's CPU time (on a shared machine, with "
+                        "--threads 1: robust to other processes' load; with more threads it sums them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json", help="rows and goals as JSON")
     p.add_argument("--markdown", default=None, help="markdown table file (default: --out with .md)")
@@ -661,7 +669,7 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
             log(f"kvbench-bench: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
         t0 = time.perf_counter()
         rows = run_bench(model, configurations(policies, budgets, lengths, block, a.baselines, a.full_max_tokens),
-                         new_tokens, repeats, a.seed, desc, log, prompt)
+                         new_tokens, repeats, a.seed, desc, log, prompt, a.clock)
     except (BenchError, PolicyError) as e:
         print(f"kvbench-bench: error: {e}", file=sys.stderr)
         return 2
@@ -673,7 +681,7 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
     table = markdown_table(rows)
     md = Path(a.markdown) if a.markdown else out.with_suffix(".md")
     md.write_text(f"{desc} on {device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
-                  f"{torch.get_num_threads()} threads); medians of {repeats} interleaved rounds, "
+                  f"{torch.get_num_threads()} threads); {a.clock} clock, medians of {repeats} interleaved rounds, "
                   f"{new_tokens} new tokens.\n\nCommand: `{a.command}`" +
                   f"\n\n{table}\n" + ("\n## Goals (issue 14)\n\n" + "\n".join(f"- {ln}" for ln in lines) + "\n"
                                       if lines else ""), encoding="utf-8")

@@ -105,7 +105,8 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
              stop_ids: Iterable[int] = (), min_new_tokens: int = 0, context_tokens: int | None = None,
              scenario: str = "question_aware", forced: list[int] | None = None,
              on_logits: Callable[[torch.Tensor], None] | None = None, trace: bool = False,
-             diagnostics: Iterable[str] = (), protocol: str = "blockwise") -> GenerationResult:
+             diagnostics: Iterable[str] = (), protocol: str = "blockwise",
+             clock: Callable[[], float] = time.perf_counter) -> GenerationResult:
     """Greedy generation through a policy-managed cache.
 
     Greedy = what `model.generate(do_sample=False)` picks: the generation_config's processors apply
@@ -115,7 +116,8 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
     next-token logits (1, vocab) float32, before the processors. `trace` records, before every forward, each
     layer's per-head token positions (b, h_kv, L) (tests rebuild attention from them; ragged layers' shorter
     heads are padded with -1 in this record only). `diagnostics` names kvbench.diagnostics measures taken at
-    every eviction.
+    every eviction. `clock` times prefill, decoding and eviction (kvbench-bench can pass time.process_time: CPU
+    time).
     """
     device = model.device
     ids = torch.tensor([input_ids], device=device)  # (1, T)
@@ -143,12 +145,12 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         if cache.frozen or not policy.evicts:
             return
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         spent = diag.elapsed if diag is not None else 0.0
         for layer in cache.evicting_layers():
             policy.evict(layer, diag.observe if diag is not None else None)
         _sync(device)
-        timing[phase] += time.perf_counter() - t0 - ((diag.elapsed - spent) if diag is not None else 0.0)
+        timing[phase] += clock() - t0 - ((diag.elapsed - spent) if diag is not None else 0.0)
 
     # Prompt segments: (start, end, evicted?). context_only keeps the question out of eviction (CriticalKV App. H).
     if scenario == "context_only" and context_tokens is not None and 0 < context_tokens < T:
@@ -157,7 +159,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         segments = [(0, T, True)]
     with attention.active(cache):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         for start, end, evicted in segments:
             cache.frozen = not evicted
             step = end - start if (block is None or one_pass or policy.single_pass_prefill) else block
@@ -165,12 +167,12 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
                 logits = forward(ids[:, s:min(end, s + step)])
                 evict("prefill")
         _sync(device)
-        prefill_s = time.perf_counter() - t0
+        prefill_s = clock() - t0
 
         cache.start_decoding()
         new: list[int] = []
         steps = 0
-        t0 = time.perf_counter()
+        t0 = clock()
         while max_new_tokens > 0:
             if on_logits is not None:
                 on_logits(logits)
@@ -187,7 +189,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
                 evict("decode")
             steps += 1
         _sync(device)
-        decode_s = time.perf_counter() - t0
+        decode_s = clock() - t0
     return GenerationResult(tokens=new, prompt_tokens=T, prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps,
                             evict_s=timing["prefill"] + timing["decode"], evict_prefill_s=timing["prefill"],
                             evict_decode_s=timing["decode"], peak_kv_tokens=cache.peak_tokens(), kv_bytes_peak=peak_bytes,

@@ -137,7 +137,7 @@ def test_peak_memory_is_per_call() -> None:
     assert mem.rss_peak_mib() < start + 50
 
 
-def test_generate_splits_eviction_time_into_prefill_and_decode(monkeypatch) -> None:
+def test_generate_splits_eviction_time_into_prefill_and_decode() -> None:
     """A fake clock advanced only inside Policy.evict: 1 s per call while the prompt is processed, 100 s per call
     while decoding. 40 prompt tokens in blocks of 8 = 5 blocks, 3 new tokens = 2 decoding steps, 2 layers."""
     from kvbench import runner
@@ -145,7 +145,6 @@ def test_generate_splits_eviction_time_into_prefill_and_decode(monkeypatch) -> N
     from kvbench.policies.keydiff import KeyDiff
 
     clock = [0.0]
-    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
 
     class Ticking(KeyDiff):
         def evict(self, layer, observe=None):
@@ -156,11 +155,12 @@ def test_generate_splits_eviction_time_into_prefill_and_decode(monkeypatch) -> N
     from kvbench.attention import install
 
     install(model)
-    res = runner.generate(model, Ticking(budget=16), list(range(10, 50)), 8, 3, stop_ids=())
+    res = runner.generate(model, Ticking(budget=16), list(range(10, 50)), 8, 3, stop_ids=(), clock=lambda: clock[0])
     assert res.decode_steps == 2
     assert res.evict_prefill_s == 5 * 2 * 1.0
     assert res.evict_decode_s == 2 * 2 * 100.0
     assert res.evict_s == res.evict_prefill_s + res.evict_decode_s
+    assert res.prefill_s == 5 * 2 * 1.0 and res.decode_s == 2 * 2 * 100.0  # the same clock times the phases
 
 
 def _row(policy: str, n: int, prefill: float, decode: float, evict_pre: float, evict_dec: float,
@@ -197,7 +197,9 @@ def test_goals_are_ratios_of_rows_of_one_run() -> None:
     assert by["peak", "keydiff"]["passed"] and not by["peak", "snapkv"]["passed"]  # +10 / +30 MiB, KV flat
     assert by["peak", "knorm"]["passed"]  # +40 MiB, of which 30 MiB are the KV of its unbounded layers
     lines = bench.goal_lines(bench.goals(rows))
-    assert lines[0].startswith("PASS  eviction <= 5 % of the run: keydiff (")
+    assert [ln.split(":")[0] for ln in lines[:4]] == [
+        "PASS  eviction <= 5 % of the run", "FAIL  eviction <= 12 % of the run", "PASS  eviction <= 5 % of the run",
+        "PASS  decode per token <= 1.15x HF's at cache size N"]  # by goal, then by policy in run order
     assert sum(ln.startswith("FAIL") for ln in lines) == 6  # snapkv: all but end to end; knorm: prefill, end to end
 
 
@@ -207,8 +209,8 @@ def test_real_model_side_by_side_with_hf(tmp_path, one_thread) -> None:
 
     out = tmp_path / "b.json"
     rc = bench.main(["--model", str(builtin_dir("tiny-llama")), "--lengths", "40", "--budgets", "16", "--block",
-                     "8", "--new-tokens", "3", "--repeats", "1", "--policies", "keydiff", "--out", str(out),
-                     "--quiet"])
+                     "8", "--new-tokens", "3", "--repeats", "1", "--policies", "keydiff", "--clock", "cpu",
+                     "--out", str(out), "--quiet"])
     assert rc == 0
     data = json.loads(out.read_text())
     rows = {r["policy"]: r for r in data["rows"]}
@@ -220,6 +222,7 @@ def test_real_model_side_by_side_with_hf(tmp_path, one_thread) -> None:
                                                abs=2e-3)
     assert kd["vs_hf_forward"] == pytest.approx(kd["prefill_s"] / rows["hf-forward"]["prefill_s"], abs=2e-3)
     assert {g["policy"] for g in data["goals"]} == {"keydiff", "streamingllm"}
+    assert all(r["clock"] == "cpu" and r["prefill_s"] > 0 and r["decode_s"] > 0 for r in data["rows"])
     md = out.with_suffix(".md").read_text()
     assert "Command: `kvbench-bench --model " in md and "## Goals (issue 14)" in md
 

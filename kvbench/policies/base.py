@@ -51,6 +51,7 @@ class Policy:
         self.n_recent = int(n_recent)
         self.skip_layers = frozenset(int(i) for i in skip_layers)
         self.seed = int(seed)
+        self._edge_masks: dict[tuple[torch.Size, torch.device], torch.Tensor] = {}  # see `_edge_mask`
         self.num_layers: int | None = None  # the model's depth, told by `attach`
         if self.evicts:
             if budget is None or budget <= 0:
@@ -94,13 +95,24 @@ class Policy:
         """(b, h_kv, n) bool of slots always kept: the first `n_sink` positions and the latest `n_recent` tokens."""
         if self.protected_count() == 0:
             return None
+        if layer.valid is None:
+            return self._edge_mask(layer.positions.shape, layer.positions.device)
         prot = (layer.positions >= 0) & (layer.positions < self.n_sink)  # (b, h_kv, n); padding has position -1
         if self.n_recent > 0:
-            if layer.valid is None:  # chronological slots: the latest tokens are the last slots
-                prot[..., -self.n_recent:] = True
-            else:
-                prot |= latest_mask(layer, self.n_recent)
+            prot |= latest_mask(layer, self.n_recent)
         return prot
+
+    def _edge_mask(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """`protected` for chronological slots, shared (read-only) per shape: the sinks are the first slots (tokens
+        enter in order and sinks are never evicted), the latest tokens the last ones."""
+        mask = self._edge_masks.get((shape, device))
+        if mask is None:
+            mask = torch.zeros(shape, dtype=torch.bool, device=device)  # (b, h_kv, n)
+            mask[..., :self.n_sink] = True
+            if self.n_recent > 0:
+                mask[..., -self.n_recent:] = True
+            self._edge_masks[shape, device] = mask
+        return mask
 
     def select(self, layer: EvictingLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Kept slot indices (b, h_kv, k) in chronological order, plus a validity mask for ragged heads (or None).
@@ -116,8 +128,7 @@ class Policy:
             scores = scores.masked_fill(prot, math.inf)
         if layer.valid is not None:
             scores = scores.masked_fill(~layer.valid, -math.inf)
-        idx = scores.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values  # (b, h_kv, budget)
-        return idx, None
+        return top_slots(scores, budget), None
 
     def evict(self, layer: EvictingLayer,
               observe: Callable[[EvictingLayer, torch.Tensor, torch.Tensor | None], None] | None = None) -> bool:
@@ -139,6 +150,23 @@ class Policy:
             layer.pack()  # no-op after keep; restores the flat storage when nothing was evicted
 
 
+def top_slots(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """(b, h, count) slot indices of the `count` highest `scores` (b, h, n) of each head, in slot order.
+
+    Ties keep the earlier slot (as `rank_mask`), so a selection never depends on how a top-k kernel orders equal
+    scores (which differs between devices and versions; HashEvict's Hamming scores tie all the time). One slot over
+    (every decoding step) is the common case: the lowest score is dropped with one argmin instead of a sort; among
+    equal lowest scores the latest slot goes.
+    """
+    n = scores.shape[-1]
+    if n - count == 1:
+        drop = (n - 1) - scores.flip(-1).argmin(dim=-1, keepdim=True)  # (b, h, 1)
+        j = torch.arange(count, device=scores.device)  # (count,)
+        return j + (j >= drop)  # (b, h, count): every slot but `drop`
+    ranked = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # (b, h, n), ties in slot order
+    return ranked[..., :count].sort(dim=-1).values
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Shared helpers for attention-based scores.
 
@@ -157,11 +185,22 @@ def query_attention(layer: EvictingLayer) -> torch.Tensor:
     q = layer.queries.float()  # (b, h_q, w, d)
     k = layer.keys.float()  # (b, h_kv, n, d)
     b, h_q, w, d = q.shape
-    h_kv = k.shape[1]
+    h_kv, n = k.shape[1], k.shape[2]
     g = h_q // h_kv
-    logits = torch.matmul(q.reshape(b, h_kv, g * w, d), k.transpose(-1, -2)).view(b, h_q, w, -1) * layer.scaling
+    # The scale is fused into the product (one pass less over the (w, n) logits; same values as a product then *).
+    logits = torch.baddbmm(q.new_zeros(()), q.reshape(b * h_kv, g * w, d), k.reshape(b * h_kv, n, d).transpose(1, 2),
+                           beta=0.0, alpha=layer.scaling).view(b, h_q, w, n)
     if getattr(layer, "softcap", None):
         logits = torch.tanh(logits / layer.softcap) * layer.softcap
+    first = getattr(layer, "query_first", None)
+    if layer.valid is None and first is not None:
+        # Chronological slots and gap-free query positions: only keys after the earliest query can be hidden from
+        # some query, and at most seen - 1 - first keys come after it, all in the last slots. Mask only those.
+        tail = min(n, layer.seen - 1 - first)
+        if tail > 0:
+            hidden = layer.positions[..., n - tail:].unsqueeze(-2) > layer.query_positions.view(1, 1, w, 1)
+            logits.view(b, h_kv, g, w, n)[..., n - tail:].masked_fill_(hidden.unsqueeze(2), -math.inf)
+        return torch.softmax(logits, dim=-1)
     visible = layer.positions.unsqueeze(-2) <= layer.query_positions.view(1, 1, w, 1)  # (b, h_kv, w, n)
     if layer.valid is not None:
         visible = visible & layer.valid.unsqueeze(-2)

@@ -8,6 +8,11 @@ Variants (000 Tables 2-3, 11):
   For `pairwise` the metric is cosine by definition.
 - `recent_ratio`: that fraction of the budget is reserved for the most recent tokens (Table 11); default 0.
 The anchor is computed over all keys the layer holds at eviction time (kept + the new block).
+Speed (default variant and `pairwise`): -cos(k_i, mean_j u_j) ranks every token of a head exactly like
+-(k_i . sum_j u_j) / |k_i| (|anchor| and the count are the same positive number for the whole head), so each token's
+inverse norm is computed once, when it enters the cache (per-token state), and a score is two matrix products over
+the held keys: s = inv_norm @ K (the sum of unit keys), score = -(K s) * inv_norm. Same ranking as normalising every
+key again at every eviction, up to float rounding.
 """
 
 from __future__ import annotations
@@ -35,16 +40,27 @@ class KeyDiff(Policy):
         if not 0.0 <= recent_ratio < 1.0:
             raise PolicyError(f"keydiff recent_ratio must be in [0, 1), got {recent_ratio}")
         self.anchor, self.metric, self.recent_ratio = anchor, metric, float(recent_ratio)
+        self.unit_anchor = anchor == "pairwise" or (anchor == "mean_normalized" and metric == "cosine")
+        self.state_names = ("inv_norm",) if self.unit_anchor else ()
         n_recent = math.floor(self.recent_ratio * budget) if budget else 0
         super().__init__(budget=budget, n_recent=n_recent, **kwargs)
+
+    def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
+        if not self.unit_anchor:
+            return {}
+        return {"inv_norm": keys.float().norm(dim=-1).clamp_min(1e-12).reciprocal()}  # (b, h_kv, q), as F.normalize
 
     def score(self, layer) -> torch.Tensor:
         k = layer.keys.float()  # (b, h_kv, n, d)
         if layer.valid is not None:
             raise PolicyError("keydiff scores whole heads; it cannot run on ragged per-head caches")
+        if self.unit_anchor:
+            inv = layer.state.get("inv_norm")  # (b, h_kv, n)
+            if inv is None:  # a layer filled outside the attention wrapper (hand-built caches)
+                inv = self.on_append(layer, None, k, None, None)["inv_norm"]
+            anchor = torch.matmul(inv.unsqueeze(-2), k)  # (b, h_kv, 1, d): sum of the unit keys
+            return torch.matmul(k, anchor.transpose(-1, -2)).squeeze(-1).mul_(inv).neg_()  # (b, h_kv, n)
         unit = F.normalize(k, dim=-1)
-        if self.anchor == "pairwise":
-            return -(unit * unit.sum(dim=-2, keepdim=True)).sum(-1)  # (b, h_kv, n)
         if self.anchor == "mean_normalized":
             a = unit.mean(dim=-2, keepdim=True)  # (b, h_kv, 1, d)
         elif self.anchor == "mean":

@@ -1,6 +1,8 @@
 """K-norm (paper 004, §3): keep the keys with the lowest L2 norm; layers 0 and 1 are not compressed.
 
-The skipped layers keep every token, so they are not bounded by the budget (reported in peak_kv_tokens).
+The skipped layers keep every token, so they are not bounded by the budget (reported in peak_kv_tokens), and the
+engine does no policy work for them. A token's norm never changes: it is computed once, when the token enters the
+cache, and kept as per-token state.
 """
 
 from __future__ import annotations
@@ -15,8 +17,16 @@ from kvbench.policies.base import Policy
 class KNorm(Policy):
     name = "knorm"
 
+    state_names = ("norm",)
+
     def __init__(self, skip_layers: Sequence[int] = (0, 1), **kwargs) -> None:
         super().__init__(skip_layers=skip_layers, **kwargs)
 
+    def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
+        return {"norm": keys.float().norm(dim=-1)}  # (b, h_kv, q)
+
     def score(self, layer) -> torch.Tensor:
-        return -layer.keys.float().norm(dim=-1)  # (b, h_kv, n)
+        norm = layer.state.get("norm")  # (b, h_kv, n)
+        if norm is None:  # a layer filled outside the attention wrapper (hand-built caches)
+            norm = self.on_append(layer, None, layer.keys, None, None)["norm"]
+        return -norm

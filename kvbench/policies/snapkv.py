@@ -41,7 +41,8 @@ class SnapKV(Policy):
         else:
             pooled = F.max_pool1d(flat, self.kernel, stride=1, padding=pad)
         pooled = pooled.view(b, h, n)
-        return F.pad(pooled, (0, w), value=float(pooled.max()) if n else 0.0)
+        top = pooled.amax().view(1, 1, 1) if n else pooled.new_zeros(1, 1, 1)  # a tensor: no host sync
+        return torch.cat([pooled, top.expand(b, h, w)], dim=-1)
 
     def score(self, layer) -> torch.Tensor:
         return group_mean(self.window_scores(layer), layer.keys.shape[1])  # (b, h_kv, n)

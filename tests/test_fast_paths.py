@@ -1,0 +1,159 @@
+"""The eviction fast paths (issue 14) select exactly what the straightforward computation selects: drop-one
+selection, chronological protection masks, KeyDiff's and K-norm's per-token state, the tail-only causal mask of
+query attention, row-copy `keep`, no policy work in layers a policy never evicts, and shared rebuilt masks.
+Expected values are worked out by hand or come from the plain formula the fast path replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvbench import attention
+from kvbench.cache import EvictingCache, EvictingLayer
+from kvbench.models import build_tiny_model
+from kvbench.policies.base import query_attention, top_slots
+from kvbench.policies.keydiff import KeyDiff
+from kvbench.policies.knorm import KNorm
+from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.streamingllm import StreamingLLM
+
+
+def _layer(n: int, h: int = 2, d: int = 4, d_v: int | None = None, seed: int = 0) -> EvictingLayer:
+    g = torch.Generator().manual_seed(seed)
+    layer = EvictingLayer(3)
+    layer.update(torch.randn(1, h, n, d, generator=g), torch.randn(1, h, n, d_v or d, generator=g))
+    layer.scaling, layer.softcap = 0.5, None
+    return layer
+
+
+def test_top_slots_drops_one_lowest_score_latest_on_ties() -> None:
+    scores = torch.tensor([[[3.0, 1.0, 2.0, 5.0, 4.0], [1.0, 0.5, 0.5, 2.0, 0.5]]])  # (1, 2, 5)
+    # head 0: lowest is slot 1; head 1: slots 1, 2, 4 tie at 0.5 -> the latest (4) goes, earlier slots stay
+    assert top_slots(scores, 4).tolist() == [[[0, 2, 3, 4], [0, 1, 2, 3]]]
+    # more than one over: the highest scores, in slot order
+    assert top_slots(scores, 2).tolist() == [[[3, 4], [0, 3]]]
+    # ties across the cut keep the earlier slot there too: head 1 keeps 3 (2.0), 0 (1.0), then slot 1, the first
+    # of the three 0.5s
+    assert top_slots(scores, 3).tolist() == [[[0, 3, 4], [0, 1, 3]]]
+    assert top_slots(torch.zeros(1, 1, 6), 3).tolist() == [[[0, 1, 2]]]
+
+
+def test_top_slots_drop_one_equals_topk_without_ties() -> None:
+    scores = torch.randn(2, 3, 257, generator=torch.Generator().manual_seed(1))
+    want = scores.topk(256, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(top_slots(scores, 256), want)
+
+
+def test_protected_mask_of_chronological_slots_is_sinks_first_and_recent_last() -> None:
+    layer = _layer(9)
+    policy = StreamingLLM(budget=6, n_sink=2, n_recent=3)
+    prot = policy.protected(layer)
+    assert prot[0, 0].tolist() == [True, True, False, False, False, False, True, True, True]
+    assert policy.protected(layer) is prot  # built once per shape
+    layer.keep(torch.tensor([[[0, 1, 3, 6, 7, 8]] * 2]))  # the sinks stay the first slots after an eviction
+    assert policy.protected(layer)[0, 1].tolist() == [True, True, False, True, True, True]
+
+
+def test_keep_copies_the_kept_rows_of_keys_values_positions_and_state() -> None:
+    layer = _layer(6, d=4, d_v=3)  # value head dim != key head dim
+    layer.state["s"] = torch.arange(12, dtype=torch.float32).view(1, 2, 6)
+    k, v = layer.keys.clone(), layer.values.clone()
+    idx = torch.tensor([[[0, 2, 5], [1, 3, 4]]])
+    layer.keep(idx)
+    for h in range(2):
+        assert torch.equal(layer.keys[0, h], k[0, h, idx[0, h]])
+        assert torch.equal(layer.values[0, h], v[0, h, idx[0, h]])
+    assert layer.positions.tolist() == [[[0, 2, 5], [1, 3, 4]]]
+    assert layer.state["s"].tolist() == [[[0.0, 2.0, 5.0], [7.0, 9.0, 10.0]]]
+
+
+@pytest.mark.parametrize("anchor", ["mean_normalized", "pairwise"])
+def test_keydiff_state_scores_rank_like_cosine_to_the_mean_unit_key(anchor: str) -> None:
+    layer = _layer(40, h=3, d=8, seed=2)
+    k = layer.keys
+    unit = F.normalize(k, dim=-1)
+    plain = -F.cosine_similarity(k, unit.mean(dim=-2, keepdim=True), dim=-1)  # Eq. 8 as written
+    policy = KeyDiff(budget=30, anchor=anchor)
+    layer.state["inv_norm"] = policy.on_append(layer, None, k, layer.values, None)["inv_norm"]
+    fast = policy.score(layer)
+    # same values up to the positive per-head factor |sum of unit keys| (the cosine divides by it)
+    assert torch.allclose(fast, plain * unit.sum(dim=-2).norm(dim=-1, keepdim=True), atol=1e-5)
+    idx, _ = policy.select(layer)
+    assert torch.equal(idx, plain.topk(30, dim=-1).indices.sort(dim=-1).values)
+
+
+def test_knorm_norms_are_per_token_state() -> None:
+    layer = _layer(10, seed=3)
+    policy = KNorm(budget=6)
+    layer.state["norm"] = policy.on_append(layer, None, layer.keys, layer.values, None)["norm"]
+    layer.keys = torch.zeros_like(layer.keys)  # the score must come from the state, not from re-reading keys
+    idx, _ = policy.select(layer)
+    assert torch.equal(idx, (-layer.state["norm"]).topk(6, dim=-1).indices.sort(dim=-1).values)
+
+
+def test_query_attention_masks_only_the_tail_like_the_full_causal_mask() -> None:
+    layer = EvictingLayer(0)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):  # three blocks of 5, queries stashed with a rolling window of 7 as the wrapper does
+        q = torch.randn(1, 4, 5, 8, generator=g)
+        layer.update(torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g))
+        layer.stash_queries(q, 7)
+    layer.scaling, layer.softcap = 0.3, None
+    layer.keep(torch.tensor([[[0, 2, 4, 6, 9, 10, 11, 12, 13, 14]] * 2]))
+    assert layer.query_first == 8 and layer.query_positions.tolist() == list(range(8, 15))
+    fast = query_attention(layer)
+    layer.query_first = None  # the general path: visibility of every key to every query
+    full = query_attention(layer)
+    assert torch.equal(fast, full)
+    # query 8 sees positions 0..8 only: its attention to 9..14 (the last six slots, the tail seen - 1 - 8 that the
+    # fast path masks) is exactly zero, to 0, 2, 4, 6 positive
+    assert fast[0, :, 0, -6:].abs().max().item() == 0.0 and fast[0, :, 0, :4].min().item() > 0
+
+
+def test_a_gap_in_stashed_queries_falls_back_to_the_full_mask() -> None:
+    layer = _layer(6)
+    layer.stash_queries(torch.zeros(1, 2, 2, 4), 4)
+    layer.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))  # a forward that stashed nothing
+    layer.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    layer.stash_queries(torch.zeros(1, 2, 1, 4), 4)
+    assert layer.query_first is None and layer.query_positions.tolist() == [4, 5, 9]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m, _ = build_tiny_model("tiny-llama", num_hidden_layers=4)
+    attention.install(m)
+    return m
+
+
+def test_layers_a_policy_never_evicts_get_no_policy_work(model) -> None:
+    cache = EvictingCache(model.config, KNorm(budget=16))  # skip_layers (0, 1)
+    assert cache.evicted == {2, 3}
+    ids = torch.randint(8, 500, (1, 40), generator=torch.Generator().manual_seed(5))
+    with attention.active(cache), torch.inference_mode():
+        for s in range(0, 40, 8):
+            model(input_ids=ids[:, s:s + 8], past_key_values=cache)
+            for layer in cache.evicting_layers():
+                cache.policy.evict(layer)
+    assert [sorted(layer.state) for layer in cache.layers] == [[], [], ["norm"], ["norm"]]
+    assert [layer.physical() for layer in cache.layers] == [40, 40, 16, 16]
+
+
+def test_snapkv_window_queries_stashed_only_in_evicted_layers(model) -> None:
+    policy = SnapKV(budget=16, window=4, skip_layers=[1])
+    cache = EvictingCache(model.config, policy)
+    ids = torch.randint(8, 500, (1, 24), generator=torch.Generator().manual_seed(6))
+    with attention.active(cache), torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache)
+    assert [layer.queries is None for layer in cache.layers] == [False, True, False, False]
+
+
+def test_rebuilt_masks_are_shared_between_layers_of_one_length() -> None:
+    memo: dict = {}
+    hf = torch.ones(1, 1, 8, 40, dtype=torch.bool)  # sized for an unbounded first layer
+    a = attention._fit_mask(hf, 8, 24, "sdpa", torch.float32, torch.device("cpu"), memo)
+    b = attention._fit_mask(hf, 8, 24, "sdpa", torch.float32, torch.device("cpu"), memo)
+    assert a is b and len(memo) == 1
+    assert a[0, 0].sum(dim=-1).tolist() == [17, 18, 19, 20, 21, 22, 23, 24]  # 16 earlier slots + causal block
+    assert attention._fit_mask(hf, 8, 40, "sdpa", torch.float32, torch.device("cpu"), memo) is hf
