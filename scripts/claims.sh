@@ -8,15 +8,15 @@
 #
 # Extra configurations run here (NIAH: built-in filler haystack, 2000-token contexts, depths 0-100 %, 32 new
 # tokens; budgets are absolute token counts, the papers' fractions of a ~1900-token prompt):
-#   K-norm vs Random (004): one compression after the prompt (paper/kvpress: prefill_once), layers 0-1 kept
+#   K-norm vs Random (K-norm): one compression after the prompt (paper/kvpress: prefill_once), layers 0-1 kept
 #     whole, N = 1024 and 512 (about 54 % and 27 % of the prompt kept).
-#   CriticalKV on SnapKV and AdaKV (002): prefill_once as in 002 Alg. 2 / kvpress, max pooling, N = 256 and 512.
-#   SAGE-KV vs StreamingLLM (003): one selection after the prompt, eviction at every decoding step
+#   CriticalKV on SnapKV and AdaKV: prefill_once as in CriticalKV Alg. 2 / kvpress, max pooling, N = 256 and 512.
+#   SAGE-KV vs StreamingLLM (SAGE-KV): one selection after the prompt, eviction at every decoding step
 #     (prefill_once_decode_evict), N = 256 and 512.
-#   HashEvict vs H2O (001): RULER niah_multikey_1 and cwe at 4K (the paper's Figure 5 tasks), N = 1229 and 2048
+#   HashEvict vs H2O (HashEvict): RULER niah_multikey_1 and cwe at 4K (the paper's Figure 5 tasks), N = 1229 and 2048
 #     (30 % and 50 % of 4K), block-wise; the paper hashes token by token (B = 1), kvbench's B = 128 is its faster
 #     approximation (B = 1 on a 4K prompt is 4096 forwards: not affordable on a 2-core CPU).
-# From the NIAH grid: KeyDiff vs TOVA/SnapKV/H2O under block-wise processing (000), StreamingLLM on mid-context
+# From the NIAH grid: KeyDiff vs TOVA/SnapKV/H2O under block-wise processing (KeyDiff), StreamingLLM on mid-context
 # needles. On a kvbench without the `protocol` setting, prefill_once and prefill_once_decode_evict both fall back
 # to block=null (one forward, one eviction, then eviction at every decoding step); the table says which ran.
 NAME=claims

@@ -22,7 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbench.report import CELL, NA, Entry, collect_entries
+from kvbench.report.collect import Entry, collect_entries
+from kvbench.report.tables import CELL
+from kvbench.run.labels import NA
 
 
 def entries(root: Path) -> list[Entry]:
@@ -150,7 +152,7 @@ def streaming_mid_context(grid: list[Entry]) -> dict[str, str]:
             ok.append(1 if mid <= 20 and end >= mid + 50 else -1)
     return {"claim": "StreamingLLM (sink + recent window) loses needles in the middle of the context once the "
                      "prompt exceeds the budget, and keeps those at the end",
-            "paper": "StreamingLLM (baseline in 000, 003, 004)",
+            "paper": "StreamingLLM (baseline in KeyDiff, SAGE-KV, K-norm)",
             "setting": (f"{grid_text(first)}; {setting_text(first)}; " if first else "NIAH grid; ") +
                        "holds if mid-context (depths 25-75 %) <= 20 and depth 100 % >= mid + 50",
             "numbers": "; ".join(parts) or "-", "holds?": verdict(ok)}
@@ -160,15 +162,15 @@ def main(claim_runs: Path, niah_runs: Path, ruler_runs: Path, out: Path) -> list
     grid = entries(niah_runs)
     ruler = entries(ruler_runs)
     rows = []
-    # 000 KeyDiff: block-wise processing, equal budget, vs TOVA / SnapKV / H2O.
+    # KeyDiff: block-wise processing, equal budget, vs TOVA / SnapKV / H2O.
     kd = pick(grid, "keydiff", "niah")
     rows.append(pairwise(
-        "KeyDiff beats TOVA, SnapKV and H2O at equal budget under block-wise prompt processing", "KeyDiff (000)",
+        "KeyDiff beats TOVA, SnapKV and H2O at equal budget under block-wise prompt processing", "KeyDiff",
         "NIAH grid, average over 500-4000 tokens x 5 depths", kd,
         {p: pick(grid, p, "niah") for p in ("tova", "snapkv", "h2o")}, full=next(iter(pick(grid, "full").values()), None)))
     if ruler:
         rows.append(pairwise(
-            "KeyDiff beats SnapKV and H2O at equal budget under block-wise prompt processing (RULER)", "KeyDiff (000)",
+            "KeyDiff beats SnapKV and H2O at equal budget under block-wise prompt processing (RULER)", "KeyDiff",
             "RULER 4K, offline tasks, average", pick(ruler, "keydiff"),
             {p: pick(ruler, p) for p in ("snapkv", "h2o")}, full=next(iter(pick(ruler, "full").values()), None)))
     rows.append(streaming_mid_context(grid))
@@ -178,45 +180,45 @@ def main(claim_runs: Path, niah_runs: Path, ruler_runs: Path, out: Path) -> list
         cells = [v for k, v in grid_full.scores.items() if k.startswith("L2000_")]
         full_2k = sum(cells) / len(cells) if cells else None
     note_2k = f"full cache at 2000 tokens (NIAH grid): {fmt(full_2k)}" if full_2k is not None else ""
-    # 004 K-norm vs random.
+    # K-norm vs random.
     kr = entries(claim_runs / "knorm_random")
     rows.append(pairwise(
         "Keeping the keys with the lowest L2 norm preserves retrieval better than random eviction at equal "
-        "compression", "K-norm (004)", "NIAH 2000 tokens x 5 depths, layers 0-1 not compressed",
+        "compression", "K-norm", "NIAH 2000 tokens x 5 depths, layers 0-1 not compressed",
         pick(kr, "knorm"), {"random": pick(kr, "random")}, extra=note_2k))
-    # 002 CriticalKV on SnapKV and AdaKV.
+    # CriticalKV on SnapKV and AdaKV.
     cs = entries(claim_runs / "criticalkv_snapkv")
     ca = entries(claim_runs / "criticalkv_adakv")
     rows.append(pairwise(
-        "CriticalKV's selection (attention x ||v W_O||) improves SnapKV at equal budget", "CriticalKV (002)",
+        "CriticalKV's selection (attention x ||v W_O||) improves SnapKV at equal budget", "CriticalKV",
         "NIAH 2000 tokens x 5 depths, max pooling, window 32", pick(cs, "criticalkv"), {"snapkv": pick(cs, "snapkv")},
         extra=note_2k))
     rows.append(pairwise(
-        "CriticalKV's selection improves AdaKV (per-head budgets) at equal budget", "CriticalKV (002)",
+        "CriticalKV's selection improves AdaKV (per-head budgets) at equal budget", "CriticalKV",
         "NIAH 2000 tokens x 5 depths, max pooling, window 32", pick(ca, "criticalkv"), {"adakv": pick(ca, "adakv")},
         extra=note_2k))
-    # 003 SAGE-KV vs StreamingLLM.
+    # SAGE-KV vs StreamingLLM.
     ss = entries(claim_runs / "sagekv_streamingllm")
     rows.append(pairwise(
         "SAGE-KV (one attention-guided top-k selection per head group after the prompt) beats StreamingLLM at "
-        "equal budget", "SAGE-KV (003)", "NIAH 2000 tokens x 5 depths", pick(ss, "sagekv"),
+        "equal budget", "SAGE-KV", "NIAH 2000 tokens x 5 depths", pick(ss, "sagekv"),
         {"streamingllm": pick(ss, "streamingllm")}, extra=note_2k))
-    # 001 HashEvict vs H2O (+ its eviction cost).
+    # HashEvict vs H2O (+ its eviction cost).
     hh = entries(claim_runs / "hashevict_h2o")
     he, h2 = pick(hh, "hashevict"), pick(hh, "h2o")
     cost = "; ".join(f"eviction time at N={b}: hashevict {he[b].stats.get('evict_s', 0):.1f} s, "
                      f"h2o {h2[b].stats.get('evict_s', 0):.1f} s" for b in sorted(he) if b in h2)
     rows.append(pairwise(
-        "HashEvict (SimHash of keys vs the query's code) beats H2O at equal budget", "HashEvict (001)",
+        "HashEvict (SimHash of keys vs the query's code) beats H2O at equal budget", "HashEvict",
         "RULER 4K niah_multikey_1 + cwe (the paper's Figure 5 tasks)", he, {"h2o": h2}, extra=cost,
         full=next(iter(pick(hh, "full").values()), None)))
     if ruler:
         rows.append(pairwise(
-            "HashEvict beats H2O at equal budget (RULER, all offline tasks)", "HashEvict (001)",
+            "HashEvict beats H2O at equal budget (RULER, all offline tasks)", "HashEvict",
             "RULER 4K, offline tasks, average", pick(ruler, "hashevict"), {"h2o": pick(ruler, "h2o")},
             full=next(iter(pick(ruler, "full").values()), None)))
         rows.append(pairwise(
-            "SAGE-KV beats StreamingLLM at equal budget (RULER, all offline tasks, block-wise)", "SAGE-KV (003)",
+            "SAGE-KV beats StreamingLLM at equal budget (RULER, all offline tasks, block-wise)", "SAGE-KV",
             "RULER 4K, offline tasks, average", pick(ruler, "sagekv"), {"streamingllm": pick(ruler, "streamingllm")},
             full=next(iter(pick(ruler, "full").values()), None)))
     out.mkdir(parents=True, exist_ok=True)

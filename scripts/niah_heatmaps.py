@@ -14,7 +14,9 @@ import math
 import sys
 from pathlib import Path
 
-from kvbench.report import CELL, NA, collect_entries
+from kvbench.report.collect import collect_entries
+from kvbench.report.tables import CELL
+from kvbench.run.labels import NA
 
 
 def _label_source(entry) -> str:

@@ -48,11 +48,14 @@ def kvbench_side(args: argparse.Namespace, prompts_path: Path, peer_command: lis
     """Build the prompts, start the kvpress side on them (it runs while kvbench generates), generate."""
     import torch
 
-    from kvbench import attention, packaged
-    from kvbench.app import build_policy, build_task
-    from kvbench.config import load_group
-    from kvbench.models import cache_root, load_model
-    from kvbench.runner import eos_ids, generate
+    from kvbench.engine import attention
+    from kvbench.engine.generate import generate
+    from kvbench.models import packaged
+    from kvbench.models.common import cache_root
+    from kvbench.models.loading import load_model
+    from kvbench.run.config import load_group
+    from kvbench.run.loop import eos_ids
+    from kvbench.run.settings import RunSettings, build_policy, build_task
     from kvbench.tasks.base import TaskEnv
 
     torch.manual_seed(0)
@@ -76,7 +79,8 @@ def kvbench_side(args: argparse.Namespace, prompts_path: Path, peer_command: lis
     for sample in samples:
         for policy_name, (overrides, _, _) in POLICIES.items():
             for scenario in SCENARIOS:
-                policy = build_policy({**load_group("policy", policy_name), **overrides}, args.budget, 0)
+                settings = RunSettings(budget=args.budget, block=None, protocol="prefill_once")
+                policy = build_policy({**load_group("policy", policy_name), **overrides}, settings)
                 res = generate(loaded.model, policy, sample.input_ids, None, sample.max_new_tokens, stop_ids=stop,
                                min_new_tokens=sample.min_new_tokens, context_tokens=sample.context_tokens,
                                scenario=scenario, protocol="prefill_once")

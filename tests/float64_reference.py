@@ -1,7 +1,7 @@
 """An explicit float64 Llama forward that attends to exactly the positions a kvbench run logged.
 
-Shared by the engine and policy tests (invariant 2 of the architecture note): the model's logits under eviction
-must equal this re-implementation, driven by the kept positions of `generate(..., trace=True)`.
+Shared by the engine and policy tests (the engine's invariant 2): the model's logits under eviction
+must equal this re-implementation, driven by the kept positions of `generate(..., observer=Observer(trace=True))`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from kvbench import bench
+from kvbench.bench import cli as bench
+from kvbench.bench import goals, measure, setup
 
 N, B, NEW = 16, 8, 3
 LENGTHS = (40, 72)
@@ -35,7 +36,7 @@ def test_rows_schema_and_baselines(rows) -> None:
     assert [(r["policy"], r["prompt_tokens"]) for r in rows] == [
         (p, n) for n in LENGTHS for p in ("full", "streamingllm", "keydiff")]
     for r in rows:
-        assert set(bench.ROW_FIELDS) <= set(r)
+        assert set(measure.ROW_FIELDS) <= set(r)
         assert r["prefill_s"] > 0 and r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert r["peak_rss_mib"] > 0 and r["evict_s"] >= 0
         assert r["repeats"] == 2 and r["decode_steps"] == NEW - 1
@@ -70,13 +71,13 @@ def test_ratios_come_from_the_same_run(rows) -> None:
 
 
 def test_configurations_add_baselines_once() -> None:
-    cfgs = bench.configurations(["keydiff", "full", "streamingllm"], [8, 16], [100], 4)
+    cfgs = measure.configurations(["keydiff", "full", "streamingllm"], [8, 16], [100], 4)
     assert [(c.policy, c.budget, c.block) for c in cfgs] == [
         ("full", None, None, ), ("streamingllm", 8, 4), ("streamingllm", 16, 4), ("keydiff", 8, 4),
         ("keydiff", 16, 4)]
-    cfgs = bench.configurations(["keydiff"], [8], [100, 200], 4, baselines=["full"], full_max_tokens=100)
+    cfgs = measure.configurations(["keydiff"], [8], [100, 200], 4, baselines=["full"], full_max_tokens=100)
     assert [(c.policy, c.prompt_tokens) for c in cfgs] == [("full", 100), ("keydiff", 100), ("keydiff", 200)]
-    assert [c.policy for c in bench.configurations(["h2o"], [8], [100], 4, baselines=[])] == ["h2o"]
+    assert [c.policy for c in measure.configurations(["h2o"], [8], [100], 4, baselines=[])] == ["h2o"]
 
 
 def test_bad_baselines_option(tmp_path) -> None:
@@ -99,18 +100,18 @@ def test_model_from_config_file_with_layer_override(tmp_path, one_thread) -> Non
 
     Qwen2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                 num_hidden_layers=6, vocab_size=50000).save_pretrained(tmp_path)
-    model, desc = bench.build_model(config=str(tmp_path / "config.json"), layers=1)
+    model, desc = setup.build_model(config=str(tmp_path / "config.json"), layers=1)
     assert model.config.num_hidden_layers == 1 and model.config.vocab_size == 1024
     assert model.config._attn_implementation == "kvbench_sdpa"
     assert "1 layers, hidden 128, 4/2 heads, head_dim 32" in desc
-    rows = bench.run_bench(model, bench.configurations(["keydiff"], [8], [24], 4), new_tokens=2, repeats=1)
+    rows = measure.run_bench(model, measure.configurations(["keydiff"], [8], [24], 4), new_tokens=2, repeats=1)
     kd = next(r for r in rows if r["policy"] == "keydiff")
     assert kd["peak_kv_tokens"] == 12 and kd["kv_bytes_peak"] == 12 * 2 * 1 * 2 * 32 * 4
 
 
 def test_preset_names_a_builtin_architecture() -> None:
-    assert bench._preset_builtin("tiny-llama3") == "tiny-llama3"
-    assert bench._preset_builtin("llama3.2-3b") is None
+    assert setup._preset_builtin("tiny-llama3") == "tiny-llama3"
+    assert setup._preset_builtin("llama3.2-3b") is None
 
 
 @pytest.mark.parametrize("args, message", [
@@ -126,7 +127,7 @@ def test_bad_input_is_one_line(args, message, tmp_path, capsys) -> None:
 
 
 def test_peak_memory_is_per_call() -> None:
-    mem = bench.PeakMemory(torch.device("cpu"))
+    mem = measure.PeakMemory(torch.device("cpu"))
     if mem.method != "vmhwm_reset":
         pytest.skip("no resettable high-water mark (/proc/self/clear_refs) here")
     start = mem.start()
@@ -140,8 +141,8 @@ def test_peak_memory_is_per_call() -> None:
 def test_generate_splits_eviction_time_into_prefill_and_decode() -> None:
     """A fake clock advanced only inside Policy.evict: 1 s per call while the prompt is processed, 100 s per call
     while decoding. 40 prompt tokens in blocks of 8 = 5 blocks, 3 new tokens = 2 decoding steps, 2 layers."""
-    from kvbench import runner
-    from kvbench.models import build_tiny_model
+    from kvbench.engine import generate as runner
+    from kvbench.models.tiny import build_tiny_model
     from kvbench.policies.keydiff import KeyDiff
 
     clock = [0.0]
@@ -152,10 +153,11 @@ def test_generate_splits_eviction_time_into_prefill_and_decode() -> None:
             return super().evict(layer, observe)
 
     model, _ = build_tiny_model("tiny-llama")
-    from kvbench.attention import install
+    from kvbench.engine.attention import install
 
     install(model)
-    res = runner.generate(model, Ticking(budget=16), list(range(10, 50)), 8, 3, stop_ids=(), clock=lambda: clock[0])
+    res = runner.generate(model, Ticking(budget=16), list(range(10, 50)), 8, 3, stop_ids=(),
+                          observer=runner.Observer(clock=lambda: clock[0]))
     assert res.decode_steps == 2
     assert res.evict_prefill_s == 5 * 2 * 1.0
     assert res.evict_decode_s == 2 * 2 * 100.0
@@ -174,8 +176,8 @@ def _row(policy: str, n: int, prefill: float, decode: float, evict_pre: float, e
 
 def test_goals_are_ratios_of_rows_of_one_run() -> None:
     rows = [
-        {**_row(bench.HF_DECODE, 64, 0.5, 1.0, 0, 0), "budget": 64},  # 100 ms per token
-        {**_row(bench.HF_FORWARD, 8000, 10.0, 2.0, 0, 0), "budget": None},
+        {**_row(setup.HF_DECODE, 64, 0.5, 1.0, 0, 0), "budget": 64},  # 100 ms per token
+        {**_row(setup.HF_FORWARD, 8000, 10.0, 2.0, 0, 0), "budget": None},
         _row("keydiff", 2000, 2.0, 1.1, 0.05, 0.05),  # 3.2 % evict, 1.10x decode
         _row("keydiff", 8000, 9.0, 1.1, 0.2, 0.1, rss=510.0),  # 0.90x HF forward, +10 MiB
         _row("snapkv", 2000, 2.0, 1.3, 0.3, 0.1),  # 12.1 % evict, 1.30x decode
@@ -183,8 +185,8 @@ def test_goals_are_ratios_of_rows_of_one_run() -> None:
         _row("knorm", 2000, 2.0, 1.0, 0.05, 0.05, kv=2**20),
         _row("knorm", 8000, 16.0, 1.0, 0.05, 0.05, rss=540.0, kv=2**20 + 30 * 2**20),  # +40 MiB, KV +30 MiB
     ]
-    bench._add_ratios(rows)
-    by = {(g["goal"].split(" ")[0], g["policy"]): g for g in bench.goals(rows)}
+    goals.add_ratios(rows)
+    by = {(g["goal"].split(" ")[0], g["policy"]): g for g in goals.goals(rows)}
     assert by["eviction", "keydiff"]["passed"] and not by["eviction", "snapkv"]["passed"]  # 5 % vs 12 % limits
     assert by["eviction", "snapkv"]["detail"] == "2000: 12.1 %, 8000: 8.9 %"
     assert by["decode", "keydiff"]["passed"] and not by["decode", "snapkv"]["passed"]
@@ -196,7 +198,7 @@ def test_goals_are_ratios_of_rows_of_one_run() -> None:
     assert not by["end", "knorm"]["passed"]  # 17.0 s vs KeyDiff's 10.1 s at 8000
     assert by["peak", "keydiff"]["passed"] and not by["peak", "snapkv"]["passed"]  # +10 / +30 MiB, KV flat
     assert by["peak", "knorm"]["passed"]  # +40 MiB, of which 30 MiB are the KV of its unbounded layers
-    lines = bench.goal_lines(bench.goals(rows))
+    lines = goals.goal_lines(goals.goals(rows))
     assert [ln.split(":")[0] for ln in lines[:4]] == [
         "PASS  eviction <= 5 % of the run", "FAIL  eviction <= 12 % of the run", "PASS  eviction <= 5 % of the run",
         "PASS  decode per token <= 1.15x HF's at cache size N"]  # by goal, then by policy in run order
@@ -205,7 +207,7 @@ def test_goals_are_ratios_of_rows_of_one_run() -> None:
 
 def test_real_model_side_by_side_with_hf(tmp_path, one_thread) -> None:
     """--model with a local directory: its tokenizer makes the prompt, the hf rows run HF's own loop."""
-    from kvbench.models import builtin_dir
+    from kvbench.models.tiny import builtin_dir
 
     out = tmp_path / "b.json"
     rc = bench.main(["--model", str(builtin_dir("tiny-llama")), "--lengths", "40", "--budgets", "16", "--block",
@@ -224,7 +226,7 @@ def test_real_model_side_by_side_with_hf(tmp_path, one_thread) -> None:
     assert {g["policy"] for g in data["goals"]} == {"keydiff", "streamingllm"}
     assert all(r["clock"] == "cpu" and r["prefill_s"] > 0 and r["decode_s"] > 0 for r in data["rows"])
     md = out.with_suffix(".md").read_text()
-    assert "Command: `kvbench-bench --model " in md and "## Goals (issue 14)" in md
+    assert "Command: `kvbench-bench --model " in md and "## Goals" in md
 
 
 def test_unknown_model_is_one_line(tmp_path, capsys) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.models import build_tiny_model
+from kvbench.models.tiny import build_tiny_model
 
 TIMING = {"prefill_s", "decode_s", "evict_s"}
 

@@ -1,17 +1,17 @@
-"""The architecture note's invariants: block prefill = full forward, eviction = explicit float64 reference,
+"""The engine's invariants: block prefill = full forward, eviction = explicit float64 reference,
 cache bound, hand loop = generate(prefill_chunk_size), and canaries for transformers upgrades."""
 
 from __future__ import annotations
 
 import inspect
-import math
 
 import pytest
 import torch
 
-from kvbench import attention
-from kvbench.cache import EvictingCache
-from kvbench.models import build_tiny_model
+from kvbench.engine import attention
+from kvbench.engine.cache import EvictingCache
+from kvbench.engine.generate import Observer, generate
+from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
 from kvbench.policies.keydiff import KeyDiff
@@ -21,7 +21,6 @@ from kvbench.policies.random import Random
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
-from kvbench.runner import generate
 
 from float64_reference import reference_logits
 
@@ -29,9 +28,9 @@ ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3", 
 
 
 def _model(arch: str, impl: str = "sdpa", **kw):
-    # Output scale 1: logits of order 1, the scale the architecture note's 1e-5 tolerances refer to.
+    # Output scale 1: logits of order 1, the scale the 1e-5 tolerances refer to.
     model, tok = build_tiny_model(arch, output_scale=1.0, **kw)
-    model.set_attn_implementation(impl)
+    model.set_attn_implementation(impl)  # before install: the wrapper delegates to the implementation set here
     attention.install(model)
     return model, tok
 
@@ -83,7 +82,8 @@ def test_eviction_matches_float64_reference(policy_factory, layers: int) -> None
     ids = _prompt(70)[0].tolist()
     logged: list[torch.Tensor] = []
     policy = policy_factory()
-    res = generate(model, policy, ids, 16, 6, stop_ids=(), trace=True, on_logits=lambda lg: logged.append(lg[0]))
+    res = generate(model, policy, ids, 16, 6, stop_ids=(), observer=Observer(trace=True,
+                   on_logits=lambda lg: logged.append(lg[0])))
     chunks = [ids[s:s + 16] for s in range(0, len(ids), 16)] + [[t] for t in res.tokens[:-1]]
     assert len(res.trace) == len(chunks)
     ref = reference_logits(model, chunks, res.trace)
@@ -102,7 +102,7 @@ def test_eviction_matches_float64_reference(policy_factory, layers: int) -> None
 def test_cache_bounded(policy) -> None:
     model, _ = _model("tiny-llama")
     ids = _prompt(300)[0].tolist()
-    res = generate(model, policy, ids, 16, 10, stop_ids=(), trace=True)
+    res = generate(model, policy, ids, 16, 10, stop_ids=(), observer=Observer(trace=True))
     for step in res.trace[1:]:  # before every forward after the first: at most N held
         for pos in step:
             assert pos is not None and pos.shape[-1] <= 40
@@ -116,7 +116,7 @@ def test_knorm_default_skips_layers_0_and_1_and_bounds_the_rest() -> None:
     # K-norm's default leaves layers 0 and 1 uncompressed; on a 2-layer model it would evict nothing, so use 4.
     model, _ = _model("tiny-llama", num_hidden_layers=4)
     ids = _prompt(100)[0].tolist()
-    res = generate(model, KNorm(budget=40), ids, 16, 5, stop_ids=(), trace=True)
+    res = generate(model, KNorm(budget=40), ids, 16, 5, stop_ids=(), observer=Observer(trace=True))
     assert len(res.trace) == 7 + 4  # 7 prompt blocks (100 = 6 x 16 + 4), then 4 one-token decoding steps
     for k, step in enumerate(res.trace[1:], 1):  # before forward k: the tokens seen so far, or N after eviction
         seen = min(16 * k, 100) + max(0, k - 7)
@@ -127,7 +127,7 @@ def test_knorm_default_skips_layers_0_and_1_and_bounds_the_rest() -> None:
 def test_block_null_is_one_forward_then_one_eviction() -> None:
     model, _ = _model("tiny-llama")
     ids = _prompt(300)[0].tolist()
-    res = generate(model, KeyDiff(budget=40), ids, None, 3, stop_ids=(), trace=True)
+    res = generate(model, KeyDiff(budget=40), ids, None, 3, stop_ids=(), observer=Observer(trace=True))
     assert len(res.trace) == 1 + 2  # prompt forward + two decoding steps
     assert res.peak_kv_tokens == 300
     assert all(p.shape[-1] == 40 for p in res.trace[1])

@@ -1,4 +1,4 @@
-"""The eviction fast paths (issue 14) select exactly what the straightforward computation selects: drop-one
+"""The eviction fast paths select exactly what the straightforward computation selects: drop-one
 selection, chronological protection masks, KeyDiff's and K-norm's per-token state, the tail-only causal mask of
 query attention, row-copy `keep`, no policy work in layers a policy never evicts, and shared rebuilt masks.
 Expected values are worked out by hand or come from the plain formula the fast path replaces."""
@@ -9,14 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvbench import attention
-from kvbench.cache import EvictingCache, EvictingLayer
-from kvbench.models import build_tiny_model
+from kvbench.engine import attention
+from kvbench.engine.cache import EvictingCache, EvictingLayer
 from kvbench.policies.base import query_attention, top_slots
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
+
+from conftest import installed_model
 
 
 def _layer(n: int, h: int = 2, d: int = 4, d_v: int | None = None, seed: int = 0) -> EvictingLayer:
@@ -122,9 +123,7 @@ def test_a_gap_in_stashed_queries_falls_back_to_the_full_mask() -> None:
 
 @pytest.fixture(scope="module")
 def model():
-    m, _ = build_tiny_model("tiny-llama", num_hidden_layers=4)
-    attention.install(m)
-    return m
+    return installed_model(num_hidden_layers=4)[0]
 
 
 def test_layers_a_policy_never_evicts_get_no_policy_work(model) -> None:

@@ -8,24 +8,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench import attention
+from kvbench.engine.generate import Observer, generate
 from kvbench.metrics.fidelity import fidelity
-from kvbench.models import build_tiny_model
 from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
-from kvbench.runner import RunSettings, generate, run_task
+from kvbench.run.loop import run_task
+from kvbench.run.settings import RunSettings
 from kvbench.tasks.base import TaskEnv
 from kvbench.tasks.fidelity import FidelityTask
+
+from conftest import installed_model
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    model, tok = build_tiny_model("tiny-llama")
-    attention.install(model)
-    return model, tok
+    return installed_model()
 
 
 def _run(tiny, policy, tmp_path: Path, budget: int, lengths=(300,), new_tokens: int = 8, source: str = "filler"):
@@ -79,7 +79,8 @@ def test_teacher_forcing_feeds_exactly_the_given_tokens(tiny) -> None:
     try:
         prompt = list(range(10, 74))  # 64 tokens -> two blocks of 32
         forced = [5, 400, 7, 7, 123]
-        res = generate(model, KeyDiff(budget=40), prompt, 32, len(forced), stop_ids=(), forced=forced)
+        res = generate(model, KeyDiff(budget=40), prompt, 32, len(forced), stop_ids=(),
+                       observer=Observer(forced=forced))
     finally:
         hook.remove()
     assert fed[:2] == [prompt[:32], prompt[32:]]

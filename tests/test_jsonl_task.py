@@ -7,14 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.models import build_tiny_tokenizer
 from kvbench.tasks.base import TaskEnv
 from kvbench.tasks.jsonl import JsonlTask
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def _file(tmp_path: Path, rows: list[dict]) -> str:

@@ -1,4 +1,4 @@
-"""LongBench metrics and eval.py aggregation: expected values worked out by hand from benchmarks.md §1.6."""
+"""LongBench metrics and eval.py aggregation: expected values worked out by hand from the official metrics.py / eval.py rules."""
 
 from __future__ import annotations
 

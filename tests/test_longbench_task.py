@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvbench.metrics import longbench as lbm
-from kvbench.models import build_tiny_tokenizer
-from kvbench.score_cli import main as score_main
+from kvbench.models.tiny import build_tiny_tokenizer
+from kvbench.run.score import main as score_main
 from kvbench.tasks.base import TaskEnv, TaskError
 from kvbench.tasks.longbench import (HF_REVISION, LongBench, LongBenchE, context_end, load_spec,
                                      truncate_middle)
@@ -27,11 +27,6 @@ ALL21 = ["narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotq
 E13 = ["qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa",
        "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p"]
 NO_CHAT = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def env(tok, budget=100000, chat=False):
@@ -59,7 +54,7 @@ def test_spec_tables():
     assert [d for d, s in spec.items() if s["longbench_e"]] == E13
     assert {d for d, s in spec.items() if not s["chat_template"]} == NO_CHAT
     assert {d: s["metric"] for d, s in spec.items()} == {d: f.__name__ for d, f in lbm.DATASET2METRIC.items()}
-    # Quirks that must survive (benchmarks.md §1.5).
+    # Quirks of the official pred.py that must survive (docs/longbench.md).
     assert spec["narrativeqa"]["template"].count("asconcisely") == 2
     assert "\n\n Answer the question" in spec["qasper"]["template"]
     assert spec["passage_count"]["template"].endswith("The final answer is: ")

@@ -8,15 +8,9 @@ import pytest
 
 from kvbench.metrics import get_metric
 from kvbench.metrics.niah import rouge1x10, rouge_tokens, substring_match
-from kvbench.models import build_tiny_tokenizer
 from kvbench.tasks.base import Sample, TaskEnv, TaskError
 from kvbench.tasks.haystack import filler_text, read_haystack_dir
 from kvbench.tasks.niah import NIAH, build_context, insert_needle_tokens
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 class CharTokenizer:

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbench import packaged
-from kvbench.models import ModelError, build_tiny_tokenizer, load_model
+from kvbench.models import packaged
+from kvbench.models.common import ModelError
+from kvbench.models.loading import load_model
+from kvbench.models.tiny import build_tiny_tokenizer
 
 SPEC = "package:kvbench_fakemodels/toy.Q4_1.gguf"
 
@@ -192,3 +194,15 @@ def test_malformed_spec(spec: str) -> None:
 def test_missing_file_in_installed_package(fake_package: Path) -> None:
     with pytest.raises(packaged.PackagedModelError, match="package 'kvbench_fakemodels' has no file nope.gguf"):
         packaged.locate("package:kvbench_fakemodels/nope.gguf")
+
+
+def test_results_record_model_paths_without_machine_directories(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbench.models.common import portable_path
+
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert portable_path(str(tmp_path / "cache" / "models" / "m")) == "$KVBENCH_CACHE/models/m"
+    assert portable_path(str(tmp_path / "home" / "m")) == "~/m"
+    assert portable_path("/elsewhere/m") == "/elsewhere/m"
+    assert portable_path("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"  # a hub id

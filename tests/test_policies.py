@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvbench.cache import EvictingLayer
+from kvbench.engine.cache import EvictingLayer
 from kvbench.policies.base import PolicyError
 from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
@@ -18,20 +18,11 @@ from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
 
+from conftest import make_layer as shared_make_layer
 
-def make_layer(keys: list, n_q_heads: int | None = None, queries: list | None = None, layer_idx: int = 2,
-               scaling: float = 1.0) -> EvictingLayer:
-    """A layer holding `keys` (h_kv, n, d) at positions 0..n-1, and optionally stashed `queries` (h_q, w, d)
-    at the latest w positions."""
-    k = torch.tensor(keys, dtype=torch.float32).unsqueeze(0)  # (1, h_kv, n, d)
-    layer = EvictingLayer(layer_idx)
-    layer.update(k, torch.zeros_like(k))
-    layer.scaling, layer.softcap = scaling, None
-    if queries is not None:
-        q = torch.tensor(queries, dtype=torch.float32).unsqueeze(0)  # (1, h_q, w, d)
-        layer.queries = q
-        layer.query_positions = torch.arange(layer.seen - q.shape[2], layer.seen)
-    return layer
+
+def make_layer(keys: list, queries: list | None = None, layer_idx: int = 2, scaling: float = 1.0) -> EvictingLayer:
+    return shared_make_layer(keys, queries=queries, layer_idx=layer_idx, scaling=scaling)  # layer 2: K-norm evicts it
 
 
 def kept(policy, layer) -> list:

@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvbench import attention
-from kvbench.cache import EvictingCache, EvictingLayer
-from kvbench.diagnostics import Diagnostics, aggregate, key_logdet
-from kvbench.models import build_tiny_model
+from kvbench.engine import attention
+from kvbench.engine.cache import EvictingCache, EvictingLayer
+from kvbench.engine.diagnostics import Diagnostics, aggregate, key_logdet
+from kvbench.engine.generate import Observer, generate
+from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.adakv import AdaKV
 from kvbench.policies.base import Policy, PolicyError, adaptive_counts, compact
 from kvbench.policies.criticalkv import CriticalKV
@@ -21,25 +22,9 @@ from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.sagekv import SageKV
-from kvbench.runner import generate
 
+from conftest import installed_model, make_layer
 from float64_reference import reference_logits
-
-
-def make_layer(keys: list, queries: list | None = None, values: list | None = None,
-               layer_idx: int = 0) -> EvictingLayer:
-    """A layer holding `keys` (h_kv, n, d) at positions 0..n-1 (scaling 1) and optionally stashed `queries`
-    (h_q, w, d) at the latest w positions."""
-    k = torch.tensor(keys, dtype=torch.float32).unsqueeze(0)  # (1, h_kv, n, d)
-    v = torch.zeros_like(k) if values is None else torch.tensor(values, dtype=torch.float32).unsqueeze(0)
-    layer = EvictingLayer(layer_idx)
-    layer.update(k, v)
-    layer.scaling, layer.softcap = 1.0, None
-    if queries is not None:
-        q = torch.tensor(queries, dtype=torch.float32).unsqueeze(0)  # (1, h_q, w, d)
-        layer.queries = q
-        layer.query_positions = torch.arange(layer.seen - q.shape[2], layer.seen)
-    return layer
 
 
 def log_keys(weights: list[float]) -> list[list[float]]:
@@ -260,7 +245,7 @@ def test_pyramidkv_run_keeps_n_per_layer_on_average() -> None:
     # 4 layers, N = 40, window 8, B = 16: F = 32, min 1.6, max 62.4, step 20.267 -> 62, 42, 22, 2 (+8).
     model = _model("tiny-llama", num_hidden_layers=4)
     policy = PyramidKV(budget=40)
-    res = generate(model, policy, _prompt(200, seed=3), 16, 3, stop_ids=(), trace=True)
+    res = generate(model, policy, _prompt(200, seed=3), 16, 3, stop_ids=(), observer=Observer(trace=True))
     assert policy.num_layers == 4  # told by the cache
     assert [pos.shape[-1] for pos in res.trace[-1]] == [70, 50, 30, 10]
     # all layers together: at most 4 x (N + B) tokens per KV head; 2 KV heads x 64 dims x (K + V) x 4 bytes each
@@ -313,7 +298,7 @@ def test_hashevict_codes_and_projection_are_seeded() -> None:
 # SAGE-KV -----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("group,expected", [(4, (2048, 1024, 2047)), (7, (2048, 512, 2559)), (1, (2048, 4096, 2047))])
 def test_sagekv_sizes_from_budget(group: int, expected: tuple[int, int, int]) -> None:
-    # 003 App. A.2 (N = 8192): g = 4 -> sink 2048, k 1024, local window 2048 (= recent 2047 + the last token);
+    # SAGE-KV App. A.2 (N = 8192): g = 4 -> sink 2048, k 1024, local window 2048 (= recent 2047 + the last token);
     # g = 7 -> sink 2048, k 512, local window 2560.
     assert SageKV(budget=8192).sizes(group) == expected
 
@@ -349,9 +334,7 @@ def test_sagekv_selection_then_sliding_window() -> None:
 
 # Ragged heads against an explicit float64 model ---------------------------------------------------------------------
 def _model(arch: str = "tiny-llama", **kw):
-    model, _ = build_tiny_model(arch, **kw)
-    attention.install(model)
-    return model
+    return installed_model(arch, **kw)[0]
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -367,8 +350,8 @@ def test_ragged_heads_match_float64_reference(policy_factory) -> None:
     model.double()
     ids = _prompt(70)
     logged: list[torch.Tensor] = []
-    res = generate(model, policy_factory(), ids, 16, 6, stop_ids=(), trace=True,
-                   on_logits=lambda lg: logged.append(lg[0]))
+    res = generate(model, policy_factory(), ids, 16, 6, stop_ids=(), observer=Observer(trace=True,
+                   on_logits=lambda lg: logged.append(lg[0])))
     chunks = [ids[s:s + 16] for s in range(0, len(ids), 16)] + [[t] for t in res.tokens[:-1]]
     ref = reference_logits(model, chunks, res.trace)
     first = len(chunks) - len(res.tokens)
@@ -392,7 +375,8 @@ NEW_POLICIES = {
 def test_deterministic_and_bounded(name: str) -> None:
     model = _model()
     ids = _prompt(120, seed=1)
-    runs = [generate(model, NEW_POLICIES[name](), ids, 16, 4, stop_ids=(), trace=True) for _ in range(2)]
+    runs = [generate(model, NEW_POLICIES[name](), ids, 16, 4, stop_ids=(),
+                     observer=Observer(trace=True)) for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens
     assert all(torch.equal(a, b) for a, b in zip(runs[0].trace[-1], runs[1].trace[-1], strict=True))
     h_kv = model.config.num_key_value_heads
@@ -415,7 +399,8 @@ def test_deterministic_and_bounded(name: str) -> None:
 def test_adakv_peak_is_the_layer_total(arch: str, h_kv: int, d: int, allocation: str) -> None:
     N, B = 96, 32
     model = _model(arch)
-    res = generate(model, AdaKV(budget=N, allocation=allocation), _prompt(224), B, 3, stop_ids=(), trace=True)
+    res = generate(model, AdaKV(budget=N, allocation=allocation), _prompt(224), B, 3, stop_ids=(),
+                   observer=Observer(trace=True))
     assert any(t is not None and bool((t < 0).any()) for step in res.trace for t in step)  # really ragged
     for step in res.trace[1:]:
         for pos in step:
@@ -502,8 +487,8 @@ def test_aggregate_over_samples() -> None:
 def test_run_reports_diagnostics_in_records_and_metrics(tmp_path) -> None:
     import json
 
-    from kvbench.app import Session, run_one
-    from kvbench.config import load_group
+    from kvbench.run.app import Session, run_one
+    from kvbench.run.config import load_group
 
     model, tok = build_tiny_model("tiny-llama", seed=3)
     model.save_pretrained(tmp_path / "model")

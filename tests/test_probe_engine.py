@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from kvbench import attention
-from kvbench.models import load_model
+from kvbench.engine import attention
+from kvbench.engine.generate import generate
+from kvbench.models.loading import load_model
 from kvbench.policies.base import Policy
 from kvbench.policies.streamingllm import StreamingLLM
-from kvbench.runner import generate
 from kvbench.tasks.base import TaskEnv
 from kvbench.tasks.probe import ProbeTask
 

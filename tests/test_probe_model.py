@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench import probe_model as pm
+from kvbench.models import probe as pm
 
 # Token ids by hand from the vocabulary layout: <s> </s> <unk>, 131 fillers (ids 3..133), k000..k127
 # (134..261), v000..v127 (262..389).
@@ -193,7 +193,7 @@ def test_probe_dir_builds_once(tmp_path, monkeypatch):
 
 
 def test_probe_dir_bad_variant(tmp_path, monkeypatch):
-    from kvbench.models import ModelError
+    from kvbench.models.common import ModelError
 
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
     with pytest.raises(ModelError, match="unknown probe model variant 'C'; choose one of: A, B"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench import probe_model as pm
+from kvbench.models import probe as pm
 from kvbench.tasks.base import Sample, TaskEnv, TaskError
 from kvbench.tasks.probe import NOTE, ProbeTask, cell_key
 
@@ -84,7 +84,7 @@ def test_deterministic_and_seeded(tok):
 
 
 def test_rejects_non_probe_model(tmp_path):
-    from kvbench.models import build_tiny_tokenizer
+    from kvbench.models.tiny import build_tiny_tokenizer
 
     tiny = build_tiny_tokenizer()
     tiny.save_pretrained(tmp_path)

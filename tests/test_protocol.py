@@ -18,14 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench import attention
-from kvbench.app import parse_settings
-from kvbench.cache import EvictingCache
-from kvbench.config import ConfigError, model_label, protocol_label
-from kvbench.models import build_tiny_model
+from kvbench.engine import attention
+from kvbench.engine.cache import EvictingCache
+from kvbench.engine.generate import Observer, generate, resolve_protocol
+from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.full import Full
 from kvbench.policies.snapkv import SnapKV
-from kvbench.runner import generate, resolve_protocol
+from kvbench.run.labels import model_label, protocol_label
+from kvbench.run.settings import RunSettings
+from kvbench.run.settings import ConfigError
+
+from conftest import installed_model
 
 ROOT = Path(__file__).resolve().parent.parent
 T, N, NEW = 150, 40, 6
@@ -33,9 +36,7 @@ T, N, NEW = 150, 40, 6
 
 @pytest.fixture(scope="module")
 def model():
-    m, _ = build_tiny_model("tiny-llama", output_scale=1.0)
-    attention.install(m)
-    return m
+    return installed_model(output_scale=1.0)[0]
 
 
 def _ids(n: int = T, seed: int = 7) -> list[int]:
@@ -50,8 +51,8 @@ def _held(step: list[torch.Tensor | None]) -> list[int]:
 # --- prefill_once --------------------------------------------------------------------------------------------------
 
 def test_prefill_once_cache_is_n_after_the_prompt_and_grows_by_one_per_token(model) -> None:
-    res = generate(model, SnapKV(budget=N, window=8, kernel=3), _ids(), 16, NEW, stop_ids=(), trace=True,
-                   protocol="prefill_once")
+    res = generate(model, SnapKV(budget=N, window=8, kernel=3), _ids(), 16, NEW, stop_ids=(),
+                   protocol="prefill_once", observer=Observer(trace=True))
     assert len(res.tokens) == NEW
     # Forwards: the prompt once (block 16 ignored), then NEW - 1 decoding steps (the last token is never fed back).
     assert len(res.trace) == 1 + NEW - 1
@@ -90,17 +91,17 @@ def test_prefill_once_equals_one_forward_one_eviction_then_plain_greedy(model) -
                        protocol="prefill_once")
         assert res.tokens == expected, block
     # ... and differs from evicting while decoding, which keeps the cache at N
-    evicting = generate(model, SnapKV(budget=N, window=8, kernel=3), ids, None, NEW, stop_ids=(), trace=True,
-                        protocol="prefill_once_decode_evict")
+    evicting = generate(model, SnapKV(budget=N, window=8, kernel=3), ids, None, NEW, stop_ids=(),
+                        protocol="prefill_once_decode_evict", observer=Observer(trace=True))
     assert all(_held(step) == [N] * model.config.num_hidden_layers for step in evicting.trace[1:])
 
 
 def test_prefill_once_decode_evict_is_blockwise_with_block_none(model) -> None:
     ids = _ids()
-    a = generate(model, SnapKV(budget=N, window=8, kernel=3), ids, 16, NEW, stop_ids=(), trace=True,
-                 protocol="prefill_once_decode_evict")
-    b = generate(model, SnapKV(budget=N, window=8, kernel=3), ids, None, NEW, stop_ids=(), trace=True,
-                 protocol="blockwise")
+    a = generate(model, SnapKV(budget=N, window=8, kernel=3), ids, 16, NEW, stop_ids=(),
+                 protocol="prefill_once_decode_evict", observer=Observer(trace=True))
+    b = generate(model, SnapKV(budget=N, window=8, kernel=3), ids, None, NEW, stop_ids=(),
+                 protocol="blockwise", observer=Observer(trace=True))
     assert a.tokens == b.tokens and a.peak_kv_tokens == b.peak_kv_tokens == T
     assert len(a.trace) == len(b.trace) == NEW
     for sa, sb in zip(a.trace[1:], b.trace[1:], strict=True):
@@ -117,14 +118,14 @@ def test_prefill_once_decode_evict_is_blockwise_with_block_none(model) -> None:
 ])
 def test_protocol_settings_are_canonical(protocol: str, block: int | None, expected: tuple) -> None:
     assert resolve_protocol(protocol, block) == expected
-    s = parse_settings({"protocol": protocol, "block": block, "budget": 64})
+    s = RunSettings.from_config({"protocol": protocol, "block": block, "budget": 64})
     assert (s.protocol, s.block) == expected
     assert protocol_label(protocol, block) == (f"blockwise_B{block}" if expected[0] == "blockwise" else expected[0])
 
 
 def test_unknown_protocol_is_one_line() -> None:
     with pytest.raises(ConfigError) as e:
-        parse_settings({"protocol": "once", "block": 128, "budget": 64})
+        RunSettings.from_config({"protocol": "once", "block": 128, "budget": 64})
     assert str(e.value) == "unknown protocol 'once'; choose one of: blockwise, prefill_once, prefill_once_decode_evict"
 
 
@@ -136,7 +137,7 @@ def test_model_label_names_the_hf_model() -> None:
 
 
 def test_run_directories_metrics_and_report_rows_carry_the_protocol(tmp_path: Path) -> None:
-    from kvbench.report import report
+    from kvbench.report.cli import report
 
     model_dir = tmp_path / "Tiny-Chat-7"  # model=hf: the directory's name labels the run
     m, tok = build_tiny_model("tiny-llama", seed=3)
@@ -196,7 +197,7 @@ def test_greedy_applies_the_generation_config_processors_like_generate(settings:
 
 
 def test_generation_provenance_names_the_processors() -> None:
-    from kvbench.runner import generation_provenance
+    from kvbench.engine.generate import generation_provenance
 
     model, _ = build_tiny_model("tiny-llama")
     assert generation_provenance(model) == {"decoding": "greedy", "processors": []}
@@ -208,7 +209,8 @@ def test_generation_provenance_names_the_processors() -> None:
 def test_report_never_mixes_protocols_unlabelled(tmp_path: Path) -> None:
     import yaml
 
-    from kvbench.report import _settings_text, describe_run, report
+    from kvbench.report.cli import report
+    from kvbench.run.labels import settings_text, describe_run
 
     niah = "kvbench.tasks.niah.NIAH"
     runs = {  # name: (policy, target, config protocol, config block); "old" predates the protocol setting
@@ -236,7 +238,7 @@ def test_report_never_mixes_protocols_unlabelled(tmp_path: Path) -> None:
                    ("snapkv", "128", "'blockwise'")]
     assert (tmp_path / "heatmap_niah_smollm2-135m.png").stat().st_size > 0
     row = next(r for r in rep.rows if r.settings["block"] == 128)
-    assert _settings_text(row.settings) == "blockwise B=128"  # a heatmap panel's second title line
+    assert settings_text(row.settings) == "blockwise B=128"  # a heatmap panel's second title line
     assert describe_run("smol", "snapkv", 256, None, "prefill_once") == "smol: snapkv N=256, prefill_once"
     assert describe_run("smol", "snapkv", 256, 128, "blockwise") == "smol: snapkv N=256, blockwise B=128"
     assert describe_run("smollm2-135m", "full", None, None, "blockwise", evicts=False) == "smollm2-135m: full"

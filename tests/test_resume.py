@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.app import run_key, run_lock
-from kvbench.config import ConfigError
-from kvbench.runner import append_record, read_records
+from kvbench.run.app import run_key, run_lock
+from kvbench.run.loop import append_record, read_records
+from kvbench.run.settings import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMING = ("prefill_s", "decode_s", "evict_s")
@@ -85,7 +85,7 @@ def _cfg(data: Path, **changes: object) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from kvbench.config import CONF_DIR
+    from kvbench.run.config import CONF_DIR
 
     overrides = [a for a in _args(data, Path("unused")) if not a.startswith("hydra.")]
     overrides += [f"{k}={v}" for k, v in changes.items()]
@@ -94,7 +94,7 @@ def _cfg(data: Path, **changes: object) -> dict:
 
 
 def test_sigkill_mid_run_resumes_to_the_clean_predictions(tmp_path: Path) -> None:
-    from kvbench.app import Session, run_one
+    from kvbench.run.app import Session, run_one
 
     data = _data(tmp_path)
     clean, killed = tmp_path / "clean", tmp_path / "killed"
@@ -138,7 +138,7 @@ def test_sigkill_mid_run_resumes_to_the_clean_predictions(tmp_path: Path) -> Non
 
 
 def test_predictions_without_run_json_are_not_reused(tmp_path: Path) -> None:
-    from kvbench.app import Session, run_one
+    from kvbench.run.app import Session, run_one
 
     data = _data(tmp_path)
     run_dir = tmp_path / "run"

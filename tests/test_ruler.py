@@ -11,17 +11,14 @@ import pytest
 
 from kvbench.metrics import get_metric
 from kvbench.metrics.ruler import dataset_score, postprocess_pred, string_match_all, string_match_part
-from kvbench.models import build_tiny_tokenizer
+from kvbench.models.tiny import build_tiny_tokenizer
 from kvbench.tasks.base import TaskEnv, TaskError
-from kvbench.tasks.ruler import (DEPTHS, NOISE, TASKS, TEMPLATES, Ruler, SortedKeySpace, cwe_vocab, niah_keys,
-                                 vt_noise)
+from kvbench.tasks.ruler import Ruler
+from kvbench.tasks.ruler.constants import DEPTHS, NOISE, TASKS, TEMPLATES
+from kvbench.tasks.ruler.synthetic import vt_noise
+from kvbench.tasks.ruler.words import SortedKeySpace, cwe_vocab, niah_keys
 
 from shared_reference import reference_file
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def _env(tok, chat=True):
@@ -53,7 +50,7 @@ def test_depths_from_spec():
 
 
 def test_word_list_sizes_from_spec():
-    assert len(niah_keys()) == 6_175_260  # wonderwords 2.2.0 (benchmarks.md §2.4)
+    assert len(niah_keys()) == 6_175_260  # wonderwords 2.2.0, the version RULER pins
     assert len(cwe_vocab()) == 8_169
 
 

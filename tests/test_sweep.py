@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbench import config
-from kvbench.report import main as report_main
-from kvbench.report import report
+from kvbench.report.cli import main as report_main
+from kvbench.report.cli import report
+from kvbench.run import config
 
 ROOT = Path(__file__).resolve().parent.parent
 FIDELITY = ["model=tiny-llama", "task=fidelity", "task.new_tokens=4", "progress=false"]
@@ -64,7 +64,7 @@ def test_shards_merge_into_the_unsharded_result(tmp_path: Path) -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from kvbench.app import Session, run_one
+    from kvbench.run.app import Session, run_one
 
     def cfg(shard: str | None) -> dict:
         with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base=None):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.app import Session, run_one
-from kvbench.config import load_group
+from kvbench.run.app import Session, run_one
+from kvbench.run.config import load_group
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -35,7 +35,15 @@ METRICS: dict[str, str] = {
 
 
 def get_metric(name: str) -> Callable[..., float]:
-    if name not in METRICS:
-        raise KeyError(f"unknown metric '{name}'; choose one of: {', '.join(sorted(METRICS))}")
-    module, fn = METRICS[name].split(":")
-    return getattr(importlib.import_module(f"kvbench.metrics.{module}"), fn)
+    """A metric by its registry name, or by "package.module:function" for a metric that lives outside kvbench (a
+    user's own task, docs/extending.md)."""
+    if name in METRICS:
+        module, fn = METRICS[name].split(":")
+        return getattr(importlib.import_module(f"kvbench.metrics.{module}"), fn)
+    if ":" in name:
+        module, _, fn = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), fn)
+        except (ImportError, AttributeError):
+            raise KeyError(f"metric '{name}': no function {fn} in an importable module {module}") from None
+    raise KeyError(f"unknown metric '{name}'; choose one of: {', '.join(sorted(METRICS))}, or module:function")

@@ -1,5 +1,5 @@
 """LongBench v1 metrics and aggregation, re-implemented from the official rules (THUDM/LongBench @ 2e00731,
-`LongBench/metrics.py` and `LongBench/eval.py`; spec: shared docs benchmarks.md §1.6).
+`LongBench/metrics.py` and `LongBench/eval.py`; docs/longbench.md).
 
 Every per-pair function has the official name and signature `f(prediction, ground_truth, **kwargs)` and returns
 the official value (0-1) bit for bit, quirks included:

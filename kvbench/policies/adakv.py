@@ -1,18 +1,18 @@
-"""AdaKV (002 Alg. 2 line 1, 4.3): SnapKV scores with per-head budgets chosen per layer.
+"""AdaKV (CriticalKV Alg. 2 line 1, 4.3): SnapKV scores with per-head budgets chosen per layer.
 
 In each layer the h_kv heads share h_kv * N slots: every head keeps its protected tokens (the SnapKV window),
 and the rest of the layer's budget goes to heads by their scores, with a safeguard `alpha_safeguard` (a) so
 that no head is starved. Two published allocation rules (`allocation`; details in base.adaptive_counts):
-- `adakv` (default; AdaKV's own code, the method "as originally defined" that 002 4.3 runs): with F = N - window,
+- `adakv` (default; AdaKV's own code, the method "as originally defined" that CriticalKV 4.3 runs): with F = N - window,
   head h keeps its window + its top round((1 - a) * c_h + floor(a * F)), c_h = its share of the layer's top
   h_kv * F scores;
 - `kvpress` (NVIDIA kvpress AdaKVPress): each head keeps its top floor(a * N) slots counting the window, the rest
   of the h_kv * N slots go to the layer's best remaining scores.
-Heads thus keep different numbers of tokens: the layer is stored flat per head (cache.py), so what it holds is
+Heads thus keep different numbers of tokens: the layer is stored flat per head (engine/cache.py), so what it holds is
 the layer total (at most h_kv * N after an eviction), reported in peak_kv_tokens (per-head average) and
 kv_bytes_peak. Scoring runs on a padded view built only during the eviction.
-Defaults follow the AdaKV/CriticalKV setting (002 4.3): window 32, kernel 7, max pooling; alpha_safeguard 0.2
-(kvpress's default; 002 gives none, AdaKV's README example uses 0.5).
+Defaults follow the AdaKV/CriticalKV setting (CriticalKV 4.3): window 32, kernel 7, max pooling; alpha_safeguard 0.2
+(kvpress's default; CriticalKV gives none, AdaKV's README example uses 0.5).
 Choice: eviction runs when the layer holds more than h_kv * N real tokens. With `adakv`, rounding can make the
 counts exceed h_kv * F by a few tokens; kvbench takes them back (heads rounded up the most first).
 """
@@ -20,13 +20,17 @@ counts exceed h_kv * F by a few tokens; kvbench takes them back (heads rounded u
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from kvbench.policies.base import (ALLOCATIONS, PolicyError, adaptive_counts, compact, latest_mask,
-                                   query_attention, rank_mask, valid_counts)
+from kvbench.policies.base import (ALLOCATIONS, PolicyError, adaptive_counts, compact, latest_mask, query_attention,
+                                   rank_mask, valid_counts)
 from kvbench.policies.snapkv import SnapKV
+
+if TYPE_CHECKING:
+    from kvbench.engine.cache import EvictingLayer
 
 
 class AdaKV(SnapKV):
@@ -42,7 +46,7 @@ class AdaKV(SnapKV):
         self.allocation = allocation
         super().__init__(pooling=pooling, **kwargs)
 
-    def window_scores(self, layer) -> torch.Tensor:
+    def window_scores(self, layer: EvictingLayer) -> torch.Tensor:
         """SnapKV's pooled window scores (b, h_q, n), on ragged layers too.
 
         Each head's real tokens are gathered into chronological order (padding last) so pooling never mixes a
@@ -63,26 +67,21 @@ class AdaKV(SnapKV):
         scores = torch.empty_like(pooled).scatter_(-1, perm, pooled)  # back to slot order
         return scores.masked_fill(window, float(scores.max()) if n else 0.0)
 
-    def ranked_scores(self, layer) -> torch.Tensor:
-        """(b, h_kv, n) scores for selection: protected slots +inf, padding -inf."""
-        scores = self.score(layer).float()
-        prot = self.protected(layer)
-        if prot is not None:
-            scores = scores.masked_fill(prot, math.inf)
-        if layer.valid is not None:
-            scores = scores.masked_fill(~layer.valid, -math.inf)
-        return scores
+    def over_budget(self, layer: EvictingLayer) -> int | None:
+        """N when the layer's heads hold more than h_kv * N tokens in all (heads share the layer's budget)."""
+        budget = super().over_budget(layer)
+        if budget is None or int(valid_counts(layer).sum(dim=-1).max()) <= budget * layer.keys.shape[1]:
+            return None
+        return budget
 
-    def head_counts(self, layer, scores: torch.Tensor) -> torch.Tensor:
+    def head_counts(self, layer: EvictingLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """(b, h_kv) tokens each head keeps (AdaKV allocation)."""
         n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
-        return adaptive_counts(scores, self.budget, n_prot, self.alpha_safeguard, self.allocation)
+        return adaptive_counts(scores, budget, n_prot, self.alpha_safeguard, self.allocation)
 
-    def select(self, layer):
-        budget = self.layer_budget(layer.layer_idx, layer.seen)
-        if budget is None or layer.physical() <= budget:
+    def select(self, layer: EvictingLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        budget = self.over_budget(layer)
+        if budget is None:
             return None
-        if int(valid_counts(layer).sum(dim=-1).max()) <= budget * layer.keys.shape[1]:
-            return None  # the layer's total is within h_kv * N: nothing to evict yet
         scores = self.ranked_scores(layer)
-        return compact(rank_mask(scores, self.head_counts(layer, scores)))
+        return compact(rank_mask(scores, self.head_counts(layer, scores, budget)))

@@ -15,7 +15,7 @@ What the engine provides, only when a policy asks for it:
   budgets such as PyramidKV's depend on it).
 
 Scoring always sees a layer in the (b, h_kv, n) layout: `evict` asks a ragged layer (flat per-head storage, see
-cache.py) for its transient padded view first and stores the selection back flat, so nothing padded outlives
+engine/cache.py) for its transient padded view first and stores the selection back flat, so nothing padded outlives
 the eviction.
 """
 
@@ -27,11 +27,21 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from kvbench.cache import EvictingLayer
+    from kvbench.engine.cache import EvictingLayer
 
 
 class PolicyError(ValueError):
     """Invalid policy configuration (budget too small for the protected tokens, ...)."""
+
+
+def positive_int(what: str, value: Any, allow_none: bool = False) -> int | None:
+    """The one check of `budget` and `block` values, wherever they come from: a positive integer (a bool is not
+    one), or None where `allow_none`. Raises ValueError with the one message users see."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{what} must be a positive integer{' or null' if allow_none else ''}, got {value!r}")
+    return value
 
 
 class Policy:
@@ -54,8 +64,12 @@ class Policy:
         self._edge_masks: dict[tuple[torch.Size, torch.device], torch.Tensor] = {}  # see `_edge_mask`
         self.num_layers: int | None = None  # the model's depth, told by `attach`
         if self.evicts:
-            if budget is None or budget <= 0:
-                raise PolicyError(f"budget must be a positive integer for policy '{self.name}', got {budget}")
+            if budget is None:
+                raise PolicyError(f"policy '{self.name}' needs a budget (budget=N)")
+            try:
+                positive_int("budget", budget)
+            except ValueError as e:
+                raise PolicyError(str(e)) from None
             if budget <= self.protected_count():
                 raise PolicyError(f"budget {budget} must exceed the {self.protected_count()} tokens policy "
                                   f"'{self.name}' always keeps (sinks/recent/window)")
@@ -114,21 +128,36 @@ class Policy:
             self._edge_masks[shape, device] = mask
         return mask
 
-    def select(self, layer: EvictingLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Kept slot indices (b, h_kv, k) in chronological order, plus a validity mask for ragged heads (or None).
-
-        Returns None when the layer is within its budget (nothing evicted).
-        """
+    def over_budget(self, layer: EvictingLayer) -> int | None:
+        """The layer's budget N when it holds more than N tokens per head (a selection is due), else None."""
         budget = self.layer_budget(layer.layer_idx, layer.seen)
         if budget is None or layer.physical() <= budget:
             return None
+        return budget
+
+    def ranked_scores(self, layer: EvictingLayer) -> torch.Tensor:
+        """(b, h_kv, n) float scores as selection ranks them: protected slots +inf, padding -inf."""
         scores = self.score(layer).float()  # (b, h_kv, n)
         prot = self.protected(layer)
         if prot is not None:
             scores = scores.masked_fill(prot, math.inf)
         if layer.valid is not None:
             scores = scores.masked_fill(~layer.valid, -math.inf)
-        return top_slots(scores, budget), None
+        return scores
+
+    def head_counts(self, layer: EvictingLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """(b, h_kv) tokens each head keeps: the budget, for every head (AdaKV allocates per head instead)."""
+        return torch.full(scores.shape[:2], budget, dtype=torch.long, device=scores.device)
+
+    def select(self, layer: EvictingLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Kept slot indices (b, h_kv, k) in chronological order, plus a validity mask for ragged heads (or None).
+
+        Returns None when the layer is within its budget (nothing evicted).
+        """
+        budget = self.over_budget(layer)
+        if budget is None:
+            return None
+        return top_slots(self.ranked_scores(layer), budget), None
 
     def evict(self, layer: EvictingLayer,
               observe: Callable[[EvictingLayer, torch.Tensor, torch.Tensor | None], None] | None = None) -> bool:
@@ -190,9 +219,9 @@ def query_attention(layer: EvictingLayer) -> torch.Tensor:
     # The scale is fused into the product (one pass less over the (w, n) logits; same values as a product then *).
     logits = torch.baddbmm(q.new_zeros(()), q.reshape(b * h_kv, g * w, d), k.reshape(b * h_kv, n, d).transpose(1, 2),
                            beta=0.0, alpha=layer.scaling).view(b, h_q, w, n)
-    if getattr(layer, "softcap", None):
+    if layer.softcap:
         logits = torch.tanh(logits / layer.softcap) * layer.softcap
-    first = getattr(layer, "query_first", None)
+    first = layer.query_first
     if layer.valid is None and first is not None:
         # Chronological slots and gap-free query positions: only keys after the earliest query can be hidden from
         # some query, and at most seen - 1 - first keys come after it, all in the last slots. Mask only those.
@@ -264,7 +293,7 @@ ALLOCATIONS = ("adakv", "kvpress")
 
 def adaptive_counts(scores: torch.Tensor, budget: int, n_protected: torch.Tensor, alpha_safeguard: float,
                     rule: str = "adakv") -> torch.Tensor:
-    """AdaKV budget allocation (002 Alg. 2 line 1): tokens each head keeps, (b, h), protected ones included.
+    """AdaKV budget allocation (CriticalKV Alg. 2 line 1): tokens each head keeps, (b, h), protected ones included.
 
     `scores` (b, h, n): protected slots +inf, padding -inf; `n_protected` (b, h); a = `alpha_safeguard`.
     The layer's heads share h * budget slots; two published rules:

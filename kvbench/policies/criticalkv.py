@@ -1,4 +1,4 @@
-"""CriticalKV (002 Alg. 1): perturbation-constrained two-stage selection on top of SnapKV or AdaKV.
+"""CriticalKV (CriticalKV Alg. 1): perturbation-constrained two-stage selection on top of SnapKV or AdaKV.
 
 With A the base policy's pooled window attention (SnapKV) and b the tokens a head keeps besides its protected
 window (N - window for `base: snapkv`; the AdaKV allocation minus the window for `base: adakv`):
@@ -6,10 +6,10 @@ stage 1 keeps the top floor(alpha * b) tokens by A; stage 2 keeps the top b - fl
 (A + eps) * ||v W_O||_1, where ||v_i W_O||_1 is the L1 norm of token i's value projected through the output
 projection columns of each query head of the group, averaged over the group (GQA). That norm is a per-token
 constant: computed once when the token enters the cache (`on_append`) and kept as per-token state.
-Defaults: alpha 0.5, eps 1e-4 (002 4.3 and footnote 2); window 32, kernel 7, max pooling (002 4.3).
+Defaults: alpha 0.5, eps 1e-4 (CriticalKV 4.3 and footnote 2); window 32, kernel 7, max pooling (CriticalKV 4.3).
 Stage-1 split (`stage1_window`), for a head keeping `count` tokens of which `w` protected:
 - `outside` (default): stage 1 keeps w + floor(alpha * (count - w)): alpha splits the budget outside the window,
-  since Alg. 1 replaces SnapKV's top-k, which SnapKV (kept "as originally defined", 002 4.3) runs over the
+  since Alg. 1 replaces SnapKV's top-k, which SnapKV (kept "as originally defined", CriticalKV 4.3) runs over the
   tokens outside its window;
 - `inside` (NVIDIA kvpress CriticalKVPress / CriticalAdaKVPress): stage 1 keeps max(w, floor(alpha * count)),
   the window counting inside alpha * b (there the window has the highest base scores).
@@ -19,23 +19,30 @@ With `base: adakv` the per-head counts come from the AdaKV allocation (`allocati
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import PolicyError, compact, rank_mask, valid_counts
+from kvbench.policies.base import Policy, PolicyError, compact, rank_mask
+from kvbench.policies.snapkv import SnapKV
 
-BASES = ("snapkv", "adakv")
+if TYPE_CHECKING:
+    from kvbench.engine.cache import EvictingLayer
+
+BASES = {"snapkv": SnapKV, "adakv": AdaKV}
 STAGE1 = ("outside", "inside")
 
 
-class CriticalKV(AdaKV):
+class CriticalKV(Policy):
+    """Composes, as the paper does: the base method (`base`) supplies the scores A, the protected window and the
+    per-head budgets; CriticalKV only replaces its top-k by the two stages."""
+
     name = "criticalkv"
     state_names = ("vnorm",)
 
     def __init__(self, base: str = "snapkv", alpha: float = 0.5, eps: float = 1e-4, stage1_window: str = "outside",
-                 **kwargs: Any) -> None:
+                 pooling: str = "max", allocation: str = "adakv", alpha_safeguard: float = 0.2, **kwargs: Any) -> None:
         if base not in BASES:
             raise PolicyError(f"criticalkv base '{base}' unknown; choose one of: {', '.join(BASES)}")
         if not 0.0 <= alpha <= 1.0:
@@ -43,10 +50,21 @@ class CriticalKV(AdaKV):
         if stage1_window not in STAGE1:
             raise PolicyError(f"criticalkv stage1_window '{stage1_window}' unknown; choose one of: "
                               f"{', '.join(STAGE1)}")
-        self.base, self.alpha, self.eps, self.stage1_window = base, float(alpha), float(eps), stage1_window
-        super().__init__(**kwargs)
+        self.alpha, self.eps, self.stage1_window = float(alpha), float(eps), stage1_window
+        # allocation and alpha_safeguard are AdaKV's options (criticalkv.yaml lists them for base=adakv).
+        extra = {"allocation": allocation, "alpha_safeguard": alpha_safeguard} if base == "adakv" else {}
+        self.base: Policy = BASES[base](pooling=pooling, **kwargs, **extra)  # max pooling: CriticalKV 4.3
+        b = self.base
+        self.query_window = b.query_window  # the engine stashes the queries the base scores with
+        super().__init__(budget=b.budget, n_sink=b.n_sink, n_recent=b.n_recent, skip_layers=b.skip_layers,
+                         seed=b.seed)
 
-    def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
+    def attach(self, num_layers: int) -> None:
+        super().attach(num_layers)
+        self.base.attach(num_layers)
+
+    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+                  query: torch.Tensor) -> dict[str, torch.Tensor]:
         b, h_kv, q, d = values.shape  # (b, h_kv, q, d)
         w = module.o_proj.weight  # (hidden, h_q * d)
         h_q = w.shape[1] // d
@@ -58,26 +76,23 @@ class CriticalKV(AdaKV):
             norms[:, h] = proj.abs().sum(dim=-1)
         return {"vnorm": norms.view(b, h_kv, g, q).mean(dim=2)}  # (b, h_kv, q)
 
-    def select(self, layer):
-        budget = self.layer_budget(layer.layer_idx, layer.seen)
-        if budget is None or layer.physical() <= budget:
+    def score(self, layer: EvictingLayer) -> torch.Tensor:
+        return self.base.score(layer)  # (b, h_kv, n): A, the base's scores (stage 1)
+
+    def select(self, layer: EvictingLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        budget = self.base.over_budget(layer)
+        if budget is None:
             return None
-        h_kv = layer.keys.shape[1]
-        if self.base == "adakv" and int(valid_counts(layer).sum(dim=-1).max()) <= budget * h_kv:
-            return None
-        scores = self.ranked_scores(layer)  # (b, h_kv, n): protected +inf, padding -inf
+        scores = self.base.ranked_scores(layer)  # (b, h_kv, n): protected +inf, padding -inf
         n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
-        if self.base == "adakv":
-            counts = self.head_counts(layer, scores)
-        else:
-            counts = torch.full_like(n_prot, budget)
+        counts = self.base.head_counts(layer, scores, budget)  # (b, h_kv)
         return compact(two_stage(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps,
                                  self.stage1_window))
 
 
 def two_stage(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor, n_prot: torch.Tensor,
               alpha: float, eps: float, stage1_window: str = "outside") -> torch.Tensor:
-    """002 Alg. 1 per head: (b, h, n) keep mask of `counts` tokens: the stage-1 count by score (protected
+    """CriticalKV Alg. 1 per head: (b, h, n) keep mask of `counts` tokens: the stage-1 count by score (protected
     first), then the rest by (score + eps) * vnorm. `scores`: protected +inf, padding -inf.
 
     Stage-1 count: n_prot + floor(alpha * (counts - n_prot)) (`outside`) or max(n_prot, floor(alpha * counts))

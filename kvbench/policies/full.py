@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvbench.policies.base import Policy
+
+if TYPE_CHECKING:
+    from kvbench.engine.cache import EvictingLayer
 
 
 class Full(Policy):
     name = "full"
     evicts = False
-    single_pass_prefill = True  # block mode with an unbounded cache only adds cost (architecture note, fact 8)
+    single_pass_prefill = True  # block mode with an unbounded cache only adds cost (HF sdpa repeats K/V per block)
 
-    def score(self, layer) -> torch.Tensor:
+    def score(self, layer: EvictingLayer) -> torch.Tensor:
         raise RuntimeError("the full policy never scores")

@@ -9,10 +9,14 @@ state, evicted with its token. `recent_ratio` reserves that fraction of the budg
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvbench.policies.base import Policy, PolicyError
+
+if TYPE_CHECKING:
+    from kvbench.engine.cache import EvictingLayer
 
 
 class H2O(Policy):
@@ -26,11 +30,12 @@ class H2O(Policy):
         self.recent_ratio = float(recent_ratio)
         super().__init__(budget=budget, n_recent=math.floor(self.recent_ratio * budget) if budget else 0, **kwargs)
 
-    def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
+    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+                  query: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"acc": keys.new_zeros(keys.shape[:3], dtype=torch.float32)}  # (b, h_kv, q)
 
-    def on_attention(self, layer, probs: torch.Tensor) -> None:
+    def on_attention(self, layer: EvictingLayer, probs: torch.Tensor) -> None:
         layer.state["acc"] += probs.sum(dim=-2)  # (b, h_kv, n): column sums over this chunk's queries
 
-    def score(self, layer) -> torch.Tensor:
+    def score(self, layer: EvictingLayer) -> torch.Tensor:
         return layer.state["acc"]

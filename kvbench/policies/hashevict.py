@@ -1,10 +1,10 @@
-"""HashEvict (001 Alg. 1, 3): evict the keys whose SimHash code is farthest (Hamming) from the current query's.
+"""HashEvict (HashEvict Alg. 1, 3): evict the keys whose SimHash code is farthest (Hamming) from the current query's.
 
 h(x) = sign(R x) with R (bits x head_dim) ~ N(0, 1), one fixed R per layer drawn from (seed, layer index), so runs
 are reproducible. Key codes are per-token state, computed once when a token enters the cache; score =
--Hamming(h(q), h(k_i)). GQA: the Hamming distance is averaged over the query heads of the KV head (001 4: the
+-Hamming(h(q), h(k_i)). GQA: the Hamming distance is averaged over the query heads of the KV head (HashEvict 4: the
 method is agnostic to grouping). The first `n_sink` = 4 positions and the latest `n_recent` = 10 tokens are
-always kept (001 4 setup); bits = 8 (001 4.7).
+always kept (HashEvict 4 setup); bits = 8 (HashEvict 4.7).
 Deviation: with prompt blocks (B > 1) the probe is every query of the block and the score is the mean Hamming
 similarity over them (the paper processes one token at a time; B = 1 is exact). `probe: key` hashes the new
 tokens' keys instead of their queries (what the authors' code does).
@@ -14,11 +14,14 @@ Codes are stored in 16-bit chunks, one float32 state tensor per chunk ("hash0", 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvbench.policies.base import Policy, PolicyError
+
+if TYPE_CHECKING:
+    from kvbench.engine.cache import EvictingLayer
 
 PROBES = ("query", "key")
 CHUNK = 16  # bits per state entry (exact in float32)
@@ -49,7 +52,8 @@ class HashEvict(Policy):
         r = self.projection(layer_idx, x.shape[-1], x.device)
         return (x.float() @ r.T > 0).float()
 
-    def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
+    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+                  query: torch.Tensor) -> dict[str, torch.Tensor]:
         kbits = self.hash_bits(keys, layer.layer_idx)  # (b, h_kv, q, bits)
         h_kv = keys.shape[1]
         if self.probe == "query":
@@ -59,12 +63,12 @@ class HashEvict(Policy):
         else:
             p = kbits.mean(dim=2)
         # Fraction of the block's probes with bit j set: the mean Hamming distance to a code is then linear in it.
-        layer.hash_probe = p
+        layer.scratch["probe"] = p
         weights = 2.0 ** (torch.arange(self.bits, device=keys.device) % CHUNK)  # bit j -> 2^(j mod 16)
         codes = kbits * weights
         return {name: codes[..., c * CHUNK:(c + 1) * CHUNK].sum(dim=-1) for c, name in enumerate(self.state_names)}
 
-    def key_bits(self, layer) -> torch.Tensor:
+    def key_bits(self, layer: EvictingLayer) -> torch.Tensor:
         """(b, h_kv, n, bits) float 0/1 unpacked from the stored codes."""
         parts = []
         for c, name in enumerate(self.state_names):
@@ -73,9 +77,9 @@ class HashEvict(Policy):
             parts.append(((code >> torch.arange(width, device=code.device)) & 1).float())
         return torch.cat(parts, dim=-1)
 
-    def score(self, layer) -> torch.Tensor:
+    def score(self, layer: EvictingLayer) -> torch.Tensor:
         k = self.key_bits(layer)  # (b, h_kv, n, bits)
-        p = layer.hash_probe.unsqueeze(-2)  # (b, h_kv, 1, bits)
+        p = layer.scratch["probe"].unsqueeze(-2)  # (b, h_kv, 1, bits)
         # Mean over probes of [probe bit != key bit] = p (key bit 0) or 1 - p (key bit 1).
         hamming = (k * (1 - 2 * p) + p).sum(dim=-1)  # (b, h_kv, n)
         return -hamming

@@ -1,6 +1,6 @@
-"""KeyDiff (paper 000, Eq. 8): keep the keys least similar to the anchor of the layer's cached keys, per KV head.
+"""KeyDiff (Eq. 8): keep the keys least similar to the anchor of the layer's cached keys, per KV head.
 
-Variants (000 Tables 2-3, 11):
+Variants (KeyDiff Tables 2-3, 11):
 - `anchor`: `mean_normalized` (default; mean of unit keys), `mean` (mean of raw keys), `median` (per-dimension
   median of raw keys), `pairwise` (Eq. 7: score_i = -sum_j cos(k_i, k_j), computed as -k_i/|k_i| . sum_j k_j/|k_j|,
   which is the same sum without building an n x n matrix).
@@ -18,11 +18,15 @@ key again at every eviction, up to float rounding.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from kvbench.policies.base import Policy, PolicyError
+
+if TYPE_CHECKING:
+    from kvbench.engine.cache import EvictingLayer
 
 ANCHORS = ("mean_normalized", "mean", "median", "pairwise")
 METRICS = ("cosine", "dot", "euclidean")
@@ -45,12 +49,13 @@ class KeyDiff(Policy):
         n_recent = math.floor(self.recent_ratio * budget) if budget else 0
         super().__init__(budget=budget, n_recent=n_recent, **kwargs)
 
-    def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
+    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+                  query: torch.Tensor) -> dict[str, torch.Tensor]:
         if not self.unit_anchor:
             return {}
         return {"inv_norm": keys.float().norm(dim=-1).clamp_min(1e-12).reciprocal()}  # (b, h_kv, q), as F.normalize
 
-    def score(self, layer) -> torch.Tensor:
+    def score(self, layer: EvictingLayer) -> torch.Tensor:
         k = layer.keys.float()  # (b, h_kv, n, d)
         if layer.valid is not None:
             raise PolicyError("keydiff scores whole heads; it cannot run on ragged per-head caches")

@@ -1,4 +1,4 @@
-"""K-norm (paper 004, §3): keep the keys with the lowest L2 norm; layers 0 and 1 are not compressed.
+"""K-norm (§3): keep the keys with the lowest L2 norm; layers 0 and 1 are not compressed.
 
 The skipped layers keep every token, so they are not bounded by the budget (reported in peak_kv_tokens), and the
 engine does no policy work for them. A token's norm never changes: it is computed once, when the token enters the
@@ -7,11 +7,14 @@ cache, and kept as per-token state.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from kvbench.policies.base import Policy
+
+if TYPE_CHECKING:
+    from kvbench.engine.cache import EvictingLayer
 
 
 class KNorm(Policy):
@@ -22,10 +25,11 @@ class KNorm(Policy):
     def __init__(self, skip_layers: Sequence[int] = (0, 1), **kwargs) -> None:
         super().__init__(skip_layers=skip_layers, **kwargs)
 
-    def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
+    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+                  query: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"norm": keys.float().norm(dim=-1)}  # (b, h_kv, q)
 
-    def score(self, layer) -> torch.Tensor:
+    def score(self, layer: EvictingLayer) -> torch.Tensor:
         norm = layer.state.get("norm")  # (b, h_kv, n)
         if norm is None:  # a layer filled outside the attention wrapper (hand-built caches)
             norm = self.on_append(layer, None, layer.keys, None, None)["norm"]

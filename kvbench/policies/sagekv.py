@@ -1,11 +1,11 @@
-"""SAGE-KV (003 2, App. A.2): one selection after the prompt, then only the recent window slides.
+"""SAGE-KV (SAGE-KV 2, App. A.2): one selection after the prompt, then only the recent window slides.
 
 Kept per KV head: the first `sink` positions, the union over the group's query heads of each head's top-`k`
 tokens by the last token's attention (chosen among the tokens that are neither sinks nor recent), and the
 `recent` most recent tokens plus the last token. Sizes from the budget N and the group size g = h_q / h_kv
-(003 App. A.2; N = 8192: g = 4 -> sink 2048, k 1024, recent 2047 + last; g = 7 -> sink 2048, k 512,
+(SAGE-KV App. A.2; N = 8192: g = 4 -> sink 2048, k 1024, recent 2047 + last; g = 7 -> sink 2048, k 512,
 recent 2559 + last): sink = N // 4, k = N // 2^ceil(log2(2g)), recent = N - sink - g*k - 1; each can be set.
-Heads whose unions overlap keep fewer than N tokens: the layer is stored ragged (flat per head, see cache.py).
+Heads whose unions overlap keep fewer than N tokens: the layer is stored ragged (flat per head, see engine/cache.py).
 Decoding: the sinks and selected tokens stay fixed; each new token joins the recent window and the window's oldest
 token is dropped, so every head keeps a constant size.
 Deviation: under block processing the same selection is made after every block that overflows the budget, with
@@ -16,12 +16,14 @@ overflowed the budget, the first decoding step that does makes the selection.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvbench.policies.base import (Policy, PolicyError, compact, latest_mask, query_attention, rank_mask,
-                                   valid_counts)
+from kvbench.policies.base import Policy, PolicyError, compact, latest_mask, query_attention, rank_mask, valid_counts
+
+if TYPE_CHECKING:
+    from kvbench.engine.cache import EvictingLayer
 
 
 class SageKV(Policy):
@@ -46,10 +48,11 @@ class SageKV(Policy):
                               f"budget {n} (need sink + group*k + recent + 1 <= budget, k >= 1)")
         return sink, k, recent
 
-    def on_append(self, layer, module, keys, values, query) -> dict[str, torch.Tensor]:
+    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+                  query: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"pinned": keys.new_zeros(keys.shape[:3], dtype=torch.float32)}  # (b, h_kv, q)
 
-    def select(self, layer):
+    def select(self, layer: EvictingLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         budget = self.layer_budget(layer.layer_idx, layer.seen)
         if budget is None:
             return None

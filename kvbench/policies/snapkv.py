@@ -1,7 +1,7 @@
 """SnapKV: score tokens by the attention of an observation window of the latest queries, smoothed by pooling.
 
-KeyDiff's baseline (000 App. B.2): window 32, kernel 7, average pooling; the CriticalKV/AdaKV setting (002 §4.3)
-uses max pooling. Score of each token outside the window = mean over the window queries of their attention to it,
+KeyDiff's baseline (KeyDiff App. B.2): window 32, kernel 7, average pooling; the CriticalKV/AdaKV setting
+(CriticalKV §4.3) uses max pooling. Score of each token outside the window = mean over the window queries of their attention to it,
 pooled along the token axis (per query head, zero padding of kernel//2), then averaged over the group's query
 heads; the window itself (the latest `window` tokens) is always kept.
 Choice: the window is the latest `window` queries of the sequence, kept across blocks and decoding steps, so a
@@ -10,10 +10,15 @@ block smaller than the window (and B = 1 decoding) still scores with `window` qu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from kvbench.policies.base import Policy, PolicyError, group_mean, query_attention
+
+if TYPE_CHECKING:
+    from kvbench.engine.cache import EvictingLayer
 
 
 class SnapKV(Policy):
@@ -28,7 +33,7 @@ class SnapKV(Policy):
         self.query_window = self.window
         super().__init__(n_recent=self.window, **kwargs)
 
-    def window_scores(self, layer) -> torch.Tensor:
+    def window_scores(self, layer: EvictingLayer) -> torch.Tensor:
         """(b, h_q, n) pooled window attention per query head (the window's own slots get the max, as kept)."""
         probs = query_attention(layer).mean(dim=-2)  # (b, h_q, n)
         w = min(self.window, probs.shape[-1])
@@ -44,5 +49,5 @@ class SnapKV(Policy):
         top = pooled.amax().view(1, 1, 1) if n else pooled.new_zeros(1, 1, 1)  # a tensor: no host sync
         return torch.cat([pooled, top.expand(b, h, w)], dim=-1)
 
-    def score(self, layer) -> torch.Tensor:
+    def score(self, layer: EvictingLayer) -> torch.Tensor:
         return group_mean(self.window_scores(layer), layer.keys.shape[1])  # (b, h_kv, n)

@@ -1,4 +1,4 @@
-"""LongBench v1 and LongBench-E (THUDM/LongBench @ 2e00731 `pred.py` + `eval.py`; spec: benchmarks.md §1).
+"""LongBench v1 and LongBench-E (THUDM/LongBench @ 2e00731 `pred.py` + `eval.py`; docs/longbench.md).
 
 Prompt path per record, as pred.py builds it:
 1. `template.format(**record)` with the official template (kvbench/data/longbench.json);

@@ -1,4 +1,4 @@
-"""Needle in a Haystack (gkamradt/LLMTest_NeedleInAHaystack @ 7b90d28, benchmarks.md §3).
+"""Needle in a Haystack (gkamradt/LLMTest_NeedleInAHaystack @ 7b90d28, docs/niah.md).
 
 Context construction follows the official tester token for token, with the evaluated model's tokenizer:
 1. haystack = the `.txt` files of `haystack_dir` concatenated in sorted order (full passes repeated until it has

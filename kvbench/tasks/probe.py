@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 
 from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, read_text
 
-META_FILE = "probe_meta.json"  # written next to the weights by kvbench.probe_model
+META_FILE = "probe_meta.json"  # written next to the weights by kvbench.models.probe
 HEATMAP_FILE = "probe_heatmap.png"
 NOTE = ("probe model: synthetic key geometry. Scores only say whether the needle's KV entries survived; "
         "results for retention, position-based (sinks / recent window) and random policies are meaningful, "
@@ -80,7 +80,7 @@ class ProbeTask(Task):
                             f"need at least {2 + 3 * self.num_needles} tokens")
 
     def provenance(self) -> dict[str, Any]:
-        from kvbench.probe_model import GENERATOR_VERSION
+        from kvbench.models.probe import GENERATOR_VERSION
 
         return {"source": "generated in-process from the probe model vocabulary (seeded by env.seed)",
                 "probe_generator_version": GENERATOR_VERSION, "context_lengths": self.context_lengths,

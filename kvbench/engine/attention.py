@@ -10,7 +10,7 @@ The wrapper receives post-norm, post-RoPE queries, the layer's whole key/value (
   hold different numbers of tokens when some are not evicted),
 - computes attention itself (query-chunked, never prompt^2 at once) when the policy needs the probabilities,
   handing them to `Policy.on_attention` and reusing them for the output,
-- on ragged layers (per-head budgets, stored flat per KV head: see cache.py) ignores the `key`/`value` it is handed
+- on ragged layers (per-head budgets, stored flat per KV head: see engine/cache.py) ignores the `key`/`value` it is handed
   (the layer's flat storage) and attends head by head, each KV head's query group over that head's own keys,
 and otherwise delegates to sdpa or the model file's own eager function.
 
@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from kvbench.cache import EvictingCache, EvictingLayer
+from kvbench.engine.cache import EvictingCache, EvictingLayer
 
 _ACTIVE: contextvars.ContextVar[EvictingCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
 QUERY_CHUNK = 256  # queries per chunk when computing attention probabilities explicitly

@@ -1,11 +1,11 @@
 """Eviction diagnostics from the papers, measured by the harness at every eviction (off unless a run asks).
 
-- `attention_loss` (001 4.8, 004 Eq. 1): attention probability mass of the latest query on the tokens an
+- `attention_loss` (HashEvict 4.8, K-norm Eq. 1): attention probability mass of the latest query on the tokens an
   eviction drops, over the pre-eviction cache (= 1 - mass on the kept tokens); mean over query heads.
-- `perturbation` (002 4.6, Eq. 9): || (A - A') V W_O^h ||_1 per query head for the latest query, where A is its
+- `perturbation` (CriticalKV 4.6, Eq. 9): || (A - A') V W_O^h ||_1 per query head for the latest query, where A is its
   attention over the pre-eviction cache, A' the same renormalised over the kept tokens, and W_O^h the head's
   output-projection columns (the head's contribution to the hidden state); mean over query heads.
-- `key_logdet` (000 3.3, Fig. 5): log det(K K^T) of each KV head's kept keys after the eviction; mean over heads.
+- `key_logdet` (KeyDiff 3.3, Fig. 5): log det(K K^T) of each KV head's kept keys after the eviction; mean over heads.
   Choice: for more kept tokens than dimensions K K^T is singular (det 0), so the log pseudo-determinant is used:
   log det of the smaller Gram matrix (K^T K when n > d), which is the product of K K^T's nonzero eigenvalues;
   a ridge of 1e-6 * trace / size is always added (keeps slogdet finite when that is singular too); float64.
@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvbench.engine.cache import EvictingLayer
 from kvbench.policies.base import query_attention
 
 NAMES = ("attention_loss", "perturbation", "key_logdet")
@@ -49,7 +50,7 @@ class Diagnostics:
         acc[1] += 1
 
     @torch.no_grad()
-    def observe(self, layer: Any, idx: torch.Tensor, valid: torch.Tensor | None) -> None:
+    def observe(self, layer: EvictingLayer, idx: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Called by Policy.evict with the selection (idx, valid) while `layer` still holds every token."""
         t0 = time.perf_counter()
         keep = torch.zeros_like(layer.positions, dtype=torch.bool).scatter_(-1, idx, True)  # padding repeats a kept slot
@@ -59,7 +60,7 @@ class Diagnostics:
             self._add("key_logdet", layer.layer_idx, key_logdet(layer.keys, keep))
         self.elapsed += time.perf_counter() - t0
 
-    def _query_terms(self, layer: Any, keep: torch.Tensor) -> None:
+    def _query_terms(self, layer: EvictingLayer, keep: torch.Tensor) -> None:
         v = layer.values.float()  # (b, h_kv, n, d)
         b, h_kv, n, _ = v.shape
         # The latest query's attention over the pre-eviction cache (padding gets 0), the policies' own helper.

@@ -210,14 +210,14 @@ def write_probe_model(out_dir: str | Path, variant: str = "A") -> Path:
 
 def _check_variant(variant: str) -> None:
     if variant not in VARIANTS:
-        from kvbench.models import ModelError
+        from kvbench.models.common import ModelError
 
         raise ModelError(f"unknown probe model variant '{variant}'; choose one of: {', '.join(VARIANTS)}")
 
 
 def probe_dir(variant: str = "A") -> Path:
     """Directory of the probe model `variant` under the kvbench cache; built on first use, then reused."""
-    from kvbench.models import cache_root
+    from kvbench.models.common import cache_root
 
     _check_variant(variant)
     key = hashlib.sha256(json.dumps([GENERATOR_VERSION, variant], sort_keys=True).encode()).hexdigest()[:12]

@@ -8,78 +8,28 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import json
 import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from kvbench import __version__
-from kvbench.config import ConfigError, load_group, remove_if_empty_run, user_errors
-from kvbench.diagnostics import NAMES as DIAGNOSTICS
-from kvbench.diagnostics import aggregate as aggregate_diagnostics
-from kvbench.models import LoadedModel, load_model
-from kvbench.policies.base import Policy, PolicyError
-from kvbench.runner import SCENARIOS, RunSettings, generation_provenance, resolve_protocol, run_task, summarize
-from kvbench.tasks.base import Task, TaskEnv, TaskError
+from kvbench.engine.diagnostics import aggregate as aggregate_diagnostics
+from kvbench.engine.generate import generation_provenance
+from kvbench.models.common import portable_path
+from kvbench.models.loading import LoadedModel, load_model
+from kvbench.policies.base import Policy
+from kvbench.run.config import CONF_DIR, load_group, remove_if_empty_run
+from kvbench.run.labels import describe_run
+from kvbench.run.loop import run_task, summarize
+from kvbench.run.settings import ConfigError, RunSettings, build_policy, build_task, user_errors
+from kvbench.tasks.base import Task, TaskEnv
 
 # Settings that do not change results: excluded from the resume key.
-_NOT_IN_KEY = ("progress", "overwrite", "device")
-
-
-def instantiate(spec: dict[str, Any], **extra: Any) -> Any:
-    """Build the object a group YAML describes: `_target_` is "module.Class", the other keys its arguments."""
-    spec = dict(spec)
-    target = spec.pop("_target_", None)
-    if not target:
-        raise ConfigError(f"config entry has no _target_: {spec}")
-    module, _, cls = target.rpartition(".")
-    return getattr(importlib.import_module(module), cls)(**spec, **extra)
-
-
-def parse_settings(cfg: dict[str, Any]) -> RunSettings:
-    block, budget = cfg.get("block"), cfg.get("budget")
-    if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block <= 0):
-        raise ConfigError(f"block must be a positive integer or null, got {block!r}")
-    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
-        raise ConfigError(f"budget must be a positive integer, got {budget!r}")
-    try:
-        protocol, block = resolve_protocol(cfg.get("protocol", "blockwise"), block)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if cfg.get("scenario", "question_aware") not in SCENARIOS:
-        raise ConfigError(f"unknown scenario '{cfg.get('scenario')}'; choose one of: {', '.join(SCENARIOS)}")
-    for d in cfg.get("diagnostics") or []:
-        if d not in DIAGNOSTICS:
-            raise ConfigError(f"unknown diagnostic '{d}'; choose from: {', '.join(DIAGNOSTICS)}")
-    shard = cfg.get("shard")
-    if shard is not None:
-        try:
-            i, n = (int(x) for x in str(shard).split("/"))
-            assert 0 <= i < n
-        except (ValueError, AssertionError):
-            raise ConfigError(f"shard must look like i/n with 0 <= i < n, got {shard!r}") from None
-        shard = (i, n)
-    return RunSettings(budget=budget, block=block, protocol=protocol, scenario=cfg.get("scenario", "question_aware"),
-                       save_prompts=bool(cfg.get("save_prompts")), shard=shard,
-                       diagnostics=tuple(cfg.get("diagnostics") or ()))
-
-
-def build_policy(policy_cfg: dict[str, Any], budget: int | None, seed: int) -> Policy:
-    try:
-        return instantiate(policy_cfg, budget=budget, seed=seed)
-    except TypeError as e:  # unknown option passed to the policy's constructor
-        raise PolicyError(str(e)) from None
-
-
-def build_task(task_cfg: dict[str, Any]) -> Task:
-    try:
-        return instantiate(task_cfg)
-    except TypeError as e:
-        raise TaskError(str(e)) from None
+_NOT_IN_KEY = ("progress", "overwrite", "device", "compare")
 
 
 def _git_commit() -> str | None:
@@ -96,7 +46,7 @@ def provenance(loaded: LoadedModel, task: Task) -> dict[str, Any]:
     import transformers
 
     return {"kvbench": __version__, "commit": _git_commit(), "transformers": transformers.__version__,
-            "torch": torch.__version__, "python": platform.python_version(), "model_path": loaded.path,
+            "torch": torch.__version__, "python": platform.python_version(), "model_path": portable_path(loaded.path),
             "model_revision": loaded.revision, "model_source": loaded.source, "device": str(loaded.model.device),
             "dtype": str(loaded.model.dtype).replace("torch.", ""), "task": task.provenance(),
             "generation": generation_provenance(loaded.model)}
@@ -148,7 +98,7 @@ def run_lock(run_dir: Path) -> Iterator[None]:
 
 
 class Session:
-    """Keeps the loaded model between the runs of one process (compare mode runs several policies)."""
+    """Keeps the loaded model between the runs of one process (`compare` runs several policies)."""
 
     def __init__(self) -> None:
         self._model: tuple[str, LoadedModel] | None = None
@@ -158,7 +108,7 @@ class Session:
         m = dict(cfg["model"])
         key = json.dumps([m, cfg.get("device"), seed], sort_keys=True)
         if self._model is None or self._model[0] != key:
-            from kvbench.attention import install
+            from kvbench.engine.attention import install
 
             if m.get("path") in (None, "", "???"):
                 raise ConfigError("model.path is required (a hub id or a local directory)")
@@ -173,26 +123,25 @@ class Session:
         return self._model[1]
 
 
-def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Session,
-            progress: bool = True) -> dict[str, Any]:
-    """One (model, policy, budget, block, task) run into `run_dir`; returns its metrics.
+def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Session, progress: bool = True,
+            settings: RunSettings | None = None) -> dict[str, Any]:
+    """One (model, policy, budget, block, task) run into `run_dir`; returns its metrics. `settings`: the job's
+    settings parsed once (`RunSettings.from_config(cfg)` when not given).
 
     Resumable: a rerun into the same directory with the same configuration skips finished samples (and a
     finished run entirely); another configuration is refused unless overwrite=true.
     """
-    settings = parse_settings(cfg)
-    # Recorded as run: a block the protocol ignores is null (config.yaml, resume key, metrics alike).
-    cfg = dict(cfg, protocol=settings.protocol, block=settings.block)
-    seed = int(cfg.get("seed", 0))
-    policy = build_policy(cfg["policy"], settings.budget, seed)
+    settings = settings or RunSettings.from_config(cfg)
+    cfg = settings.recorded(cfg)
+    policy = build_policy(cfg["policy"], settings)
     task = build_task(cfg["task"])
     if not run_dir.exists():  # a model that cannot load is bad input: fail before creating the run directory
-        session.model(cfg, seed)  # (an existing directory may be a finished run, which needs no model)
+        session.model(cfg, settings.seed)  # (an existing directory may be a finished run, which needs no model)
     run_dir.mkdir(parents=True, exist_ok=True)
     fresh = not (run_dir / "run.json").exists()
     try:
         with run_lock(run_dir):
-            return _run_locked(cfg, policy_name, run_dir, session, progress, settings, seed, policy, task)
+            return _run_locked(cfg, policy_name, run_dir, session, progress, settings, policy, task)
     except user_errors():
         # Bad input found only when the task builds its samples (a data file read then): a new run that has no
         # prediction yet leaves nothing behind.
@@ -205,7 +154,7 @@ def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Sessi
 
 
 def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Session, progress: bool,
-                settings: RunSettings, seed: int, policy: Policy, task: Task) -> dict[str, Any]:
+                settings: RunSettings, policy: Policy, task: Task) -> dict[str, Any]:
     metrics_path, pred_path, meta_path = run_dir / "metrics.json", run_dir / "predictions.jsonl", run_dir / "run.json"
     key = run_key(cfg, policy_name)
     if cfg.get("overwrite"):
@@ -225,9 +174,9 @@ def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: S
     elif pred_path.is_file():
         raise ConfigError(f"{pred_path} exists without run.json (its configuration is unknown); use "
                           f"overwrite=true or another hydra.run.dir")
-    loaded = session.model(cfg, seed)
+    loaded = session.model(cfg, settings.seed)
     env = TaskEnv(tokenizer=loaded.tokenizer, model_name=loaded.name, max_prompt_tokens=loaded.max_prompt_tokens,
-                  chat_template=loaded.chat_template, seed=seed)
+                  chat_template=loaded.chat_template, seed=settings.seed)
     _write_config(run_dir, cfg)
     if not meta_path.is_file():
         write_json(meta_path, {"key": key, "policy": policy_name, "kvbench": __version__, "commit": _git_commit()})
@@ -238,14 +187,16 @@ def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: S
         "task": task.name, "model": loaded.name, "policy": policy_name, "budget": settings.budget,
         "block": settings.block, "protocol": settings.protocol, "scenario": settings.scenario,
         "shard": cfg.get("shard"),
+        # Which settings this policy uses (the report shows "-" for the others): the full cache has no budget nor
+        # protocol, and no block when it reads the prompt in one forward.
+        "applies": {"budget": policy.evicts, "protocol": policy.evicts,
+                    "block": policy.evicts or not policy.single_pass_prefill},
         "scores": scores, "average": task_average(task, scores),
         "stats": summarize(records, settings.budget, policy.evicts),
         "provenance": provenance(loaded, task),
     }
     if settings.diagnostics:
         metrics["diagnostics"] = aggregate_diagnostics(records)
-    from kvbench.report import describe_run
-
     label = describe_run(loaded.name, policy_name, settings.budget, settings.block, settings.protocol, policy.evicts)
     metrics.update(task.finalize(run_dir, records, scores, label=label) or {})
     write_json(metrics_path, metrics)
@@ -258,28 +209,23 @@ def _write_config(run_dir: Path, cfg: dict[str, Any]) -> None:
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg)))
 
 
-def run_configured(cfg: dict[str, Any], choices: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
-    """Entry from the CLI: a single run, or one run per policy of `policy=compare`, then a printed table."""
-    from kvbench.report import print_metrics_table
-
+def run_configured(cfg: dict[str, Any], choices: dict[str, Any], run_dir: Path,
+                   conf_dirs: Sequence[Path] = (CONF_DIR,)) -> list[dict[str, Any]]:
+    """Entry from the CLI: the chosen policy's run, or with no policy chosen one run per policy of the `compare`
+    option (same model, task and settings; each in run_dir/<policy>; `conf_dirs` are where their YAMLs are found);
+    returns their metrics."""
+    settings = RunSettings.from_config(cfg)
     session = Session()
     progress = bool(cfg.get("progress", True))
-    if cfg.get("shard") is not None:
+    if settings.shard is not None:
         # Each shard gets its own directory below the run's (shards of one sweep share the Hydra subdir);
         # kvbench-report merges the shards back into one row.
-        index, count = parse_settings(cfg).shard or (0, 1)
+        index, count = settings.shard
         run_dir = run_dir / f"shard{index}of{count}"
-    if "compare" in cfg["policy"]:
-        names = list(cfg["policy"]["compare"])
-        for n in names:
-            load_group("policy", n)  # fail on a bad name before any run starts
-        results = []
-        for n in names:
-            sub = dict(cfg, policy=load_group("policy", n))
-            results.append(run_one(sub, n, run_dir / n, session, progress))
-    else:
-        results = [run_one(cfg, str(choices.get("policy", "policy")), run_dir, session, progress)]
-    print_metrics_table(results)
-    print(f"\nrun directory: {run_dir}")
-    return results
-
+    if cfg.get("policy"):
+        return [run_one(cfg, str(choices.get("policy") or "policy"), run_dir, session, progress, settings)]
+    names = [str(n) for n in cfg.get("compare") or []]
+    if not names:
+        raise ConfigError("no policy to run: choose one (policy=NAME) or list several (compare=[NAME,...])")
+    policies = {n: load_group("policy", n, conf_dirs) for n in names}  # a bad name fails before any run starts
+    return [run_one(dict(cfg, policy=policies[n]), n, run_dir / n, session, progress, settings) for n in names]

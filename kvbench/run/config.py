@@ -5,74 +5,49 @@ Hydra is imported lazily inside functions (no import-time side effects); only th
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from kvbench.run.labels import model_label, policy_label, protocol_label
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("model", "policy", "task", "experiment")
 # Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
 _HYDRA_ONLY = {".hydra", "cli.log", "kvbench.log", "main.log", "_job.log", ".lock"}
 
 
-def group_choices(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def conf_dirs(searchpath: Iterable[str] = ()) -> list[Path]:
+    """Where group options are found: conf/, then the `file://` directories of `hydra.searchpath` (a user's own
+    policies, tasks and models kept outside the repository; docs/extending.md)."""
+    return [CONF_DIR] + [Path(str(p)[len("file://"):]) for p in searchpath if str(p).startswith("file://")]
 
 
-def load_group(group: str, name: str) -> dict[str, Any]:
-    """A group option's YAML as a plain dict (used when one run composes several policies)."""
+def group_choices(group: str, dirs: Sequence[Path] = (CONF_DIR,)) -> list[str]:
+    return sorted({p.stem for d in dirs for p in (Path(d) / group).glob("*.yaml")})
+
+
+def load_group(group: str, name: str, dirs: Sequence[Path] = (CONF_DIR,)) -> dict[str, Any]:
+    """A group option's YAML as a plain dict (used when one run composes several policies); the first of `dirs`
+    that has it wins, as in Hydra's search path."""
     from omegaconf import OmegaConf
 
-    path = CONF_DIR / group / f"{name}.yaml"
-    if not path.is_file():
-        raise ValueError(f"unknown {group} '{name}'; choose one of: {', '.join(group_choices(group))}")
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
-
-
-class ConfigError(ValueError):
-    """A top-level setting with a bad value."""
-
-
-def model_label(name: Any, path: Any = None) -> str:
-    """What a run directory calls the model: the preset's name, or for the generic `hf` preset the model's own
-    name (the last component of its hub id or directory, as LoadedModel.name), made safe for a file name."""
-    label = str(name)
-    if label == "hf" and path:
-        label = Path(str(path).rstrip("/")).name or label
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", label)
-
-
-def protocol_label(protocol: Any, block: Any) -> str:
-    """What a run directory calls the protocol: `blockwise_B128`, `prefill_once`, ... (the block only where the
-    prompt goes in blocks). A bad value passes through unchanged; the run then fails on it with one line."""
-    from kvbench.runner import resolve_protocol
-
-    try:
-        protocol, block = resolve_protocol(str(protocol), block)
-    except ValueError:
-        return re.sub(r"[^A-Za-z0-9._-]+", "_", str(protocol))
-    return f"{protocol}_B{block}" if block is not None else protocol
+    for d in dirs:
+        path = Path(d) / group / f"{name}.yaml"
+        if path.is_file():
+            return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
+    raise ValueError(f"unknown {group} '{name}'; choose one of: {', '.join(group_choices(group, dirs))}")
 
 
 def register_resolvers() -> None:
-    """The resolvers conf/config.yaml's run directory names use (${kvbench_model:...}, ${kvbench_protocol:...}).
+    """The resolvers conf/config.yaml's run directory names use (${kvbench_model:...}, ${kvbench_protocol:...},
+    ${kvbench_policy:...}).
     Called by the CLI before Hydra composes anything; registering twice is harmless."""
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("kvbench_model", model_label, replace=True)
     OmegaConf.register_new_resolver("kvbench_protocol", protocol_label, replace=True)
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean bad input (reported as one line), as opposed to bugs (reported with a traceback)."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    from kvbench.models import ModelError
-    from kvbench.policies.base import PolicyError
-    from kvbench.tasks.base import TaskError
-
-    return (TaskError, PolicyError, ModelError, OmegaConfBaseException, ConfigError)
+    OmegaConf.register_new_resolver("kvbench_policy", policy_label, replace=True)
 
 
 def validate_overrides(argv: list[str]) -> str | None:
@@ -90,14 +65,16 @@ def validate_overrides(argv: list[str]) -> str | None:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
         return _first_line(e)
-    plain = []
+    searchpath = [o for o in parsed if o.key_or_group == "hydra.searchpath"]
+    dirs = conf_dirs(searchpath[-1].value() if searchpath else ())
+    plain = [o.input_line for o in searchpath[-1:]]  # composing needs the user's config directories too
     for o in parsed:
         key = o.key_or_group
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
         if key in GROUPS and o.package is None:
             for v in values:
-                if v not in group_choices(key):
-                    return f"unknown {key} '{v}'; choose one of: {', '.join(group_choices(key))}"
+                if v not in group_choices(key, dirs):
+                    return f"unknown {key} '{v}'; choose one of: {', '.join(group_choices(key, dirs))}"
         if key.startswith("hydra.") or key == "hydra":
             continue
         prefix = "+" if o.is_add() else ("~" if o.is_delete() else ("++" if o.is_force_add() else ""))
@@ -109,7 +86,8 @@ def validate_overrides(argv: list[str]) -> str | None:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             cfg = compose(config_name="config", overrides=plain, return_hydra_config=True)
             if "-m" in argv or "--multirun" in argv:
-                return _preflight(compose, cfg, [o for o in overrides if not o.lstrip("+~").startswith("hydra")])
+                return _preflight(compose, cfg, [o for o in overrides if not o.lstrip("+~").startswith("hydra")], dirs,
+                                  plain[:len(searchpath[-1:])])
     except Exception as e:  # noqa: BLE001 - any compose failure is reported as one line
         return _first_line(e)
     finally:
@@ -131,11 +109,12 @@ def sweep_jobs(sweeper_params: dict[str, Any] | None, overrides: list[str]) -> l
     return [job for chunk in BasicSweeper.split_arguments(parsed, None) for job in chunk]
 
 
-def _preflight(compose: Any, cfg: Any, overrides: list[str]) -> str | None:
+def _preflight(compose: Any, cfg: Any, overrides: list[str], dirs: Sequence[Path],
+               searchpath: list[str]) -> str | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
-    from kvbench.app import build_policy, build_task, parse_settings
+    from kvbench.run.settings import RunSettings, build_policy, build_task, user_errors
 
     params = OmegaConf.to_container(cfg.hydra.sweeper.params) if cfg.hydra.sweeper.get("params") else None
     jobs = sweep_jobs(params, overrides)
@@ -153,14 +132,16 @@ def _preflight(compose: Any, cfg: Any, overrides: list[str]) -> str | None:
                                                 or o.is_delete() or o.is_force_add())]
             base = tuple(o.input_line for o in parsed if o not in simple)
             if base not in composed:
-                composed[base] = compose(config_name="config", overrides=list(base))
+                composed[base] = compose(config_name="config", overrides=[*searchpath, *base])
             job_cfg = composed[base].copy()
             for o in simple:
                 OmegaConf.update(job_cfg, o.key_or_group, o.value(), merge=False)
             job_cfg = OmegaConf.to_container(job_cfg, resolve=True)
-            settings = parse_settings(job_cfg)
-            if "compare" not in job_cfg["policy"]:
-                build_policy(job_cfg["policy"], settings.budget, int(job_cfg.get("seed", 0)))
+            settings = RunSettings.from_config(job_cfg)
+            policies = [job_cfg["policy"]] if job_cfg.get("policy") else [
+                load_group("policy", str(n), dirs) for n in job_cfg.get("compare") or []]
+            for policy_cfg in policies:
+                build_policy(policy_cfg, settings)
             task_key = repr(job_cfg["task"])
             if task_key not in tasks_seen:
                 build_task(job_cfg["task"])

@@ -53,6 +53,14 @@ class EvictingLayer(DynamicLayer):
         self._query_end = 0  # `seen` at the latest stash
         self.peak_tokens = 0  # max over time of tokens held per KV head (ragged: layer total / (b * h_kv), ceil)
         self.decoding = False  # set by the runner once the prompt is done (SAGE-KV only slides its window then)
+        # Set by the attention wrapper at every forward: the model's attention scale and softcap (query_attention
+        # rebuilds the weights with them) and the attention module (CriticalKV reads its o_proj).
+        self.scaling: float | None = None
+        self.softcap: float | None = None
+        self.module: Any = None
+        # Per-layer (not per-token) values a policy keeps from a forward to the eviction after it (HashEvict's
+        # probe code); per-token values go in `state`.
+        self.scratch: dict[str, torch.Tensor] = {}
 
     @property
     def ragged(self) -> bool:

@@ -1,0 +1,163 @@
+"""`kvbench-bench`: the command line (see the package docstring and docs/bench.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from kvbench.bench.goals import goal_lines, goals, markdown_table
+from kvbench.bench.measure import CLOCKS, configurations, run_bench
+from kvbench.bench.setup import (BASELINES, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies, build_model,
+                                 load_real_model, make_policy, prompt_ids)
+
+# --quick runs single-threaded unless told otherwise: on a shared CI machine a second torch thread that is not
+# scheduled stalls every parallel operator (see docs/bench.md); one thread takes ~75 CPU-seconds for this run.
+QUICK = {"lengths": [512, 1024, 2048], "budgets": [256], "block": 64, "new_tokens": 8, "repeats": 3,
+         "policies": ["keydiff"], "threads": 1}
+
+
+FULL_RUN = {"lengths": [2048, 8192, 32768], "budgets": [1024], "block": 128, "new_tokens": 16, "repeats": 3,
+            "policies": list(DEFAULT_POLICIES), "threads": None}
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        vals = [int(x.lower().replace("k", "")) * (1024 if x.lower().endswith("k") else 1)
+                for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (e.g. 2k,8k or 1024), got '{s}'")
+    if not vals or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got '{s}'")
+    return vals
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvbench-bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help=f"CI-sized run: lengths {QUICK['lengths']}, N={QUICK['budgets'][0]}, B={QUICK['block']}, "
+                        f"policies {QUICK['policies']} + baselines, {QUICK['repeats']} rounds, 1 thread")
+    p.add_argument("--model", default=None,
+                   help="a real model: conf/model preset name (e.g. smollm2-135m) or a local HF directory; its own "
+                        "weights, tokenizer and a filler-prose prompt (default: a random-weight --arch/--config)")
+    p.add_argument("--arch", default="tiny-llama3", help="built-in tiny architecture (kvbench.models.TINY_ARCHS)")
+    p.add_argument("--config", default=None,
+                   help="take the architecture from an HF config.json / model directory / hub id / conf/model preset")
+    p.add_argument("--layers", type=int, default=None, help="number of layers (default: the architecture's)")
+    p.add_argument("--lengths", type=_int_list, default=None, help="prompt lengths, e.g. 2k,8k,32k")
+    p.add_argument("--policies", default=None,
+                   help=f"comma-separated conf/policy names, or 'all' (default: {','.join(DEFAULT_POLICIES)}); "
+                        f"the baselines (--baselines) are added")
+    p.add_argument("--baselines", default=None,
+                   help=f"baselines added to the policies, comma-separated from {', '.join(BASELINES)}, or none "
+                        f"(default: {FULL},{FLOOR}; with --model: {HF},{FLOOR}). {HF} = the hf-forward and hf-decode "
+                        f"rows (HF's own loop, side by side)")
+    p.add_argument("--full-max-tokens", type=lambda v: _int_list(v)[0], default=None,
+                   help="run the full and hf-forward baselines only up to this prompt length (quadratic forwards)")
+    p.add_argument("--budgets", type=_int_list, default=None, help="budgets N, e.g. 512,1024")
+    p.add_argument("--block", type=int, default=None, help="block size B")
+    p.add_argument("--new-tokens", type=int, default=None, help="greedy tokens decoded per configuration")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds; medians are reported")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    p.add_argument("--dtype", default=None,
+                   help="float32 (default on CPU; with --model: the preset's) | bfloat16 (default on CUDA) | float16")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's; 1 with --quick)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="what the times measure: wall (default) or the process's CPU time (on a shared machine, with "
+                        "--threads 1: robust to other processes' load; with more threads it sums them)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench.json", help="rows and goals as JSON")
+    p.add_argument("--markdown", default=None, help="markdown table file (default: --out with .md)")
+    p.add_argument("--quiet", action="store_true", help="no per-measurement log lines")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    preset = QUICK if a.quick else FULL_RUN
+    lengths = a.lengths or preset["lengths"]
+    budgets = a.budgets or preset["budgets"]
+    block = a.block or preset["block"]
+    new_tokens = a.new_tokens if a.new_tokens is not None else preset["new_tokens"]
+    repeats = a.repeats or preset["repeats"]
+    policies = [s.strip() for s in a.policies.split(",") if s.strip()] if a.policies else preset["policies"]
+    if block <= 0 or new_tokens < 1 or repeats < 1:
+        p.error("--block, --new-tokens and --repeats must be positive")
+    if a.model is not None and a.config is not None:
+        p.error("--model (real weights) and --config (random weights) exclude each other")
+    if a.baselines is None:
+        a.baselines = f"{HF},{FLOOR}" if a.model else f"{FULL},{FLOOR}"
+    baselines = [] if a.baselines.strip() == "none" else [s.strip() for s in a.baselines.split(",") if s.strip()]
+    if any(b not in BASELINES for b in baselines):
+        p.error(f"--baselines takes {', '.join(BASELINES)} (comma-separated) or none, got '{a.baselines}'")
+    a.baselines = baselines
+    a.command = "kvbench-bench " + " ".join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
+    threads = torch.get_num_threads()
+    if a.threads or preset["threads"]:
+        torch.set_num_threads(a.threads or preset["threads"])
+    try:
+        return _main(a, lengths, budgets, block, new_tokens, repeats, policies)
+    finally:
+        torch.set_num_threads(threads)  # main() is also called in-process (tests)
+
+
+def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: int, new_tokens: int, repeats: int,
+          policies: list[str]) -> int:
+    from kvbench.models.loading import resolve_device
+    from kvbench.policies.base import PolicyError
+
+    device = resolve_device(a.device)
+    log = None if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        if policies == ["all"]:
+            policies = all_policies()
+        for name in policies:  # fail on bad names and budgets before anything is built
+            for b in budgets:
+                make_policy(name, b, a.seed)
+        prompt = None
+        if a.model is not None:
+            model, tokenizer, desc = load_real_model(a.model, a.dtype, str(device))
+            prompt = prompt_ids(max(lengths + budgets), 0, tokenizer, a.seed)
+        else:
+            dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+            model, desc = build_model(a.arch, a.config, a.layers, dtype, str(device), a.seed)
+        if log:
+            log(f"kvbench-bench: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+        t0 = time.perf_counter()
+        rows = run_bench(model, configurations(policies, budgets, lengths, block, a.baselines, a.full_max_tokens),
+                         new_tokens, repeats, a.seed, desc, log, prompt, a.clock)
+    except (BenchError, PolicyError) as e:
+        print(f"kvbench-bench: error: {e}", file=sys.stderr)
+        return 2
+    results = goals(rows)
+    lines = goal_lines(results)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "goals": results}, indent=1) + "\n", encoding="utf-8")
+    table = markdown_table(rows)
+    md = Path(a.markdown) if a.markdown else out.with_suffix(".md")
+    md.write_text(f"{desc} on {device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
+                  f"{torch.get_num_threads()} threads); {a.clock} clock, medians of {repeats} interleaved rounds, "
+                  f"{new_tokens} new tokens.\n\nCommand: `{a.command}`" +
+                  f"\n\n{table}\n" + ("\n## Goals\n\n" + "\n".join(f"- {ln}" for ln in lines) + "\n"
+                                      if lines else ""), encoding="utf-8")
+    print(table)
+    for ln in lines:
+        print(ln)
+    if log:
+        log(f"kvbench-bench: {len(rows)} configurations in {time.perf_counter() - t0:.0f} s -> {out}, {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Ratios between the configurations of one run (eviction share, vs the floor, vs HF, vs KeyDiff) and the speed
+goals as pass/fail lines; the markdown table.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from kvbench.bench.setup import FLOOR, FULL, HF_DECODE, HF_FORWARD
+
+# Issue 14's goals (point 3). Eviction share of the whole run (prefill + decode): key-only and trivial scores get
+# 5 %, policies that score with attention, hashes or two stages 12 %.
+LIGHT_POLICIES = ("keydiff", "knorm", "streamingllm", "random")
+
+
+EVICT_SHARE_LIGHT, EVICT_SHARE_OTHER = 0.05, 0.12
+
+
+DECODE_VS_HF = 1.15  # decode per token with eviction every step / HF's plain decode at cache size N
+
+
+PREFILL_VS_HF = 1.0  # block-wise prefill / HF's single full forward, at prompts of PREFILL_GOAL_TOKENS and more
+
+
+PREFILL_GOAL_TOKENS = 8000
+
+
+VS_KEYDIFF = 1.5  # end-to-end time of any policy / KeyDiff's, same N and B
+
+
+FLAT_SLACK_MIB = 16.0  # peak RSS growth from the shortest to the longest prompt allowed beyond the KV bytes' growth
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """vs_floor: prefill time over the floor's (same length, budget) - 1; policy_share: the part of the prefill
+    not spent in bare block processing (the floor's prefill minus its eviction); kv_vs_full: KV bytes over full's;
+    vs_hf_forward: prefill time over HF's one forward (same length); decode_vs_hf: decode time per token over HF's
+    at cache size N (same budget); vs_keydiff: total time over KeyDiff's (same length, budget)."""
+    floor = {(r["prompt_tokens"], r["budget"]): r for r in rows if r["policy"] == FLOOR}
+    full = {r["prompt_tokens"]: r for r in rows if r["policy"] == FULL}
+    hf_fwd = {r["prompt_tokens"]: r for r in rows if r["policy"] == HF_FORWARD}
+    hf_dec = {r["budget"]: r for r in rows if r["policy"] == HF_DECODE}
+    keydiff = {(r["prompt_tokens"], r["budget"]): r for r in rows if r["policy"] == "keydiff"}
+    for r in rows:
+        evicting = r["policy"] not in (FULL, HF_FORWARD, HF_DECODE)
+        f = floor.get((r["prompt_tokens"], r["budget"]))
+        r["vs_floor"] = round(r["prefill_s"] / f["prefill_s"] - 1, 4) if f and evicting else None
+        r["policy_share"] = (round(1 - (f["prefill_s"] - f["evict_prefill_s"]) / r["prefill_s"], 4)
+                             if f and evicting else None)
+        fu = full.get(r["prompt_tokens"])
+        r["kv_vs_full"] = round(r["kv_bytes_peak"] / fu["kv_bytes_peak"], 4) if fu else None
+        h = hf_fwd.get(r["prompt_tokens"])
+        r["vs_hf_forward"] = round(r["prefill_s"] / h["prefill_s"], 4) if h and evicting else None
+        d = hf_dec.get(r["budget"])
+        r["decode_vs_hf"] = (round(r["decode_ms_per_token"] / d["decode_ms_per_token"], 4)
+                             if d and evicting and r["decode_ms_per_token"] and d["decode_ms_per_token"] else None)
+        kd = keydiff.get((r["prompt_tokens"], r["budget"]))
+        r["vs_keydiff"] = round(r["total_s"] / kd["total_s"], 4) if kd and evicting else None
+
+
+def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (goal, policy): {"goal", "policy", "passed", "detail"}; goals whose rows are missing are left
+    out. All are ratios between rows of the same interleaved run."""
+    out: list[dict[str, Any]] = []
+    pol = [r for r in rows if r["policy"] not in (FULL, HF_FORWARD, HF_DECODE)]
+    names = list(dict.fromkeys(r["policy"] for r in pol))
+
+    def add(goal: str, name: str, checks: list[tuple[bool, str]]) -> None:
+        if checks:
+            out.append({"goal": goal, "policy": name, "passed": all(ok for ok, _ in checks),
+                        "detail": ", ".join(d for _, d in checks)})
+
+    for name in names:
+        mine = [r for r in pol if r["policy"] == name]
+        limit = EVICT_SHARE_LIGHT if name in LIGHT_POLICIES else EVICT_SHARE_OTHER
+        add(f"eviction <= {100 * limit:.0f} % of the run", name,
+            [(r["evict_share"] <= limit, f"{r['prompt_tokens']}: {100 * r['evict_share']:.1f} %") for r in mine])
+        add(f"decode per token <= {DECODE_VS_HF:.2f}x HF's at cache size N", name,
+            [(r["decode_vs_hf"] <= DECODE_VS_HF, f"{r['prompt_tokens']}: {r['decode_vs_hf']:.2f}x") for r in mine
+             if r.get("decode_vs_hf") is not None])
+        add(f"prefill <= {PREFILL_VS_HF:.1f}x HF's one forward at >= {PREFILL_GOAL_TOKENS} tokens", name,
+            [(r["vs_hf_forward"] <= PREFILL_VS_HF, f"{r['prompt_tokens']}: {r['vs_hf_forward']:.2f}x") for r in mine
+             if r.get("vs_hf_forward") is not None and r["prompt_tokens"] >= PREFILL_GOAL_TOKENS])
+        add(f"end to end <= {VS_KEYDIFF:.1f}x KeyDiff's", name,
+            [(r["vs_keydiff"] <= VS_KEYDIFF, f"{r['prompt_tokens']}: {r['vs_keydiff']:.2f}x") for r in mine
+             if r.get("vs_keydiff") is not None and name != "keydiff"])
+        by_budget: dict[Any, list[dict[str, Any]]] = {}
+        for r in mine:
+            by_budget.setdefault(r["budget"], []).append(r)
+        flat = []
+        for rs in by_budget.values():
+            if len(rs) < 2 or any(r["rss_start_mib"] is None for r in rs):
+                continue
+            lo, hi = min(rs, key=lambda r: r["prompt_tokens"]), max(rs, key=lambda r: r["prompt_tokens"])
+            grow = (hi["peak_rss_mib"] - hi["rss_start_mib"]) - (lo["peak_rss_mib"] - lo["rss_start_mib"])
+            kv_grow = (hi["kv_bytes_peak"] - lo["kv_bytes_peak"]) / 2**20  # layers a policy leaves unbounded
+            flat.append((grow <= kv_grow + FLAT_SLACK_MIB,
+                         f"{lo['prompt_tokens']}->{hi['prompt_tokens']}: {grow:+.0f} MiB (KV {kv_grow:+.0f} MiB)"))
+        add(f"peak memory flat (growth <= KV growth + {FLAT_SLACK_MIB:.0f} MiB)", name, flat)
+    return out
+
+
+def goal_lines(results: Sequence[dict[str, Any]]) -> list[str]:
+    """PASS/FAIL lines grouped by goal (in docs/bench.md's order), policies in run order within a goal."""
+    rank = {k: i for i, k in enumerate(("eviction", "decode", "prefill", "end", "peak"))}
+    ordered = sorted(results, key=lambda g: rank.get(g["goal"].split(" ")[0], len(rank)))  # stable: run order kept
+    return [f"{'PASS' if g['passed'] else 'FAIL'}  {g['goal']}: {g['policy']} ({g['detail']})" for g in ordered]
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    from tabulate import tabulate
+
+    def pct(v: float | None) -> str:
+        return "" if v is None else f"{100 * v:+.1f} %" if v < 0 else f"{100 * v:.1f} %"
+
+    def x(v: float | None) -> str:
+        return "" if v is None else f"{v:.2f}x"
+
+    head = ["policy", "prompt", "N", "B", "prefill s", "vs HF fwd", "decode ms/tok", "vs HF dec", "evict s (pre+dec)",
+            "evict %", "total s", "vs keydiff", "vs floor", "peak KV tok", "KV MiB", "peak RSS MiB"]
+    body = []
+    for r in rows:
+        hf = r["policy"] in (HF_FORWARD, HF_DECODE)
+        body.append([r["policy"], r["prompt_tokens"], r["budget"] if r["budget"] is not None else "-",
+                     r["block"] if r["block"] is not None else "all", f"{r['prefill_s']:.3f}",
+                     x(r.get("vs_hf_forward")),
+                     "" if r["decode_ms_per_token"] is None else f"{r['decode_ms_per_token']:.1f}",
+                     x(r.get("decode_vs_hf")),
+                     "" if hf or r["policy"] == FULL else f"{r['evict_prefill_s']:.3f}+{r['evict_decode_s']:.3f}",
+                     "" if hf or r["policy"] == FULL else pct(r["evict_share"]), f"{r['total_s']:.3f}",
+                     x(r.get("vs_keydiff")),
+                     pct(r["vs_floor"]) if r["policy"] not in (FULL, FLOOR) and not hf else "", r["peak_kv_tokens"],
+                     f"{r['kv_bytes_peak'] / 2**20:.1f}", f"{r['peak_rss_mib']:.0f}"])
+    return tabulate(body, headers=head, tablefmt="github", disable_numparse=True)

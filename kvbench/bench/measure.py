@@ -1,0 +1,252 @@
+"""One measured configuration and an interleaved run of many: `engine.generate` (or HF's own loop) timed, its
+eviction time split into prefill and decode, its peak RSS / GPU memory, medians over rounds.
+
+Peak RSS per configuration (Linux): before each measured call the process returns freed heap memory to the OS
+(`malloc_trim(0)`) and resets its resident-set high-water mark by writing 5 to /proc/self/clear_refs; VmHWM from
+/proc/self/status after the call is that configuration's peak. Without a resettable high-water mark (not Linux) the
+column is the process's lifetime peak (`getrusage`), marked in `rss_method`. On CUDA, `peak_gpu_mib` is
+`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`; `generate` synchronises around its timers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kvbench.bench.goals import add_ratios
+from kvbench.bench.setup import FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, make_policy, prompt_ids
+
+ROW_FIELDS = ("policy", "prompt_tokens", "budget", "block", "prefill_s", "prefill_tokens_per_s",
+              "decode_tokens_per_s", "decode_ms_per_token", "evict_s", "evict_prefill_s", "evict_decode_s",
+              "total_s", "peak_kv_tokens", "kv_bytes_peak", "peak_rss_mib")
+
+
+class PeakMemory:
+    """Peak resident set (MiB) of the next measured call, and peak CUDA memory when the model is on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        libc = ctypes.util.find_library("c")
+        self._libc = ctypes.CDLL(libc) if libc else None
+        self.method = "vmhwm_reset" if self._can_reset() else "lifetime_maxrss"
+
+    @staticmethod
+    def _can_reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return _status_kib("VmHWM") is not None
+        except OSError:
+            return False
+
+    def start(self) -> float | None:
+        """Release freed memory, reset the high-water marks; returns the resident set (MiB) the call starts from."""
+        gc.collect()
+        if self._libc is not None and hasattr(self._libc, "malloc_trim"):
+            self._libc.malloc_trim(0)  # freed heap of earlier configurations would otherwise count as resident
+        if self.method == "vmhwm_reset":
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        rss = _status_kib("VmRSS")
+        return rss / 1024 if rss is not None else None
+
+    def rss_peak_mib(self) -> float:
+        if self.method == "vmhwm_reset":
+            return _status_kib("VmHWM") / 1024  # type: ignore[operator]
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+    def gpu_peak_mib(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.device) / 2**20
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class Config:
+    policy: str
+    budget: int | None  # None for full
+    block: int | None  # None for full (single-pass prefill)
+    prompt_tokens: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@torch.inference_mode()
+def hf_generate(model: Any, ids: list[int], new_tokens: int,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """HF's own loop, no kvbench: one forward over `ids` into a plain `DynamicCache` (logits of the last token only,
+    as HF's `generate` asks), then greedy decoding with the same hand loop as `engine.generate` (`new_tokens - 1`
+    one-token forwards). The kvbench attention wrapper passes straight through to HF's sdpa outside a kvbench run."""
+    from transformers import DynamicCache
+
+    device = model.device
+    cache = DynamicCache(config=model.config)
+    _sync(device)
+    t0 = clock()
+    out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    _sync(device)
+    prefill_s = clock() - t0
+    logits = out.logits[:, -1].float()
+    tokens, steps = [], 0
+    t0 = clock()
+    while True:
+        tok = int(logits.argmax(dim=-1))
+        tokens.append(tok)
+        if len(tokens) >= new_tokens:
+            break
+        out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1].float()
+        steps += 1
+    _sync(device)
+    decode_s = clock() - t0
+    kv = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+             for layer in cache.layers)
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "tokens": tokens,
+            "evict_prefill_s": 0.0, "evict_decode_s": 0.0, "peak_kv_tokens": cache.get_seq_length(),
+            "kv_bytes_peak": kv}
+
+
+def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int = 0,
+            prompt: Sequence[int] | None = None, clock: str = "wall") -> dict[str, Any]:
+    """One call of configuration `cfg` on `prompt` (default: a random prompt); raw numbers for one round, timed by
+    `clock` (CLOCKS: wall time, or the process's CPU time)."""
+    from kvbench.engine.generate import Observer, generate
+
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = list(prompt[:cfg.prompt_tokens]) if prompt is not None else prompt_ids(cfg.prompt_tokens, vocab, seed=seed)
+    if cfg.policy in (HF_FORWARD, HF_DECODE):
+        rss0 = mem.start()
+        c0, w0 = time.process_time(), time.perf_counter()
+        m = hf_generate(model, ids, new_tokens, CLOCKS[clock])
+    else:
+        policy = make_policy(cfg.policy, cfg.budget, seed)
+        policy.start_sample(seed)
+        rss0 = mem.start()
+        c0, w0 = time.process_time(), time.perf_counter()
+        res = generate(model, policy, ids, cfg.block, new_tokens, stop_ids=(),
+                       observer=Observer(clock=CLOCKS[clock]))
+        m = {"prefill_s": res.prefill_s, "decode_s": res.decode_s, "decode_steps": res.decode_steps,
+             "tokens": res.tokens, "evict_prefill_s": res.evict_prefill_s, "evict_decode_s": res.evict_decode_s,
+             "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak}
+    m["cpu_per_wall"] = (time.process_time() - c0) / max(time.perf_counter() - w0, 1e-9)
+    m.update(peak_rss_mib=mem.rss_peak_mib(), rss_start_mib=rss0, peak_gpu_mib=mem.gpu_peak_mib())
+    return m
+
+
+def configurations(policies: Sequence[str], budgets: Sequence[int], lengths: Sequence[int], block: int,
+                   baselines: Sequence[str] = (FULL, FLOOR), full_max_tokens: int | None = None) -> list[Config]:
+    """Every (policy, budget) at every length, with the baselines added: full and hf-forward once per length (up
+    to `full_max_tokens`: their attention is quadratic), the floor at every budget, hf-decode once per budget (its
+    prompt is the first N tokens: decoding at cache size N does not depend on the prompt length)."""
+    names = [b for b in (FULL, FLOOR) if b in baselines or b in policies]
+    names += [p for p in policies if p not in (FULL, FLOOR)]
+    out = []
+    if HF in baselines:
+        out.extend(Config(HF_DECODE, b, None, b) for b in budgets)
+    for n in lengths:
+        if HF in baselines and (full_max_tokens is None or n <= full_max_tokens):
+            out.append(Config(HF_FORWARD, None, None, n))
+        for name in names:
+            if name == FULL:
+                if full_max_tokens is None or n <= full_max_tokens:
+                    out.append(Config(FULL, None, None, n))
+            else:
+                out.extend(Config(name, b, block, n) for b in budgets)
+    return out
+
+
+def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: int, seed: int = 0,
+              model_desc: str = "", log: Callable[[str], None] | None = None,
+              prompt: Sequence[int] | None = None, clock: str = "wall") -> list[dict[str, Any]]:
+    """Measure every configuration `repeats` times, interleaved (round r runs them all, in an order rotated by r),
+    after one unmeasured warm-up call per policy; returns one row per configuration with medians. `prompt`: the
+    token ids every configuration reads its first `prompt_tokens` from (default: random ids per length)."""
+    mem = PeakMemory(model.device)
+    for name in dict.fromkeys(c.policy for c in configs):  # warm-up: kernels, thread pools, allocator
+        c = next(c for c in configs if c.policy == name)
+        warm = min(c.prompt_tokens, (c.budget or 0) + 2 * (c.block or 64))
+        measure(model, Config(c.policy, c.budget, c.block, warm), min(new_tokens, 2), mem, seed, prompt, clock)
+    raw: dict[Config, list[dict[str, Any]]] = {c: [] for c in configs}
+    for r in range(repeats):
+        k = r % len(configs)
+        for c in list(configs[k:]) + list(configs[:k]):
+            m = measure(model, c, new_tokens, mem, seed, prompt, clock)
+            raw[c].append(m)
+            if log:
+                log(f"round {r + 1}/{repeats} {c.policy:>12} N={c.budget} B={c.block} T={c.prompt_tokens}: "
+                    f"prefill {m['prefill_s']:.3f} s (evict {m['evict_prefill_s']:.3f}), decode {m['decode_s']:.3f} s "
+                    f"(evict {m['evict_decode_s']:.3f}), peak RSS {m['peak_rss_mib']:.0f} MiB, "
+                    f"cpu/wall {m['cpu_per_wall']:.2f}")
+    rows = [{**_row(c, raw[c], model, model_desc, mem.method), "clock": clock} for c in configs]
+    add_ratios(rows)
+    return rows
+
+
+def _row(c: Config, ms: list[dict[str, Any]], model: Any, model_desc: str, rss_method: str) -> dict[str, Any]:
+    keys = ("prefill_s", "decode_s", "evict_prefill_s", "evict_decode_s")
+    med = {k: statistics.median(m[k] for m in ms) for k in keys}
+    # The total and the eviction time are medians of per-round sums: a round's parts belong together.
+    total = statistics.median(m["prefill_s"] + m["decode_s"] for m in ms)
+    evict = statistics.median(m["evict_prefill_s"] + m["evict_decode_s"] for m in ms)
+    steps = ms[0]["decode_steps"]
+    gpu = [m["peak_gpu_mib"] for m in ms if m["peak_gpu_mib"] is not None]
+    row: dict[str, Any] = {
+        "policy": c.policy, "prompt_tokens": c.prompt_tokens, "budget": c.budget, "block": c.block,
+        "prefill_s": round(med["prefill_s"], 6),
+        "prefill_tokens_per_s": round(c.prompt_tokens / med["prefill_s"], 1),
+        "decode_s": round(med["decode_s"], 6),
+        "decode_tokens_per_s": round(steps / med["decode_s"], 2) if steps and med["decode_s"] else None,
+        "decode_ms_per_token": round(1000 * med["decode_s"] / steps, 3) if steps else None,
+        "evict_s": round(evict, 6),
+        "evict_prefill_s": round(med["evict_prefill_s"], 6),
+        "evict_decode_s": round(med["evict_decode_s"], 6),
+        "total_s": round(total, 6),
+        # deterministic across rounds; max() guards against a round that differs
+        "peak_kv_tokens": max(m["peak_kv_tokens"] for m in ms),
+        "kv_bytes_peak": max(m["kv_bytes_peak"] for m in ms),
+        "peak_rss_mib": round(max(m["peak_rss_mib"] for m in ms), 1),
+        "rss_start_mib": round(statistics.median(m["rss_start_mib"] for m in ms), 1)
+        if all(m["rss_start_mib"] is not None for m in ms) else None,
+        "peak_gpu_mib": round(max(gpu), 1) if gpu else None,
+        "evict_share": round(evict / total, 4),
+        "prefill_evict_share": round(statistics.median(m["evict_prefill_s"] / m["prefill_s"] for m in ms), 4),
+        "prefill_s_rounds": [round(m["prefill_s"], 6) for m in ms],
+        "decode_s_rounds": [round(m["decode_s"], 6) for m in ms],
+        "cpu_per_wall": round(statistics.median(m["cpu_per_wall"] for m in ms), 3),
+        "first_tokens": ms[0]["tokens"][:8],
+        "repeats": len(ms), "decode_steps": steps, "device": str(model.device), "model": model_desc,
+        "rss_method": rss_method,
+    }
+    return row

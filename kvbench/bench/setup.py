@@ -1,0 +1,179 @@
+"""What a benchmark runs on: a real model (a conf/model preset or an HF directory) with filler prose, or a
+random-weight model with real attention geometry and a random prompt; the policies by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FLOOR = "streamingllm"
+
+
+FULL = "full"
+
+
+HF_FORWARD = "hf-forward"  # HF's loop: one forward over the whole prompt, then greedy decoding at that cache size
+
+
+HF_DECODE = "hf-decode"  # HF's loop: a forward over N prompt tokens, then greedy decoding at cache size N
+
+
+HF = "hf"  # --baselines name for both HF rows
+
+
+BASELINES = (FULL, FLOOR, HF)
+
+
+DEFAULT_POLICIES = ("keydiff", "h2o", "tova", "snapkv")
+
+
+class BenchError(ValueError):
+    """Bad bench input (unknown policy or architecture, unreadable config); printed as one line."""
+
+
+def build_model(arch: str = "tiny-llama3", config: str | None = None, layers: int | None = None,
+                dtype: str = "float32", device: str = "cpu", seed: int = 0) -> tuple[Any, str]:
+    """A random-weight causal LM with the attention geometry of `arch` (a built-in tiny architecture) or of
+    `config` (an HF config.json, a model directory, a hub id, or a conf/model preset name); `layers` overrides the
+    number of layers. Returns (model on `device` with the kvbench attention installed, a short description)."""
+    from kvbench.engine.attention import install
+    from kvbench.models.loading import DTYPES, resolve_device
+    from kvbench.models.tiny import TINY_ARCHS, build_tiny_model
+
+    if dtype not in DTYPES or dtype == "auto":
+        raise BenchError(f"unknown dtype '{dtype}'; choose one of: float32, bfloat16, float16")
+    torch_dtype = DTYPES[dtype]
+    over: dict[str, Any] = {"num_hidden_layers": layers} if layers else {}
+    if config is not None:
+        tiny = _preset_builtin(config)
+        if tiny is not None:
+            arch, config = tiny, None
+    if config is None:
+        if arch not in TINY_ARCHS:
+            raise BenchError(f"unknown architecture '{arch}'; choose one of: {', '.join(sorted(TINY_ARCHS))}")
+        model, _ = build_tiny_model(arch, seed=seed, dtype=torch_dtype, **over)
+        name = arch
+    else:
+        model, name = _model_from_config(config, layers, torch_dtype, seed)
+    model.to(resolve_device(device)).eval()
+    install(model)
+    cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    desc = (f"{name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
+            f"{cfg.num_key_value_heads} heads, head_dim {head_dim}, {dtype}")
+    return model, desc
+
+
+def load_real_model(name: str, dtype: str | None = None, device: str = "cpu") -> tuple[Any, Any, str]:
+    """A model with its own weights: a conf/model preset name (`smollm2-135m`, a hub id preset, ...) or a local HF
+    directory. Returns (model with the kvbench attention installed, tokenizer, a short description)."""
+    from kvbench.engine.attention import install
+    from kvbench.models.common import ModelError
+    from kvbench.models.loading import DTYPES, load_model
+    from kvbench.run.config import CONF_DIR, load_group
+
+    if "/" not in name and (CONF_DIR / "model" / f"{name}.yaml").is_file():
+        spec = load_group("model", name)
+    elif Path(name).is_dir():
+        spec = {"name": "hf", "path": name}
+    else:
+        raise BenchError(f"unknown model '{name}': neither a conf/model preset nor a model directory")
+    if dtype is not None and (dtype not in DTYPES or dtype == "auto"):
+        raise BenchError(f"unknown dtype '{dtype}'; choose one of: float32, bfloat16, float16")
+    try:
+        loaded = load_model(name=str(spec.get("name", name)), path=str(spec["path"]),
+                            dtype=dtype or str(spec.get("dtype") or "auto"), revision=spec.get("revision"),
+                            attn_implementation=str(spec.get("attn_implementation", "sdpa")), device=device)
+    except ModelError as e:
+        raise BenchError(str(e)) from None
+    model = loaded.model
+    install(model)
+    cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    desc = (f"{loaded.name} (real weights): {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+            f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, head_dim {head_dim}, "
+            f"{str(model.dtype).replace('torch.', '')}")
+    return model, loaded.tokenizer, desc
+
+
+def prompt_ids(n: int, vocab: int, tokenizer: Any = None, seed: int = 0) -> list[int]:
+    """`n` prompt token ids: built-in filler prose through `tokenizer` (real models), else uniform random ids."""
+    if tokenizer is None:
+        g = torch.Generator().manual_seed(seed * 7919 + n)
+        return torch.randint(2, vocab, (n,), generator=g).tolist()
+    from kvbench.tasks.haystack import filler_text
+
+    words = n
+    while True:  # English prose is ~1.3 tokens per word; grow until the text is long enough
+        ids = list(tokenizer(filler_text(words, seed), add_special_tokens=False)["input_ids"])
+        if len(ids) >= n:
+            return ids[:n]
+        words *= 2
+
+
+def _preset_builtin(config: str) -> str | None:
+    """The tiny architecture a conf/model preset names (`path: builtin:<arch>`), or None."""
+    from kvbench.run.config import CONF_DIR
+
+    preset = CONF_DIR / "model" / f"{config}.yaml"
+    if "/" in config or not preset.is_file():
+        return None
+    for line in preset.read_text().splitlines():
+        if line.startswith("path:") and "builtin:" in line:
+            return line.split("builtin:", 1)[1].split("#")[0].strip()
+    return None
+
+
+def _model_from_config(config: str, layers: int | None, dtype: torch.dtype, seed: int) -> tuple[Any, str]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvbench.run.config import CONF_DIR
+
+    src = config
+    preset = CONF_DIR / "model" / f"{config}.yaml"
+    if "/" not in config and preset.is_file():  # a preset: its path is a hub id or a local directory
+        for line in preset.read_text().splitlines():
+            if line.startswith("path:"):
+                src = line.split(":", 1)[1].split("#")[0].strip()
+    p = Path(src)
+    try:
+        cfg = AutoConfig.from_pretrained(str(p.parent if p.is_file() else src))
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BenchError(f"cannot read model config '{config}': {first}") from None
+    text = cfg.get_text_config(decoder=True)
+    if layers:
+        text.num_hidden_layers = layers
+        if isinstance(getattr(text, "layer_types", None), list):
+            text.layer_types = text.layer_types[:layers]
+    # Random prompts need no real vocabulary; a 128k-entry embedding would only add memory that is not the cache's.
+    text.vocab_size = 1024
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(getattr(text, k, None), int) and getattr(text, k) >= 1024:
+            setattr(text, k, 1)
+    text.tie_word_embeddings = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(text, dtype=dtype, attn_implementation="sdpa")
+    return model, src
+
+
+def make_policy(name: str, budget: int | None, seed: int) -> Any:
+    from kvbench.run.config import load_group
+    from kvbench.run.settings import RunSettings, build_policy
+
+    try:
+        spec = load_group("policy", name)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    return build_policy(spec, RunSettings(budget=budget if name != FULL else None, block=None, seed=seed))
+
+
+def all_policies() -> list[str]:
+    """Every policy in conf/policy/ but the no-eviction `full`."""
+    from kvbench.run.config import group_choices
+
+    return [n for n in group_choices("policy") if n != FULL]

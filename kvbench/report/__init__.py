@@ -1,0 +1,22 @@
+"""Paper-shaped result tables from run directories (`kvbench-report DIR`), and the table `kvbench` prints.
+
+Every directory below DIR that holds a `metrics.json` is one run. Runs whose configurations differ only in
+`shard` are merged into one entry: their predictions are put back in sample order (shard i holds samples
+i, i+n, i+2n, ...) and the scores are recomputed by the task's own `aggregate`, the task being rebuilt from the
+run's `config.yaml`; speed and memory are recomputed from the merged records by `run.loop.summarize`.
+
+Tables (KeyDiff Table 1 and HashEvict Tables 1-2 shape):
+- scores: one row per (model, policy, budget, block, protocol, any other setting that varies), grouped by model
+  with the full-cache row first; block and protocol are always shown ("-" where they do not apply: the block
+  under a prefill_once* protocol, both for the full cache), so two protocols never share a table unlabelled;
+  one column per score, grouped by category (LongBench dataset categories, NIAH context lengths, else the
+  task), then `Avg` (the mean of the row's task averages). Scores are printed as stored (0-100).
+- summary scores: the tasks' own summary numbers (LongBench category means, RULER per-length means, ...).
+- speed and memory: prefill/decode tokens/s, eviction time, peak KV tokens and bytes, compression ratio.
+- provenance: code and library versions, models, task data sources and checksums, metric backends (notes).
+Files: DIR/table.md, DIR/table.csv (scores), DIR/runs.csv (one line per entry: stats, provenance, run dirs),
+and when there is something to draw, DIR/heatmap_<task>_<model>.png and DIR/score_vs_budget.png.
+
+Modules: collect (runs, entries, shard merge), tables (layout), output (markdown, CSV), plots, cli (`report`,
+the printed table, `main`).
+"""

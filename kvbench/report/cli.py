@@ -1,0 +1,85 @@
+"""`kvbench-report DIR`: collect the runs below DIR, build the report, write table.md / table.csv / runs.csv and the
+plots; and the one table `kvbench` prints after its runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from kvbench.report.collect import Entry, ReportError, Run, collect_entries, entry_from_run
+from kvbench.report.output import render_markdown, write_csv, write_runs_csv
+from kvbench.report.plots import plot_heatmaps, plot_score_vs_budget
+from kvbench.report.tables import ALWAYS_SHOWN, SPEED_HEAD, Report, build_report, score_table, speed_cells
+from kvbench.run.labels import fmt
+
+
+def report(root: Path, plots: bool = True, quiet: bool = False) -> Report:
+    """Collect every run below `root`, write table.md, table.csv, runs.csv (and plots) into `root`."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ReportError(f"not a directory: {root}")
+    entries, notes = collect_entries(root)
+    if not entries:
+        raise ReportError(f"no finished runs (metrics.json) below {root}")
+    rep = build_report(entries, notes)
+    if plots:
+        written = plot_heatmaps(rep, root)
+        curve = plot_score_vs_budget(rep, root)
+        written += [curve] if curve else []
+        rep.notes += [f"plot: {p.name}" for p in written]
+    text = render_markdown(rep, root)
+    (root / "table.md").write_text(text, encoding="utf-8")
+    write_csv(rep, root / "table.csv")
+    write_runs_csv(rep, root / "runs.csv", root)
+    if not quiet:
+        print(text)
+    return rep
+
+
+def _entries_from_metrics(results: Iterable[dict[str, Any]]) -> list[Entry]:
+    out = []
+    for k, m in enumerate(results):
+        run = Run(Path("."), m, {}, (0, float(k)))
+        e = entry_from_run(run)
+        e.settings = {k: v for k, v in e.settings.items() if k in ("budget", *ALWAYS_SHOWN)}
+        out.append(e)
+    return out
+
+
+def metrics_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Scores and speed side by side, one row per metrics dict (the `policy=compare` table)."""
+    rep = build_report(_entries_from_metrics(results))
+    s_head, s_body = score_table(rep, paper_style=False)
+    head = [*s_head, *SPEED_HEAD]
+    body = [[fmt(v) for v in [*row, *speed_cells(next(iter(r.entries.values())))]] for row, r in zip(s_body, rep.rows)]
+    return head, body
+
+
+def print_metrics_table(results: list[dict[str, Any]]) -> str:
+    from tabulate import tabulate
+
+    head, rows = metrics_rows(results)
+    text = tabulate(rows, headers=head, tablefmt="github", disable_numparse=True)
+    print(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvbench-report", description="Paper-shaped tables from kvbench runs: "
+                                     "writes DIR/table.md, DIR/table.csv, DIR/runs.csv and plots.")
+    parser.add_argument("dir", type=Path, help="a run, sweep or results directory (searched recursively)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the heatmap and score-vs-budget PNGs")
+    parser.add_argument("-q", "--quiet", action="store_true", help="do not print the markdown")
+    args = parser.parse_args(argv)
+    try:
+        report(args.dir, plots=not args.no_plots, quiet=args.quiet)
+    except ReportError as e:
+        print(f"kvbench-report: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

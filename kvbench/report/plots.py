@@ -1,0 +1,113 @@
+"""Plots of a report: NIAH/probe heatmaps (depth x context length) and score vs budget.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from kvbench.report.collect import is_num
+from kvbench.report.tables import CELL, Report
+from kvbench.run.labels import NA, settings_text
+
+
+def _figure(width: float, height: float, layout: str | None = None) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout=layout)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
+    """Length x depth heatmaps of NIAH-like tasks side by side: one figure per (task, model), one panel per row."""
+    written = []
+    cell_tasks = list(dict.fromkeys(c.task for c in rep.columns if CELL.match(c.score)))
+    for task in cell_tasks:
+        for model in dict.fromkeys(r.model for r in rep.rows):
+            rows = [r for r in rep.rows if r.model == model and task in r.entries]
+            if not rows:
+                continue
+            cells = [{tuple(float(x) for x in CELL.match(k).groups()): v  # type: ignore[union-attr]
+                      for k, v in r.entries[task].scores.items() if CELL.match(k) and is_num(v)} for r in rows]
+            lengths = sorted({k[0] for c in cells for k in c})
+            depths = sorted({k[1] for c in cells for k in c})
+            if not lengths:
+                continue
+            ncol = min(len(rows), 4)
+            nrow = math.ceil(len(rows) / ncol)
+            # constrained layout: two-line panel titles never run into the tick labels of the row above
+            fig = _figure(1.2 + ncol * (1.1 + 0.5 * len(lengths)), 0.6 + nrow * (1.3 + 0.3 * len(depths)),
+                          layout="constrained")
+            axes = fig.subplots(nrow, ncol, squeeze=False)
+            im = None
+            for k, (r, c) in enumerate(zip(rows, cells)):
+                ax = axes[k // ncol][k % ncol]
+                grid = [[c.get((L, d), float("nan")) for L in lengths] for d in depths]  # (depths, lengths)
+                im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+                ax.set_xticks(range(len(lengths)), [f"{L:g}" for L in lengths], fontsize=7)
+                ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+                budget = "" if r.budget is NA else f" N={r.budget}"
+                ax.set_title(f"{r.policy}{budget}\n{settings_text(r.settings)}".strip(), fontsize=8)
+                if k % ncol == 0:
+                    ax.set_ylabel("depth (%)", fontsize=7)
+                if k // ncol == nrow - 1:
+                    ax.set_xlabel("context length", fontsize=7)
+            for k in range(len(rows), nrow * ncol):
+                axes[k // ncol][k % ncol].set_axis_off()
+            if im is not None:
+                fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
+            fig.suptitle(f"{task}: {model}", fontsize=9)
+            path = out_dir / f"heatmap_{_safe(task)}_{_safe(model)}.png"
+            fig.savefig(path, dpi=110)
+            written.append(path)
+    return written
+
+
+def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
+    """Avg against budget, one line per policy (and setting), one panel per model; full cache dashed."""
+    models = list(dict.fromkeys(r.model for r in rep.rows))
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {m: {} for m in models}
+    flat: dict[str, list[tuple[str, float]]] = {m: [] for m in models}
+    for r in rep.rows:
+        if not is_num(r.avg):
+            continue
+        label = f"{r.policy} {settings_text(r.settings)}".strip()
+        if isinstance(r.budget, int) and not isinstance(r.budget, bool):
+            series[r.model].setdefault(label, []).append((r.budget, r.avg))  # type: ignore[arg-type]
+        else:
+            flat[r.model].append((label, r.avg))  # type: ignore[arg-type]
+    if not any(len(pts) > 1 for s in series.values() for pts in s.values()):
+        return None
+    import matplotlib
+
+    colors = matplotlib.colormaps["tab20"].colors  # up to 20 distinct series; markers tell repeats apart
+    markers = "osD^v<>ph*"
+    fig = _figure(6.4 * len(models), 3.8, layout="constrained")
+    axes = fig.subplots(1, len(models), squeeze=False)[0]
+    for ax, m in zip(axes, models):
+        for i, (label, pts) in enumerate(series[m].items()):
+            pts.sort()
+            ax.plot([b for b, _ in pts], [v for _, v in pts], marker=markers[i % len(markers)],
+                    color=colors[i % len(colors)], label=label)
+        for label, v in flat[m]:
+            ax.axhline(v, linestyle="--", color="black", linewidth=1, label=label)
+        budgets = sorted({b for pts in series[m].values() for b, _ in pts})
+        if budgets:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("budget N (tokens)")
+        ax.set_ylabel("Avg")
+        tasks = dict.fromkeys(t for r in rep.rows if r.model == m for t in r.entries)
+        ax.set_title(f"{m}: Avg of {', '.join(tasks)} vs budget", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # beside the lines
+    path = out_dir / "score_vs_budget.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _safe(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", s)

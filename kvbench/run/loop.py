@@ -1,0 +1,173 @@
+"""The per-task run loop: every sample of a task through `generate`, one resumable line per sample in
+predictions.jsonl, and the run's summary statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbench.engine.generate import GenerationResult, Observer, generate
+from kvbench.policies.base import Policy
+from kvbench.policies.full import Full
+from kvbench.run.settings import RunSettings
+from kvbench.tasks.base import Sample, Task, TaskEnv
+
+
+def sample_seed(sample_id: str) -> int:
+    return zlib.crc32(sample_id.encode("utf-8"))
+
+
+def read_records(path: Path, repair: bool = True) -> list[dict[str, Any]]:
+    """Finished records of a predictions file, in file order.
+
+    A torn or unreadable line ends the file: it and everything after it are cut off (a killed run leaves at most
+    its last line torn); `repair=False` only reads (reports must not modify a run that may still be going).
+    A repeated id keeps its first record (appends are one line per finished sample, so a
+    repeat can only come from outside interference; the first record is the one a clean run would hold).
+    """
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    records, good, seen = [], 0, set()
+    for line in data.split(b"\n"):
+        end = good + len(line) + 1
+        if end > len(data):  # no newline: the write was interrupted
+            break
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            break
+        if not isinstance(record, dict) or "id" not in record:
+            break
+        if record["id"] not in seen:
+            seen.add(record["id"])
+            records.append(record)
+        good = end
+    if repair and good < len(data):
+        with path.open("r+b") as f:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+    return records
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One complete line per write, flushed to disk, so a kill never leaves a half record behind a good one."""
+    line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    with path.open("ab") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEnv, settings: RunSettings,
+             out_dir: Path, progress: bool = True, references: dict[Any, Any] | None = None) -> list[dict[str, Any]]:
+    """Run every (not yet finished) sample of `task`, appending records to out_dir/predictions.jsonl.
+
+    `references` caches full-cache continuations of reference tasks between runs on the same model.
+    """
+    from tqdm import tqdm
+
+    pred_path = out_dir / "predictions.jsonl"
+    records = read_records(pred_path)
+    done = {r["id"] for r in records}
+    samples = list(task.samples(env))
+    if settings.shard is not None:
+        i, n = settings.shard
+        samples = [s for k, s in enumerate(samples) if k % n == i]
+    default_stop = eos_ids(model, tokenizer)
+    todo = [s for s in samples if s.id not in done]
+    bar = tqdm(todo, desc=f"{task.name}", unit="sample", disable=not progress, dynamic_ncols=True)
+    for sample in bar:
+        policy.start_sample(sample_seed(sample.id))
+        if task.needs_reference:
+            record = _reference_sample(model, tokenizer, policy, task, sample, settings,
+                                       references if references is not None else {})
+        else:
+            res = generate(model, policy, sample.input_ids, settings.block, sample.max_new_tokens,
+                           stop_ids=sample.stop_token_ids if sample.stop_token_ids is not None else default_stop,
+                           min_new_tokens=sample.min_new_tokens, context_tokens=sample.context_tokens,
+                           scenario=settings.scenario, diagnostics=settings.diagnostics,
+                           protocol=settings.protocol)
+            prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
+            record = make_record(sample, prediction, res, task.score(sample, prediction), settings)
+        append_record(pred_path, record)
+        records.append(record)
+    order = {s.id: k for k, s in enumerate(samples)}
+    return sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]])
+
+
+def _reference_sample(model: Any, tokenizer: Any, policy: Policy, task: Task, sample: Sample,
+                      settings: RunSettings, references: dict[Any, Any]) -> dict[str, Any]:
+    """Label-free scoring: the full cache's greedy continuation, then the policy teacher-forced along it."""
+    key = (sample.id, zlib.crc32(json.dumps(sample.input_ids).encode()), sample.max_new_tokens)
+    if key not in references:
+        logps: list[torch.Tensor] = []
+        log_probs = Observer(on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
+        ref = generate(model, Full(), sample.input_ids, None, sample.max_new_tokens, stop_ids=(), observer=log_probs)
+        references[key] = (ref.tokens, torch.stack(logps))  # (new, vocab)
+    ref_tokens, ref_logp = references[key]
+    logps = []
+    forced = Observer(forced=ref_tokens, on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
+    res = generate(model, policy, sample.input_ids, settings.block, len(ref_tokens), stop_ids=(),
+                   context_tokens=sample.context_tokens, scenario=settings.scenario,
+                   diagnostics=settings.diagnostics, protocol=settings.protocol, observer=forced)
+    test_logp = torch.stack(logps)  # (new, vocab)
+    prediction = tokenizer.decode(test_logp.argmax(dim=-1).tolist(), skip_special_tokens=True)
+    record = make_record(sample, prediction, res, 0.0, settings)
+    extra = task.score_reference(sample, ref_tokens, ref_logp, test_logp)
+    record["score"] = extra.pop("score")
+    record["reference"] = tokenizer.decode(ref_tokens, skip_special_tokens=True)
+    record.update(extra)
+    return record
+
+
+def make_record(sample: Sample, prediction: str, res: GenerationResult, score: float,
+                settings: RunSettings) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "id": sample.id, "prediction": prediction, "answers": sample.answers, "score": score,
+        "prompt_tokens": res.prompt_tokens, "new_tokens": len(res.tokens),
+        "prefill_s": round(res.prefill_s, 6), "decode_s": round(res.decode_s, 6), "decode_steps": res.decode_steps,
+        "evict_s": round(res.evict_s, 6), "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak,
+        "meta": sample.meta,
+    }
+    if res.diagnostics is not None:
+        rec["diagnostics"] = res.diagnostics
+    if settings.save_prompts:
+        rec["prompt"] = sample.prompt
+    return rec
+
+
+def summarize(records: list[dict[str, Any]], budget: int | None, evicts: bool) -> dict[str, Any]:
+    """Speed and memory over all samples (KeyDiff App. B.3 compression ratio: mean of min(1, N / L_i))."""
+    prompt = sum(r["prompt_tokens"] for r in records)
+    prefill = sum(r["prefill_s"] for r in records)
+    steps = sum(r["decode_steps"] for r in records)
+    decode = sum(r["decode_s"] for r in records)
+    ratio = [min(1.0, budget / r["prompt_tokens"]) if (evicts and budget) else 1.0 for r in records]
+    return {
+        "samples": len(records),
+        "prompt_tokens": prompt,
+        "new_tokens": sum(r["new_tokens"] for r in records),
+        "prefill_s": round(prefill, 4),
+        "decode_s": round(decode, 4),
+        "prefill_tokens_per_s": round(prompt / prefill, 2) if prefill else None,
+        "decode_tokens_per_s": round(steps / decode, 2) if decode and steps else None,
+        "evict_s": round(sum(r["evict_s"] for r in records), 4),
+        "peak_kv_tokens": max((r["peak_kv_tokens"] for r in records), default=0),
+        "kv_bytes_peak": max((r["kv_bytes_peak"] for r in records), default=0),
+        "compression_ratio": round(sum(ratio) / len(ratio), 6) if ratio else None,
+    }

@@ -1,0 +1,160 @@
+"""x"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError
+from kvbench.tasks.haystack import (chat_wrapper, encode_prompt, filler_text, haystack_label, prefix_token_count,
+                                    read_haystack_dir)
+from kvbench.tasks.haystack import sentence_splitter as pick_splitter
+from kvbench.tasks.ruler.constants import METRIC, RULER_COMMIT, TASKS, TEMPLATES
+from kvbench.tasks.ruler.qa import gen_qa, load_json, read_hotpotqa, read_squad
+from kvbench.tasks.ruler.synthetic import GenContext, Generated, gen_cwe, gen_fwe, gen_niah, gen_vt
+
+log = logging.getLogger(__name__)
+
+
+class Ruler(Task):
+    name = "ruler"
+    average_key = "avg"
+
+    def __init__(self, tasks: Sequence[str] = tuple(TASKS), lengths: Sequence[int] = (4096,), num_samples: int = 25,
+                 haystack_dir: str | None = None, squad_path: str | None = None, hotpot_path: str | None = None,
+                 cwe_words_path: str | None = None, sentence_splitter: str = "auto", filler_seed: int = 0) -> None:
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown:
+            raise TaskError(f"unknown RULER task(s) {unknown}; choose from: {', '.join(TASKS)}")
+        if not tasks or not lengths:
+            raise TaskError("ruler: tasks and lengths must be non-empty lists")
+        if int(num_samples) < 1:
+            raise TaskError(f"ruler: num_samples must be >= 1, got {num_samples}")
+        self.tasks, self.lengths, self.num_samples = list(tasks), [int(x) for x in lengths], int(num_samples)
+        self.haystack_dir, self.filler_seed = haystack_dir or None, int(filler_seed)
+        self.paths = {"squad": squad_path or None, "hotpotqa": hotpot_path or None}
+        self.cwe_words_path = cwe_words_path or None
+        self.splitter = sentence_splitter
+        if sentence_splitter not in ("auto", "nltk", "regex"):
+            raise TaskError(f"unknown sentence_splitter '{sentence_splitter}'; choose one of: auto, nltk, regex")
+        self._essay: list[str] | None = None
+
+    # -- data sources ---------------------------------------------------------------------------------------------
+    def skipped(self) -> dict[str, str]:
+        """Tasks that cannot run with this configuration -> why (qa without its local data file)."""
+        out = {}
+        for t in self.tasks:
+            kind, args = TASKS[t]
+            if kind == "qa" and not self.paths[args["dataset"]]:
+                key = "squad_path (SQuAD v2.0 dev-v2.0.json)" if args["dataset"] == "squad" else \
+                    "hotpot_path (hotpot_dev_distractor_v1.json)"
+                out[t] = f"skipped: set task.{key} to run it"
+        return out
+
+    def _essay_words(self, n: int) -> list[str]:
+        """The first n words of the essay haystack (`re.sub(r"\\s+", " ", text).split(" ")`), repeated cyclically."""
+        if self.haystack_dir:
+            if self._essay is None:
+                self._essay = re.sub(r"\s+", " ", read_haystack_dir(self.haystack_dir)).split(" ")
+            words = self._essay
+            return words[:n] if n <= len(words) else (words * -(-n // len(words)))[:n]
+        # The built-in filler is an endless stream: take more of it instead of repeating.
+        if self._essay is None or len(self._essay) < n:
+            self._essay = re.sub(r"\s+", " ", filler_text(max(n, 2 * len(self._essay or [])),
+                                                          seed=self.filler_seed)).split(" ")
+        return self._essay[:n]
+
+    def _cwe_extra_words(self) -> list[str]:
+        if not self.cwe_words_path:
+            raise TaskError("ruler cwe: this length needs more distinct words than wonderwords has; set "
+                            "task.cwe_words_path to RULER's english_words.json")
+        data = load_json(self.cwe_words_path, "cwe_words_path")
+        if not isinstance(data, dict):
+            raise TaskError(f"cwe_words_path {self.cwe_words_path}: expected a JSON object of words")
+        return list(data.values())
+
+    def generate(self, task: str, length: int, env: TaskEnv) -> list[Generated]:
+        """The samples of one (task, length), seeded afresh like one official generator run."""
+        kind, args = TASKS[task]
+        pre, post = chat_wrapper(env.tokenizer, env.chat_template)
+        c = GenContext(env.tokenizer, int(length), env.seed, pre, post, random.Random(env.seed),
+                 np.random.RandomState(env.seed))
+        if kind == "niah":
+            return gen_niah(c, args, self.num_samples, self._essay_words, pick_splitter(self.splitter)[1])
+        if kind == "variable_tracking":
+            return gen_vt(c, args, self.num_samples)
+        if kind == "common_words_extraction":
+            return gen_cwe(c, args, self.num_samples, self._cwe_extra_words)
+        if kind == "freq_words_extraction":
+            return gen_fwe(c, args, self.num_samples)
+        qas, docs = (read_squad if args["dataset"] == "squad" else read_hotpotqa)(self.paths[args["dataset"]])
+        return gen_qa(c, qas, docs, self.num_samples)
+
+    def samples(self, env: TaskEnv) -> Iterator[Sample]:
+        skipped = self.skipped()
+        for t, why in skipped.items():
+            log.warning("ruler %s %s", t, why)
+        chat = bool(env.chat_template) and bool(getattr(env.tokenizer, "chat_template", None))
+        for length in self.lengths:
+            for task in self.tasks:
+                if task in skipped:
+                    continue
+                kind = TASKS[task][0]
+                key = TEMPLATES[kind]["answer_prefix"][:10]
+                for i, g in enumerate(self.generate(task, length, env)):
+                    ids = encode_prompt(env.tokenizer, g.text, chat)
+                    ctx_end = g.text.rfind(g.context) + len(g.context)
+                    cut = g.text.rfind(key)
+                    yield Sample(
+                        id=f"{task}_L{length}_{i}", input_ids=ids, answers=list(g.answers),
+                        max_new_tokens=TEMPLATES[kind]["tokens_to_generate"],
+                        context_tokens=prefix_token_count(env.tokenizer, g.text, chat, ctx_end, ids), prompt=g.text,
+                        meta={"task": task, "length": length, "metric": METRIC[kind],
+                              "answer_prefix": g.text[cut:] if cut >= 0 else ""})
+
+    # -- scoring --------------------------------------------------------------------------------------------------
+    def score(self, sample: Sample, prediction: str) -> float:
+        from kvbench.metrics import get_metric
+
+        return 100.0 * get_metric(sample.meta["metric"])(prediction, sample.answers)
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
+        from kvbench.metrics import get_metric
+        from kvbench.metrics.ruler import dataset_score
+
+        per: dict[tuple[str, int], list[float]] = {}
+        for r in records:
+            m = r["meta"]
+            # Recompute the 0-1 fractions from the text: RULER rounds only once, on the dataset mean.
+            per.setdefault((m["task"], int(m["length"])), []).append(
+                get_metric(m["metric"])(r["prediction"], r["answers"]))
+        cell = {k: dataset_score(v) for k, v in per.items()}
+        tasks = [t for t in self.tasks if any(k[0] == t for k in cell)] + sorted({k[0] for k in cell} - set(self.tasks))
+        lengths = sorted({k[1] for k in cell})
+        out: dict[str, float] = {}
+        for t in tasks:
+            vals = [cell[(t, L)] for L in lengths if (t, L) in cell]
+            out[t] = round(sum(vals) / len(vals), 2)
+        for L in lengths:
+            vals = [cell[(t, L)] for t in tasks if (t, L) in cell]
+            out[f"L{L}"] = round(sum(vals) / len(vals), 2)
+        if len(lengths) > 1:
+            for (t, L), v in sorted(cell.items()):
+                out[f"{t}_L{L}"] = v
+        out["avg"] = round(sum(out[f"L{L}"] for L in lengths) / len(lengths), 2) if lengths else 0.0
+        return out
+
+    def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float],
+                 label: str = "") -> dict[str, Any]:
+        notes = [f"ruler: generation rules of NVIDIA/RULER@{RULER_COMMIT[:7]} (docs/ruler.md); seed per (task, length)"]
+        if any(TASKS[t][1].get("type_haystack") == "essay" for t in self.tasks):
+            notes.append(f"ruler essay haystack: {haystack_label(self.haystack_dir)}; sentence splitter: "
+                         f"{pick_splitter(self.splitter)[0]}")
+        for t, why in self.skipped().items():
+            notes.append(f"ruler {t}: {why}; L* and avg exclude it")
+        return {"notes": notes}

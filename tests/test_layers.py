@@ -1,0 +1,123 @@
+"""The layer order of the package (docs/extending.md, "The layers"): a module imports only from lower layers or its
+own package, no import cycle anywhere, Hydra only in the CLI and the config module.
+
+Lazy imports inside functions count; imports under `if TYPE_CHECKING:` (type hints only, never executed) do not.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "kvbench"
+
+# Lowest first. Packages of one layer do not import each other.
+LAYERS = [
+    ("metrics", "models"),  # official metrics; model loading and builders
+    ("tasks",),  # prompts, answers and scoring rules (use metrics; the probe task uses the probe model)
+    ("policies",),  # scores and selection over a cache layer
+    ("engine",),  # cache, attention wrapper, generation loop: drives the policies
+    ("run",),  # settings, config, run assembly and directories, the per-task loop, kvbench-score
+    ("report", "bench"),  # kvbench-report, kvbench-bench
+    ("cli",),  # kvbench
+]
+LAYER = {pkg: i for i, names in enumerate(LAYERS) for pkg in names}
+HYDRA_ALLOWED = {"kvbench.cli", "kvbench.run.config"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """kvbench modules (and third-party top-level names) that `path` imports, TYPE_CHECKING blocks left out."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:  # `from kvbench.models import packaged` imports the module kvbench.models.packaged
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if sub in modules else node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return out
+
+
+def layer_of(module: str) -> tuple[int, str] | None:
+    parts = module.split(".")
+    if parts[0] != "kvbench" or len(parts) == 1:
+        return None  # kvbench itself (its __version__) sits below everything
+    return LAYER[parts[1]], parts[1]
+
+
+def test_every_package_has_a_layer() -> None:
+    tops = {m.split(".")[1] for m in all_modules() if m != "kvbench"}
+    assert tops == set(LAYER), "add new packages to LAYERS (and docs/extending.md)"
+
+
+def test_imports_go_down_the_layers() -> None:
+    modules = all_modules()
+    bad = []
+    for name, path in modules.items():
+        here = layer_of(name)
+        for imp in imports(path, modules):
+            there = layer_of(imp) if imp.startswith("kvbench") else None
+            if here is None or there is None or there[1] == here[1]:
+                continue
+            if there[0] >= here[0]:
+                bad.append(f"{name} ({LAYERS[here[0]]}) imports {imp} ({LAYERS[there[0]]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    modules = all_modules()
+    graph = {m: sorted(i for i in imports(p, modules) if i in modules and i != m) for m, p in modules.items()}
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    cycles = []
+
+    def dfs(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in graph[m]:
+            if state.get(n) == 1:
+                cycles.append(" -> ".join(path[path.index(n):] + [n]))
+            elif n not in state:
+                dfs(n, path + [n])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            dfs(m, [m])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_hydra_only_in_the_cli_and_config() -> None:
+    modules = all_modules()
+    users = {m for m, p in modules.items() if any(i.split(".")[0] == "hydra" for i in imports(p, modules))}
+    assert users <= HYDRA_ALLOWED, sorted(users - HYDRA_ALLOWED)
+
+
+def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path: Path) -> None:
+    # The checks above would pass vacuously if `imports` found nothing: show that it finds a lazy upward import
+    # and skips a TYPE_CHECKING one.
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvbench.engine.cache import X\n"
+                   "def f():\n    from kvbench.run.app import run_one\n    from kvbench.models import packaged\n")
+    found = imports(src, all_modules())
+    assert found == {"typing", "kvbench.run.app", "kvbench.models.packaged"}
