@@ -68,41 +68,43 @@ def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
 
 
 def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
-    """Avg against budget, one line per policy (and setting), one panel per model; full cache dashed."""
-    models = list(dict.fromkeys(r.model for r in rep.rows))
-    series: dict[str, dict[str, list[tuple[int, float]]]] = {m: {} for m in models}
-    flat: dict[str, list[tuple[str, float]]] = {m: [] for m in models}
+    """Each task's average against budget, one line per policy (and setting), one panel per (model, task) (tasks
+    are not averaged together: their scales differ); the full cache dashed."""
+    panels = list(dict.fromkeys((r.model, t) for r in rep.rows for t in r.entries))
+    series: dict[tuple[str, str], dict[str, list[tuple[int, float]]]] = {k: {} for k in panels}
+    flat: dict[tuple[str, str], list[tuple[str, float]]] = {k: [] for k in panels}
     for r in rep.rows:
-        if not is_num(r.avg):
-            continue
         label = f"{r.policy} {settings_text(r.settings)}".strip()
-        if isinstance(r.budget, int) and not isinstance(r.budget, bool):
-            series[r.model].setdefault(label, []).append((r.budget, r.avg))  # type: ignore[arg-type]
-        else:
-            flat[r.model].append((label, r.avg))  # type: ignore[arg-type]
-    if not any(len(pts) > 1 for s in series.values() for pts in s.values()):
+        for task, e in r.entries.items():
+            if not is_num(e.average):
+                continue
+            if isinstance(r.budget, int) and not isinstance(r.budget, bool):
+                series[r.model, task].setdefault(label, []).append((r.budget, e.average))  # type: ignore[arg-type]
+            else:
+                flat[r.model, task].append((label, e.average))  # type: ignore[arg-type]
+    panels = [k for k in panels if any(len(pts) > 1 for pts in series[k].values())]
+    if not panels:
         return None
     import matplotlib
 
     colors = matplotlib.colormaps["tab20"].colors  # up to 20 distinct series; markers tell repeats apart
     markers = "osD^v<>ph*"
-    fig = _figure(6.4 * len(models), 3.8, layout="constrained")
-    axes = fig.subplots(1, len(models), squeeze=False)[0]
-    for ax, m in zip(axes, models):
-        for i, (label, pts) in enumerate(series[m].items()):
+    fig = _figure(6.4 * len(panels), 3.8, layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (m, task) in zip(axes, panels):
+        for i, (label, pts) in enumerate(series[m, task].items()):
             pts.sort()
             ax.plot([b for b, _ in pts], [v for _, v in pts], marker=markers[i % len(markers)],
                     color=colors[i % len(colors)], label=label)
-        for label, v in flat[m]:
+        for label, v in flat[m, task]:
             ax.axhline(v, linestyle="--", color="black", linewidth=1, label=label)
-        budgets = sorted({b for pts in series[m].values() for b, _ in pts})
-        if budgets:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(budgets, [str(b) for b in budgets])
+        budgets = sorted({b for pts in series[m, task].values() for b, _ in pts})
+        ax.set_xscale("log", base=2)
+        close = any(b2 / b1 < 1.5 for b1, b2 in zip(budgets, budgets[1:]))  # neighbouring labels would overlap
+        ax.set_xticks(budgets, [str(b) for b in budgets], rotation=45 if close else 0)
         ax.set_xlabel("budget N (tokens)")
-        ax.set_ylabel("Avg")
-        tasks = dict.fromkeys(t for r in rep.rows if r.model == m for t in r.entries)
-        ax.set_title(f"{m}: Avg of {', '.join(tasks)} vs budget", fontsize=9)
+        ax.set_ylabel(f"{task} average")
+        ax.set_title(f"{m}: {task} average vs budget", fontsize=9)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # beside the lines
     path = out_dir / "score_vs_budget.png"
     fig.savefig(path, dpi=110)
