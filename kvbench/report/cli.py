@@ -50,7 +50,7 @@ def _entries_from_metrics(results: Iterable[dict[str, Any]]) -> list[Entry]:
 
 
 def metrics_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Scores and speed side by side, one row per metrics dict (the `policy=compare` table)."""
+    """Scores and speed side by side, one row per metrics dict (the table `kvbench` prints after its runs)."""
     rep = build_report(_entries_from_metrics(results))
     s_head, s_body = score_table(rep, paper_style=False)
     head = [*s_head, *SPEED_HEAD]
