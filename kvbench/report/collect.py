@@ -121,14 +121,18 @@ def _settings(run: Run) -> dict[str, Any]:
         flat["block"] = NA if block is None else block
     except ValueError:
         pass
-    # Which settings the run's policy uses, as the run recorded it (metrics.json `applies`); runs from before that
-    # field: the full cache (the one policy that never evicts and reads the prompt in one forward) uses none.
-    full = m.get("policy") == "full"
-    applies = m.get("applies") or {"budget": not full, "protocol": not full, "block": not full}
-    for k in ("budget", "protocol", "block"):
-        if not applies.get(k, True):
+    for k, used in applies(m).items():
+        if not used:
             flat[k] = NA
     return flat
+
+
+def applies(metrics: dict[str, Any]) -> dict[str, bool]:
+    """Which of budget, protocol and block the run's policy uses, as the run recorded it (metrics.json `applies`);
+    runs from before that field: the full cache (the one policy that never evicts and reads the prompt in one
+    forward) uses none, every other policy all three."""
+    uses = metrics.get("policy") != "full"
+    return {"budget": uses, "protocol": uses, "block": uses, **(metrics.get("applies") or {})}
 
 
 def _merge_key(run: Run) -> str:
@@ -200,8 +204,7 @@ def merge_shards(runs: Sequence[Run], root: Path, notes: list[str]) -> Entry:
         entry.scores = task.aggregate(records)
         entry.average = task_average(task, entry.scores)
         budget = cfg.get("budget")
-        evicts = (shards[0].metrics.get("applies") or {}).get("budget", shards[0].metrics.get("policy") != "full")
-        entry.stats = summarize(records, budget, bool(evicts))
+        entry.stats = summarize(records, budget, applies(shards[0].metrics)["budget"])  # evicts iff it has a budget
     except Exception as e:  # noqa: BLE001 - any failure: fall back to sample-weighted shard means, say so
         weights = [float((r.metrics.get("stats") or {}).get("samples") or 0) for r in shards]
         wsum = sum(weights) or 1.0

@@ -67,7 +67,8 @@ def validate_overrides(argv: list[str]) -> str | None:
         return _first_line(e)
     searchpath = [o for o in parsed if o.key_or_group == "hydra.searchpath"]
     dirs = conf_dirs(searchpath[-1].value() if searchpath else ())
-    plain = [o.input_line for o in searchpath[-1:]]  # composing needs the user's config directories too
+    searchpath_lines = [o.input_line for o in searchpath[-1:]]  # composing needs the user's config directories too
+    plain = list(searchpath_lines)
     for o in parsed:
         key = o.key_or_group
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
@@ -87,7 +88,7 @@ def validate_overrides(argv: list[str]) -> str | None:
             cfg = compose(config_name="config", overrides=plain, return_hydra_config=True)
             if "-m" in argv or "--multirun" in argv:
                 return _preflight(compose, cfg, [o for o in overrides if not o.lstrip("+~").startswith("hydra")], dirs,
-                                  plain[:len(searchpath[-1:])])
+                                  searchpath_lines)
     except Exception as e:  # noqa: BLE001 - any compose failure is reported as one line
         return _first_line(e)
     finally:
