@@ -6,19 +6,20 @@
 #   scripts/claims.sh                 # after scripts/niah_grid.sh (and ideally scripts/ruler_4k.sh)
 #   QUICK=1 scripts/claims.sh         # one 500-token cell per configuration (scratch output only)
 #
-# Extra configurations run here (NIAH: built-in filler haystack, 2000-token contexts, depths 0-100 %, 32 new
-# tokens; budgets are absolute token counts, the papers' fractions of a ~1900-token prompt):
-#   K-norm vs Random (K-norm): one compression after the prompt (paper/kvpress: prefill_once), layers 0-1 kept
-#     whole, N = 1024 and 512 (about 54 % and 27 % of the prompt kept).
-#   CriticalKV on SnapKV and AdaKV: prefill_once as in CriticalKV Alg. 2 / kvpress, max pooling, N = 256 and 512.
+# Each claim runs with the settings of the paper that makes it (docs/policies.md, "Baselines as each paper runs
+# them"). NIAH claims use the NIAH grid's samples (NIAH_2K in lib.sh: 2000 tokens of the essays, depths 10/50/90 %,
+# 5 needles per cell), so every run pairs with the grid's full cache and with each other on the same 15 samples;
+# budgets are absolute token counts, the papers' fractions of a ~1900-token prompt:
+#   K-norm vs Random (K-norm): one compression after the prompt (prefill_once), layers 0-1 kept whole for both
+#     (random policy.skip_layers=[0,1]: equal compression), N = 1024 and 512.
+#   CriticalKV on SnapKV and AdaKV: prefill_once as in CriticalKV Alg. 2, max pooling, window 32, N = 256 and 512.
 #   SAGE-KV vs StreamingLLM (SAGE-KV): one selection after the prompt, eviction at every decoding step
-#     (prefill_once_decode_evict), N = 256 and 512.
-#   HashEvict vs H2O (HashEvict): RULER niah_multikey_1 and cwe at 4K (the paper's Figure 5 tasks), N = 1229 and 2048
-#     (30 % and 50 % of 4K), block-wise; the paper hashes token by token (B = 1), kvbench's B = 128 is its faster
-#     approximation (B = 1 on a 4K prompt is 4096 forwards: not affordable on a 2-core CPU).
-# From the NIAH grid: KeyDiff vs TOVA/SnapKV/H2O under block-wise processing (KeyDiff), StreamingLLM on mid-context
-# needles. On a kvbench without the `protocol` setting, prefill_once and prefill_once_decode_evict both fall back
-# to block=null (one forward, one eviction, then eviction at every decoding step); the table says which ran.
+#     (prefill_once_decode_evict), the same N = 256 and 512.
+#   HashEvict vs H2O (HashEvict): RULER niah_multikey_1 and cwe at 4K (the paper's Figure 5 tasks), 10 samples each,
+#     N = 1229 and 2048 (30 % and 50 % of 4K), block-wise; the first 4 and latest 10 tokens protected for both
+#     (HashEvict §4); the paper hashes token by token (B = 1), kvbench's B = 128 is its faster approximation.
+# From the NIAH grid and the RULER table: KeyDiff vs TOVA/SnapKV/H2O under block-wise processing (KeyDiff App. B.2).
+# CPU budget: 16 NIAH runs x 15 samples x ~9 s + 5 RULER runs x 20 samples x ~18 s = ~65 CPU-min.
 NAME=claims
 source "$(dirname "$0")/lib.sh"
 
@@ -33,11 +34,11 @@ protocol() {
 [[ -n "$PROTOCOL" ]] && echo "[claims] PROTOCOL=$PROTOCOL is ignored: each claim uses its paper's protocol" >&2
 PROTO_ARGS=()
 
-NIAH=(task=niah "task.context_lengths=[2000]" "task.depths=[0,25,50,75,100]" task.max_new_tokens=32)
-RULER=(task=ruler "task.tasks=[niah_multikey_1,cwe]" "task.lengths=[4096]" task.num_samples=${SAMPLES:-2})
+NIAH=("${NIAH_2K[@]}")
+RULER=(task=ruler "task.tasks=[niah_multikey_1,cwe]" "task.lengths=[4096]" task.num_samples=${SAMPLES:-10})
 KNORM_BUDGETS=1024,512; CKV_BUDGETS=256,512; SAGE_BUDGETS=256,512; HASH_BUDGETS=1229,2048
 if [[ "$QUICK" == 1 ]]; then
-    NIAH=(task=niah "task.context_lengths=[500]" "task.depths=[50]" task.max_new_tokens=32)
+    NIAH=(task=niah "task.context_lengths=[1000]" "task.depths=[50]" task.samples_per_cell=2 task.max_new_tokens=32)
     RULER=(task=ruler "task.tasks=[niah_multikey_1]" "task.lengths=[1024]" task.num_samples=1)
     KNORM_BUDGETS=256; CKV_BUDGETS=256; SAGE_BUDGETS=256; HASH_BUDGETS=512
 fi
@@ -46,7 +47,9 @@ start_run
 read -ra P_ONCE <<< "$(protocol prefill_once)"
 read -ra P_ONCE_DEC <<< "$(protocol prefill_once_decode_evict)"
 read -ra P_BLOCK <<< "$(protocol blockwise)"
-sweep 0 "${NIAH[@]}" "${P_ONCE[@]}" policy=knorm,random "budget=$KNORM_BUDGETS" "hydra.sweep.dir=$RUNS/knorm_random"
+sweep 0 "${NIAH[@]}" "${P_ONCE[@]}" policy=knorm "budget=$KNORM_BUDGETS" "hydra.sweep.dir=$RUNS/knorm_random"
+sweep 0 "${NIAH[@]}" "${P_ONCE[@]}" policy=random "policy.skip_layers=[0,1]" "budget=$KNORM_BUDGETS" \
+    "hydra.sweep.dir=$RUNS/knorm_random"
 # (One policy per command where a policy option is set: Hydra applies non-sweep overrides to the default policy
 # before it expands a policy sweep. criticalkv and adakv pool with max by default; the snapkv preset uses avg.)
 sweep 1 "${NIAH[@]}" "${P_ONCE[@]}" policy=snapkv policy.pooling=max "budget=$CKV_BUDGETS" \
@@ -57,7 +60,9 @@ sweep 1 "${NIAH[@]}" "${P_ONCE[@]}" policy=criticalkv policy.base=adakv "budget=
     "hydra.sweep.dir=$RUNS/criticalkv_adakv"
 sweep 0 "${NIAH[@]}" "${P_ONCE_DEC[@]}" policy=sagekv,streamingllm "budget=$SAGE_BUDGETS" \
     "hydra.sweep.dir=$RUNS/sagekv_streamingllm"
-sweep 1 "${RULER[@]}" "${P_BLOCK[@]}" policy=hashevict,h2o "budget=$HASH_BUDGETS" "hydra.sweep.dir=$RUNS/hashevict_h2o"
+sweep 1 "${RULER[@]}" "${P_BLOCK[@]}" policy=hashevict "budget=$HASH_BUDGETS" "hydra.sweep.dir=$RUNS/hashevict_h2o"
+sweep 1 "${RULER[@]}" "${P_BLOCK[@]}" policy=h2o policy.n_sink=4 policy.n_recent=10 "budget=$HASH_BUDGETS" \
+    "hydra.sweep.dir=$RUNS/hashevict_h2o"
 sweep 0 "${RULER[@]}" "${P_BLOCK[@]}" policy=full budget=null "hydra.sweep.dir=$RUNS/hashevict_h2o"
 wait_workers
 

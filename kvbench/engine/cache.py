@@ -8,6 +8,7 @@ itself, in plain forwards and in `generate`. Kept keys keep their original rotat
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -200,6 +201,15 @@ class EvictingLayer(DynamicLayer):
         self.valid = valid
         self.pack()
 
+    def fork(self) -> EvictingLayer:
+        """An independent copy of this layer's state. K/V, positions and queries are only ever replaced, never
+        written in place, so the copy shares them; per-token policy state is written in place (set_block_state,
+        H2O's accumulator), so it is cloned."""
+        new = copy.copy(self)
+        new.state = {k: v.clone() for k, v in self.state.items()}
+        new.scratch = dict(self.scratch)
+        return new
+
     def kv_bytes(self) -> int:
         """Bytes of K and V held (exact: ragged layers hold no padding)."""
         if self.keys is None:
@@ -269,6 +279,16 @@ class EvictingCache(Cache):
         self.masks: dict[Any, torch.Tensor] = {}  # causal masks rebuilt for layers HF's mask does not fit (attention)
         # Latest queries to stash per layer (Policy.query_window; the runner raises it to 1 for diagnostics).
         self.query_window = policy.query_window if policy is not None else 0
+
+    def fork(self) -> EvictingCache:
+        """A copy that evolves independently from here on, with its own copy of the policy (a stochastic policy's
+        generator included): the graded score's teacher-forced branch runs on it while the greedy decode goes on
+        unchanged in this cache. Costs no K/V copy (see EvictingLayer.fork)."""
+        new = copy.copy(self)
+        new.layers = [layer.fork() if isinstance(layer, EvictingLayer) else copy.copy(layer) for layer in self.layers]
+        new.policy = copy.deepcopy(self.policy)
+        new.masks = dict(self.masks)
+        return new
 
     def start_decoding(self) -> None:
         for layer in self.evicting_layers():

@@ -54,6 +54,8 @@ class GenerationResult:
     diagnostics: dict[str, Any] | None = None  # Diagnostics.summary() when diagnostics were asked for
     evict_prefill_s: float = 0.0  # eviction time inside prefill_s
     evict_decode_s: float = 0.0  # eviction time inside decode_s
+    answer_logprob: float | None = None  # mean log-probability per token (nats) of `answer_ids`, when given
+    graded_s: float = 0.0  # time of that teacher-forced branch (not in prefill_s nor decode_s)
 
 
 def greedy_processors(model: Any, prompt: torch.Tensor, stop_ids: Iterable[int] = (), min_new_tokens: int = 0,
@@ -117,7 +119,7 @@ class Observer:
 def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None, max_new_tokens: int,
              stop_ids: Iterable[int] = (), min_new_tokens: int = 0, context_tokens: int | None = None,
              scenario: str = "question_aware", protocol: str = "blockwise", diagnostics: Iterable[str] = (),
-             observer: Observer | None = None) -> GenerationResult:
+             observer: Observer | None = None, answer_ids: list[int] | None = None) -> GenerationResult:
     """Greedy generation through a policy-managed cache.
 
     Greedy = what `model.generate(do_sample=False)` picks: the generation_config's processors apply
@@ -125,6 +127,10 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
     (PROTOCOLS) says whether the prompt goes in blocks (else `block` is ignored) and whether decoding steps evict.
     `context_tokens` with scenario=context_only: the prompt's first tokens that eviction applies to (the question
     after them is never evicted). `diagnostics` names kvbench.engine.diagnostics measures taken at every eviction.
+    `answer_ids`: a gold continuation whose mean log-probability per token (the graded score) is measured by
+    teacher forcing it after the prompt through a fork of the cache taken when the prompt is done, so it sees the
+    same cache, protocol and evictions as the greedy decode, which it leaves untouched; the log-probabilities are
+    the model's own (before the logits processors), as in a teacher-forced forward of prompt + answer.
     """
     obs = observer or Observer()
     clock, forced = obs.clock, obs.forced
@@ -179,6 +185,7 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
         prefill_s = clock() - t0
 
         cache.start_decoding()
+        branch = (cache.fork(), logits) if answer_ids else None
         new: list[int] = []
         steps = 0
         t0 = clock()
@@ -199,8 +206,34 @@ def generate(model: Any, policy: Policy, input_ids: list[int], block: int | None
             steps += 1
         _sync(device)
         decode_s = clock() - t0
+    answer_logprob, graded_s = None, 0.0
+    if branch is not None:
+        t0 = clock()
+        answer_logprob = teacher_forced_logprob(model, *branch, answer_ids, decode_evicts)
+        graded_s = clock() - t0
     return GenerationResult(tokens=new, prompt_tokens=T, prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps,
                             evict_s=timing["prefill"] + timing["decode"], evict_prefill_s=timing["prefill"],
                             evict_decode_s=timing["decode"], peak_kv_tokens=cache.peak_tokens(),
                                                                                               kv_bytes_peak=peak_bytes,
-                            trace=traces, diagnostics=diag.summary() if diag is not None else None)
+                            trace=traces, diagnostics=diag.summary() if diag is not None else None,
+                            answer_logprob=answer_logprob, graded_s=graded_s)
+
+
+def teacher_forced_logprob(model: Any, cache: EvictingCache, logits: torch.Tensor, answer_ids: list[int],
+                           evicts: bool) -> float:
+    """Mean log-probability per token (nats) of `answer_ids` fed one by one into `cache` (a fork taken after the
+    prompt; its own policy copy evicts after every token when `evicts`), `logits` (1, vocab) the prompt's last."""
+    device = logits.device
+    logps: list[torch.Tensor] = []  # one 0-d tensor per answer token; a single host sync at the end
+    with attention.active(cache):
+        for k, tok in enumerate(answer_ids):
+            logps.append(torch.log_softmax(logits[0], dim=-1)[tok])
+            if k + 1 == len(answer_ids):
+                break
+            out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+            logits = out.logits[:, -1].float()  # (1, vocab)
+            if evicts and not cache.frozen and cache.policy.evicts:
+                for layer in cache.evicting_layers():
+                    cache.policy.evict(layer, None)
+    return float(torch.stack(logps).mean())

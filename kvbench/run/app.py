@@ -192,6 +192,8 @@ def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: S
         "applies": {"budget": policy.evicts, "protocol": policy.evicts,
                     "block": policy.evicts or not policy.single_pass_prefill},
         "scores": scores, "average": task_average(task, scores),
+        # How each score is built from the samples (kvbench-report's standard errors and paired tests read it).
+        "composition": task.composition(records), "graded": settings.graded,
         "stats": summarize(records, settings.budget, policy.evicts),
         "provenance": provenance(loaded, task),
     }

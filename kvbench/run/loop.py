@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvbench.engine.generate import GenerationResult, Observer, generate
+from kvbench.metrics.degenerate import is_degenerate
 from kvbench.policies.base import Policy
 from kvbench.policies.full import Full
 from kvbench.run.settings import RunSettings
@@ -101,13 +102,28 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
                            stop_ids=sample.stop_token_ids if sample.stop_token_ids is not None else default_stop,
                            min_new_tokens=sample.min_new_tokens, context_tokens=sample.context_tokens,
                            scenario=settings.scenario, diagnostics=settings.diagnostics,
-                           protocol=settings.protocol)
+                           protocol=settings.protocol,
+                           answer_ids=answer_token_ids(tokenizer, sample, task) if settings.graded else None)
             prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
             record = make_record(sample, prediction, res, task.score(sample, prediction), settings)
         append_record(pred_path, record)
         records.append(record)
     order = {s.id: k for k, s in enumerate(samples)}
     return sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]])
+
+
+def answer_token_ids(tokenizer: Any, sample: Sample, task: Task) -> list[int] | None:
+    """The graded score's gold continuation as token ids: the task's graded answer, tokenized without special
+    tokens, with one space in front when neither the prompt's last token nor the answer supplies whitespace (an
+    answer follows "...context:" as " eat a sandwich ...", not "eat a sandwich ...")."""
+    text = task.graded_answer(sample)
+    if not text:
+        return None
+    last = tokenizer.decode(sample.input_ids[-1:]) if sample.input_ids else ""
+    if last and not last[-1].isspace() and not text[0].isspace():
+        text = " " + text
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    return ids or None
 
 
 def _reference_sample(model: Any, tokenizer: Any, policy: Policy, task: Task, sample: Sample,
@@ -142,8 +158,13 @@ def make_record(sample: Sample, prediction: str, res: GenerationResult, score: f
         "prompt_tokens": res.prompt_tokens, "new_tokens": len(res.tokens),
         "prefill_s": round(res.prefill_s, 6), "decode_s": round(res.decode_s, 6), "decode_steps": res.decode_steps,
         "evict_s": round(res.evict_s, 6), "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak,
+        # The generated ids (agreement with the full cache, first divergence) and whether the output collapsed.
+        "tokens": list(res.tokens), "degenerate": is_degenerate(prediction, res.tokens),
+        "answer_logprob": None if res.answer_logprob is None else round(res.answer_logprob, 6),
         "meta": sample.meta,
     }
+    if res.answer_logprob is not None:
+        rec["graded_s"] = round(res.graded_s, 6)
     if res.diagnostics is not None:
         rec["diagnostics"] = res.diagnostics
     if settings.save_prompts:
@@ -170,4 +191,7 @@ def summarize(records: list[dict[str, Any]], budget: int | None, evicts: bool) -
         "peak_kv_tokens": max((r["peak_kv_tokens"] for r in records), default=0),
         "kv_bytes_peak": max((r["kv_bytes_peak"] for r in records), default=0),
         "compression_ratio": round(sum(ratio) / len(ratio), 6) if ratio else None,
+        # Outputs that collapsed (empty, whitespace, one token or n-gram repeated): records from before the field
+        # count as not degenerate.
+        "degenerate": sum(1 for r in records if r.get("degenerate")),
     }

@@ -40,6 +40,7 @@ class RunSettings:
     shard: tuple[int, int] | None = None  # (i, n): samples with index % n == i
     diagnostics: tuple[str, ...] = ()
     seed: int = 0
+    graded: bool = True  # measure the graded score (answer_logprob): one teacher-forced branch per sample
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> RunSettings:
@@ -67,12 +68,19 @@ class RunSettings:
             shard = (i, n)
         return cls(budget=budget, block=block, protocol=protocol, scenario=scenario,
                    save_prompts=bool(cfg.get("save_prompts")), shard=shard,
-                   diagnostics=tuple(cfg.get("diagnostics") or ()), seed=int(cfg.get("seed", 0)))
+                   diagnostics=tuple(cfg.get("diagnostics") or ()), seed=int(cfg.get("seed", 0)),
+                   graded=_flag("graded", cfg.get("graded", True)))
 
     def recorded(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """`cfg` as the run records it (config.yaml, resume key, metrics): the canonical protocol, and null for a
         block the protocol ignores."""
         return dict(cfg, protocol=self.protocol, block=self.block)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 def instantiate(spec: dict[str, Any], **extra: Any) -> Any:

@@ -71,6 +71,18 @@ class Task(ABC):
         and `meta` (the sample's meta). Records come in sample order.
         """
 
+    def composition(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """How each score of `aggregate(records)` is built, for standard errors and paired tests in the report
+        (which never rebuilds a Task): score name -> {"samples": [ids]} when the score is the plain mean of those
+        records' `score`, or {"mean_of": [score names]} when it is the plain mean of other scores. Scores left out
+        (none by default) are shown without an uncertainty."""
+        return {}
+
+    def graded_answer(self, sample: Sample) -> str | None:
+        """The gold continuation whose log-probability the graded score measures (teacher-forced after the prompt):
+        by default the first answer; None = no graded score for this sample."""
+        return sample.answers[0] if sample.answers else None
+
     def score_reference(self, sample: Sample, ref_tokens: list[int], ref_logprobs: Any,
                         test_logprobs: Any) -> dict[str, Any]:
         """For `needs_reference` tasks: compare the policy's teacher-forced next-token log-probabilities
@@ -88,6 +100,17 @@ class Task(ABC):
         Returns extra entries for metrics.json (e.g. {"notes": [...]}); default: nothing.
         """
         return {}
+
+
+def group_ids(records: list[dict[str, Any]], key: Any) -> dict[str, dict[str, Any]]:
+    """{name: {"samples": [ids]}} grouping records by `key(record)` (a score name, or None to leave it out), in
+    record order: the `composition` entry of scores that are plain means over their samples."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in records:
+        name = key(r)
+        if name is not None:
+            out.setdefault(name, {"samples": []})["samples"].append(r["id"])
+    return out
 
 
 def decode_text(data: bytes, where: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from kvbench.metrics import get_metric
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, read_jsonl
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids, read_jsonl
 from kvbench.tasks.haystack import encode_prompt
 
 
@@ -70,6 +70,9 @@ class JsonlTask(Task):
 
     def score(self, sample: Sample, prediction: str) -> float:
         return get_metric("substring_any")(prediction, sample.answers)
+
+    def composition(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return group_ids(records, lambda r: "jsonl")
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
         return {"jsonl": sum(r["score"] for r in records) / len(records)} if records else {}

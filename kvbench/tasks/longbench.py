@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from kvbench.metrics import get_metric
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, parse_jsonl, read_bytes
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids, parse_jsonl, read_bytes
 from kvbench.tasks.haystack import encode_prompt
 
 HF_REPO_ID = "THUDM/LongBench"  # now zai-org/LongBench; the hub redirects
@@ -283,6 +283,25 @@ class LongBench(Task):
                 out[ds] = scorer(ds, preds, answers, lengths, all_classes, fuzz_backend=self.fuzz_backend)
             else:
                 out[ds] = scorer(ds, preds, answers, all_classes, fuzz_backend=self.fuzz_backend)
+        return out
+
+    def composition(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Dataset scores (LongBench-E: dataset x length bucket) are sample means; the category means, avg_en16 and
+        avg_selected are means of dataset scores. The leaderboard averages (means of category means with the
+        Chinese code special case) are left without an uncertainty."""
+        from kvbench.metrics.longbench import EN16, EN_CATEGORIES, length_bucket
+
+        if self.e_variant:
+            return group_ids(records, lambda r: f"{r['meta']['dataset']}:{length_bucket(r['meta']['length'])}")
+        out = group_ids(records, lambda r: r["meta"]["dataset"])
+        for cat, members in EN_CATEGORIES.items():
+            if all(d in out for d in members):
+                out[f"cat:{cat}"] = {"mean_of": list(members)}
+        if all(d in out for d in EN16):
+            out["avg_en16"] = {"mean_of": list(EN16)}
+        datasets = [k for k, v in out.items() if "samples" in v]
+        if datasets:
+            out["avg_selected"] = {"mean_of": datasets}
         return out
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:

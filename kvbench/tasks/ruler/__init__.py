@@ -10,9 +10,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError
-from kvbench.tasks.haystack import (chat_wrapper, encode_prompt, filler_text, haystack_label, prefix_token_count,
-                                    read_haystack_dir)
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids
+from kvbench.tasks.haystack import (HAYSTACKS, Haystack, chat_wrapper, encode_prompt, filler_text, load_haystack,
+                                    prefix_token_count)
 from kvbench.tasks.haystack import sentence_splitter as pick_splitter
 from kvbench.tasks.ruler.constants import METRIC, RULER_COMMIT, TASKS, TEMPLATES
 from kvbench.tasks.ruler.qa import gen_qa, load_json, read_hotpotqa, read_squad
@@ -26,7 +26,7 @@ class Ruler(Task):
     average_key = "avg"
 
     def __init__(self, tasks: Sequence[str] = tuple(TASKS), lengths: Sequence[int] = (4096,), num_samples: int = 25,
-                 haystack_dir: str | None = None, squad_path: str | None = None, hotpot_path: str | None = None,
+                 haystack: str = "essays", haystack_dir: str | None = None, squad_path: str | None = None, hotpot_path: str | None = None,
                  cwe_words_path: str | None = None, sentence_splitter: str = "auto", filler_seed: int = 0) -> None:
         unknown = [t for t in tasks if t not in TASKS]
         if unknown:
@@ -36,7 +36,10 @@ class Ruler(Task):
         if int(num_samples) < 1:
             raise TaskError(f"ruler: num_samples must be >= 1, got {num_samples}")
         self.tasks, self.lengths, self.num_samples = list(tasks), [int(x) for x in lengths], int(num_samples)
-        self.haystack_dir, self.filler_seed = haystack_dir or None, int(filler_seed)
+        if haystack not in HAYSTACKS:
+            raise TaskError(f"unknown ruler haystack '{haystack}'; choose one of: {', '.join(HAYSTACKS)}")
+        self.haystack, self.haystack_dir, self.filler_seed = haystack, haystack_dir or None, int(filler_seed)
+        self._source: Haystack | None = None
         self.paths = {"squad": squad_path or None, "hotpotqa": hotpot_path or None}
         self.cwe_words_path = cwe_words_path or None
         self.splitter = sentence_splitter
@@ -58,9 +61,9 @@ class Ruler(Task):
 
     def _essay_words(self, n: int) -> list[str]:
         """The first n words of the essay haystack (`re.sub(r"\\s+", " ", text).split(" ")`), repeated cyclically."""
-        if self.haystack_dir:
+        if self.haystack_dir or self.haystack == "essays":
             if self._essay is None:
-                self._essay = re.sub(r"\s+", " ", read_haystack_dir(self.haystack_dir)).split(" ")
+                self._essay = re.sub(r"\s+", " ", self.source().text).split(" ")
             words = self._essay
             return words[:n] if n <= len(words) else (words * -(-n // len(words)))[:n]
         # The built-in filler is an endless stream: take more of it instead of repeating.
@@ -68,6 +71,18 @@ class Ruler(Task):
             self._essay = re.sub(r"\s+", " ", filler_text(max(n, 2 * len(self._essay or [])),
                                                           seed=self.filler_seed)).split(" ")
         return self._essay[:n]
+
+    def source(self) -> Haystack:
+        """The essay haystack's label and provenance (and text, for essays or a directory), read once."""
+        if self._source is None:
+            self._source = load_haystack(self.haystack, self.haystack_dir, 0, self.filler_seed)
+        return self._source
+
+    def _uses_essays(self) -> bool:
+        return any(TASKS[t][1].get("type_haystack") == "essay" for t in self.tasks)
+
+    def provenance(self) -> dict[str, Any]:
+        return {"haystack": self.source().provenance} if self._uses_essays() else {}
 
     def _cwe_extra_words(self) -> list[str]:
         if not self.cwe_words_path:
@@ -149,11 +164,32 @@ class Ruler(Task):
         out["avg"] = round(sum(out[f"L{L}"] for L in lengths) / len(lengths), 2) if lengths else 0.0
         return out
 
+    def composition(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        cell = lambda r: (r["meta"]["task"], int(r["meta"]["length"]))  # noqa: E731
+        lengths = sorted({cell(r)[1] for r in records})
+        tasks = list(dict.fromkeys(cell(r)[0] for r in records))
+        tasks = [t for t in self.tasks if t in tasks] + sorted(set(tasks) - set(self.tasks))
+        if len(lengths) == 1:  # the task score is its one cell
+            out = group_ids(records, lambda r: r["meta"]["task"])
+            per_length = {f"L{lengths[0]}": {"mean_of": [t for t in tasks if t in out]}}
+        else:
+            out = group_ids(records, lambda r: f"{r['meta']['task']}_L{r['meta']['length']}")
+            per_length = {f"L{L}": {"mean_of": [f"{t}_L{L}" for t in tasks if f"{t}_L{L}" in out]} for L in lengths}
+            out.update({t: {"mean_of": [f"{t}_L{L}" for L in lengths if f"{t}_L{L}" in out]} for t in tasks})
+        out.update(per_length)
+        if lengths:
+            out["avg"] = {"mean_of": list(per_length)}
+        return out
+
+    def graded_answer(self, sample: Sample) -> str | None:
+        # Every expected value, in order, as the answer prefix's continuation lists them.
+        return ", ".join(sample.answers) if sample.answers else None
+
     def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float],
                  label: str = "") -> dict[str, Any]:
         notes = [f"ruler: generation rules of NVIDIA/RULER@{RULER_COMMIT[:7]} (docs/ruler.md); seed per (task, length)"]
-        if any(TASKS[t][1].get("type_haystack") == "essay" for t in self.tasks):
-            notes.append(f"ruler essay haystack: {haystack_label(self.haystack_dir)}; sentence splitter: "
+        if self._uses_essays():
+            notes.append(f"ruler essay haystack: {self.source().label}; sentence splitter: "
                          f"{pick_splitter(self.splitter)[0]}")
         for t, why in self.skipped().items():
             notes.append(f"ruler {t}: {why}; L* and avg exclude it")
