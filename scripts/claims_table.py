@@ -7,11 +7,15 @@ CLAIM_RUNS is scripts/claims.sh's scratch directory (one sub-directory per claim
 hold the runs of scripts/niah_grid.sh and scripts/ruler_4k.sh (scratch or the committed results/*/runs/). A
 claim whose runs are missing is listed as "not run". Writes OUT_DIR/claims.md and OUT_DIR/claims.csv.
 
-Verdicts compare averages at equal budget: "holds" when the claimed winner scores higher at every budget,
-"partly" when higher at some budgets and tied at the others, "mixed" when higher at some and lower at others,
-"tie" when equal everywhere, "does not hold" otherwise. With 5-20 samples
-per number, a difference of one sample (5-20 points) is within noise: the numbers are printed next to the
-verdict so a reader can judge.
+Verdicts of "A beats B" claims come from paired comparisons at equal budget: the two runs' average score (NIAH:
+the mean over all cells; RULER: the mean of the per-length task means) over the samples both ran, its 95 % paired
+bootstrap interval and the paired test (exact McNemar for 0/100 scores, else sign flips; kvbench.metrics.stats).
+A comparison is resolved when the interval excludes 0 and p < 0.05. "holds": resolved in the claimed direction at
+every budget (and against every named rival); "reversed": resolved the other way at some budget; otherwise
+"not resolved (n = ...)". The last column gives the smallest difference those n could resolve: with 0/100 scores
+the exact McNemar test needs at least 6 discordant pairs all one way (2 * 0.5^6 = 0.031 < 0.05), so 100 * 6 / n
+points. Runs without per-sample data (written before metrics.json had `composition`) cannot be paired: their
+verdict reads "no paired runs found" and the numbers are the plain averages.
 """
 
 from __future__ import annotations
@@ -22,9 +26,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvbench.metrics.stats import PairedResult, mcnemar_min_discordant, resolved
 from kvbench.report.collect import Entry, collect_entries
+from kvbench.report.paired import compare_entries
 from kvbench.report.tables import CELL
 from kvbench.run.labels import NA
+
+HEAD = ["claim", "paper", "setting", "numbers", "holds?", "smallest resolvable difference"]
 
 
 def entries(root: Path) -> list[Entry]:
@@ -52,22 +60,44 @@ def fmt(v: float | None) -> str:
 
 
 def verdict(wins: list[int]) -> str:
-    """wins: per budget, +1 (claimed winner higher), 0 (tie), -1 (lower)."""
+    """Threshold claims (not "A beats B"): wins per budget, +1 (met), -1 (not met)."""
     if not wins:
         return "not run"
     if all(w > 0 for w in wins):
         return "holds"
-    if any(w > 0 for w in wins) and not any(w < 0 for w in wins):
-        return "partly (ties elsewhere)"
     if any(w > 0 for w in wins):
         return "mixed"
-    if all(w == 0 for w in wins):
-        return "tie (no difference)"
     return "does not hold"
 
 
-def sign(a: float, b: float) -> int:
-    return (a > b) - (a < b)
+def paired_verdict(results: list[PairedResult | None]) -> str:
+    """results: winner - rival per (budget, rival); None where the two runs cannot be paired."""
+    found = [r for r in results if r is not None]
+    if not found:
+        return "no paired runs found"
+    signs = [resolved(r) for r in found]
+    if any(s < 0 for s in signs):
+        return "reversed"
+    if len(found) == len(results) and all(s > 0 for s in signs):
+        return "holds"
+    ns = "/".join(str(n) for n in dict.fromkeys(r.n for r in found))
+    missing = "" if len(found) == len(results) else f"; {len(results) - len(found)} comparison(s) without paired runs"
+    return f"not resolved (n = {ns}{missing})"
+
+
+def resolvable(results: list[tuple[PairedResult, bool] | None]) -> str:
+    """The smallest difference the claim's smallest n could resolve (0/100 scores: exact McNemar, every
+    discordant pair in the claimed direction)."""
+    found = [r for r in results if r is not None]
+    if not found:
+        return "-"
+    n = min(r.n for r, _ in found)
+    if not all(binary for _, binary in found):
+        return f"n = {n} (graded scores: no closed-form bound)"
+    k = mcnemar_min_discordant()
+    if n < k:
+        return f"needs n >= {k} (n = {n})"
+    return f"{100 * k / n:.0f} points ({k} of n = {n} samples one way)"
 
 
 def setting_text(e: Entry) -> str:
@@ -99,22 +129,30 @@ def pairwise(name: str, paper: str, what: str, winner: dict[Any, Entry], others:
              extra: str = "", full: Entry | None = None) -> dict[str, str]:
     budgets = sorted(b for b in winner if all(b in o for o in others.values()))
     if not budgets:
-        return {"claim": name, "paper": paper, "setting": what, "numbers": "-", "holds?": "not run"}
-    wins, parts = [], []
+        return {"claim": name, "paper": paper, "setting": what, "numbers": "-", "holds?": "not run",
+                "smallest resolvable difference": "-"}
+    parts, results = [], []
     for b in budgets:
-        w = winner[b].average or 0.0
-        line = [f"N={b}: {winner[b].policy} {fmt(w)}"]
+        w = winner[b]
+        line = [f"N={b}: {w.policy} {fmt(w.average)}"]
         for label, o in others.items():
-            line.append(f"{label} {fmt(o[b].average)}")
+            r = compare_entries(w, o[b])  # the average score, over the samples both ran
+            results.append(r)
+            text = f"{label} {fmt(o[b].average)}"
+            if r is not None:
+                p = r[0]
+                text += f" (diff {p.diff:+.1f} [{p.ci_low:+.1f}, {p.ci_high:+.1f}], p = {p.p_value:.2g}, n = {p.n})"
+            line.append(text)
         parts.append(", ".join(line))
-        wins.append(min(sign(w, o[b].average or 0.0) for o in others.values()))
     setting = f"{grid_text(winner[budgets[0]]) or what}; {setting_text(winner[budgets[0]])}"
     numbers = "; ".join(parts)
     if full is not None:
         numbers += f"; full cache {fmt(full.average)}"
     if extra:
         numbers += f"; {extra}"
-    return {"claim": name, "paper": paper, "setting": setting, "numbers": numbers or "-", "holds?": verdict(wins)}
+    return {"claim": name, "paper": paper, "setting": setting, "numbers": numbers or "-",
+            "holds?": paired_verdict([None if r is None else r[0] for r in results]),
+            "smallest resolvable difference": resolvable(results)}
 
 
 def prompt_tokens(e: Entry) -> dict[str, int]:
@@ -155,7 +193,7 @@ def streaming_mid_context(grid: list[Entry]) -> dict[str, str]:
             "paper": "StreamingLLM (baseline in KeyDiff, SAGE-KV, K-norm)",
             "setting": (f"{grid_text(first)}; {setting_text(first)}; " if first else "NIAH grid; ") +
                        "holds if mid-context (depths 25-75 %) <= 20 and depth 100 % >= mid + 50",
-            "numbers": "; ".join(parts) or "-", "holds?": verdict(ok)}
+            "numbers": "; ".join(parts) or "-", "holds?": verdict(ok), "smallest resolvable difference": "-"}
 
 
 def main(claim_runs: Path, niah_runs: Path, ruler_runs: Path, out: Path) -> list[dict[str, str]]:
@@ -222,7 +260,7 @@ def main(claim_runs: Path, niah_runs: Path, ruler_runs: Path, out: Path) -> list
             "RULER 4K, offline tasks, average", pick(ruler, "sagekv"), {"streamingllm": pick(ruler, "streamingllm")},
             full=next(iter(pick(ruler, "full").values()), None)))
     out.mkdir(parents=True, exist_ok=True)
-    head = ["claim", "paper", "setting", "numbers", "holds?"]
+    head = HEAD
     with (out / "claims.csv").open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=head)
         w.writeheader()
@@ -233,6 +271,10 @@ def main(claim_runs: Path, niah_runs: Path, ruler_runs: Path, out: Path) -> list
              f"Model: {model.model if model else '?'} ({src.get('package')} {src.get('package_version')}, "
              f"{src.get('quantization')} dequantized to {src.get('dequantized_to', 'float32')}); scores 0-100 "
              f"(NIAH: substring recall; RULER: string_match). N = budget in tokens per layer and KV head.", "",
+             "Verdicts: paired comparisons at equal budget over the samples both runs hold (diff = claimed winner - "
+             "rival, 95 % paired bootstrap interval, p from the exact McNemar test for 0/100 scores, else sign "
+             "flips); resolved = the interval excludes 0 and p < 0.05. holds = resolved for the claim at every "
+             "budget; reversed = resolved against it at some budget; otherwise not resolved.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r[h].replace("|", "/") for h in head) + " |" for r in rows]
     (out / "claims.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

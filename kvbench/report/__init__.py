@@ -2,8 +2,10 @@
 
 Every directory below DIR that holds a `metrics.json` is one run. Runs whose configurations differ only in
 `shard` are merged into one entry: their predictions are put back in sample order (shard i holds samples
-i, i+n, i+2n, ...) and the scores are recomputed by the task's own `aggregate`, the task being rebuilt from the
-run's `config.yaml`; speed and memory are recomputed from the merged records by `run.loop.summarize`.
+i, i+n, i+2n, ...) and the scores are recomputed from the merged records through metrics.json `composition` (which
+samples, or which scores, each score is the mean of); only scores outside it (older runs) need the task's own
+`aggregate`, the task being rebuilt from the run's `config.yaml`. Speed and memory are recomputed from the merged
+records by `run.loop.summarize`.
 
 Tables (KeyDiff Table 1 and HashEvict Tables 1-2 shape):
 - scores: one row per (model, policy, budget, block, protocol, any other setting that varies), grouped by model
@@ -14,9 +16,14 @@ Tables (KeyDiff Table 1 and HashEvict Tables 1-2 shape):
 - summary scores: the tasks' own summary numbers (LongBench category means, RULER per-length means, ...).
 - speed and memory: prefill/decode tokens/s, eviction time, peak KV tokens and bytes, compression ratio.
 - provenance: code and library versions, models, task data sources and checksums, metric backends (notes).
-Files: DIR/table.md, DIR/table.csv (scores), DIR/runs.csv (one line per entry: stats, provenance, run dirs),
-and when there is something to draw, DIR/heatmap_<task>_<model>.png and DIR/score_vs_budget.png.
+With per-sample data every score cell is `mean ± se` with its n, a `degenerate` column counts collapsed outputs,
+"Against the full cache" gives token agreement and the graded score, and "Paired comparisons" the paired
+differences (95 % bootstrap interval, exact McNemar or sign-flip p) of runs on the same samples.
+Files: DIR/table.md, DIR/table.csv (scores, with `_se` / `_n`), DIR/runs.csv (one line per entry: stats,
+provenance, run dirs), DIR/paired.csv, and when there is something to draw, DIR/heatmap_<task>_<model>.png and
+DIR/score_vs_budget.png (95 % error bars).
 
-Modules: collect (runs, entries, shard merge), tables (layout), output (markdown, CSV), plots, cli (`report`,
-the printed table, `main`).
+Modules: collect (runs, entries, shard merge), samples (composition, records: se, strata, agreement), tables
+(layout), paired (paired.csv), output (markdown, CSV), plots, cli (`report`, the printed table, `main`). The
+numbers come from kvbench.metrics.stats.
 """

@@ -1,5 +1,5 @@
-"""`kvbench-report DIR`: collect the runs below DIR, build the report, write table.md / table.csv / runs.csv and the
-plots; and the one table `kvbench` prints after its runs.
+"""`kvbench-report DIR [--paired POLICY]`: collect the runs below DIR, build the report, write table.md / table.csv /
+runs.csv / paired.csv and the plots; and the one table `kvbench` prints after its runs.
 """
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ from typing import Any, Iterable
 
 from kvbench.report.collect import Entry, ReportError, Run, collect_entries, entry_from_run
 from kvbench.report.output import render_markdown, write_csv, write_runs_csv
+from kvbench.report.paired import check_policy, pairs, write_paired_csv
 from kvbench.report.plots import plot_heatmaps, plot_score_vs_budget
 from kvbench.report.tables import ALWAYS_SHOWN, SPEED_HEAD, Report, build_report, score_table, speed_cells
 from kvbench.run.labels import fmt
 
 
-def report(root: Path, plots: bool = True, quiet: bool = False) -> Report:
-    """Collect every run below `root`, write table.md, table.csv, runs.csv (and plots) into `root`."""
+def report(root: Path, plots: bool = True, quiet: bool = False, paired: str | None = None) -> Report:
+    """Collect every run below `root`, write table.md, table.csv, runs.csv, paired.csv (and plots) into `root`.
+    `paired`: only the pairs with an entry of that policy (as policy_b) in paired.csv and table.md."""
     root = Path(root)
     if not root.is_dir():
         raise ReportError(f"not a directory: {root}")
@@ -25,15 +27,18 @@ def report(root: Path, plots: bool = True, quiet: bool = False) -> Report:
     if not entries:
         raise ReportError(f"no finished runs (metrics.json) below {root}")
     rep = build_report(entries, notes)
+    check_policy(rep, paired)  # before anything is written
+    found = pairs(rep, paired)
     if plots:
         written = plot_heatmaps(rep, root)
         curve = plot_score_vs_budget(rep, root)
         written += [curve] if curve else []
         rep.notes += [f"plot: {p.name}" for p in written]
-    text = render_markdown(rep, root)
+    text = render_markdown(rep, root, found, paired)
     (root / "table.md").write_text(text, encoding="utf-8")
     write_csv(rep, root / "table.csv")
     write_runs_csv(rep, root / "runs.csv", root)
+    write_paired_csv(found, root / "paired.csv")
     if not quiet:
         print(text)
     return rep
@@ -43,7 +48,7 @@ def _entries_from_metrics(results: Iterable[dict[str, Any]]) -> list[Entry]:
     out = []
     for k, m in enumerate(results):
         run = Run(Path("."), m, {}, (0, float(k)))
-        e = entry_from_run(run)
+        e = entry_from_run(run, read=False)  # no run directory here: metrics only
         e.settings = {k: v for k, v in e.settings.items() if k in ("budget", *ALWAYS_SHOWN)}
         out.append(e)
     return out
@@ -69,13 +74,16 @@ def print_metrics_table(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvbench-report", description="Paper-shaped tables from kvbench runs: "
-                                     "writes DIR/table.md, DIR/table.csv, DIR/runs.csv and plots.")
+                                     "writes DIR/table.md, DIR/table.csv, DIR/runs.csv, DIR/paired.csv and plots.")
     parser.add_argument("dir", type=Path, help="a run, sweep or results directory (searched recursively)")
     parser.add_argument("--no-plots", action="store_true", help="skip the heatmap and score-vs-budget PNGs")
     parser.add_argument("-q", "--quiet", action="store_true", help="do not print the markdown")
+    parser.add_argument("--paired", metavar="POLICY", default=None,
+                        help="paired comparisons only against this policy (it is policy_b: diff = other - POLICY); "
+                             "default: every pair of runs on the same samples")
     args = parser.parse_args(argv)
     try:
-        report(args.dir, plots=not args.no_plots, quiet=args.quiet)
+        report(args.dir, plots=not args.no_plots, quiet=args.quiet, paired=args.paired)
     except ReportError as e:
         print(f"kvbench-report: error: {e}", file=sys.stderr)
         sys.exit(2)

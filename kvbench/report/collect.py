@@ -1,16 +1,20 @@
 """Runs and entries: every directory below a root that holds a `metrics.json` is one run; runs whose configurations
-differ only in `shard` are merged into one entry (predictions back in sample order, scores recomputed by the
-task's own `aggregate`, speed and memory by `run.loop.summarize`).
+differ only in `shard` are merged into one entry (predictions back in sample order, scores recomputed from the
+records through metrics.json `composition`, speed and memory by `run.loop.summarize`). An entry carries its
+records and composition, so every score has its n and standard error (report.samples).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvbench.metrics.stats import MeanSE
+from kvbench.report.samples import Agreement, Composition, Records, cells, degenerate_count, logprob_cell, \
+    merge_compositions
 from kvbench.run.labels import NA
 
 # Settings that never change results; runs differing only in these (and in `shard`) are the same entry.
@@ -49,6 +53,13 @@ class Entry:
     paths: list[Path]
     order: tuple[int, float]
     label: str = ""  # "(1/2 shards)" for an incomplete merge
+    composition: Composition = field(default_factory=dict)  # metrics.json `composition` ({} for older runs)
+    records: Records = field(default_factory=dict)  # sample id -> record of predictions.jsonl (all shards)
+    cells: dict[str, MeanSE] = field(default_factory=dict)  # score -> mean, se, n (scores in the composition)
+    average_key: str | None = None  # the score `average` is (None: unknown, or the mean of all scores)
+    logprob: MeanSE | None = None  # mean answer_logprob over the samples that have one
+    vs_full: Agreement | None = None  # token agreement with the full cache's entry (set by tables.build_report)
+    dlogprob: Any = None  # stats.PairedResult: answer_logprob of this entry - the full cache's (build_report)
 
 
 def is_num(v: Any) -> bool:
@@ -141,13 +152,63 @@ def _merge_key(run: Run) -> str:
                        sorted((k, repr(v)) for k, v in s.items())])
 
 
-def entry_from_run(run: Run, label: str = "") -> Entry:
+def _composition(metrics: dict[str, Any]) -> Composition:
+    comp = metrics.get("composition")
+    return {k: v for k, v in comp.items() if isinstance(v, dict)} if isinstance(comp, dict) else {}
+
+
+def _read(path: Path) -> Records:
+    from kvbench.run.loop import read_records
+
+    return {str(r["id"]): r for r in read_records(path / "predictions.jsonl", repair=False)}
+
+
+def _average_key(scores: dict[str, Any], average: Any, composition: Composition, found: dict[str, MeanSE],
+                 composed_only: bool = True) -> str | None:
+    """Which score the run's `average` is (tasks name it by `average_key`, which metrics.json does not record):
+    a score equal to it, composed ones first and among those the widest (a cell can equal the overall mean);
+    `composed_only`: only scores of the composition."""
+    if not is_num(average):
+        return None
+    names = list(composition) + ([] if composed_only else [k for k in scores if k not in composition])
+    same = [k for k in names if is_num(scores.get(k)) and abs(scores[k] - average) <= 1e-9]
+    return max(same, key=lambda k: found[k].n if k in found else -1) if same else None
+
+
+def with_samples(entry: Entry, composition: Composition, records: Records) -> Entry:
+    """Attach the per-sample data: composition, records, each composed score's n and se, the graded score, the
+    degenerate count when the stats lack it."""
+    entry.composition, entry.records = composition, records
+    entry.cells = cells(composition, records) if records else {}
+    entry.logprob = logprob_cell(records)
+    if "degenerate" not in entry.stats and records:
+        k = degenerate_count(records)
+        if k is not None:
+            entry.stats["degenerate"] = k
+    return entry
+
+
+def entry_from_run(run: Run, label: str = "", read: bool = True) -> Entry:
+    """One run as an entry; `read`: load its predictions.jsonl (runs with a composition only: older runs are
+    shown as stored)."""
     m = run.metrics
     s = _settings(run)
-    return Entry(model=str(m.get("model")), policy=str(m.get("policy")), task=str(m.get("task")),
-                 budget=s.get("budget", m.get("budget")), settings=s, scores=dict(m.get("scores") or {}),
-                 average=m.get("average"), stats=dict(m.get("stats") or {}), provenance=dict(m.get("provenance") or {}),
-                 notes=list(m.get("notes") or []), paths=[run.path], order=run.order, label=label)
+    e = Entry(model=str(m.get("model")), policy=str(m.get("policy")), task=str(m.get("task")),
+              budget=s.get("budget", m.get("budget")), settings=s, scores=dict(m.get("scores") or {}),
+              average=m.get("average"), stats=dict(m.get("stats") or {}), provenance=dict(m.get("provenance") or {}),
+              notes=list(m.get("notes") or []), paths=[run.path], order=run.order, label=label)
+    comp = _composition(m)
+    # Records only for runs that write a composition (possibly empty): older runs carry no per-sample fields.
+    with_samples(e, comp, _read(run.path) if read and isinstance(m.get("composition"), dict) else {})
+    e.average_key = _average_key(e.scores, e.average, comp, e.cells)
+    return e
+
+
+def pair_key(e: Entry) -> str:
+    """Entries with equal keys ran the same model on the same samples (task and model settings identical: the
+    same sample ids under another haystack or length are other samples), so their scores can be paired."""
+    same = sorted((k, repr(v)) for k, v in e.settings.items() if k.split(".")[0] in ("task", "model"))
+    return json.dumps([e.model, e.task, same])
 
 
 def _shard_of(run: Run) -> tuple[int, int] | None:
@@ -185,37 +246,84 @@ def merge_shards(runs: Sequence[Run], root: Path, notes: list[str]) -> Entry:
         records = [parts[k % n][k // n] for k in range(total)]  # shard i holds samples i, i + n, ...
     else:
         records = [r for p in parts for r in p]
-    entry = entry_from_run(shards[0], label="" if complete else f"({len(shards)}/{n} shards)")
+    entry = entry_from_run(shards[0], label="" if complete else f"({len(shards)}/{n} shards)", read=False)
     entry.paths = [r.path for r in shards]
     entry.order = min(r.order for r in shards)
     entry.notes = sorted({n_ for r in shards for n_ in (r.metrics.get("notes") or [])})
+    what = f"{entry.model} {entry.policy} {entry.task}"
     if not complete:
-        notes.append(f"{entry.model} {entry.policy} {entry.task}: only shards {sorted(by_index)} of {n} finished; "
-                     f"its row covers {total} samples")
+        notes.append(f"{what}: only shards {sorted(by_index)} of {n} finished; its row covers {total} samples")
     if len({(r.metrics.get("provenance") or {}).get("commit") for r in shards}) > 1:
-        notes.append(f"{entry.model} {entry.policy} {entry.task}: shards come from different commits")
-    cfg = shards[0].config
+        notes.append(f"{what}: shards come from different commits")
+    comps = [_composition(r.metrics) for r in shards]
+    composition, differ = merge_compositions(comps, (str(r["id"]) for r in records))
+    if differ:
+        notes.append(f"{what}: shards compose {', '.join(differ)} differently; the first shard's is used")
+    new_format = any(isinstance(r.metrics.get("composition"), dict) for r in shards)
+    with_samples(entry, composition, {str(r["id"]): r for r in records} if new_format else {})
+    budget = shards[0].config.get("budget", shards[0].metrics.get("budget"))
     try:
-        from kvbench.run.app import task_average
         from kvbench.run.loop import summarize
+
+        entry.stats = summarize(records, budget, applies(shards[0].metrics)["budget"])  # evicts iff it has a budget
+    except Exception as e:  # noqa: BLE001 - records without timings: keep the first shard's, with the merged count
+        entry.stats = {**entry.stats, "samples": len(records)}
+        notes.append(f"{what}: speed and memory are the first shard's ({_why(e)})")
+    k = degenerate_count(entry.records) if entry.records else None
+    if k is not None:
+        entry.stats["degenerate"] = k
+    elif any("degenerate" in (r.metrics.get("stats") or {}) for r in shards):
+        entry.stats["degenerate"] = sum(int((r.metrics.get("stats") or {}).get("degenerate") or 0) for r in shards)
+    order = list(dict.fromkeys(k for r in shards for k in (r.metrics.get("scores") or {})))
+    # Scores the composition traces to samples: the means of the merged records, no task needed (new runs).
+    composed = {k: entry.cells[k].mean for k in order if k in entry.cells} if all(comps) else {}
+    rest = [k for k in order if k not in composed]
+    task = _aggregate_with_task(entry, shards, records, rest, notes) if rest else None
+    entry.scores = {k: composed[k] if k in composed else entry.scores.get(k) for k in order}
+    first = shards[0].metrics
+    key = _average_key(first.get("scores") or {}, first.get("average"), composition, entry.cells, composed_only=False)
+    if task is not None:
+        from kvbench.run.app import task_average
+
+        entry.average = task_average(task, entry.scores)
+    elif key is not None:
+        entry.average = entry.scores[key]
+    elif not rest:  # a task without an average_key averages all its scores (run.app.task_average)
+        vals = [v for v in entry.scores.values() if is_num(v)]
+        entry.average = sum(vals) / len(vals) if vals else None
+    # else: the sample-weighted mean of the shards' averages, set by the fallback
+    entry.average_key = _average_key(entry.scores, entry.average, composition, entry.cells)
+    return entry
+
+
+def _why(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _aggregate_with_task(entry: Entry, shards: list[Run], records: list[dict[str, Any]], names: list[str],
+                         notes: list[str]) -> Any:
+    """The fallback for scores the composition does not trace to samples (all scores of runs from before it, a
+    task's leaderboard averages): rebuild the task from config.yaml and recompute them with its own `aggregate`
+    (returns the task); if that fails, sample-weighted means of the shards' scores, said in a note (None)."""
+    try:
         from kvbench.run.settings import build_task
 
-        task = build_task(cfg["task"])
-        entry.scores = task.aggregate(records)
-        entry.average = task_average(task, entry.scores)
-        budget = cfg.get("budget")
-        entry.stats = summarize(records, budget, applies(shards[0].metrics)["budget"])  # evicts iff it has a budget
+        task = build_task(shards[0].config["task"])
+        scores = task.aggregate(records)
+        entry.scores.update({k: scores.get(k) for k in names})
+        return task
     except Exception as e:  # noqa: BLE001 - any failure: fall back to sample-weighted shard means, say so
         weights = [float((r.metrics.get("stats") or {}).get("samples") or 0) for r in shards]
         wsum = sum(weights) or 1.0
-        names = {k for r in shards for k in (r.metrics.get("scores") or {})}
-        entry.scores = {k: sum(w * r.metrics["scores"].get(k, 0.0) for w, r in zip(weights, shards)) / wsum
-                        for k in names}
+        entry.scores.update({k: sum(w * (r.metrics.get("scores") or {}).get(k, 0.0) for w, r in zip(weights, shards))
+                             / wsum for k in names})
         avgs = [(w, r.metrics.get("average")) for w, r in zip(weights, shards) if is_num(r.metrics.get("average"))]
         entry.average = sum(w * a for w, a in avgs) / (sum(w for w, _ in avgs) or 1.0) if avgs else None
-        notes.append(f"{entry.model} {entry.policy} {entry.task}: shard scores are sample-weighted means, not "
-                     f"recomputed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
-    return entry
+        which = "" if set(names) >= set(entry.scores) else f" {', '.join(names)}"
+        notes.append(f"{entry.model} {entry.policy} {entry.task}: shard scores{which} are sample-weighted means, "
+                     f"not recomputed ({_why(e)})")
+        return None
 
 
 def collect_entries(root: Path) -> tuple[list[Entry], list[str]]:

@@ -12,6 +12,8 @@ from kvbench.report.collect import is_num
 from kvbench.report.tables import CELL, Report
 from kvbench.run.labels import NA, settings_text
 
+Z95 = 1.96  # normal quantile of a two-sided 95 % interval of a mean
+
 
 def _figure(width: float, height: float, layout: str | None = None) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -69,19 +71,23 @@ def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
 
 def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
     """Each task's average against budget, one line per policy (and setting), one panel per (model, task) (tasks
-    are not averaged together: their scales differ); the full cache dashed."""
+    are not averaged together: their scales differ); the full cache dashed. Where the runs carry per-sample data,
+    error bars (a band for the full cache) show the 95 % interval of the mean, mean ± 1.96 se."""
     panels = list(dict.fromkeys((r.model, t) for r in rep.rows for t in r.entries))
-    series: dict[tuple[str, str], dict[str, list[tuple[int, float]]]] = {k: {} for k in panels}
-    flat: dict[tuple[str, str], list[tuple[str, float]]] = {k: [] for k in panels}
+    series: dict[tuple[str, str], dict[str, list[tuple[int, float, float]]]] = {k: {} for k in panels}
+    flat: dict[tuple[str, str], list[tuple[str, float, float]]] = {k: [] for k in panels}
     for r in rep.rows:
         label = f"{r.policy} {settings_text(r.settings)}".strip()
         for task, e in r.entries.items():
             if not is_num(e.average):
                 continue
+            st = e.cells.get(e.average_key) if e.average_key else None
+            half = Z95 * st.se if st is not None and st.se is not None else 0.0
             if isinstance(r.budget, int) and not isinstance(r.budget, bool):
-                series[r.model, task].setdefault(label, []).append((r.budget, e.average))  # type: ignore[arg-type]
+                pts = series[r.model, task].setdefault(label, [])
+                pts.append((r.budget, e.average, half))  # type: ignore[arg-type]
             else:
-                flat[r.model, task].append((label, e.average))  # type: ignore[arg-type]
+                flat[r.model, task].append((label, e.average, half))  # type: ignore[arg-type]
     panels = [k for k in panels if any(len(pts) > 1 for pts in series[k].values())]
     if not panels:
         return None
@@ -94,16 +100,20 @@ def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
     for ax, (m, task) in zip(axes, panels):
         for i, (label, pts) in enumerate(series[m, task].items()):
             pts.sort()
-            ax.plot([b for b, _ in pts], [v for _, v in pts], marker=markers[i % len(markers)],
-                    color=colors[i % len(colors)], label=label)
-        for label, v in flat[m, task]:
+            color = colors[i % len(colors)]
+            ax.errorbar([b for b, _, _ in pts], [v for _, v, _ in pts], yerr=[h for _, _, h in pts], capsize=3,
+                        marker=markers[i % len(markers)], color=color, label=label)
+        for label, v, half in flat[m, task]:
             ax.axhline(v, linestyle="--", color="black", linewidth=1, label=label)
-        budgets = sorted({b for pts in series[m, task].values() for b, _ in pts})
+            if half:
+                ax.axhspan(v - half, v + half, color="black", alpha=0.08, linewidth=0)
+        budgets = sorted({b for pts in series[m, task].values() for b, _, _ in pts})
         ax.set_xscale("log", base=2)
         close = any(b2 / b1 < 1.5 for b1, b2 in zip(budgets, budgets[1:]))  # neighbouring labels would overlap
         ax.set_xticks(budgets, [str(b) for b in budgets], rotation=45 if close else 0)
         ax.set_xlabel("budget N (tokens)")
-        ax.set_ylabel(f"{task} average")
+        bars = any(h for pts in series[m, task].values() for _, _, h in pts)
+        ax.set_ylabel(f"{task} average" + (" (bars: 95 % interval)" if bars else ""))
         ax.set_title(f"{m}: {task} average vs budget", fontsize=9)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # beside the lines
     path = out_dir / "score_vs_budget.png"

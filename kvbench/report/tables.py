@@ -10,8 +10,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbench.report.collect import IDENTITY, Entry, is_num
-from kvbench.run.labels import NA, setting_name
+from kvbench.metrics.stats import MeanSE, mean_of
+from kvbench.report.collect import IDENTITY, Entry, is_num, pair_key
+from kvbench.report.samples import LOGPROB, agreement, compare
+from kvbench.run.labels import NA, fmt, setting_name
 
 ALWAYS_SHOWN = ("block", "protocol")  # settings shown as columns even when every row has the same value
 
@@ -172,6 +174,7 @@ def build_report(entries: list[Entry], notes: list[str] | None = None) -> Report
                 min(e.order for e in r.entries.values()))
 
     ordered = sorted(rows.values(), key=sort_key)
+    _against_full(ordered)
     all_tasks = {c.task for c in detail + summary}
     for r in ordered:
         missing = sorted(all_tasks - set(r.entries))
@@ -181,9 +184,72 @@ def build_report(entries: list[Entry], notes: list[str] | None = None) -> Report
     return Report(entries, ordered, detail, summary, varying, notes)
 
 
+def _against_full(rows: list[Row]) -> None:
+    """Each entry's token agreement with, and graded-score difference from, the full cache's entry of the same
+    model, task and task/model settings (the first in table order), where both hold per-sample records."""
+    fulls: dict[str, Entry] = {}
+    for r in rows:
+        for e in r.entries.values():
+            if e.policy == "full" and e.records:
+                fulls.setdefault(pair_key(e), e)
+    for r in rows:
+        for e in r.entries.values():
+            f = fulls.get(pair_key(e))
+            if e.policy == "full" or f is None or not e.records:
+                continue
+            a = agreement(e.records, f.records)
+            e.vs_full = a if a.n else None
+            e.dlogprob = compare(e.composition, e.records, f.composition, f.records, LOGPROB)
+
+
 def cell_value(row: Row, c: Column) -> Any:
     e = row.entries.get(c.task)
     return None if e is None else e.scores.get(c.score)
+
+
+def cell_stat(row: Row, c: Column) -> MeanSE | None:
+    e = row.entries.get(c.task)
+    return None if e is None else e.cells.get(c.score)
+
+
+def avg_stat(row: Row) -> MeanSE | None:
+    """n and se of the row's Avg (a mean of its task averages: stratified like a mean_of score)."""
+    parts = [e.cells.get(e.average_key) if e.average_key else None
+             for e in row.entries.values() if is_num(e.average)]
+    if not parts or any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else mean_of(parts)  # type: ignore[arg-type]
+
+
+def has_stats(rep: Report) -> bool:
+    return any(e.cells for e in rep.entries)
+
+
+def has_degenerate(rep: Report) -> bool:
+    return any("degenerate" in e.stats for r in rep.rows for e in r.entries.values())
+
+
+def degenerate_text(row: Row) -> str | None:
+    """`k/n`: degenerate outputs (empty, or one token or n-gram over >= 80 % of the output) of the row's samples."""
+    es = [e for e in row.entries.values() if is_num(e.stats.get("degenerate"))]
+    if not es:
+        return None
+    return f"{sum(int(e.stats['degenerate']) for e in es)}/{sum(int(e.stats.get('samples') or 0) for e in es)}"
+
+
+def stat_text(value: Any, st: MeanSE | None, row_n: int | None = None) -> str:
+    """`mean ± se` (one decimal), `mean` alone when n = 1, `(n=k)` after it when its n is not the row's; a value
+    without per-sample data (older runs) as stored."""
+    if st is None or not is_num(value):
+        return fmt(value)
+    text = f"{value:.1f}" + (f" ± {st.se:.1f}" if st.se is not None else "")
+    return text if st.n == row_n else f"{text} (n={st.n})"
+
+
+def row_n(stats: list[MeanSE | None]) -> int | None:
+    """The n most of a row's cells share (shown once in the `n` column; other cells say their own)."""
+    ns = Counter(s.n for s in stats if s is not None)
+    return ns.most_common(1)[0][0] if ns else None
 
 
 def speed_cells(e: Entry) -> list[Any]:
@@ -193,15 +259,21 @@ def speed_cells(e: Entry) -> list[Any]:
             st.get("peak_kv_tokens"), kv / 2**20 if is_num(kv) else None, st.get("compression_ratio")]
 
 
-def score_table(rep: Report, paper_style: bool = True) -> tuple[list[str], list[list[Any]]]:
+def score_table(rep: Report, paper_style: bool = True, text: bool = False) -> tuple[list[str], list[list[Any]]]:
     """Header and rows of the main table. paper_style: model and policy only on the first row of their group,
-    and a category row under the header when the columns have more than one category."""
-    head = [*IDENTITY, *(setting_name(k) for k in rep.varying), *(c.name for c in rep.columns), "Avg"]
+    and a category row under the header when the columns have more than one category. text (markdown): cells
+    as `mean ± se` with an `n` column (runs with per-sample data). A `degenerate` column (`k/n`) when the runs
+    count degenerate outputs, so a collapsed baseline shows in the table that ranks it."""
+    stats = text and has_stats(rep)
+    deg = has_degenerate(rep)
+    head = [*IDENTITY, *(setting_name(k) for k in rep.varying), *(["n"] if stats else []),
+            *(c.name for c in rep.columns), *(["degenerate"] if deg else []), "Avg"]
     body: list[list[Any]] = []
     cats = [c.category for c in rep.columns]
     if paper_style and len(set(cats)) > 1:
-        lead = [""] * (len(IDENTITY) + len(rep.varying))
-        body.append([*lead, *(f"*{c}*" if k == 0 or cats[k - 1] != c else "" for k, c in enumerate(cats)), ""])
+        lead = [""] * (len(IDENTITY) + len(rep.varying) + stats)
+        body.append([*lead, *(f"*{c}*" if k == 0 or cats[k - 1] != c else "" for k, c in enumerate(cats)),
+                     *([""] if deg else []), ""])
     prev: tuple[str, str] | None = None
     for r in rep.rows:
         policy = f"{r.policy} {r.label}".strip()
@@ -210,14 +282,33 @@ def score_table(rep: Report, paper_style: bool = True) -> tuple[list[str], list[
             model = "" if prev[0] == r.model else model
             policy = "" if prev == (r.model, r.policy) else policy
         prev = (r.model, r.policy)
-        body.append([model, policy, r.budget, *r.settings.values(), *(cell_value(r, c) for c in rep.columns), r.avg])
+        values: list[Any] = [cell_value(r, c) for c in rep.columns]
+        avg: Any = r.avg
+        n: list[Any] = []
+        if stats:
+            sts = [cell_stat(r, c) for c in rep.columns]
+            rn = row_n(sts)
+            values = [stat_text(v, st, rn) for v, st in zip(values, sts)]
+            avg, n = stat_text(avg, avg_stat(r), rn), [rn]
+        body.append([model, policy, r.budget, *r.settings.values(), *n, *values,
+                     *([degenerate_text(r)] if deg else []), avg])
     return head, body
 
 
-def summary_table(rep: Report) -> tuple[list[str], list[list[Any]]]:
-    head = [*IDENTITY, *(setting_name(k) for k in rep.varying), *(c.name for c in rep.summary_columns)]
-    return head, [[r.model, f"{r.policy} {r.label}".strip(), r.budget, *r.settings.values(),
-                   *(cell_value(r, c) for c in rep.summary_columns)] for r in rep.rows]
+def summary_table(rep: Report, text: bool = False) -> tuple[list[str], list[list[Any]]]:
+    stats = text and has_stats(rep)
+    head = [*IDENTITY, *(setting_name(k) for k in rep.varying), *(["n"] if stats else []),
+            *(c.name for c in rep.summary_columns)]
+    body = []
+    for r in rep.rows:
+        values: list[Any] = [cell_value(r, c) for c in rep.summary_columns]
+        n: list[Any] = []
+        if stats:
+            sts = [cell_stat(r, c) for c in rep.summary_columns]
+            rn = row_n(sts)
+            values, n = [stat_text(v, st, rn) for v, st in zip(values, sts)], [rn]
+        body.append([r.model, f"{r.policy} {r.label}".strip(), r.budget, *r.settings.values(), *n, *values])
+    return head, body
 
 
 def speed_table(rep: Report) -> tuple[list[str], list[list[Any]]]:

@@ -1,0 +1,392 @@
+"""kvbench-report with per-sample data (metrics.json `composition`, predictions.jsonl records), on run directories
+written by hand: `mean ± se` and n in table.md, `_se`/`_n` in table.csv, paired.csv (exact columns, McNemar and
+the stratified permutation test by hand, runs on other samples never paired, --paired POLICY), agreement with the
+full cache, the graded score, degenerate counts, a policy option that tells two rows apart, shard merging from the
+composition.
+
+The fixture: one task "qa" of 8 samples s1..s8; "easy" = s1..s5, "hard" = s6..s8, "all" = s1..s8 (plain means
+of samples), "avg" = mean of easy and hard (average = avg).
+
+    sample        s1  s2  s3  s4  s5  s6  s7  s8
+    full         100 100 100 100 100 100 100   0
+    keydiff        0   0   0   0   0 100   0   0
+    h2o r=0.5    100 100 100 100 100 100 100   0   (as the full cache)
+    h2o r=0.3    100 100 100 100 100 100   0   0
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvbench.report.cli import main as report_main
+from kvbench.report.cli import print_metrics_table
+from kvbench.report.paired import PAIRED_HEAD
+
+IDS = [f"s{i}" for i in range(1, 9)]
+COMPOSITION = {"easy": {"samples": IDS[:5]}, "hard": {"samples": IDS[5:]}, "all": {"samples": IDS},
+               "avg": {"mean_of": ["easy", "hard"]}}
+FULL_TOKENS = [1, 2, 3, 4]
+TARGETS = {"full": "kvbench.policies.full.Full", "keydiff": "kvbench.policies.keydiff.KeyDiff",
+           "h2o": "kvbench.policies.h2o.H2O"}
+
+
+def _scores(values: list[float]) -> dict[str, float]:
+    v = dict(zip(IDS, values))
+    easy, hard = sum(v[i] for i in IDS[:5]) / 5, sum(v[i] for i in IDS[5:]) / 3
+    return {"easy": easy, "hard": hard, "all": sum(values) / 8, "avg": (easy + hard) / 2}
+
+
+def write_run(root: Path, name: str, policy: str, values: list[float], *, tokens: dict[str, list[int]] | None = None,
+              logprob: list[float | None] | None = None, degenerate: tuple[str, ...] = (), options: dict | None = None,
+              context_length: int = 1000, mtime: float = 1e9, shard: str | None = None,
+              ids: list[str] | None = None, composition: dict | None = COMPOSITION) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    ids = ids or IDS
+    by_id = dict(zip(IDS, values))
+    records = [{"id": i, "score": by_id[i], "prediction": "x", "tokens": (tokens or {}).get(i, FULL_TOKENS),
+                "answer_logprob": (logprob or [-0.5] * 8)[IDS.index(i)], "degenerate": i in degenerate,
+                "prompt_tokens": 1000, "new_tokens": 4, "prefill_s": 1.0, "decode_s": 0.5, "decode_steps": 4,
+                "evict_s": 0.1, "peak_kv_tokens": 384, "kv_bytes_peak": 2 ** 20} for i in ids]
+    (d / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    scores = _scores(values)
+    full = policy == "full"
+    metrics = {"model": "m", "policy": policy, "budget": None if full else 256, "block": 128, "protocol": "blockwise",
+               "task": "qa", "shard": shard, "scores": scores, "average": scores["avg"],
+               "applies": {"budget": not full, "protocol": not full, "block": not full},
+               "stats": {"samples": len(ids), "degenerate": sum(i in degenerate for i in ids)},
+               "provenance": {"commit": "abc"}}
+    if composition is not None:
+        metrics["composition"] = composition
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    cfg = {"model": {"name": "m"}, "policy": {"_target_": TARGETS[policy], **(options or {})},
+           "task": {"_target_": "my.QA", "context_length": context_length}, "budget": None if full else 256,
+           "block": 128, "protocol": "blockwise", "seed": 0, "scenario": "question_aware", "shard": shard}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    os.utime(d / "metrics.json", (mtime, mtime))  # the table's order among equal rows: the order they ran in
+    return d
+
+
+FULL = [100, 100, 100, 100, 100, 100, 100, 0]
+KEYDIFF = [0, 0, 0, 0, 0, 100, 0, 0]
+H2O_05 = FULL
+H2O_03 = [100, 100, 100, 100, 100, 100, 0, 0]
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Path:
+    write_run(tmp_path, "a_full", "full", FULL, mtime=1e9)
+    # keydiff: s2 first differs at token 2, s3 stops after 3 tokens (first difference at 3); no logprob for s8;
+    # s3 and s5 degenerate.
+    write_run(tmp_path, "b_keydiff", "keydiff", KEYDIFF, tokens={"s2": [1, 2, 9, 9], "s3": [1, 2, 3]},
+              logprob=[-1.0] * 7 + [None], degenerate=("s3", "s5"), mtime=1e9 + 1)
+    write_run(tmp_path, "c_h2o", "h2o", H2O_05, options={"recent_ratio": 0.5}, mtime=1e9 + 2)
+    write_run(tmp_path, "d_h2o", "h2o", H2O_03, options={"recent_ratio": 0.3}, mtime=1e9 + 3)
+    # The same sample ids under another context length are other samples: never paired with the runs above.
+    write_run(tmp_path, "e_keydiff_2000", "keydiff", FULL, context_length=2000, mtime=1e9 + 4)
+    return tmp_path
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _md_rows(md: str, section: str) -> list[list[str]]:
+    body = md.split(f"## {section}")[1].split("\n## ")[0]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in body.splitlines() if line.startswith("|")]
+
+
+def test_tables_show_mean_se_and_n(runs: Path) -> None:
+    report_main([str(runs), "--no-plots", "-q"])
+    md = (runs / "table.md").read_text()
+    rows = _md_rows(md, "Scores")
+    assert rows[0] == ["model", "policy", "budget", "block", "protocol", "task.context_length", "recent_ratio", "n",
+                       "easy", "hard", "all", "degenerate", "Avg"]
+    full, kd, kd2000, h2o_05, h2o_03 = rows[2:]  # paper style: model and policy only on a group's first row
+    assert [r[1] for r in rows[2:]] == ["full", "keydiff", "", "h2o", ""]
+    # full: easy = 5 x 100 (se 0, n 5: the row's n); hard = [100, 100, 0]: mean 66.67, sd = sqrt((33.3^2 * 2 +
+    # 66.7^2) / 2) = 57.74, se = 57.74 / sqrt(3) = 33.33; all = 7 x 100 + 0: mean 87.5, sd = sqrt((12.5^2 * 7
+    # + 87.5^2) / 7) = sqrt(1250) = 35.36, se = 35.36 / sqrt(8) = 12.5. Avg = avg = (100 + 66.67) / 2 = 83.33,
+    # se = sqrt(0^2 + 33.33^2) / 2 = 16.67, n = 5 + 3.
+    assert full[7:] == ["5", "100.0 ± 0.0", "66.7 ± 33.3 (n=3)", "87.5 ± 12.5 (n=8)", "0/8",
+                                              "83.3 ± 16.7 (n=8)"]
+    # keydiff: easy 0 ± 0; hard = [100, 0, 0]: 33.33 ± 33.33; all = one 100 of 8: 12.5 ± 12.5; avg = 16.67 ± 16.67;
+    # two degenerate outputs of 8.
+    assert kd[7:] == ["5", "0.0 ± 0.0", "33.3 ± 33.3 (n=3)", "12.5 ± 12.5 (n=8)", "2/8",
+                                                 "16.7 ± 16.7 (n=8)"]
+    # The policy option tells the two h2o rows apart; the context length the two keydiff rows.
+    assert (h2o_05[5:7], h2o_03[5:7], kd[5:7], kd2000[5:7]) == (["1000", "0.50"], ["1000", "0.30"], ["1000", "-"],
+                                                                 ["2000", "-"])
+    summary = _md_rows(md, "Summary scores")
+    assert summary[0][-2:] == ["n", "avg"] and summary[2][-2:] == ["8", "83.3 ± 16.7"]
+
+    csv_rows = _csv(runs / "table.csv")
+    assert list(csv_rows[0])[7:] == ["easy", "easy_se", "easy_n", "hard", "hard_se", "hard_n", "all", "all_se",
+                                     "all_n", "avg", "avg_se", "avg_n", "Avg", "Avg_se", "Avg_n", "agree", "agree_n",
+                                     "first_diff", "logprob", "logprob_se", "logprob_n"]
+    full = csv_rows[0]
+    assert full["policy"] == "full" and full["budget"] == ""
+    assert float(full["hard"]) == pytest.approx(200 / 3) and float(full["hard_se"]) == pytest.approx(100 / 3)
+    assert full["hard_n"] == "3" and full["easy_se"] == "0.0" and float(full["all_se"]) == pytest.approx(12.5)
+    assert float(full["avg_se"]) == pytest.approx(50 / 3) and full["avg_n"] == "8"
+
+
+def test_agreement_logprob_and_degenerate_against_the_full_cache(runs: Path) -> None:
+    report_main([str(runs), "--no-plots", "-q"])
+    rows = {(r["policy"], r["recent_ratio"], r["task.context_length"]): r for r in _csv(runs / "table.csv")}
+    kd = rows["keydiff", "", "1000"]
+    # 6 of 8 outputs equal the full cache's tokens (75 %); s2 first differs at index 2, s3 at 3: mean 2.5.
+    assert (kd["agree"], kd["agree_n"], kd["first_diff"]) == ("75.0", "8", "2.5")
+    # answer_logprob: seven values of -1.0 (s8 has none): mean -1, se 0, n 7.
+    assert (kd["logprob"], kd["logprob_se"], kd["logprob_n"]) == ("-1.0", "0.0", "7")
+    assert rows["h2o", "0.5", "1000"]["first_diff"] == ""  # every output agrees: no first difference
+    assert rows["h2o", "0.5", "1000"]["agree"] == "100.0"
+    assert rows["keydiff", "", "2000"]["agree"] == ""  # no full-cache run on its samples
+    assert rows["full", "", "1000"]["agree"] == "" and rows["full", "", "1000"]["logprob"] == "-0.5"
+    runs_csv = {(r["policy"], r["policy.recent_ratio"], r["task.context_length"]): r
+                for r in _csv(runs / "runs.csv")}
+    k = runs_csv["keydiff", "", "1000"]
+    # Δlogprob vs full over s1..s7: every difference is -1.0 - (-0.5) = -0.5, so the interval collapses.
+    assert (k["dlogprob"], k["dlogprob_ci_low"], k["dlogprob_ci_high"]) == ("-0.5", "-0.5", "-0.5")
+    assert k["degenerate"] == "2/8"
+    md = (runs / "table.md").read_text()
+    vs = _md_rows(md, "Against the full cache")
+    assert vs[0][-5:] == ["agree %", "agree_n", "first_diff", "logprob", "Δlogprob vs full [95 % CI]"]
+    kd_md = next(r for r in vs if r[1] == "keydiff" and r[5] == "1000")
+    assert kd_md[-5:] == ["75.0", "8", "2.5", "-1.000 ± 0.000 (n=7)", "-0.500 [-0.500, -0.500] (n=7)"]
+
+
+def test_paired_csv_by_hand(runs: Path) -> None:
+    report_main([str(runs), "--no-plots", "-q"])
+    rows = _csv(runs / "paired.csv")
+    assert list(rows[0]) == PAIRED_HEAD == ["model", "task", "score", "policy_a", "settings_a", "policy_b",
+                                            "settings_b", "n", "mean_a", "mean_b", "diff", "ci_low", "ci_high",
+                                            "p_value"]
+    # Pairs among full, keydiff, h2o 0.5, h2o 0.3 (context 1000): 6, each with easy, hard, all, avg and
+    # answer_logprob. The keydiff run at context 2000 holds the same ids but other samples: in no pair.
+    assert len(rows) == 6 * 5
+    assert {(r["policy_a"], r["settings_a"], r["policy_b"], r["settings_b"]) for r in rows} == {
+        ("full", "-", "keydiff", "N=256 B=128 blockwise"),
+        ("full", "-", "h2o", "N=256 B=128 blockwise recent_ratio=0.5"),
+        ("full", "-", "h2o", "N=256 B=128 blockwise recent_ratio=0.3"),
+        ("keydiff", "N=256 B=128 blockwise", "h2o", "N=256 B=128 blockwise recent_ratio=0.5"),
+        ("keydiff", "N=256 B=128 blockwise", "h2o", "N=256 B=128 blockwise recent_ratio=0.3"),
+        ("h2o", "N=256 B=128 blockwise recent_ratio=0.5", "h2o", "N=256 B=128 blockwise recent_ratio=0.3")}
+    got = {r["score"]: r for r in rows if r["policy_a"] == "full" and r["policy_b"] == "keydiff"}
+    # all: full right and keydiff wrong on s1..s5 and s7 (b = 6), never the reverse (c = 0): McNemar
+    # p = 2 * 0.5^6 = 0.03125; diff = 87.5 - 12.5 = 75.
+    a = got["all"]
+    assert (a["model"], a["task"], a["n"], a["mean_a"], a["mean_b"], a["diff"], a["p_value"]) == (
+        "m", "qa", "8", "87.5", "12.5", "75.0", "0.03125")
+    assert float(a["ci_high"]) == 100.0 and 0 < float(a["ci_low"]) < 75  # 6 of 8 differences are 100, 2 are 0
+    # easy: b = 5, c = 0: p = 2 * 0.5^5 = 0.0625; all five differences are 100: the interval is [100, 100].
+    e = got["easy"]
+    assert (e["n"], e["diff"], e["ci_low"], e["ci_high"], e["p_value"]) == ("5", "100.0", "100.0", "100.0", "0.0625")
+    # hard: differences [0, 100, 0], b = 1: p = min(1, 2 * 0.5) = 1. A resample's mean is 0 with probability
+    # (2/3)^3 = 0.30 and 100 with (1/3)^3 = 0.037, both above 2.5 %: the interval is [0, 100].
+    h = got["hard"]
+    assert (h["n"], h["p_value"], h["ci_low"], h["ci_high"]) == ("3", "1.0", "0.0", "100.0")
+    assert float(h["diff"]) == pytest.approx(100 / 3, abs=1e-5)
+    # avg = mean of easy and hard, stratified: diff = (100 + 33.33) / 2 = 66.67. Sign flips with per-sample
+    # weights 0.5/5 (easy) and 0.5/3 (hard): the terms are five 10s, one 16.67 and two 0s; only the two
+    # all-equal patterns of the six nonzero terms reach 66.67 (x 4 patterns of the zeros): p = 8 / 2^8 = 0.03125.
+    # Bootstrap: easy always adds 50, hard's mean adds 0.5 x {0, 33.3, 66.7, 100}, 0 with prob 0.30 and 100 with
+    # prob 0.037: the interval is [50, 100].
+    v = got["avg"]
+    assert float(v["diff"]) == pytest.approx(200 / 3, abs=1e-5) and v["n"] == "8"
+    assert (v["p_value"], v["ci_low"], v["ci_high"]) == ("0.03125", "50.0", "100.0")
+    # answer_logprob over s1..s7 (keydiff has none for s8): differences all -0.5 - (-1.0) = 0.5; exact sign flips
+    # of 7 equal terms: p = 2 / 2^7 = 0.015625.
+    g = got["answer_logprob"]
+    assert (g["n"], g["diff"], g["ci_low"], g["ci_high"], g["p_value"]) == ("7", "0.5", "0.5", "0.5", "0.015625")
+    # h2o 0.5 answered exactly as the full cache: no discordant pair, p = 1, diff 0.
+    same = next(r for r in rows if r["score"] == "all" and r["settings_b"].endswith("recent_ratio=0.5")
+                and r["policy_a"] == "full")
+    assert (same["diff"], same["p_value"], same["ci_low"], same["ci_high"]) == ("0.0", "1.0", "0.0", "0.0")
+
+    md = (runs / "table.md").read_text()
+    assert "## Paired comparisons" in md and "paired.csv" in md
+    shown = _md_rows(md, "Paired comparisons")
+    # Against the full cache, summary scores (avg) and the graded score only: 3 pairs x 2 rows.
+    assert len(shown) == 2 + 3 * 2
+    assert ["qa", "avg", "full", "-", "keydiff", "N=256 B=128 blockwise", "8", "83.33", "16.67", "+66.67",
+            "[+50.00, +100.00]", "0.0312"] in shown
+
+
+def test_paired_against_one_policy(runs: Path) -> None:
+    report_main([str(runs), "--no-plots", "-q", "--paired", "full"])
+    rows = _csv(runs / "paired.csv")
+    assert len(rows) == 3 * 5 and all(r["policy_b"] == "full" for r in rows)  # full is b: diff = other - full
+    a = next(r for r in rows if r["policy_a"] == "keydiff" and r["score"] == "all")
+    assert (a["mean_a"], a["mean_b"], a["diff"], a["p_value"]) == ("12.5", "87.5", "-75.0", "0.03125")
+    assert float(a["ci_low"]) == -100.0
+
+
+def test_paired_unknown_policy_is_one_line_exit_2(runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        report_main([str(runs), "--no-plots", "-q", "--paired", "nope"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "kvbench-report: error: --paired nope: no run has that policy (policies: full, keydiff, h2o)\n"
+    assert not (runs / "table.md").exists() and not (runs / "paired.csv").exists()  # nothing written
+
+
+def test_runs_on_different_samples_are_never_paired(tmp_path: Path) -> None:
+    # Same task settings, disjoint sample ids: nothing shared, nothing paired.
+    write_run(tmp_path, "a", "full", FULL, ids=IDS[:4], composition={"all": {"samples": IDS[:4]}})
+    write_run(tmp_path, "b", "keydiff", KEYDIFF, ids=IDS[4:], composition={"all": {"samples": IDS[4:]}})
+    report_main([str(tmp_path), "--no-plots", "-q"])
+    rows = _csv(tmp_path / "paired.csv")
+    assert [r["score"] for r in rows] == []
+    # Overlapping ids: only the shared ones (s3, s4) are compared.
+    write_run(tmp_path / "x", "a", "full", FULL, ids=IDS[:4], composition={"all": {"samples": IDS[:4]}})
+    write_run(tmp_path / "x", "b", "keydiff", KEYDIFF, ids=IDS[2:6], composition={"all": {"samples": IDS[2:6]}})
+    report_main([str(tmp_path / "x"), "--no-plots", "-q"])
+    rows = _csv(tmp_path / "x" / "paired.csv")
+    got = next(r for r in rows if r["score"] == "all")
+    assert (got["n"], got["mean_a"], got["mean_b"], got["diff"]) == ("2", "100.0", "0.0", "100.0")
+
+
+def test_old_runs_show_plain_means_without_se(tmp_path: Path) -> None:
+    write_run(tmp_path, "a", "full", FULL, composition=None)
+    write_run(tmp_path, "b", "keydiff", KEYDIFF, composition=None)
+    report_main([str(tmp_path), "--no-plots", "-q"])
+    head = list(_csv(tmp_path / "table.csv")[0])
+    assert not any(h.endswith(("_se", "_n")) for h in head)
+    assert _csv(tmp_path / "paired.csv") == []
+    assert "87.50" in (tmp_path / "table.md").read_text()  # as stored, as before
+
+
+def test_shards_merge_from_the_composition(tmp_path: Path) -> None:
+    # Two shards of the keydiff run: shard 0 holds s1, s3, s5, s7, shard 1 s2, s4, s6, s8. Each shard's
+    # composition lists its own samples; merged they are the whole run's, and the scores are the records' means
+    # (no task is rebuilt: the task target "my.QA" does not exist).
+    for k in (0, 1):
+        ids = IDS[k::2]
+        comp = {"easy": {"samples": [i for i in IDS[:5] if i in ids]},
+                "hard": {"samples": [i for i in IDS[5:] if i in ids]}, "all": {"samples": ids},
+                "avg": {"mean_of": ["easy", "hard"]}}
+        write_run(tmp_path / "job", f"shard{k}of2", "keydiff", KEYDIFF, ids=ids, composition=comp,
+                  degenerate=("s3", "s6"), shard=f"{k}/2")
+    write_run(tmp_path, "full", "full", FULL)
+    report_main([str(tmp_path), "--no-plots", "-q"])
+    rows = {r["policy"]: r for r in _csv(tmp_path / "table.csv")}
+    kd = rows["keydiff"]
+    # As the unsharded keydiff run: all 12.5 ± 12.5 (n 8), hard 33.33 (n 3), avg 16.67; degenerate s3 and s6.
+    assert (kd["all"], kd["all_n"], kd["hard_n"]) == ("12.5", "8", "3")
+    assert {r["policy"]: r["degenerate"] for r in _csv(tmp_path / "runs.csv")} == {"full": "0/8", "keydiff": "2/8"}
+    assert float(kd["all_se"]) == pytest.approx(12.5) and float(kd["Avg"]) == pytest.approx(50 / 3)
+    assert "not recomputed" not in (tmp_path / "table.md").read_text()
+    paired = [r for r in _csv(tmp_path / "paired.csv") if r["score"] == "all"]
+    assert paired[0]["n"] == "8" and paired[0]["p_value"] == "0.03125"
+
+
+def test_printed_table_counts_degenerate_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = write_run(tmp_path, "b", "keydiff", KEYDIFF, degenerate=("s3", "s5"))
+    metrics: dict[str, Any] = json.loads((d / "metrics.json").read_text())
+    text = print_metrics_table([metrics])
+    head = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
+    row = [c.strip() for c in text.splitlines()[2].strip("|").split("|")]
+    assert row[head.index("degenerate")] == "2/8"
+
+
+def _claims_module() -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "claims_table.py"
+    spec = importlib.util.spec_from_file_location("claims_table", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def test_claim_verdicts_come_from_the_paired_test(runs: Path) -> None:
+    from kvbench.report.collect import collect_entries
+
+    claims = _claims_module()
+    es = {(e.policy, e.settings.get("policy.recent_ratio"), e.settings.get("task.context_length")): e
+          for e in collect_entries(runs)[0]}
+    full, kd, same = es["full", None, 1000], es["keydiff", None, 1000], es["h2o", 0.5, 1000]
+    # avg (the runs' average), full - keydiff: diff 66.67, interval [50, 100], p = 0.03125 (see
+    # test_paired_csv_by_hand): resolved for full; against keydiff's claim, reversed.
+    row = claims.pairwise("full beats keydiff", "p", "w", {256: full}, {"keydiff": {256: kd}})
+    assert row["holds?"] == "holds"
+    assert row["numbers"] == "N=256: full 83, keydiff 17 (diff +66.7 [+50.0, +100.0], p = 0.031, n = 8)"
+    # 0/100 scores, n = 8: 6 discordant pairs one way are the fewest McNemar can call: 100 * 6 / 8 = 75 points.
+    assert row["smallest resolvable difference"] == "75 points (6 of n = 8 samples one way)"
+    assert claims.pairwise("keydiff beats full", "p", "w", {256: kd}, {"full": {256: full}})["holds?"] == "reversed"
+    # h2o 0.5 answered as the full cache: diff 0, p = 1.
+    assert claims.pairwise("h2o beats full", "p", "w", {256: same}, {"full": {256: full}})["holds?"] == \
+        "not resolved (n = 8)"
+    # The context-2000 run ran other samples: nothing to pair.
+    other = es["keydiff", None, 2000]
+    assert claims.pairwise("x", "p", "w", {256: other}, {"full": {256: full}})["holds?"] == "no paired runs found"
+    # Below 6 samples no 0/100 comparison can be resolved.
+    from kvbench.metrics.stats import PairedResult
+
+    r5 = PairedResult(5, 100.0, 0.0, 100.0, 100.0, 100.0, 0.0625, "mcnemar")
+    assert claims.resolvable([(r5, True)]) == "needs n >= 6 (n = 5)"
+    assert claims.paired_verdict([r5]) == "not resolved (n = 5)"  # p = 2 * 0.5^5 > 0.05 although the interval is 100
+
+
+def test_score_vs_budget_draws_95_percent_intervals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.axes import Axes
+
+    drawn: list[tuple[list, list, list]] = []
+    real = Axes.errorbar
+
+    def spy(self: Axes, x: Any, y: Any, yerr: Any = None, **kw: Any) -> Any:
+        drawn.append((list(x), list(y), list(yerr)))
+        return real(self, x, y, yerr=yerr, **kw)
+
+    monkeypatch.setattr(Axes, "errorbar", spy)
+    write_run(tmp_path, "a", "keydiff", KEYDIFF, mtime=1e9)
+    d = write_run(tmp_path, "b", "keydiff", H2O_03, mtime=1e9 + 1)
+    for name in ("metrics.json", "config.yaml"):  # the second run at N = 512
+        (d / name).write_text((d / name).read_text().replace("256", "512"))
+    report_main([str(tmp_path), "-q"])
+    # avg: keydiff N=256 16.67 ± 16.67, N=512 (h2o 0.3's scores) 66.67 ± sqrt(0^2 + 33.33^2) / 2 = 16.67;
+    # bars of 1.96 se = 32.67.
+    (x, y, yerr), = drawn
+    assert x == [256, 512] and y == pytest.approx([50 / 3, 200 / 3])
+    assert yerr == pytest.approx([1.96 * 50 / 3] * 2)
+    assert (tmp_path / "score_vs_budget.png").stat().st_size > 0
+
+
+def test_shards_recompute_uncomposed_scores_without_a_task_as_weighted_means(tmp_path: Path) -> None:
+    # A score the composition leaves out ("board", like LongBench's leaderboard averages) cannot come from the
+    # records, and the task (my.QA) cannot be rebuilt: it is the sample-weighted mean of the shards' values, and a
+    # note says so; the composed scores still come from the records.
+    for k in (0, 1):
+        ids = IDS[k::2]
+        d = write_run(tmp_path / "job", f"shard{k}of2", "keydiff", KEYDIFF, ids=ids, shard=f"{k}/2",
+                      composition={"all": {"samples": ids}})
+        m = json.loads((d / "metrics.json").read_text())
+        m["scores"] = {"all": 999.0, "board": 10.0 * (k + 1)}  # "all" is recomputed whatever a shard says
+        m["average"] = m["scores"]["all"]
+        (d / "metrics.json").write_text(json.dumps(m))
+    report_main([str(tmp_path), "--no-plots", "-q"])
+    row, = _csv(tmp_path / "table.csv")
+    # all: keydiff is right on s6 only: 12.5; board: (4 * 10 + 4 * 20) / 8 = 15; Avg = all (the shards' average).
+    assert (row["all"], row["board"], row["Avg"]) == ("12.5", "15.0", "12.5")
+    assert "shard scores board are sample-weighted means, not recomputed" in (tmp_path / "table.md").read_text()
+
+
+def test_shards_join_the_components_of_a_mean(tmp_path: Path) -> None:
+    # Shard 0 ran only "easy" samples, shard 1 only "hard" ones (a RULER shard composes its per-length mean of the
+    # tasks it holds): merged, avg is the mean of both, (0 + 33.33) / 2 = 16.67 for keydiff, n = 5 + 3.
+    for k, (ids, part) in enumerate(((IDS[:5], "easy"), (IDS[5:], "hard"))):
+        write_run(tmp_path, f"shard{k}of2", "keydiff", KEYDIFF, ids=ids, shard=f"{k}/2",
+                  composition={part: {"samples": ids}, "avg": {"mean_of": [part]}})
+    report_main([str(tmp_path), "--no-plots", "-q"])
+    row, = _csv(tmp_path / "table.csv")
+    assert float(row["avg"]) == pytest.approx(50 / 3) and row["avg_n"] == "8"
+    assert float(row["avg_se"]) == pytest.approx(50 / 3)  # sqrt(0^2 + 33.33^2) / 2

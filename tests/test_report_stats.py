@@ -1,0 +1,114 @@
+"""kvbench.metrics.stats, pinned by hand: the standard error of a mean and of a mean of means, the paired bootstrap
+interval, the exact McNemar test, the sign-flip permutation test, and which one a paired comparison uses."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvbench.metrics.stats import (MeanSE, Stratum, bootstrap_ci, mcnemar_exact, mcnemar_min_discordant, mean_of,
+                                   mean_se, paired_compare, resolved, sign_flip_p)
+
+
+def _one(a: list[float], b: list[float]) -> list[Stratum]:
+    return [Stratum(np.array(a, float), np.array(b, float), 1.0)]
+
+
+def test_standard_error_is_sample_sd_over_sqrt_n() -> None:
+    # [0, 100, 100, 0, 100]: mean 60; squared deviations 3600 * 2 + 1600 * 3 = 12000; sd = sqrt(12000 / 4)
+    # = sqrt(3000) = 54.77; se = sd / sqrt(5) = sqrt(600) = 24.49.
+    r = mean_se([0, 100, 100, 0, 100])
+    assert r.mean == 60.0 and r.n == 5
+    assert r.se == pytest.approx(math.sqrt(600))
+    assert round(r.se, 1) == 24.5
+    assert mean_se([100.0]) == MeanSE(100.0, None, 1)  # one sample: no se
+    assert mean_se([]) == MeanSE(None, None, 0)
+
+
+def test_mean_of_means_adds_n_and_combines_se() -> None:
+    # (mean 60, se sqrt(600), n 5) and (mean 40, se 10, n 4): mean (60 + 40) / 2 = 50, n = 9,
+    # se = sqrt(600 + 100) / 2 = sqrt(700) / 2 = 13.23.
+    r = mean_of([MeanSE(60.0, math.sqrt(600), 5), MeanSE(40.0, 10.0, 4)])
+    assert r.mean == 50.0 and r.n == 9 and r.se == pytest.approx(math.sqrt(700) / 2)
+    # A component of one sample has no se, so the mean of means has none either.
+    assert mean_of([MeanSE(60.0, math.sqrt(600), 5), MeanSE(100.0, None, 1)]) == MeanSE(80.0, None, 6)
+
+
+def test_bootstrap_interval_collapses_on_equal_differences() -> None:
+    # Every difference is 10: every resample's mean is 10.
+    assert bootstrap_ci(_one([100, 50, 70], [90, 40, 60])) == (10.0, 10.0)
+    # Stratified: differences 10 (weight 0.5) and 30 (weight 0.5): every resample gives 0.5 * 10 + 0.5 * 30 = 20.
+    st = [Stratum(np.array([20.0, 30.0]), np.array([10.0, 20.0]), 0.5), Stratum(np.array([30.0]), np.array([0.0]), 0.5)]
+    assert bootstrap_ci(st) == (20.0, 20.0)
+
+
+def test_bootstrap_percentiles_on_two_differences() -> None:
+    # Differences [0, 100]: a resample's mean is 0 (prob 1/4), 50 (1/2) or 100 (1/4). A quarter of the 10,000
+    # resamples sit at each end, far more than the 2.5 % each percentile cuts: the interval is exactly [0, 100].
+    st = _one([100, 100], [100, 0])
+    assert bootstrap_ci(st) == (0.0, 100.0)
+    # [100, 0, 0, 100] differences (n = 4): the interval stays inside [min, max] and the seed fixes it.
+    st = _one([100, 100, 0, 100], [0, 100, 0, 0])
+    lo, hi = bootstrap_ci(st, seed=3)
+    assert 0.0 <= lo <= hi <= 100.0
+    assert bootstrap_ci(st, seed=3) == (lo, hi)
+
+
+def test_bootstrap_resamples_with_the_right_distribution() -> None:
+    # Differences [0, 0, 0, 100]: a resample's mean is 25 * B, B ~ Binomial(4, 1/4): P(0) = 0.32, P(75) = 0.047,
+    # P(100) = 0.004. The lower 2.5 % lies in the 0s; above 75 lies 0.4 % < 2.5 % <= P(>= 75) = 5.1 %: [0, 75].
+    assert bootstrap_ci(_one([0, 0, 0, 100], [0, 0, 0, 0])) == (0.0, 75.0)
+
+
+def test_mcnemar_exact_by_hand() -> None:
+    assert mcnemar_exact(6, 0) == 2 / 64 == 0.03125  # 2 * 0.5^6
+    assert mcnemar_exact(5, 0) == 0.0625  # 2 * 0.5^5
+    assert mcnemar_exact(3, 1) == 0.625  # 2 * P(X <= 1; 4, 0.5) = 2 * (1 + 4) / 16
+    assert mcnemar_exact(1, 3) == 0.625  # symmetric
+    assert mcnemar_exact(0, 0) == 1.0  # no discordant pair
+    assert mcnemar_exact(2, 2) == 1.0  # 2 * P(X <= 2; 4) = 2 * 11/16 > 1: capped
+    assert mcnemar_min_discordant() == 6  # 2 * 0.5^6 = 0.031 < 0.05 <= 2 * 0.5^5 = 0.0625
+
+
+def test_sign_flip_exact_by_hand() -> None:
+    # [1, 1, 1]: of the 8 sign patterns only +++ and --- reach |mean| >= 1: p = 2/8.
+    assert sign_flip_p(_one([1, 1, 1], [0, 0, 0])) == 0.25
+    # [1, -1]: the observed mean is 0, every pattern is as extreme: p = 1.
+    assert sign_flip_p(_one([1, 0], [0, 1])) == 1.0
+    # Stratified: differences 2 (weight 0.5, one sample) and 1 (weight 0.5): per-sample terms 1 and 0.5, observed
+    # 1.5; patterns give |1.5|, |0.5|, |-0.5|, |-1.5|: p = 2/4.
+    st = [Stratum(np.array([2.0]), np.array([0.0]), 0.5), Stratum(np.array([1.0]), np.array([0.0]), 0.5)]
+    assert sign_flip_p(st) == 0.5
+
+
+def test_sign_flip_random_above_16_samples() -> None:
+    # 20 equal differences: only the two all-equal sign patterns (probability 2 / 2^20) reach the observed mean;
+    # none of 10,000 random patterns does, so p = (0 + 1) / (10,000 + 1).
+    assert sign_flip_p(_one([1.0] * 20, [0.0] * 20)) == 1 / 10001
+
+
+def test_sign_flip_random_matches_the_exact_probability() -> None:
+    # 12 differences of +1 and 8 of -1 (n = 20): a sign pattern sums to 2B - 20, B ~ Binomial(20, 1/2);
+    # |2B - 20| >= 4 unless B is 9, 10 or 11: p = 1 - (167960 + 184756 + 167960) / 2^20 = 0.5034. 10,000 random
+    # patterns estimate it within a few standard errors (sd 0.005).
+    p = sign_flip_p(_one([1.0] * 12 + [0.0] * 8, [0.0] * 12 + [1.0] * 8))
+    assert p == pytest.approx(1 - 520676 / 2 ** 20, abs=0.02)
+
+
+def test_paired_compare_picks_mcnemar_for_0_100_scores() -> None:
+    # a right on 6 samples where b is wrong, both wrong on 4: b = 6, c = 0, p = 2/64; diff = 60 - 0.
+    r = paired_compare(_one([100] * 6 + [0] * 4, [0] * 10))
+    assert (r.n, r.mean_a, r.mean_b, r.diff, r.p_value, r.test) == (10, 60.0, 0.0, 60.0, 0.03125, "mcnemar")
+    assert 0 < r.ci_low <= r.ci_high <= 100
+    assert resolved(r) == 1
+    # Graded values: the sign-flip test ([1, 1, 1] differences: p = 0.25), never resolved at n = 3.
+    g = paired_compare(_one([1.0, 2.0, 3.0], [0.0, 1.0, 2.0]))
+    assert (g.diff, g.ci_low, g.ci_high, g.p_value, g.test) == (1.0, 1.0, 1.0, 0.25, "sign-flip")
+    assert resolved(g) == 0
+    # Two strata of 0/100 scores: stratified, so the permutation test, not McNemar.
+    st = [Stratum(np.array([100.0]), np.array([0.0]), 0.5), Stratum(np.array([100.0]), np.array([100.0]), 0.5)]
+    assert paired_compare(st).test == "sign-flip"
+    with pytest.raises(ValueError, match="no paired samples"):
+        paired_compare(_one([], []))
