@@ -171,45 +171,47 @@ def test_paired_csv_by_hand(runs: Path) -> None:
                                             "settings_b", "n", "mean_a", "mean_b", "diff", "ci_low", "ci_high",
                                             "p_value"]
     # Pairs among full, keydiff, h2o 0.5, h2o 0.3 (context 1000): 6, each with easy, hard, all, avg and
-    # answer_logprob. The keydiff run at context 2000 holds the same ids but other samples: in no pair.
+    # answer_logprob; the full cache is always b (diff = policy - full). The keydiff run at context 2000 holds the
+    # same ids but other samples: in no pair.
     assert len(rows) == 6 * 5
     assert {(r["policy_a"], r["settings_a"], r["policy_b"], r["settings_b"]) for r in rows} == {
-        ("full", "-", "keydiff", "N=256 B=128 blockwise"),
-        ("full", "-", "h2o", "N=256 B=128 blockwise recent_ratio=0.5"),
-        ("full", "-", "h2o", "N=256 B=128 blockwise recent_ratio=0.3"),
+        ("keydiff", "N=256 B=128 blockwise", "full", "-"),
+        ("h2o", "N=256 B=128 blockwise recent_ratio=0.5", "full", "-"),
+        ("h2o", "N=256 B=128 blockwise recent_ratio=0.3", "full", "-"),
         ("keydiff", "N=256 B=128 blockwise", "h2o", "N=256 B=128 blockwise recent_ratio=0.5"),
         ("keydiff", "N=256 B=128 blockwise", "h2o", "N=256 B=128 blockwise recent_ratio=0.3"),
         ("h2o", "N=256 B=128 blockwise recent_ratio=0.5", "h2o", "N=256 B=128 blockwise recent_ratio=0.3")}
-    got = {r["score"]: r for r in rows if r["policy_a"] == "full" and r["policy_b"] == "keydiff"}
-    # all: full right and keydiff wrong on s1..s5 and s7 (b = 6), never the reverse (c = 0): McNemar
-    # p = 2 * 0.5^6 = 0.03125; diff = 87.5 - 12.5 = 75.
+    got = {r["score"]: r for r in rows if r["policy_a"] == "keydiff" and r["policy_b"] == "full"}
+    # all: full right and keydiff wrong on s1..s5 and s7 (6 discordant pairs), never the reverse: McNemar
+    # p = 2 * 0.5^6 = 0.03125; diff = 12.5 - 87.5 = -75.
     a = got["all"]
     assert (a["model"], a["task"], a["n"], a["mean_a"], a["mean_b"], a["diff"], a["p_value"]) == (
-        "m", "qa", "8", "87.5", "12.5", "75.0", "0.03125")
-    assert float(a["ci_high"]) == 100.0 and 0 < float(a["ci_low"]) < 75  # 6 of 8 differences are 100, 2 are 0
-    # easy: b = 5, c = 0: p = 2 * 0.5^5 = 0.0625; all five differences are 100: the interval is [100, 100].
+        "m", "qa", "8", "12.5", "87.5", "-75.0", "0.03125")
+    assert float(a["ci_low"]) == -100.0 and -75 < float(a["ci_high"]) < 0  # 6 of 8 differences are -100, 2 are 0
+    # easy: 5 discordant, one way: p = 2 * 0.5^5 = 0.0625; all five differences are -100: the interval is [-100, -100].
     e = got["easy"]
-    assert (e["n"], e["diff"], e["ci_low"], e["ci_high"], e["p_value"]) == ("5", "100.0", "100.0", "100.0", "0.0625")
-    # hard: differences [0, 100, 0], b = 1: p = min(1, 2 * 0.5) = 1. A resample's mean is 0 with probability
-    # (2/3)^3 = 0.30 and 100 with (1/3)^3 = 0.037, both above 2.5 %: the interval is [0, 100].
+    assert (e["n"], e["diff"], e["ci_low"], e["ci_high"], e["p_value"]) == ("5", "-100.0", "-100.0", "-100.0",
+                                                                            "0.0625")
+    # hard: differences [0, -100, 0], 1 discordant: p = min(1, 2 * 0.5) = 1. A resample's mean is 0 with
+    # probability (2/3)^3 = 0.30 and -100 with (1/3)^3 = 0.037, both above 2.5 %: the interval is [-100, 0].
     h = got["hard"]
-    assert (h["n"], h["p_value"], h["ci_low"], h["ci_high"]) == ("3", "1.0", "0.0", "100.0")
-    assert float(h["diff"]) == pytest.approx(100 / 3, abs=1e-5)
-    # avg = mean of easy and hard, stratified: diff = (100 + 33.33) / 2 = 66.67. Sign flips with per-sample
-    # weights 0.5/5 (easy) and 0.5/3 (hard): the terms are five 10s, one 16.67 and two 0s; only the two
+    assert (h["n"], h["p_value"], h["ci_low"], h["ci_high"]) == ("3", "1.0", "-100.0", "0.0")
+    assert float(h["diff"]) == pytest.approx(-100 / 3, abs=1e-5)
+    # avg = mean of easy and hard, stratified: diff = (-100 - 33.33) / 2 = -66.67. Sign flips with per-sample
+    # weights 0.5/5 (easy) and 0.5/3 (hard): the terms are five 10s, one 16.67 and two 0s (in size); only the two
     # all-equal patterns of the six nonzero terms reach 66.67 (x 4 patterns of the zeros): p = 8 / 2^8 = 0.03125.
-    # Bootstrap: easy always adds 50, hard's mean adds 0.5 x {0, 33.3, 66.7, 100}, 0 with prob 0.30 and 100 with
-    # prob 0.037: the interval is [50, 100].
+    # Bootstrap: easy always adds -50, hard's mean adds 0.5 x {0, -33.3, -66.7, -100}, 0 with prob 0.30 and -100
+    # with prob 0.037: the interval is [-100, -50].
     v = got["avg"]
-    assert float(v["diff"]) == pytest.approx(200 / 3, abs=1e-5) and v["n"] == "8"
-    assert (v["p_value"], v["ci_low"], v["ci_high"]) == ("0.03125", "50.0", "100.0")
-    # answer_logprob over s1..s7 (keydiff has none for s8): differences all -0.5 - (-1.0) = 0.5; exact sign flips
+    assert float(v["diff"]) == pytest.approx(-200 / 3, abs=1e-5) and v["n"] == "8"
+    assert (v["p_value"], v["ci_low"], v["ci_high"]) == ("0.03125", "-100.0", "-50.0")
+    # answer_logprob over s1..s7 (keydiff has none for s8): differences all -1.0 - (-0.5) = -0.5; exact sign flips
     # of 7 equal terms: p = 2 / 2^7 = 0.015625.
     g = got["answer_logprob"]
-    assert (g["n"], g["diff"], g["ci_low"], g["ci_high"], g["p_value"]) == ("7", "0.5", "0.5", "0.5", "0.015625")
+    assert (g["n"], g["diff"], g["ci_low"], g["ci_high"], g["p_value"]) == ("7", "-0.5", "-0.5", "-0.5", "0.015625")
     # h2o 0.5 answered exactly as the full cache: no discordant pair, p = 1, diff 0.
-    same = next(r for r in rows if r["score"] == "all" and r["settings_b"].endswith("recent_ratio=0.5")
-                and r["policy_a"] == "full")
+    same = next(r for r in rows if r["score"] == "all" and r["settings_a"].endswith("recent_ratio=0.5")
+                and r["policy_b"] == "full")
     assert (same["diff"], same["p_value"], same["ci_low"], same["ci_high"]) == ("0.0", "1.0", "0.0", "0.0")
 
     md = (runs / "table.md").read_text()
@@ -217,8 +219,8 @@ def test_paired_csv_by_hand(runs: Path) -> None:
     shown = _md_rows(md, "Paired comparisons")
     # Against the full cache, summary scores (avg) and the graded score only: 3 pairs x 2 rows.
     assert len(shown) == 2 + 3 * 2
-    assert ["qa", "avg", "full", "-", "keydiff", "N=256 B=128 blockwise", "8", "83.33", "16.67", "+66.67",
-            "[+50.00, +100.00]", "0.0312"] in shown
+    assert ["qa", "avg", "keydiff", "N=256 B=128 blockwise", "full", "-", "8", "16.67", "83.33", "-66.67",
+            "[-100.00, -50.00]", "0.0312"] in shown
 
 
 def test_paired_against_one_policy(runs: Path) -> None:
@@ -252,7 +254,7 @@ def test_runs_on_different_samples_are_never_paired(tmp_path: Path) -> None:
     report_main([str(tmp_path / "x"), "--no-plots", "-q"])
     rows = _csv(tmp_path / "x" / "paired.csv")
     got = next(r for r in rows if r["score"] == "all")
-    assert (got["n"], got["mean_a"], got["mean_b"], got["diff"]) == ("2", "100.0", "0.0", "100.0")
+    assert (got["n"], got["mean_a"], got["mean_b"], got["diff"]) == ("2", "0.0", "100.0", "-100.0")  # keydiff - full
 
 
 def test_old_runs_show_plain_means_without_se(tmp_path: Path) -> None:

@@ -64,8 +64,8 @@ def check_policy(rep: Report, policy: str | None) -> None:
 
 
 def pairs(rep: Report, policy: str | None = None) -> list[Pair]:
-    """All pairs of entries on the same samples, a = the earlier in table order; with `policy`, only pairs with
-    an entry of that policy, which is then b (diff = other - policy)."""
+    """All pairs of entries on the same samples, a = the earlier in table order except that the full cache is
+    always b; with `policy`, only pairs with an entry of that policy, which is then b (diff = other - policy)."""
     items = [(r, e) for r in rep.rows for e in r.entries.values() if e.records]
     out = []
     for i, first in enumerate(items):
@@ -78,6 +78,8 @@ def pairs(rep: Report, policy: str | None = None) -> list[Pair]:
                     (ra, a), (rb, b) = second, first
                 elif b.policy != policy:
                     continue
+            elif a.policy == "full" and b.policy != "full":
+                (ra, a), (rb, b) = second, first  # against the full cache: diff = policy - full, a loss reads < 0
             for score in _scores(rep, a, b):
                 res = compare(a.composition, a.records, b.composition, b.records, score)
                 if res is not None:
