@@ -121,7 +121,7 @@ finish_run() {
         echo "- script: \`scripts/${NAME}.sh\`$([[ "$QUICK" == 1 ]] && echo " (QUICK=1)")"
         echo "- kvbench commit: \`$COMMIT\`$([[ "$DIRTY" != 0 ]] && echo " (with $DIRTY uncommitted changes in kvbench/ or conf/)")"
         echo "- finished: $(date -u +%Y-%m-%dT%H:%MZ); wall time: $((wall / 60)) min $((wall % 60)) s; CPU time of the kvbench processes: $cpu"
-        echo "- machine: $(nproc) CPU cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $WORKERS workers x $THREADS threads; load average at start $LOAD0, at end $(cut -d' ' -f1-3 /proc/loadavg)"
+        echo "- machine: $(nproc --all) CPU cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $WORKERS workers x $THREADS threads; load average at start $LOAD0, at end $(cut -d' ' -f1-3 /proc/loadavg)"
         echo "- protocol override: ${PROTOCOL:-none (kvbench default: block-wise eviction after every prompt block and decoding step)}"
         echo
         echo "Commands (the scratch directory \`$RUNS\` is git-ignored; \`runs/\` here holds each run's config, metrics and predictions):"

@@ -75,7 +75,11 @@ def main(runs: Path, out: Path) -> list[Path]:
             axes[k // ncol][k % ncol].set_axis_off()
         first = panels[0]
         notes = " ".join(first.notes)
-        haystack = "built-in filler haystack" if "builtin" in notes or "filler" in notes else "haystack: see table.md"
+        haystack = ("Paul Graham essays" if "Paul Graham essays" in notes else
+                    "built-in filler haystack" if "builtin" in notes or "filler" in notes else "haystack: see table.md")
+        ns = sorted({st.n for e in panels for k, st in e.cells.items() if CELL.match(k) and st.n})
+        if ns:  # samples behind each cell's mean (the scores are cell means)
+            haystack += f"; n = {ns[0]}{'' if len(ns) == 1 else f'-{ns[-1]}'} samples per cell"
         fig.suptitle(f"NIAH (substring recall, 0-100) on {_label_source(first)}\n"
                      f"budget N = {budget} tokens per layer and KV head, block B = {block}, protocol {protocol}; "
                      f"{haystack}; full cache: no eviction", fontsize=11)

@@ -62,7 +62,9 @@ def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
                 axes[k // ncol][k % ncol].set_axis_off()
             if im is not None:
                 fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
-            fig.suptitle(f"{task}: {model}", fontsize=9)
+            ns = sorted({st.n for r in rows for k, st in r.entries[task].cells.items() if CELL.match(k) and st.n})
+            n_text = "" if not ns else f" (cell means, n = {ns[0]}{'' if len(ns) == 1 else f'-{ns[-1]}'} per cell)"
+            fig.suptitle(f"{task}: {model}{n_text}", fontsize=9)
             path = out_dir / f"heatmap_{_safe(task)}_{_safe(model)}.png"
             fig.savefig(path, dpi=110)
             written.append(path)
@@ -76,6 +78,7 @@ def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
     panels = list(dict.fromkeys((r.model, t) for r in rep.rows for t in r.entries))
     series: dict[tuple[str, str], dict[str, list[tuple[int, float, float]]]] = {k: {} for k in panels}
     flat: dict[tuple[str, str], list[tuple[str, float, float]]] = {k: [] for k in panels}
+    sizes: dict[tuple[str, str], set[int]] = {k: set() for k in panels}  # n behind each point, for the title
     for r in rep.rows:
         label = f"{r.policy} {settings_text(r.settings)}".strip()
         for task, e in r.entries.items():
@@ -83,6 +86,8 @@ def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
                 continue
             st = e.cells.get(e.average_key) if e.average_key else None
             half = Z95 * st.se if st is not None and st.se is not None else 0.0
+            if st is not None and st.n:
+                sizes[r.model, task].add(int(st.n))
             if isinstance(r.budget, int) and not isinstance(r.budget, bool):
                 pts = series[r.model, task].setdefault(label, [])
                 pts.append((r.budget, e.average, half))  # type: ignore[arg-type]
@@ -101,12 +106,17 @@ def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
         for i, (label, pts) in enumerate(series[m, task].items()):
             pts.sort()
             color = colors[i % len(colors)]
-            ax.errorbar([b for b, _, _ in pts], [v for _, v, _ in pts], yerr=[h for _, _, h in pts], capsize=3,
+            # The interval of a 0-100 score is cut at the scale's ends (the normal approximation overshoots them).
+            lo = [min(h, v) if 0 <= v <= 100 else h for _, v, h in pts]
+            hi = [min(h, 100.0 - v) if 0 <= v <= 100 else h for _, v, h in pts]
+            ax.errorbar([b for b, _, _ in pts], [v for _, v, _ in pts], yerr=[lo, hi], capsize=3,
                         marker=markers[i % len(markers)], color=color, label=label)
         for label, v, half in flat[m, task]:
             ax.axhline(v, linestyle="--", color="black", linewidth=1, label=label)
             if half:
-                ax.axhspan(v - half, v + half, color="black", alpha=0.08, linewidth=0)
+                inside = 0 <= v <= 100
+                ax.axhspan(max(0.0, v - half) if inside else v - half, min(100.0, v + half) if inside else v + half,
+                           color="black", alpha=0.08, linewidth=0)
         budgets = sorted({b for pts in series[m, task].values() for b, _, _ in pts})
         ax.set_xscale("log", base=2)
         close = any(b2 / b1 < 1.5 for b1, b2 in zip(budgets, budgets[1:]))  # neighbouring labels would overlap
@@ -114,7 +124,10 @@ def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
         ax.set_xlabel("budget N (tokens)")
         bars = any(h for pts in series[m, task].values() for _, _, h in pts)
         ax.set_ylabel(f"{task} average" + (" (bars: 95 % interval)" if bars else ""))
-        ax.set_title(f"{m}: {task} average vs budget", fontsize=9)
+        ns = sorted(sizes[m, task])
+        n_text = "" if not ns else f" (n = {ns[0]} samples per point)" if len(ns) == 1 else \
+            f" (n = {ns[0]}-{ns[-1]} samples per point)"
+        ax.set_title(f"{m}: {task} average vs budget{n_text}", fontsize=9)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # beside the lines
     path = out_dir / "score_vs_budget.png"
     fig.savefig(path, dpi=110)
