@@ -1,7 +1,8 @@
 """`kvbench`: the Hydra entry point. Composes the config, builds model/policy/task, runs, writes the run directory.
 
 Only this module and kvbench.run.config import Hydra. Bad input ends in one line on stderr and exit code 2, and a
-run directory that holds no results is removed again.
+run directory that holds no results is removed again, unless another kvbench process holds it (kvbench.run.app's
+run lock).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from kvbench.run.settings import user_errors
 
 def _fail(msg: str, run_dir: Path | None = None) -> None:
     if run_dir is not None:
-        kconfig.remove_if_empty_run(run_dir)
+        from kvbench.run.app import remove_if_empty_run
+
+        remove_if_empty_run(run_dir)  # (takes the run lock: a directory another process holds is left alone)
     print(f"kvbench: error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -25,16 +28,18 @@ def _job(cfg: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
+    from kvbench.report.cli import print_metrics_table
+    from kvbench.run.app import RunBusy, run_configured
+
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     choices = dict(HydraConfig.get().runtime.choices)
     try:
-        from kvbench.report.cli import print_metrics_table
-        from kvbench.run.app import run_configured
-
         container = OmegaConf.to_container(cfg, resolve=True)
         dirs = kconfig.conf_dirs(HydraConfig.get().searchpath)
         print_metrics_table(run_configured(container, choices, run_dir, dirs))
         print(f"\nrun directory: {run_dir}")
+    except RunBusy as e:
+        _fail(str(e))  # the directory is another process's: nothing of it is removed
     except user_errors() as e:
         _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, run_dir)
 
@@ -50,7 +55,7 @@ def main() -> None:
         _fail(err)
     import hydra
 
-    wrapped = hydra.main(version_base=None, config_path=str(kconfig.CONF_DIR), config_name="config")(_job)
+    wrapped = hydra.main(version_base=None, config_path=str(kconfig.conf_dir()), config_name="config")(_job)
     wrapped()
 
 

@@ -45,6 +45,9 @@ def test_rows_schema_and_baselines(rows) -> None:
     assert all(r["budget"] is None and r["block"] is None and r["evict_s"] == 0 for r in full)
     assert all(r["evict_prefill_s"] == 0 and r["evict_decode_s"] == 0 for r in full)
     assert all(r["budget"] == N and r["block"] == B for r in rows if r["policy"] != "full")
+    # one untimed count per (policy, budget): these loops read the greedy token and nothing else
+    assert all(r["host_syncs_per_step"] == 1.0 and r["host_syncs_max_step"] == 1 for r in rows)
+    assert all(list(r["host_sync_sites"].values()) == [1.0] for r in rows)
 
 
 def test_peak_kv_is_bounded_and_identical_across_lengths(rows) -> None:
@@ -205,6 +208,22 @@ def test_goals_are_ratios_of_rows_of_one_run() -> None:
     assert sum(ln.startswith("FAIL") for ln in lines) == 6  # snapkv: all but end to end; knorm: prefill, end to end
 
 
+def test_host_sync_goal_reads_the_worst_step_per_budget() -> None:
+    def row(policy: str, n: int, mean: float | None, worst: int | None) -> dict:
+        return {**_row(policy, n, 2.0, 1.0, 0.05, 0.05), "peak_kv_tokens": 80, "host_syncs_per_step": mean,
+                "host_syncs_max_step": worst}
+
+    rows = [row("keydiff", 2000, 1.0, 1), row("keydiff", 8000, 1.0, 1), row("adakv", 2000, 16.5, 17),
+            row("tova", 2000, None, None)]
+    goals.add_ratios(rows)
+    lines = [ln for ln in goals.goal_lines(goals.goals(rows)) if "host syncs" in ln]
+    assert lines == ["PASS  host syncs per decoding step <= 1 (the token): keydiff (N=64: 1.00 (max 1))",
+                     "FAIL  host syncs per decoding step <= 1 (the token): adakv (N=64: 16.50 (max 17))"]  # tova: none
+    table = goals.markdown_table(rows).splitlines()
+    assert table[0].split("|")[-2].strip() == "syncs/step"
+    assert [ln.split("|")[-2].strip() for ln in table[2:]] == ["1.00", "1.00", "16.50", ""]
+
+
 def test_real_model_side_by_side_with_hf(tmp_path, one_thread) -> None:
     """--model with a local directory: its tokenizer makes the prompt, the hf rows run HF's own loop."""
     from kvbench.models.tiny import builtin_dir
@@ -212,7 +231,7 @@ def test_real_model_side_by_side_with_hf(tmp_path, one_thread) -> None:
     out = tmp_path / "b.json"
     rc = bench.main(["--model", str(builtin_dir("tiny-llama")), "--lengths", "40", "--budgets", "16", "--block",
                      "8", "--new-tokens", "3", "--repeats", "1", "--policies", "keydiff", "--clock", "cpu",
-                     "--out", str(out), "--quiet"])
+                     "--no-syncs", "--out", str(out), "--quiet"])
     assert rc == 0
     data = json.loads(out.read_text())
     rows = {r["policy"]: r for r in data["rows"]}
@@ -225,6 +244,8 @@ def test_real_model_side_by_side_with_hf(tmp_path, one_thread) -> None:
     assert kd["vs_hf_forward"] == pytest.approx(kd["prefill_s"] / rows["hf-forward"]["prefill_s"], abs=2e-3)
     assert {g["policy"] for g in data["goals"]} == {"keydiff", "streamingllm"}
     assert all(r["clock"] == "cpu" and r["prefill_s"] > 0 and r["decode_s"] > 0 for r in data["rows"])
+    assert all(r["host_syncs_per_step"] is None for r in data["rows"])  # --no-syncs: not counted, no goal line
+    assert not any(g["goal"].startswith("host syncs") for g in data["goals"])
     md = out.with_suffix(".md").read_text()
     assert "Command: `kvbench-bench --model " in md and "## Goals" in md
 

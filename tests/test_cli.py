@@ -11,7 +11,7 @@ import pytest
 
 from kvbench.models.tiny import build_tiny_model
 
-TIMING = {"prefill_s", "decode_s", "evict_s"}
+TIMING = {"prefill_s", "decode_s", "evict_s", "graded_s"}
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +137,10 @@ def test_binary_input_file_is_one_line_and_writes_nothing(task_args: list[str], 
     assert lines == [f"kvbench: error: {bad}:2: not UTF-8 text (byte 0xff at offset 68); expected a UTF-8 "
                      f"text file"], r.stderr
     assert not out.exists()
+
+
+def test_hydra_flag_values_are_not_taken_for_overrides() -> None:
+    from kvbench.run.config import validate_overrides
+
+    assert validate_overrides(["--cfg", "job", "model=tiny-llama"]) is None  # `job` is --cfg's value
+    assert validate_overrides(["-c", "job", "policy=nope"]).startswith("unknown policy 'nope'; choose one of: ")

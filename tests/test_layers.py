@@ -1,7 +1,9 @@
 """The layer order of the package (docs/extending.md, "The layers"): a module imports only from lower layers or its
 own package, no import cycle anywhere, Hydra only in the CLI and the config module.
 
-Lazy imports inside functions count; imports under `if TYPE_CHECKING:` (type hints only, never executed) do not.
+Every import counts: lazy imports inside functions and imports under `if TYPE_CHECKING:` (type hints) alike, so a
+type hint cannot hide a tie to a higher layer. Policies see a cache layer through the `CacheLayer` interface of their
+own layer (kvbench/policies/layer.py), which the engine's `EvictingLayer` implements; the last tests check both sides.
 """
 
 from __future__ import annotations
@@ -34,19 +36,12 @@ def all_modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    return "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """kvbench modules (and third-party top-level names) that `path` imports, TYPE_CHECKING blocks left out."""
+    """kvbench modules (and third-party top-level names) that `path` imports anywhere: top level, inside functions,
+    under `if TYPE_CHECKING:`."""
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -114,10 +109,73 @@ def test_hydra_only_in_the_cli_and_config() -> None:
 
 
 def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path: Path) -> None:
-    # The checks above would pass vacuously if `imports` found nothing: show that it finds a lazy upward import
-    # and skips a TYPE_CHECKING one.
+    # The checks above would pass vacuously if `imports` found nothing: show that it finds a lazy upward import and
+    # one that only a type hint needs.
     src = tmp_path / "m.py"
     src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvbench.engine.cache import X\n"
                    "def f():\n    from kvbench.run.app import run_one\n    from kvbench.models import packaged\n")
     found = imports(src, all_modules())
-    assert found == {"typing", "kvbench.run.app", "kvbench.models.packaged"}
+    assert found == {"typing", "kvbench.engine.cache", "kvbench.run.app", "kvbench.models.packaged"}
+
+
+def cache_layer_members() -> set[str]:
+    """What `CacheLayer` names: its annotated attributes and its methods."""
+    from kvbench.policies.layer import CacheLayer
+
+    methods = {k for k, v in vars(CacheLayer).items() if callable(v) and not k.startswith("_")}
+    return set(CacheLayer.__annotations__) | methods
+
+
+def layer_uses(path: Path) -> set[str]:
+    """Attributes read or written, in `path`, on a function parameter annotated `CacheLayer`."""
+    used: set[str] = set()
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+        names = {a.arg for a in args if a.annotation is not None and ast.unparse(a.annotation) == "CacheLayer"}
+        used |= {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                 and n.value.id in names}
+    return used
+
+
+def test_policies_use_exactly_what_cache_layer_names() -> None:
+    # The interface is the whole contract: a policy that reaches for more of a layer fails here (add it to
+    # CacheLayer on purpose), and so does a member no policy uses any more.
+    paths = sorted((PKG / "policies").glob("*.py"))
+    used = set().union(*(layer_uses(p) for p in paths))
+    assert used == cache_layer_members()
+    # Every layer a policy takes is typed as the interface: no parameter is typed as the engine's class.
+    texts = "".join(p.read_text() for p in paths)
+    assert "EvictingLayer" not in texts.replace("`EvictingLayer`", "")  # (layer.py's doc names it, in backquotes)
+
+
+def test_the_use_checker_sees_an_attribute(tmp_path: Path) -> None:
+    src = tmp_path / "p.py"
+    src.write_text("def score(self, layer: CacheLayer, other: int):\n    layer.state['x'] = layer.keys.sum()\n"
+                   "    return other.real\n")
+    assert layer_uses(src) == {"state", "keys"}
+
+
+def test_evicting_layer_implements_cache_layer() -> None:
+    import inspect
+
+    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
+
+    layer = EvictingLayer(3)
+    assert isinstance(layer, CacheLayer)
+    for name in cache_layer_members():
+        assert hasattr(layer, name), name
+        declared = getattr(CacheLayer, name, None)
+        if callable(declared):  # the same parameters, in the same order
+            assert list(inspect.signature(getattr(EvictingLayer, name)).parameters) == \
+                list(inspect.signature(declared).parameters), name
+
+    class Missing:  # everything but `keep`: not a CacheLayer, so the isinstance check above can fail
+        pass
+
+    stub = Missing()
+    for name in cache_layer_members() - {"keep"}:
+        setattr(stub, name, getattr(layer, name))
+    assert not isinstance(stub, CacheLayer)

@@ -18,7 +18,7 @@ from kvbench.run.loop import append_record, read_records
 from kvbench.run.settings import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMING = ("prefill_s", "decode_s", "evict_s")
+TIMING = ("prefill_s", "decode_s", "evict_s", "graded_s")
 N_SAMPLES = 8
 
 

@@ -180,6 +180,29 @@ def test_sweep_jobs_expand_like_hydra_with_command_line_last() -> None:
                     ["policy=b", "budget=3", "seed=0"], ["policy=b", "budget=3", "seed=1"]]
 
 
+@pytest.mark.parametrize("params,overrides", [
+    ({"policy": "a,b", "budget": "1,2"}, ["budget=3", "seed=0,1"]),
+    ({"block": "null,128", "budget": "range(1,4)"}, ["+x=choice(u,v)", "~y", "task.lengths=[1,2]", "block=64,32"]),
+    (None, ["policy=keydiff", "task.depths=[10,50]", "seed=range(0,6,2)", "budget='1,2'"]),
+])
+def test_sweep_jobs_equal_the_basic_sweepers_own_expansion(params: dict | None, overrides: list[str]) -> None:
+    # kvbench expands sweeps with Hydra's public parser only; the sweeper Hydra runs them with is private API, used
+    # here (a test) to check that both give the same jobs in the same order.
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = [f"{k}={v}" for k, v in (params or {}).items()] + overrides
+    hydra_jobs = [job for chunk in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
+                  for job in chunk]
+    assert config.sweep_jobs(params, overrides) == hydra_jobs
+    assert len(hydra_jobs) > 1
+
+
+def test_no_private_hydra_in_the_package() -> None:
+    texts = {p: p.read_text() for p in (ROOT / "kvbench").rglob("*.py")}
+    assert [str(p) for p, t in texts.items() if "hydra._internal" in t] == []
+
+
 @pytest.mark.parametrize("name", config.group_choices("experiment"))
 def test_experiment_preset_composes_with_existing_choices(name: str) -> None:
     from hydra import compose, initialize_config_dir

@@ -21,8 +21,9 @@ Two baselines are always measured with the policies asked for:
 So `evict_share` (eviction time / total run time), `vs_floor` (prefill time / the floor's - 1), `vs_hf_forward`,
 `decode_vs_hf` and `kv_vs_full` (peak KV bytes / full's) are ratios between configurations of the same run, and
 `goals()` turns them into the pass/fail lines of the speed goals of docs/bench.md (eviction share, decode vs HF,
-prefill vs HF, slowest policy vs KeyDiff, flat memory).
+prefill vs HF, slowest policy vs KeyDiff, flat memory, host syncs per decoding step).
 
 Modules: setup (models, prompts, policies by name), measure (one configuration, interleaved rounds, peak memory;
-its docstring says how RSS is measured), goals (ratios, pass/fail lines, the table), cli (`main`).
+its docstring says how RSS is measured), syncs (host syncs per decoding step, counted on any device), goals (ratios,
+pass/fail lines, the table), cli (`main`).
 """

@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="what the times measure: wall (default) or the process's CPU time (on a shared machine, with "
                         "--threads 1: robust to other processes' load; with more threads it sums them)")
+    p.add_argument("--no-syncs", dest="syncs", action="store_false",
+                   help="skip counting host syncs per decoding step (one extra untimed call per policy and budget)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json", help="rows and goals as JSON")
     p.add_argument("--markdown", default=None, help="markdown table file (default: --out with .md)")
@@ -135,7 +137,7 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
             log(f"kvbench-bench: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
         t0 = time.perf_counter()
         rows = run_bench(model, configurations(policies, budgets, lengths, block, a.baselines, a.full_max_tokens),
-                         new_tokens, repeats, a.seed, desc, log, prompt, a.clock)
+                         new_tokens, repeats, a.seed, desc, log, prompt, a.clock, a.syncs)
     except (BenchError, PolicyError) as e:
         print(f"kvbench-bench: error: {e}", file=sys.stderr)
         return 2

@@ -31,6 +31,11 @@ VS_KEYDIFF = 1.5  # end-to-end time of any policy / KeyDiff's, same N and B
 FLAT_SLACK_MIB = 16.0  # peak RSS growth from the shortest to the longest prompt allowed beyond the KV bytes' growth
 
 
+# Host syncs per decoding step (kvbench.bench.syncs): reading the greedy token is the one a loop cannot avoid; every
+# other one makes the host wait for the GPU's queue, every step.
+HOST_SYNCS_PER_STEP = 1
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """vs_floor: prefill time over the floor's (same length, budget) - 1; policy_share: the part of the prefill
     not spent in bare block processing (the floor's prefill minus its eviction); kv_vs_full: KV bytes over full's;
@@ -97,12 +102,16 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             flat.append((grow <= kv_grow + FLAT_SLACK_MIB,
                          f"{lo['prompt_tokens']}->{hi['prompt_tokens']}: {grow:+.0f} MiB (KV {kv_grow:+.0f} MiB)"))
         add(f"peak memory flat (growth <= KV growth + {FLAT_SLACK_MIB:.0f} MiB)", name, flat)
+        counted = {r["budget"]: r for r in mine if r.get("host_syncs_max_step") is not None}  # same at every length
+        add(f"host syncs per decoding step <= {HOST_SYNCS_PER_STEP} (the token)", name,
+            [(r["host_syncs_max_step"] <= HOST_SYNCS_PER_STEP,
+              f"N={b}: {r['host_syncs_per_step']:.2f} (max {r['host_syncs_max_step']})") for b, r in counted.items()])
     return out
 
 
 def goal_lines(results: Sequence[dict[str, Any]]) -> list[str]:
     """PASS/FAIL lines grouped by goal (in docs/bench.md's order), policies in run order within a goal."""
-    rank = {k: i for i, k in enumerate(("eviction", "decode", "prefill", "end", "peak"))}
+    rank = {k: i for i, k in enumerate(("eviction", "decode", "prefill", "end", "peak", "host"))}
     ordered = sorted(results, key=lambda g: rank.get(g["goal"].split(" ")[0], len(rank)))  # stable: run order kept
     return [f"{'PASS' if g['passed'] else 'FAIL'}  {g['goal']}: {g['policy']} ({g['detail']})" for g in ordered]
 
@@ -117,7 +126,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         return "" if v is None else f"{v:.2f}x"
 
     head = ["policy", "prompt", "N", "B", "prefill s", "vs HF fwd", "decode ms/tok", "vs HF dec", "evict s (pre+dec)",
-            "evict %", "total s", "vs keydiff", "vs floor", "peak KV tok", "KV MiB", "peak RSS MiB"]
+            "evict %", "total s", "vs keydiff", "vs floor", "peak KV tok", "KV MiB", "peak RSS MiB", "syncs/step"]
     body = []
     for r in rows:
         hf = r["policy"] in (HF_FORWARD, HF_DECODE)
@@ -130,5 +139,6 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
                      "" if hf or r["policy"] == FULL else pct(r["evict_share"]), f"{r['total_s']:.3f}",
                      x(r.get("vs_keydiff")),
                      pct(r["vs_floor"]) if r["policy"] not in (FULL, FLOOR) and not hf else "", r["peak_kv_tokens"],
-                     f"{r['kv_bytes_peak'] / 2**20:.1f}", f"{r['peak_rss_mib']:.0f}"])
+                     f"{r['kv_bytes_peak'] / 2**20:.1f}", f"{r['peak_rss_mib']:.0f}",
+                     "" if r.get("host_syncs_per_step") is None else f"{r['host_syncs_per_step']:.2f}"])
     return tabulate(body, headers=head, tablefmt="github", disable_numparse=True)

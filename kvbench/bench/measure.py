@@ -6,6 +6,11 @@ Peak RSS per configuration (Linux): before each measured call the process return
 /proc/self/status after the call is that configuration's peak. Without a resettable high-water mark (not Linux) the
 column is the process's lifetime peak (`getrusage`), marked in `rss_method`. On CUDA, `peak_gpu_mib` is
 `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`; `generate` synchronises around its timers.
+
+Host syncs per decoding step (`host_syncs_*`, kvbench.bench.syncs): one more, untimed call per (policy, budget,
+block), on a prompt just long enough to evict (N + 2B tokens at most), under a counter that sees every op; the count
+does not depend on the prompt length once the cache is over budget, and the counter's own overhead stays out of
+the timed rounds.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ import torch
 
 from kvbench.bench.goals import add_ratios
 from kvbench.bench.setup import FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, make_policy, prompt_ids
+from kvbench.bench.syncs import count_host_syncs
 
 ROW_FIELDS = ("policy", "prompt_tokens", "budget", "block", "prefill_s", "prefill_tokens_per_s",
               "decode_tokens_per_s", "decode_ms_per_token", "evict_s", "evict_prefill_s", "evict_decode_s",
-              "total_s", "peak_kv_tokens", "kv_bytes_peak", "peak_rss_mib")
+              "total_s", "peak_kv_tokens", "kv_bytes_peak", "peak_rss_mib", "host_syncs_per_step")
+SYNC_TOKENS = 4  # greedy tokens of the sync-counting call: 3 complete decoding steps
+NO_SYNCS = {"host_syncs_per_step": None, "host_syncs_max_step": None, "host_sync_sites": None}
 
 
 class PeakMemory:
@@ -165,6 +173,23 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
     return m
 
 
+def host_syncs(model: Any, cfg: Config, seed: int = 0, prompt: Sequence[int] | None = None) -> dict[str, Any]:
+    """Host syncs per decoding step of configuration `cfg` (kvbench.bench.syncs), from one untimed call on the first
+    min(prompt_tokens, N + 2B) tokens: `host_syncs_per_step` (mean over the complete steps), `host_syncs_max_step`,
+    `host_sync_sites` (file:line -> syncs per step, most first; the token's argmax is generate.py's)."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    n = min(cfg.prompt_tokens, (cfg.budget or 0) + 2 * (cfg.block or 64))
+    ids = list(prompt[:n]) if prompt is not None else prompt_ids(n, vocab, seed=seed)
+    policy = make_policy(cfg.policy, cfg.budget, seed)
+    policy.start_sample(seed)
+    c = count_host_syncs(model, policy, ids, cfg.block, SYNC_TOKENS)
+    if not c.per_step:
+        return dict(NO_SYNCS)
+    steps = len(c.per_step)
+    return {"host_syncs_per_step": round(c.mean, 3), "host_syncs_max_step": max(c.per_step),
+            "host_sync_sites": {site: round(k / steps, 3) for site, k in c.by_site.items()}}
+
+
 def configurations(policies: Sequence[str], budgets: Sequence[int], lengths: Sequence[int], block: int,
                    baselines: Sequence[str] = (FULL, FLOOR), full_max_tokens: int | None = None) -> list[Config]:
     """Every (policy, budget) at every length, with the baselines added: full and hf-forward once per length (up
@@ -189,15 +214,24 @@ def configurations(policies: Sequence[str], budgets: Sequence[int], lengths: Seq
 
 def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: int, seed: int = 0,
               model_desc: str = "", log: Callable[[str], None] | None = None,
-              prompt: Sequence[int] | None = None, clock: str = "wall") -> list[dict[str, Any]]:
+              prompt: Sequence[int] | None = None, clock: str = "wall", syncs: bool = True) -> list[dict[str, Any]]:
     """Measure every configuration `repeats` times, interleaved (round r runs them all, in an order rotated by r),
     after one unmeasured warm-up call per policy; returns one row per configuration with medians. `prompt`: the
-    token ids every configuration reads its first `prompt_tokens` from (default: random ids per length)."""
+    token ids every configuration reads its first `prompt_tokens` from (default: random ids per length). `syncs`:
+    count host syncs per decoding step once per (policy, budget, block) (`host_syncs`; not for HF's own loop)."""
     mem = PeakMemory(model.device)
     for name in dict.fromkeys(c.policy for c in configs):  # warm-up: kernels, thread pools, allocator
         c = next(c for c in configs if c.policy == name)
         warm = min(c.prompt_tokens, (c.budget or 0) + 2 * (c.block or 64))
         measure(model, Config(c.policy, c.budget, c.block, warm), min(new_tokens, 2), mem, seed, prompt, clock)
+    counted: dict[tuple[str, int | None, int | None], dict[str, Any]] = {}
+    for c in configs if syncs else ():
+        key = (c.policy, c.budget, c.block)
+        if c.policy not in (HF_FORWARD, HF_DECODE) and key not in counted:
+            counted[key] = host_syncs(model, c, seed, prompt)
+            if log:
+                log(f"host syncs {c.policy:>12} N={c.budget} B={c.block}: {counted[key]['host_syncs_per_step']} "
+                    f"per decoding step")
     raw: dict[Config, list[dict[str, Any]]] = {c: [] for c in configs}
     for r in range(repeats):
         k = r % len(configs)
@@ -209,7 +243,8 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
                     f"prefill {m['prefill_s']:.3f} s (evict {m['evict_prefill_s']:.3f}), decode {m['decode_s']:.3f} s "
                     f"(evict {m['evict_decode_s']:.3f}), peak RSS {m['peak_rss_mib']:.0f} MiB, "
                     f"cpu/wall {m['cpu_per_wall']:.2f}")
-    rows = [{**_row(c, raw[c], model, model_desc, mem.method), "clock": clock} for c in configs]
+    rows = [{**_row(c, raw[c], model, model_desc, mem.method), "clock": clock,
+             **counted.get((c.policy, c.budget, c.block), NO_SYNCS)} for c in configs]
     add_ratios(rows)
     return rows
 

@@ -114,30 +114,25 @@ def prompt_ids(n: int, vocab: int, tokenizer: Any = None, seed: int = 0) -> list
         words *= 2
 
 
+def _preset_path(config: str) -> str | None:
+    """The `path` of the conf/model preset named `config` (read by the run's own YAML loader), or None."""
+    from kvbench.run.config import group_choices, load_group
+
+    if "/" in config or config not in group_choices("model"):
+        return None
+    return str(load_group("model", config).get("path") or "")
+
+
 def _preset_builtin(config: str) -> str | None:
     """The tiny architecture a conf/model preset names (`path: builtin:<arch>`), or None."""
-    from kvbench.run.config import CONF_DIR
-
-    preset = CONF_DIR / "model" / f"{config}.yaml"
-    if "/" in config or not preset.is_file():
-        return None
-    for line in preset.read_text().splitlines():
-        if line.startswith("path:") and "builtin:" in line:
-            return line.split("builtin:", 1)[1].split("#")[0].strip()
-    return None
+    path = _preset_path(config) or ""
+    return path[len("builtin:"):].strip() if path.startswith("builtin:") else None
 
 
 def _model_from_config(config: str, layers: int | None, dtype: torch.dtype, seed: int) -> tuple[Any, str]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvbench.run.config import CONF_DIR
-
-    src = config
-    preset = CONF_DIR / "model" / f"{config}.yaml"
-    if "/" not in config and preset.is_file():  # a preset: its path is a hub id or a local directory
-        for line in preset.read_text().splitlines():
-            if line.startswith("path:"):
-                src = line.split(":", 1)[1].split("#")[0].strip()
+    src = _preset_path(config) or config  # a preset: its path is a hub id or a local directory
     p = Path(src)
     try:
         cfg = AutoConfig.from_pretrained(str(p.parent if p.is_file() else src))

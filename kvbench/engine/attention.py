@@ -84,16 +84,20 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        softcap: float | None, on_probs: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """Causal attention of the block (the last q slots) over all slots, computed in query chunks.
 
-    Precision follows HF's eager path (logits in the input dtype, softmax in float32). `on_probs` receives each
-    chunk's probabilities averaged over the query heads of each KV head, (b, h_kv, c, kv) float32.
+    Precision: logits and softmax in float32, the product with the values in the input dtype, as sdpa's fused
+    kernels do (QK^T accumulated and kept in float32, on CPU and CUDA). HF's eager path rounds the logits to a
+    bfloat16/float16 input dtype before the softmax; for the policy that scores with these probabilities (H2O) that
+    rounding ties or swaps tokens whose logits differ by less than a bfloat16 step (tests/test_bf16.py). For float32
+    inputs the casts are no-ops. `on_probs` receives each chunk's probabilities averaged over the query heads of
+    each KV head, (b, h_kv, c, kv) float32.
     Returns (b, q, h_q, d) like the eager functions.
     """
     b, h_q, q_len, d = query.shape  # (b, h_q, q, d)
     h_kv, kv_len = key.shape[1], key.shape[2]
     g = h_q // h_kv
     off = kv_len - q_len  # slots before the block: visible to every query
-    kt = key.transpose(-1, -2).reshape(b * h_kv, d, kv_len)  # (b*h_kv, d, kv)
-    zero = query.new_zeros(())
+    kt = key.float().transpose(-1, -2).reshape(b * h_kv, d, kv_len)  # (b*h_kv, d, kv) float32
+    zero = query.new_zeros((), dtype=torch.float32)
     d_v = value.shape[-1]
     out = value.new_empty(b, h_kv, g, q_len, d_v)
     # Per chunk of c queries, the (b, h_kv, g, c, kv) logits are the big tensor: every step below works on it in
@@ -102,11 +106,10 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     for s in range(0, q_len, QUERY_CHUNK):
         e = min(q_len, s + QUERY_CHUNK)
         c = e - s
-        qc = query[:, :, s:e].reshape(b * h_kv, g * c, d)  # (b*h_kv, g*c, d)
+        qc = query[:, :, s:e].float().reshape(b * h_kv, g * c, d)  # (b*h_kv, g*c, d) float32
         logits = torch.baddbmm(zero, qc, kt, beta=0.0, alpha=scaling).view(b, h_kv, g, c, kv_len)
         if softcap:
             logits.div_(softcap).tanh_().mul_(softcap)
-        logits = logits.float()
         first = off + s + 1  # first slot some query of this chunk must not see
         if first < kv_len:
             j = torch.arange(first, kv_len, device=query.device)
@@ -131,7 +134,7 @@ def ragged_attention(query: torch.Tensor, layer: EvictingLayer, scaling: float,
     h_kv = layer.lengths.shape[1]
     g = h_q // h_kv
     out = layer.values.new_empty(b, q_len, h_q, layer.values.shape[-1])
-    sizes = layer.lengths.flatten().tolist()
+    sizes = layer.head_sizes  # on the host: splitting by `lengths` would read the device
     for i, (k, v) in enumerate(zip(layer.keys.split(sizes), layer.values.split(sizes))):  # (n_i, d) each
         bi, hi = divmod(i, h_kv)
         qi = query[bi:bi + 1, hi * g:(hi + 1) * g]  # (1, g, q, d)

@@ -44,6 +44,9 @@ class EvictingLayer(DynamicLayer):
         self.seen = 0  # tokens ever appended (logical length)
         self.positions: torch.Tensor | None = None  # (b, h_kv, n) or ragged (S,): absolute position of each token
         self.lengths: torch.Tensor | None = None  # (b, h_kv) tokens per head; set only for ragged storage
+        # The same counts on the host, in segment order, set with `lengths`: every forward needs them (split sizes,
+        # the longest head) and reading `lengths` would make the host wait for the device (a sync per read on a GPU).
+        self.head_sizes: list[int] | None = None
         self.valid: torch.Tensor | None = None  # (b, h_kv, L) bool real slots; set only in the padded view
         self.state: dict[str, torch.Tensor] = {}  # name -> (b, h_kv, n) or ragged (S,) per-token policy state
         self.queries: torch.Tensor | None = None  # (b, h_q, w, d) latest queries kept for the policy
@@ -76,12 +79,13 @@ class EvictingLayer(DynamicLayer):
         b, h, q, d = key_states.shape  # (b, h_kv, q, d)
         new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
         if self.ragged:
-            sizes = self.lengths.flatten().tolist()
+            sizes = self.head_sizes
             self.keys = _interleave(self.keys, key_states.reshape(b * h * q, d), sizes, q)  # (S + b*h*q, d)
             self.values = _interleave(self.values, value_states.reshape(b * h * q, -1), sizes, q)
             self.positions = _interleave(self.positions, new_pos.reshape(-1), sizes, q)
             self.state = {k: _interleave(s, s.new_zeros(b * h * q), sizes, q) for k, s in self.state.items()}
             self.lengths = self.lengths + q
+            self.head_sizes = [n + q for n in sizes]
         elif self.keys.numel() == 0:
             self.keys, self.values, self.positions = key_states, value_states, new_pos.contiguous()
         else:
@@ -98,7 +102,7 @@ class EvictingLayer(DynamicLayer):
         """Slots of the longest head (uniform layers: every head's length)."""
         if self.keys is None or self.keys.numel() == 0:
             return 0
-        return int(self.lengths.max()) if self.ragged else self.keys.shape[-2]
+        return max(self.head_sizes) if self.ragged else self.keys.shape[-2]
 
     def tokens_per_head(self) -> int:
         """Tokens held per KV head: the layer's total over its b * h_kv heads, rounded up (exact when uniform)."""
@@ -148,20 +152,22 @@ class EvictingLayer(DynamicLayer):
         """(b, h_kv, L) absolute positions per head; for a ragged layer padded at the end with -1 (a copy)."""
         if not self.ragged:
             return self.positions
-        return _pad(self.positions, self._valid_slots(), -1)
+        valid = self._valid_slots()
+        return _pad(self.positions, valid, _slots(valid, self.positions.shape[0]), -1)
 
     def _valid_slots(self) -> torch.Tensor:
-        return torch.arange(int(self.lengths.max()), device=self.lengths.device) < self.lengths.unsqueeze(-1)
+        return torch.arange(max(self.head_sizes), device=self.lengths.device) < self.lengths.unsqueeze(-1)
 
     def unpack(self) -> None:
         """Ragged layers: replace the flat storage by the padded (b, h_kv, L) scoring view (see the class doc)."""
         if not self.ragged:
             return
         valid = self._valid_slots()  # (b, h_kv, L)
-        self.keys, self.values = _pad(self.keys, valid, 0), _pad(self.values, valid, 0)
-        self.positions = _pad(self.positions, valid, -1)
-        self.state = {k: _pad(s, valid, 0) for k, s in self.state.items()}
-        self.valid, self.lengths = valid, None
+        rows = _slots(valid, self.keys.shape[0])  # (S,)
+        self.keys, self.values = _pad(self.keys, valid, rows, 0), _pad(self.values, valid, rows, 0)
+        self.positions = _pad(self.positions, valid, rows, -1)
+        self.state = {k: _pad(s, valid, rows, 0) for k, s in self.state.items()}
+        self.valid, self.lengths, self.head_sizes = valid, None, None
 
     def pack(self) -> None:
         """Store the padded view's real slots: uniform layout if every head holds as many tokens, else flat."""
@@ -169,17 +175,21 @@ class EvictingLayer(DynamicLayer):
             return
         valid, self.valid = self.valid, None
         counts = valid.sum(dim=-1)  # (b, h_kv)
+        sizes = counts.flatten().tolist()  # the one host read of a selection: the layout and the split sizes
+        rows = _slots(valid, sum(sizes))  # (S,): the real slots, as valid's boolean mask takes them
         d = self.keys.shape[-1]
-        self.keys, self.values, self.positions = self.keys[valid], self.values[valid], self.positions[valid]
-        self.state = {k: s[valid] for k, s in self.state.items()}
-        if bool((counts == counts.flatten()[0]).all()):  # the fast uniform path again
+        self.keys = self.keys.reshape(-1, d).index_select(0, rows)
+        self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows)
+        self.positions = self.positions.reshape(-1).index_select(0, rows)
+        self.state = {k: s.reshape(-1).index_select(0, rows) for k, s in self.state.items()}
+        if min(sizes) == max(sizes):  # the fast uniform path again
             b, h = counts.shape
-            n = int(counts.flatten()[0])
+            n = sizes[0]
             self.keys, self.values = self.keys.view(b, h, n, d), self.values.view(b, h, n, -1)
             self.positions = self.positions.view(b, h, n)
             self.state = {k: s.view(b, h, n) for k, s in self.state.items()}
         else:
-            self.lengths = counts
+            self.lengths, self.head_sizes = counts, sizes
 
     def keep(self, idx: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Keep only the slots `idx` (b, h_kv, k) of the (padded) layout, in chronological order; `valid` (b, h_kv, k)
@@ -245,10 +255,17 @@ def _interleave(old: torch.Tensor, new: torch.Tensor, sizes: list[int], q: int) 
     return torch.cat(parts)
 
 
-def _pad(flat: torch.Tensor, valid: torch.Tensor, fill: float) -> torch.Tensor:
-    """Flat per-head storage (S, ...) -> padded (b, h_kv, L, ...) with `fill` where `valid` (b, h_kv, L) is False."""
+def _slots(valid: torch.Tensor, count: int) -> torch.Tensor:
+    """(count,) flat indices of the True slots of `valid`, in row-major order, `count` their number known on the
+    host: boolean-mask indexing would ask the device for it (a host sync on a GPU), nonzero_static does not."""
+    return valid.reshape(-1).nonzero_static(size=count).squeeze(-1)
+
+
+def _pad(flat: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, fill: float) -> torch.Tensor:
+    """Flat per-head storage (S, ...) -> padded (b, h_kv, L, ...) with `fill` where `valid` (b, h_kv, L) is False;
+    `rows` (S,) = _slots(valid, S)."""
     out = flat.new_full((*valid.shape, *flat.shape[1:]), fill)
-    out[valid] = flat
+    out.view(-1, *flat.shape[1:]).index_copy_(0, rows, flat)
     return out
 
 

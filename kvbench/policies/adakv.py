@@ -30,7 +30,7 @@ from kvbench.policies.base import (ALLOCATIONS, PolicyError, adaptive_counts, co
 from kvbench.policies.snapkv import SnapKV
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 
 class AdaKV(SnapKV):
@@ -46,7 +46,7 @@ class AdaKV(SnapKV):
         self.allocation = allocation
         super().__init__(pooling=pooling, **kwargs)
 
-    def window_scores(self, layer: EvictingLayer) -> torch.Tensor:
+    def window_scores(self, layer: CacheLayer) -> torch.Tensor:
         """SnapKV's pooled window scores (b, h_q, n), on ragged layers too.
 
         Each head's real tokens are gathered into chronological order (padding last) so pooling never mixes a
@@ -65,21 +65,21 @@ class AdaKV(SnapKV):
         pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
         pooled = pool(prefix.reshape(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2).view(b, h, n)
         scores = torch.empty_like(pooled).scatter_(-1, perm, pooled)  # back to slot order
-        return scores.masked_fill(window, float(scores.max()) if n else 0.0)
+        return scores.masked_fill(window, scores.max() if n else 0.0)  # a 0-d tensor: no host read
 
-    def over_budget(self, layer: EvictingLayer) -> int | None:
+    def over_budget(self, layer: CacheLayer) -> int | None:
         """N when the layer's heads hold more than h_kv * N tokens in all (heads share the layer's budget)."""
         budget = super().over_budget(layer)
         if budget is None or int(valid_counts(layer).sum(dim=-1).max()) <= budget * layer.keys.shape[1]:
             return None
         return budget
 
-    def head_counts(self, layer: EvictingLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+    def head_counts(self, layer: CacheLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """(b, h_kv) tokens each head keeps (AdaKV allocation)."""
         n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
         return adaptive_counts(scores, budget, n_prot, self.alpha_safeguard, self.allocation)
 
-    def select(self, layer: EvictingLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         budget = self.over_budget(layer)
         if budget is None:
             return None

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 
 class PolicyError(ValueError):
@@ -92,20 +92,20 @@ class Policy:
         """Called before each sample; stochastic policies reseed here so results do not depend on sample order."""
 
     # -- hooks called by the engine -----------------------------------------------------------------------------
-    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+    def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token state (name -> (b, h_kv, q)) for the `q` tokens just appended (keys/values are theirs)."""
         return {}
 
-    def on_attention(self, layer: EvictingLayer, probs: torch.Tensor) -> None:
+    def on_attention(self, layer: CacheLayer, probs: torch.Tensor) -> None:
         """`probs` (b, h_kv, q, n): the block's attention, averaged over each KV head's query heads."""
 
     # -- scoring and selection ----------------------------------------------------------------------------------
-    def score(self, layer: EvictingLayer) -> torch.Tensor:
+    def score(self, layer: CacheLayer) -> torch.Tensor:
         """(b, h_kv, n) scores over the layer's cached tokens, higher = keep."""
         raise NotImplementedError
 
-    def protected(self, layer: EvictingLayer) -> torch.Tensor | None:
+    def protected(self, layer: CacheLayer) -> torch.Tensor | None:
         """(b, h_kv, n) bool of slots always kept: the first `n_sink` positions and the latest `n_recent` tokens."""
         if self.protected_count() == 0:
             return None
@@ -128,14 +128,14 @@ class Policy:
             self._edge_masks[shape, device] = mask
         return mask
 
-    def over_budget(self, layer: EvictingLayer) -> int | None:
+    def over_budget(self, layer: CacheLayer) -> int | None:
         """The layer's budget N when it holds more than N tokens per head (a selection is due), else None."""
         budget = self.layer_budget(layer.layer_idx, layer.seen)
         if budget is None or layer.physical() <= budget:
             return None
         return budget
 
-    def ranked_scores(self, layer: EvictingLayer) -> torch.Tensor:
+    def ranked_scores(self, layer: CacheLayer) -> torch.Tensor:
         """(b, h_kv, n) float scores as selection ranks them: protected slots +inf, padding -inf."""
         scores = self.score(layer).float()  # (b, h_kv, n)
         prot = self.protected(layer)
@@ -145,11 +145,11 @@ class Policy:
             scores = scores.masked_fill(~layer.valid, -math.inf)
         return scores
 
-    def head_counts(self, layer: EvictingLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+    def head_counts(self, layer: CacheLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """(b, h_kv) tokens each head keeps: the budget, for every head (AdaKV allocates per head instead)."""
         return torch.full(scores.shape[:2], budget, dtype=torch.long, device=scores.device)
 
-    def select(self, layer: EvictingLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Kept slot indices (b, h_kv, k) in chronological order, plus a validity mask for ragged heads (or None).
 
         Returns None when the layer is within its budget (nothing evicted).
@@ -159,8 +159,8 @@ class Policy:
             return None
         return top_slots(self.ranked_scores(layer), budget), None
 
-    def evict(self, layer: EvictingLayer,
-              observe: Callable[[EvictingLayer, torch.Tensor, torch.Tensor | None], None] | None = None) -> bool:
+    def evict(self, layer: CacheLayer,
+              observe: Callable[[CacheLayer, torch.Tensor, torch.Tensor | None], None] | None = None) -> bool:
         """Prune `layer` to its budget; True if anything was evicted.
 
         `observe(layer, idx, valid)` (diagnostics) sees the selection while the layer still holds every token.
@@ -205,7 +205,7 @@ def group_mean(x: torch.Tensor, n_kv: int) -> torch.Tensor:
     return x.view(b, n_kv, h_q // n_kv, *x.shape[2:]).mean(dim=2)
 
 
-def query_attention(layer: EvictingLayer) -> torch.Tensor:
+def query_attention(layer: CacheLayer) -> torch.Tensor:
     """Attention probabilities (b, h_q, w, n) of the layer's stashed queries over its cached tokens.
 
     A query only sees keys at positions <= its own (causality for queries kept from earlier steps) and valid slots.
@@ -243,7 +243,7 @@ def query_attention(layer: EvictingLayer) -> torch.Tensor:
 # come first, in chronological order, then padding (`valid` False, position -1). The helpers only assume that a
 # head's real slots are chronological, not that the latest tokens are the last slots.
 
-def valid_counts(layer: EvictingLayer) -> torch.Tensor:
+def valid_counts(layer: CacheLayer) -> torch.Tensor:
     """(b, h_kv) number of real tokens each head holds."""
     if layer.valid is None:
         b, h, n = layer.positions.shape
@@ -251,7 +251,7 @@ def valid_counts(layer: EvictingLayer) -> torch.Tensor:
     return layer.valid.sum(dim=-1)
 
 
-def latest_mask(layer: EvictingLayer, count: int | torch.Tensor) -> torch.Tensor:
+def latest_mask(layer: CacheLayer, count: int | torch.Tensor) -> torch.Tensor:
     """(b, h_kv, n) bool: each head's `count` latest real tokens (by position; padding never)."""
     return rank_mask(layer.positions.float().masked_fill(layer.positions < 0, -math.inf), count)
 
@@ -270,19 +270,22 @@ def rank_mask(scores: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
     return (rank < count) & (scores > -math.inf)
 
 
-def compact(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def compact(keep: torch.Tensor, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Slot indices (b, h, L) and validity (b, h, L) that keep the `keep` (b, h, n) slots of each head.
 
     Kept slots come first in slot order (chronological, see above), then padding up to the longest head
     (L = max count); padding re-uses the head's first kept slot and is dropped when the layer stores the
     selection (flat per head). Heads that all keep the same count need no padding: validity None.
+    `count`: the caller knows every head keeps exactly that many (then nothing is read back from the device).
     """
-    counts = keep.sum(dim=-1)  # (b, h)
-    length = int(counts.max())
     n = keep.shape[-1]
     key = (~keep).long() * n + torch.arange(n, device=keep.device)  # kept slots first, each group in slot order
+    if count is not None:
+        return key.argsort(dim=-1)[..., :count], None
+    counts = keep.sum(dim=-1)  # (b, h)
+    low, length = torch.stack(torch.aminmax(counts)).tolist()  # one host read (a GPU sync) for both
     idx = key.argsort(dim=-1)[..., :length]  # (b, h, L)
-    if bool((counts == length).all()):
+    if low == length:
         return idx, None
     valid = torch.arange(length, device=keep.device) < counts.unsqueeze(-1)  # (b, h, L)
     return torch.where(valid, idx, idx[..., :1]), valid
@@ -320,14 +323,13 @@ def adaptive_counts(scores: torch.Tensor, budget: int, n_protected: torch.Tensor
     free = budget - n_protected  # (b, h) F per head
     floor_cap = (free.double() * alpha_safeguard).floor()  # (b, h) int(a * F) in double, as Python computes it
     unprot = scores.masked_fill(scores == math.inf, -math.inf).reshape(b, h * n)  # (b, h*n)
-    total = min(int(free.sum(dim=-1).min()), int((unprot > -math.inf).sum(dim=-1).min()))
+    total = min(torch.stack([free.sum(dim=-1).min(), (unprot > -math.inf).sum(dim=-1).min()]).tolist())  # 1 read
     top = unprot.topk(total, dim=-1).indices // n  # (b, total)
     c = torch.zeros(b, h, dtype=torch.long, device=scores.device).scatter_add_(1, top, torch.ones_like(top))
     exact = c * (1 - alpha_safeguard) + floor_cap.float()  # (b, h) float32, as AdaKV's code computes it
     k = torch.round(exact).long()
-    excess = k.sum(dim=-1) - free.sum(dim=-1)  # (b,) > 0 only through rounding up
-    for bi in range(b):
-        if int(excess[bi]) > 0:
-            order = torch.sort(k[bi] - exact[bi], descending=True, stable=True).indices[:int(excess[bi])]
-            k[bi, order] -= 1
+    excess = (k.sum(dim=-1) - free.sum(dim=-1)).clamp_min(0)  # (b,) > 0 only through rounding up
+    # One token back from each of the `excess` heads rounded up the most (stable sort: lower head first), computed
+    # on the device (a loop over rows would read `excess` back to the host).
+    k = k - rank_mask((k - exact).unsqueeze(0), excess.unsqueeze(0))[0].long()
     return n_protected + k

@@ -28,7 +28,7 @@ from kvbench.policies.base import Policy, PolicyError, compact, rank_mask
 from kvbench.policies.snapkv import SnapKV
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 BASES = {"snapkv": SnapKV, "adakv": AdaKV}
 STAGE1 = ("outside", "inside")
@@ -63,7 +63,7 @@ class CriticalKV(Policy):
         super().attach(num_layers)
         self.base.attach(num_layers)
 
-    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+    def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
         b, h_kv, q, d = values.shape  # (b, h_kv, q, d)
         w = module.o_proj.weight  # (hidden, h_q * d)
@@ -76,18 +76,21 @@ class CriticalKV(Policy):
             norms[:, h] = proj.abs().sum(dim=-1)
         return {"vnorm": norms.view(b, h_kv, g, q).mean(dim=2)}  # (b, h_kv, q)
 
-    def score(self, layer: EvictingLayer) -> torch.Tensor:
+    def score(self, layer: CacheLayer) -> torch.Tensor:
         return self.base.score(layer)  # (b, h_kv, n): A, the base's scores (stage 1)
 
-    def select(self, layer: EvictingLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         budget = self.base.over_budget(layer)
         if budget is None:
             return None
         scores = self.base.ranked_scores(layer)  # (b, h_kv, n): protected +inf, padding -inf
         n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
         counts = self.base.head_counts(layer, scores, budget)  # (b, h_kv)
-        return compact(two_stage(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps,
-                                 self.stage1_window))
+        keep = two_stage(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps, self.stage1_window)
+        # SnapKV's budget on a layer without padding (no -inf score): every head keeps exactly `budget`, known here,
+        # so nothing is read back from the device.
+        uniform = budget if layer.valid is None and not isinstance(self.base, AdaKV) else None
+        return compact(keep, uniform)
 
 
 def two_stage(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor, n_prot: torch.Tensor,

@@ -9,7 +9,7 @@ import torch
 from kvbench.policies.base import Policy
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 
 class Full(Policy):
@@ -17,5 +17,5 @@ class Full(Policy):
     evicts = False
     single_pass_prefill = True  # block mode with an unbounded cache only adds cost (HF sdpa repeats K/V per block)
 
-    def score(self, layer: EvictingLayer) -> torch.Tensor:
+    def score(self, layer: CacheLayer) -> torch.Tensor:
         raise RuntimeError("the full policy never scores")

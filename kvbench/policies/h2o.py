@@ -21,7 +21,7 @@ import torch
 from kvbench.policies.base import Policy, PolicyError
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 
 class H2O(Policy):
@@ -36,12 +36,12 @@ class H2O(Policy):
         ratio_recent = math.floor(self.recent_ratio * budget) if budget else 0
         super().__init__(budget=budget, n_recent=max(int(n_recent), ratio_recent), **kwargs)
 
-    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+    def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"acc": keys.new_zeros(keys.shape[:3], dtype=torch.float32)}  # (b, h_kv, q)
 
-    def on_attention(self, layer: EvictingLayer, probs: torch.Tensor) -> None:
+    def on_attention(self, layer: CacheLayer, probs: torch.Tensor) -> None:
         layer.state["acc"] += probs.sum(dim=-2)  # (b, h_kv, n): column sums over this chunk's queries
 
-    def score(self, layer: EvictingLayer) -> torch.Tensor:
+    def score(self, layer: CacheLayer) -> torch.Tensor:
         return layer.state["acc"]

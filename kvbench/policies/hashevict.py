@@ -21,7 +21,7 @@ import torch
 from kvbench.policies.base import Policy, PolicyError
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 PROBES = ("query", "key")
 CHUNK = 16  # bits per state entry (exact in float32)
@@ -42,17 +42,21 @@ class HashEvict(Policy):
         super().__init__(n_sink=n_sink, n_recent=n_recent, **kwargs)
 
     def projection(self, layer_idx: int, dim: int, device: torch.device) -> torch.Tensor:
-        if (layer_idx, dim) not in self.projections:
+        r = self.projections.get((layer_idx, dim))
+        if r is None:
+            # Drawn on the CPU from a seeded generator: the same R on every device, so runs agree across devices.
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + layer_idx)
-            self.projections[layer_idx, dim] = torch.randn(self.bits, dim, generator=gen)
-        return self.projections[layer_idx, dim].to(device)
+            r = self.projections[layer_idx, dim] = torch.randn(self.bits, dim, generator=gen)
+        if r.device != device:  # moved once and kept there, not copied to the device at every forward
+            r = self.projections[layer_idx, dim] = r.to(device)
+        return r
 
     def hash_bits(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """(..., d) -> (..., bits) float 0/1: bit j = [R_j . x > 0]."""
         r = self.projection(layer_idx, x.shape[-1], x.device)
         return (x.float() @ r.T > 0).float()
 
-    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+    def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
         kbits = self.hash_bits(keys, layer.layer_idx)  # (b, h_kv, q, bits)
         h_kv = keys.shape[1]
@@ -68,7 +72,7 @@ class HashEvict(Policy):
         codes = kbits * weights
         return {name: codes[..., c * CHUNK:(c + 1) * CHUNK].sum(dim=-1) for c, name in enumerate(self.state_names)}
 
-    def key_bits(self, layer: EvictingLayer) -> torch.Tensor:
+    def key_bits(self, layer: CacheLayer) -> torch.Tensor:
         """(b, h_kv, n, bits) float 0/1 unpacked from the stored codes."""
         parts = []
         for c, name in enumerate(self.state_names):
@@ -77,7 +81,7 @@ class HashEvict(Policy):
             parts.append(((code >> torch.arange(width, device=code.device)) & 1).float())
         return torch.cat(parts, dim=-1)
 
-    def score(self, layer: EvictingLayer) -> torch.Tensor:
+    def score(self, layer: CacheLayer) -> torch.Tensor:
         k = self.key_bits(layer)  # (b, h_kv, n, bits)
         p = layer.scratch["probe"].unsqueeze(-2)  # (b, h_kv, 1, bits)
         # Mean over probes of [probe bit != key bit] = p (key bit 0) or 1 - p (key bit 1).

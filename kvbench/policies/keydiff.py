@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from kvbench.policies.base import Policy, PolicyError
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 ANCHORS = ("mean_normalized", "mean", "median", "pairwise")
 METRICS = ("cosine", "dot", "euclidean")
@@ -49,13 +49,13 @@ class KeyDiff(Policy):
         n_recent = math.floor(self.recent_ratio * budget) if budget else 0
         super().__init__(budget=budget, n_recent=n_recent, **kwargs)
 
-    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+    def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
         if not self.unit_anchor:
             return {}
         return {"inv_norm": keys.float().norm(dim=-1).clamp_min(1e-12).reciprocal()}  # (b, h_kv, q), as F.normalize
 
-    def score(self, layer: EvictingLayer) -> torch.Tensor:
+    def score(self, layer: CacheLayer) -> torch.Tensor:
         k = layer.keys.float()  # (b, h_kv, n, d)
         if layer.valid is not None:
             raise PolicyError("keydiff scores whole heads; it cannot run on ragged per-head caches")

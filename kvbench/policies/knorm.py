@@ -14,7 +14,7 @@ import torch
 from kvbench.policies.base import Policy
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 
 class KNorm(Policy):
@@ -25,11 +25,11 @@ class KNorm(Policy):
     def __init__(self, skip_layers: Sequence[int] = (0, 1), **kwargs) -> None:
         super().__init__(skip_layers=skip_layers, **kwargs)
 
-    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+    def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"norm": keys.float().norm(dim=-1)}  # (b, h_kv, q)
 
-    def score(self, layer: EvictingLayer) -> torch.Tensor:
+    def score(self, layer: CacheLayer) -> torch.Tensor:
         norm = layer.state.get("norm")  # (b, h_kv, n)
         if norm is None:  # a layer filled outside the attention wrapper (hand-built caches)
             norm = self.on_append(layer, None, layer.keys, None, None)["norm"]

@@ -9,7 +9,7 @@ import torch
 from kvbench.policies.base import Policy
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 
 class Random(Policy):
@@ -19,7 +19,7 @@ class Random(Policy):
         # One generator per sample, seeded from (policy seed, sample): results do not depend on sample order.
         self._gen = torch.Generator().manual_seed(self.seed * 1_000_003 + sample_seed)
 
-    def score(self, layer: EvictingLayer) -> torch.Tensor:
+    def score(self, layer: CacheLayer) -> torch.Tensor:
         if not hasattr(self, "_gen"):
             self.start_sample(0)
         return torch.rand(layer.positions.shape, generator=self._gen).to(layer.positions.device)  # (b, h_kv, n)

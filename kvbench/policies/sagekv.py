@@ -23,7 +23,7 @@ import torch
 from kvbench.policies.base import Policy, PolicyError, compact, latest_mask, query_attention, rank_mask, valid_counts
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 
 class SageKV(Policy):
@@ -48,11 +48,11 @@ class SageKV(Policy):
                               f"budget {n} (need sink + group*k + recent + 1 <= budget, k >= 1)")
         return sink, k, recent
 
-    def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
+    def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"pinned": keys.new_zeros(keys.shape[:3], dtype=torch.float32)}  # (b, h_kv, q)
 
-    def select(self, layer: EvictingLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         budget = self.layer_budget(layer.layer_idx, layer.seen)
         if budget is None:
             return None

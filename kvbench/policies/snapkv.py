@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kvbench.policies.base import Policy, PolicyError, group_mean, query_attention
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 
 class SnapKV(Policy):
@@ -33,7 +33,7 @@ class SnapKV(Policy):
         self.query_window = self.window
         super().__init__(n_recent=self.window, **kwargs)
 
-    def window_scores(self, layer: EvictingLayer) -> torch.Tensor:
+    def window_scores(self, layer: CacheLayer) -> torch.Tensor:
         """(b, h_q, n) pooled window attention per query head (the window's own slots get the max, as kept)."""
         probs = query_attention(layer).mean(dim=-2)  # (b, h_q, n)
         w = min(self.window, probs.shape[-1])
@@ -49,5 +49,5 @@ class SnapKV(Policy):
         top = pooled.amax().view(1, 1, 1) if n else pooled.new_zeros(1, 1, 1)  # a tensor: no host sync
         return torch.cat([pooled, top.expand(b, h, w)], dim=-1)
 
-    def score(self, layer: EvictingLayer) -> torch.Tensor:
+    def score(self, layer: CacheLayer) -> torch.Tensor:
         return group_mean(self.window_scores(layer), layer.keys.shape[1])  # (b, h_kv, n)

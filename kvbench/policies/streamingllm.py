@@ -9,7 +9,7 @@ import torch
 from kvbench.policies.base import Policy
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 
 class StreamingLLM(Policy):
@@ -18,5 +18,5 @@ class StreamingLLM(Policy):
     def __init__(self, n_sink: int = 4, **kwargs) -> None:
         super().__init__(n_sink=n_sink, **kwargs)
 
-    def score(self, layer: EvictingLayer) -> torch.Tensor:
+    def score(self, layer: CacheLayer) -> torch.Tensor:
         return layer.positions.float()  # (b, h_kv, n): later = keep; sinks are protected by the base

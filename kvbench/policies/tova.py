@@ -9,13 +9,13 @@ import torch
 from kvbench.policies.base import Policy, group_mean, query_attention
 
 if TYPE_CHECKING:
-    from kvbench.engine.cache import EvictingLayer
+    from kvbench.policies.layer import CacheLayer
 
 
 class TOVA(Policy):
     name = "tova"
     query_window = 1
 
-    def score(self, layer: EvictingLayer) -> torch.Tensor:
+    def score(self, layer: CacheLayer) -> torch.Tensor:
         probs = query_attention(layer)  # (b, h_q, 1, n)
         return group_mean(probs[:, :, -1], layer.keys.shape[1])  # (b, h_kv, n)

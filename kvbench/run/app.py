@@ -11,8 +11,10 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -22,7 +24,7 @@ from kvbench.engine.generate import generation_provenance
 from kvbench.models.common import portable_path
 from kvbench.models.loading import LoadedModel, load_model
 from kvbench.policies.base import Policy
-from kvbench.run.config import CONF_DIR, load_group, remove_if_empty_run
+from kvbench.run.config import load_group
 from kvbench.run.labels import describe_run
 from kvbench.run.loop import run_task, summarize
 from kvbench.run.settings import ConfigError, RunSettings, build_policy, build_task, user_errors
@@ -79,22 +81,105 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class RunBusy(ConfigError):
+    """Another kvbench process holds the run directory: this one must neither write nor remove anything there."""
+
+
+# Files Hydra writes into a run directory before the job starts, and the lock file; a directory holding only these has
+# no results.
+_HYDRA_ONLY = {".hydra", "cli.log", "kvbench.log", "main.log", "_job.log", ".lock"}
+# What a run writes into its directory before its first result; removed again when it fails on bad input.
+_RUN_FILES = ("config.yaml", "run.json", "predictions.jsonl")
+
+
+@dataclass
+class HeldLock:
+    """A held run lock, and what taking it created (only what this process created is ever removed)."""
+
+    run_dir: Path
+    created_dir: bool
+    created_lock_file: bool
+
+
+def _busy(run_dir: Path) -> RunBusy:
+    return RunBusy(f"another kvbench process is running in {run_dir}")
+
+
 @contextlib.contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
-    """Exclusive lock on a run directory: a second process on the same directory (the same command started
-    twice, a sweep launched twice) would append duplicate predictions, so it fails at once instead.
-    The kernel drops the lock when its process dies, SIGKILL included."""
+def run_lock(run_dir: Path, create: bool = True) -> Iterator[HeldLock]:
+    """Exclusive lock on a run directory (its `.lock` file), taken before anything is written into it or removed
+    from it: a second process on the same directory (the same command started twice, a sweep launched twice) would
+    append duplicate predictions or delete the first one's files, so it fails at once (`RunBusy`) and touches
+    nothing. `create`: make the directory (and its parents) if missing; otherwise a missing directory is RunBusy
+    (another process removed it). The kernel drops the lock when its process dies, SIGKILL included."""
     import fcntl
 
-    with (run_dir / ".lock").open("a") as f:
+    for _ in range(3):
+        created_dir = False
+        if create and not run_dir.is_dir():
+            try:
+                run_dir.mkdir(parents=True)
+                created_dir = True
+            except FileExistsError:
+                pass  # made by another process just now
+        lock_path = run_dir / ".lock"
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(f"another kvbench process is running in {run_dir}") from None
+            try:
+                fd, created_lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                fd, created_lock = os.open(lock_path, os.O_RDWR), False
+        except FileNotFoundError:
+            if create:
+                continue  # removed, with its directory, between our mkdir and open: make it again
+            raise _busy(run_dir) from None
         try:
-            yield
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _busy(run_dir) from None
+            try:
+                # The holder before us may have removed the directory (a new run that failed on bad input) between
+                # our open and our flock: a lock on a removed file guards nothing, so start again.
+                same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+            except FileNotFoundError:
+                same = False
+            if not same:
+                continue
+            yield HeldLock(run_dir, created_dir, created_lock)
+            return
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            os.close(fd)  # (releases the lock)
+    raise _busy(run_dir)
+
+
+def remove_if_empty_run(run_dir: Path) -> None:
+    """Remove a run directory that holds nothing but Hydra's own files (a job that failed before any result), under
+    the run lock: a directory another kvbench process holds is left alone."""
+    if not run_dir.is_dir():
+        return
+    try:
+        with run_lock(run_dir, create=False):
+            if {p.name for p in run_dir.iterdir()} <= _HYDRA_ONLY:
+                shutil.rmtree(run_dir, ignore_errors=True)
+    except RunBusy:
+        pass
+
+
+def _discard_new_run(lock: HeldLock, existed: set[str]) -> None:
+    """After bad input, under the lock: remove what this process wrote into its run directory, when the run is new
+    (its run.json is ours) and has no prediction yet, and the directory itself when this process made it. What was
+    there when the lock was taken is never touched."""
+    run_dir = lock.run_dir
+    pred = run_dir / "predictions.jsonl"
+    if "run.json" in existed or (pred.is_file() and pred.stat().st_size > 0):
+        return  # a run started before, or results this process computed (resumable): keep
+    for name in _RUN_FILES:
+        if name not in existed:
+            (run_dir / name).unlink(missing_ok=True)
+    if lock.created_dir and {p.name for p in run_dir.iterdir()} <= {".lock"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    elif lock.created_lock_file:
+        (run_dir / ".lock").unlink(missing_ok=True)
 
 
 class Session:
@@ -137,20 +222,15 @@ def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Sessi
     task = build_task(cfg["task"])
     if not run_dir.exists():  # a model that cannot load is bad input: fail before creating the run directory
         session.model(cfg, settings.seed)  # (an existing directory may be a finished run, which needs no model)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fresh = not (run_dir / "run.json").exists()
-    try:
-        with run_lock(run_dir):
+    with run_lock(run_dir) as lock:
+        existed = {name for name in _RUN_FILES if (run_dir / name).exists()}
+        try:
             return _run_locked(cfg, policy_name, run_dir, session, progress, settings, policy, task)
-    except user_errors():
-        # Bad input found only when the task builds its samples (a data file read then): a new run that has no
-        # prediction yet leaves nothing behind.
-        pred = run_dir / "predictions.jsonl"
-        if fresh and not (pred.is_file() and pred.stat().st_size > 0):
-            for name in ("config.yaml", "run.json", "predictions.jsonl"):
-                (run_dir / name).unlink(missing_ok=True)
-            remove_if_empty_run(run_dir)
-        raise
+        except user_errors():
+            # Bad input found only once the run has started (a data file read while the samples are built): a new
+            # run that has no prediction yet leaves nothing behind.
+            _discard_new_run(lock, existed)
+            raise
 
 
 def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Session, progress: bool,
@@ -212,7 +292,7 @@ def _write_config(run_dir: Path, cfg: dict[str, Any]) -> None:
 
 
 def run_configured(cfg: dict[str, Any], choices: dict[str, Any], run_dir: Path,
-                   conf_dirs: Sequence[Path] = (CONF_DIR,)) -> list[dict[str, Any]]:
+                   conf_dirs: Sequence[Path] | None = None) -> list[dict[str, Any]]:
     """Entry from the CLI: the chosen policy's run, or with no policy chosen one run per policy of the `compare`
     option (same model, task and settings; each in run_dir/<policy>; `conf_dirs` are where their YAMLs are found);
     returns their metrics."""

@@ -1,37 +1,71 @@
 """Config-side helpers: where conf/ lives, early validation of command-line overrides, group YAML loading.
 
-Hydra is imported lazily inside functions (no import-time side effects); only this module and the CLI use it.
+Hydra is imported lazily inside functions (no import-time side effects); only this module and the CLI use it, and
+only its public API (nothing from Hydra's private modules).
 """
 
 from __future__ import annotations
 
-import shutil
+import functools
+import itertools
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from kvbench.run.labels import model_label, policy_label, protocol_label
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+# The repository's top-level conf/ ships as this package (pyproject.toml maps it), in wheels and editable installs.
+CONF_PACKAGE = "kvbench.conf"
 GROUPS = ("model", "policy", "task", "experiment")
-# Files Hydra writes into a run directory before the job starts; a directory holding only these has no results.
-_HYDRA_ONLY = {".hydra", "cli.log", "kvbench.log", "main.log", "_job.log", ".lock"}
+
+
+@functools.cache
+def conf_dir() -> Path:
+    """kvbench's own config directory (Hydra's primary config): `kvbench.conf` found through importlib.resources, so
+    the same lookup serves a wheel (site-packages/kvbench/conf) and an editable install (the checkout's conf/)."""
+    from importlib import resources
+
+    try:
+        root = resources.files(CONF_PACKAGE)
+    except ModuleNotFoundError:
+        raise RuntimeError(f"kvbench is installed without its configuration (package {CONF_PACKAGE}); reinstall it: "
+                           f"pip install -e . (or make install)") from None
+    return Path(str(root))
+
+
+def __getattr__(name: str) -> Any:
+    # CONF_DIR is looked up on first use rather than when this module is imported.
+    if name == "CONF_DIR":
+        return conf_dir()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def conf_dirs(searchpath: Iterable[str] = ()) -> list[Path]:
-    """Where group options are found: conf/, then the `file://` directories of `hydra.searchpath` (a user's own
-    policies, tasks and models kept outside the repository; docs/extending.md)."""
-    return [CONF_DIR] + [Path(str(p)[len("file://"):]) for p in searchpath if str(p).startswith("file://")]
+    """Where group options are found: kvbench's conf/, then the `file://` and `pkg://` entries of `hydra.searchpath`
+    (a user's own policies, tasks and models kept outside the repository; docs/extending.md)."""
+    from importlib import resources
+
+    dirs = [conf_dir()]
+    for p in map(str, searchpath):
+        if p.startswith("file://"):
+            dirs.append(Path(p[len("file://"):]))
+        elif p.startswith("pkg://"):
+            try:
+                dirs.append(Path(str(resources.files(p[len("pkg://"):].replace("/", ".")))))
+            except ModuleNotFoundError:
+                continue  # Hydra reports a search path it cannot read
+    return dirs
 
 
-def group_choices(group: str, dirs: Sequence[Path] = (CONF_DIR,)) -> list[str]:
-    return sorted({p.stem for d in dirs for p in (Path(d) / group).glob("*.yaml")})
+def group_choices(group: str, dirs: Sequence[Path] | None = None) -> list[str]:
+    return sorted({p.stem for d in (dirs or [conf_dir()]) for p in (Path(d) / group).glob("*.yaml")})
 
 
-def load_group(group: str, name: str, dirs: Sequence[Path] = (CONF_DIR,)) -> dict[str, Any]:
+def load_group(group: str, name: str, dirs: Sequence[Path] | None = None) -> dict[str, Any]:
     """A group option's YAML as a plain dict (used when one run composes several policies); the first of `dirs`
-    that has it wins, as in Hydra's search path."""
+    (default: kvbench's conf/) that has it wins, as in Hydra's search path."""
     from omegaconf import OmegaConf
 
+    dirs = dirs or [conf_dir()]
     for d in dirs:
         path = Path(d) / group / f"{name}.yaml"
         if path.is_file():
@@ -50,6 +84,11 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("kvbench_policy", policy_label, replace=True)
 
 
+# Hydra's command-line flags that take a value as the next argument.
+_VALUED = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+           "--experimental-rerun"}
+
+
 def validate_overrides(argv: list[str]) -> str | None:
     """One-line message for command-line overrides that cannot compose (unknown group option, unknown key,
     bad syntax), or None. Sweep values are checked one by one; with --multirun every job of the sweep
@@ -57,7 +96,8 @@ def validate_overrides(argv: list[str]) -> str | None:
     are built before the first job starts (up to MAX_PREFLIGHT_JOBS jobs)."""
     if any(a in ("-h", "--help", "--hydra-help", "--info", "-i") or a.startswith("--info") for a in argv):
         return None
-    overrides = [a for a in argv if not a.startswith("-")]
+    # Hydra's own flags and the values of those that take one (`--cfg job`) are not overrides.
+    overrides = [a for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or argv[i - 1] not in _VALUED)]
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -84,7 +124,7 @@ def validate_overrides(argv: list[str]) -> str | None:
     from hydra.core.global_hydra import GlobalHydra
 
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = compose(config_name="config", overrides=plain, return_hydra_config=True)
             if "-m" in argv or "--multirun" in argv:
                 return _preflight(compose, cfg, [o for o in overrides if not o.lstrip("+~").startswith("hydra")], dirs,
@@ -100,14 +140,23 @@ MAX_PREFLIGHT_JOBS = 256
 
 
 def sweep_jobs(sweeper_params: dict[str, Any] | None, overrides: list[str]) -> list[list[str]]:
-    """The jobs of a basic-launcher sweep, as Hydra's BasicSweeper expands them: the config's
-    hydra.sweeper.params first, command-line overrides after (a key given on both wins on the command line)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    """The jobs of a sweep, as Hydra's basic sweeper (the sweeper of every kvbench launcher) expands them: the
+    config's hydra.sweeper.params first, command-line overrides after; one list of values per key, keys in the order
+    they first appear, a key given twice keeping its place and its last values (the command line wins); then every
+    combination, the first key varying slowest. Built on Hydra's public override parser; tests/test_sweep.py checks
+    the result against the sweeper itself."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     args = [f"{k}={v}" for k, v in (sweeper_params or {}).items()] + overrides
-    parsed = OverridesParser.create().parse_overrides(args)
-    return [job for chunk in BasicSweeper.split_arguments(parsed, None) for job in chunk]
+    values: dict[str, list[str]] = {}  # (re-assigning a key keeps its first position)
+    for o in OverridesParser.create().parse_overrides(args):
+        key = o.get_key_element()
+        if o.is_sweep_override() and not o.is_discrete_sweep():
+            raise ValueError(f"{o.input_line}: a sweep over an interval needs a sweeper plugin (the basic sweeper "
+                             f"takes lists, choice() and range())")
+        items = o.sweep_string_iterator() if o.is_sweep_override() else [o.get_value_element_as_str()]
+        values[key] = [f"{key}={v}" for v in items]
+    return [list(job) for job in itertools.product(*values.values())]
 
 
 def _preflight(compose: Any, cfg: Any, overrides: list[str], dirs: Sequence[Path],
@@ -155,9 +204,3 @@ def _preflight(compose: Any, cfg: Any, overrides: list[str], dirs: Sequence[Path
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
-
-
-def remove_if_empty_run(run_dir: Path) -> None:
-    """Remove a run directory that holds nothing but Hydra's own files (a run that failed before any result)."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= _HYDRA_ONLY:
-        shutil.rmtree(run_dir, ignore_errors=True)
