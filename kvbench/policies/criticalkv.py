@@ -12,7 +12,10 @@ Stage-1 split (`stage1_window`), for a head keeping `count` tokens of which `w` 
   since Alg. 1 replaces SnapKV's top-k, which SnapKV (kept "as originally defined", CriticalKV 4.3) runs over the
   tokens outside its window;
 - `inside` (NVIDIA kvpress CriticalKVPress / CriticalAdaKVPress): stage 1 keeps max(w, floor(alpha * count)),
-  the window counting inside alpha * b (there the window has the highest base scores).
+  the window counting inside alpha * b (there the window has the highest base scores). CriticalAdaKVPress also
+  writes AdaKV's safeguard (each head's top floor(alpha_safeguard * N)) into the scores before stage 1, so a head
+  whose count is below 2 x that keeps max(safeguard, floor(alpha * count)) there: kvbench's AdaKV base differs in
+  such heads (measured: 1-4 kept tokens in one head, greedy answers still identical; results/peer_kvpress).
 With `base: adakv` the per-head counts come from the AdaKV allocation (`allocation`, `alpha_safeguard`).
 """
 
