@@ -40,7 +40,7 @@ def test_the_pattern_finds_what_it_should_and_nothing_else() -> None:
     assert machine_paths(f"cd {REPO_ROOT}/results", root=REPO_ROOT) != []
     for fine in ("results/runs/niah_grid", "~/.cache/kvbench", "$KVBENCH_CACHE/models", "../shared/reference",
                  "https://example.org/home/page", "a/tmp/b", "see docs/sweeps.md"):
-        assert machine_paths(fine, root=Path("/nonexistent-root-for-test")) == [], fine
+        assert machine_paths(fine, root=REPO_ROOT / "no-such-checkout") == [], fine
 
 
 def test_no_machine_path_in_results_scripts_docs_and_readme() -> None:
