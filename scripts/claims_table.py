@@ -33,6 +33,8 @@ from kvbench.report.samples import LOGPROB
 from kvbench.report.tables import CELL
 from kvbench.run.labels import NA
 
+# The model's name as its card spells it, for the title (a preset not listed here shows its preset name).
+MODEL_TITLES = {"smollm2-135m": "SmolLM2-135M-Instruct", "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct"}
 HEAD = ["claim", "paper", "setting", "numbers", "holds?", "smallest resolvable difference", "graded score"]
 
 
@@ -280,7 +282,7 @@ def main(claim_runs: Path, niah_runs: Path, ruler_runs: Path, out: Path) -> list
         w.writerows(rows)
     model = next((e for es in (grid, ruler, kr, cs) for e in es), None)
     src = ((model.provenance or {}).get("model_source") or {}) if model else {}
-    lines = ["# The seed papers' claims on SmolLM2-135M-Instruct", "",
+    lines = [f"# The seed papers' claims on {MODEL_TITLES.get(model.model, model.model) if model else '?'}", "",
              f"Model: {model.model if model else '?'} ({src.get('package')} {src.get('package_version')}, "
              f"{src.get('quantization')} dequantized to {src.get('dequantized_to', 'float32')}); scores 0-100 "
              f"(NIAH: substring recall; RULER: string_match). N = budget in tokens per layer and KV head.", "",

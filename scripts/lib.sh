@@ -16,6 +16,7 @@
 #   WORKERS=2    parallel kvbench processes (2 on a 2-core machine; each gets THREADS torch threads)
 #   THREADS=1    torch/OpenMP threads per worker
 #   KVBENCH="python -m kvbench.cli"   the kvbench command
+#   MODEL=smollm2-135m                 the model preset every command runs (scripts for another model set it)
 
 set -euo pipefail
 
@@ -31,6 +32,7 @@ PROTOCOL=${PROTOCOL:-}
 WORKERS=${WORKERS:-2}
 THREADS=${THREADS:-1}
 KVBENCH=${KVBENCH:-python -m kvbench.cli}
+MODEL=${MODEL:-smollm2-135m}
 REPORT=${REPORT:-python -m kvbench.report}
 PROTO_ARGS=()
 if [[ -n "$PROTOCOL" ]]; then PROTO_ARGS=("protocol=$PROTOCOL"); fi
@@ -53,18 +55,25 @@ start_run() {
     echo "[$NAME] runs in $RUNS, outputs in $OUT, kvbench commit $COMMIT (dirty files: $DIRTY)"
 }
 
-# sweep <worker> <kvbench overrides...>: queue one multirun command for a worker.
+# queue <worker> <command words...>: queue one command for a worker (and list it in RUN.md).
+queue() {
+    local worker=$1
+    shift
+    local line="" a
+    for a in "$@"; do
+        if [[ "$a" == *[\[\],\$\ \'\"]* ]]; then line+=" '$a'"; else line+=" $a"; fi
+    done
+    COMMANDS+=("${line# }")
+    printf '%q ' "$@" >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
+    printf '\n' >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
+}
+
+# sweep <worker> <kvbench overrides...>: queue one kvbench multirun command for a worker.
 sweep() {
     local worker=$1
     shift
-    local args=(-m model=smollm2-135m "$@" "${PROTO_ARGS[@]}" progress=false)
-    local line="$KVBENCH" a
-    for a in "${args[@]}"; do
-        if [[ "$a" == *[\[\],\$\ \'\"]* ]]; then line+=" '$a'"; else line+=" $a"; fi
-    done
-    COMMANDS+=("$line")
-    printf '%q ' $KVBENCH "${args[@]}" >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
-    printf '\n' >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
+    # shellcheck disable=SC2086  # KVBENCH is a command line of several words
+    queue "$worker" $KVBENCH -m "model=$MODEL" "$@" "${PROTO_ARGS[@]}" progress=false
 }
 
 # sweep_policies <budgets> <policies,comma,separated> <kvbench overrides...>: the full cache on worker 0, then

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The second real model: Qwen2.5-Coder-1.5B-Instruct (11x SmolLM2-135M, another family, 2 KV heads), the NIAH
+# slice where its full cache succeeds, the seed papers' claims at the budgets SmolLM2's claims ran, and a
+# kvbench-bench row set at 2k/8k next to HF's own loop. Writes results/qwen2.5-coder-1.5b/ (tables, claims.md,
+# bench.json/md, runs/).
+#
+#   kvbench-fetch qwen2.5-coder-1.5b      # once (1.1 GB download, ~9 GB RAM to convert)
+#   scripts/qwen.sh
+#   QUICK=1 MODEL=smollm2-135m scripts/qwen.sh   # the script end to end on SmolLM2, tiny cells (scratch only)
+#
+# Samples: NIAH_2K (lib.sh: 2000 tokens of the official essays, 5 needles per cell), as SmolLM2's grid and claims.
+# The full cache runs all three depths (10/50/90 %, n = 15): the first pass that says where the model itself
+# retrieves. The slice the policies run is depths 10 and 90 (n = 10): where the earlier full-cache pass (the
+# classic needle only) found the needle; at 50 % the full cache missed it, as SmolLM2's does. Every policy run
+# pairs with the full cache and with its rival on the same 10 samples.
+# Claims, each under its paper's protocol and baseline settings (as scripts/claims.sh, same budgets):
+#   KeyDiff vs TOVA / SnapKV / H2O, block-wise B = 128, N = 512;
+#   K-norm vs Random (layers 0-1 kept whole for both), prefill_once, N = 1024;
+#   CriticalKV on SnapKV (max pooling) and on AdaKV, prefill_once, N = 512;
+#   SAGE-KV vs StreamingLLM, prefill_once_decode_evict, N = 512.
+# Not run here: the RULER claims (KeyDiff on RULER, HashEvict vs H2O on niah_multikey_1 at 4K): a 4K sample costs
+# ~3 CPU-min on this model, 30 runs-worth of samples the session did not have.
+# CPU budget (one thread per worker, ~85 s per 2000-token sample): 15 + 12 x 10 = 135 samples = ~190 CPU-min, then
+# the bench (keydiff, snapkv, streamingllm, HF's forward and decode at 2k and 8000 tokens, one round) ~35 CPU-min.
+MODEL=${MODEL:-qwen2.5-coder-1.5b}
+NAME=qwen2.5-coder-1.5b
+source "$(dirname "$0")/lib.sh"
+
+ALL=("${NIAH_2K[@]}")
+SLICE=(task=niah "task.context_lengths=[2000]" "task.depths=[10,90]" task.samples_per_cell=5 task.max_new_tokens=32)
+BLOCKWISE=(protocol=blockwise block=128)
+BENCH=(--lengths 2k,8000 --budgets 1024 --block 128 --new-tokens 32 --policies keydiff,snapkv
+       --baselines hf,streamingllm --repeats 1 --threads 1 --clock cpu --no-syncs)
+if [[ "$QUICK" == 1 ]]; then
+    ALL=(task=niah "task.context_lengths=[1000]" "task.depths=[10,50]" task.samples_per_cell=1 task.max_new_tokens=8)
+    SLICE=(task=niah "task.context_lengths=[1000]" "task.depths=[10]" task.samples_per_cell=1 task.max_new_tokens=8)
+    BENCH=(--lengths 512 --budgets 256 --block 64 --new-tokens 4 --policies keydiff --baselines hf --repeats 1
+           --threads 1 --clock cpu --no-syncs)
+fi
+KD_BUDGETS=${KD_BUDGETS:-512}; KNORM_BUDGETS=${KNORM_BUDGETS:-1024}; CKV_BUDGETS=${CKV_BUDGETS:-512}
+SAGE_BUDGETS=${SAGE_BUDGETS:-512}
+[[ "$QUICK" == 1 ]] && { KD_BUDGETS=256; KNORM_BUDGETS=256; CKV_BUDGETS=256; SAGE_BUDGETS=256; }
+
+start_run
+# Worker 0: the full cache (all depths), then KeyDiff's rivals, then K-norm vs Random, then the bench.
+# Worker 1: SnapKV block-wise, then the prefill_once claims. (~100 CPU-min each before the bench.)
+sweep 0 "${ALL[@]}" "${BLOCKWISE[@]}" policy=full budget=null "hydra.sweep.dir=$RUNS/niah"
+sweep 1 "${SLICE[@]}" "${BLOCKWISE[@]}" policy=snapkv "budget=$KD_BUDGETS" "hydra.sweep.dir=$RUNS/niah"
+sweep 0 "${SLICE[@]}" "${BLOCKWISE[@]}" policy=keydiff "budget=$KD_BUDGETS" "hydra.sweep.dir=$RUNS/niah"
+sweep 1 "${SLICE[@]}" protocol=prefill_once_decode_evict policy=sagekv,streamingllm "budget=$SAGE_BUDGETS" \
+    "hydra.sweep.dir=$RUNS/sagekv_streamingllm"
+sweep 0 "${SLICE[@]}" "${BLOCKWISE[@]}" policy=tova "budget=$KD_BUDGETS" "hydra.sweep.dir=$RUNS/niah"
+sweep 1 "${SLICE[@]}" protocol=prefill_once policy=snapkv policy.pooling=max "budget=$CKV_BUDGETS" \
+    "hydra.sweep.dir=$RUNS/criticalkv_snapkv"
+sweep 1 "${SLICE[@]}" protocol=prefill_once policy=criticalkv "budget=$CKV_BUDGETS" \
+    "hydra.sweep.dir=$RUNS/criticalkv_snapkv"
+sweep 0 "${SLICE[@]}" "${BLOCKWISE[@]}" policy=h2o "budget=$KD_BUDGETS" "hydra.sweep.dir=$RUNS/niah"
+sweep 0 "${SLICE[@]}" protocol=prefill_once policy=knorm "budget=$KNORM_BUDGETS" "hydra.sweep.dir=$RUNS/knorm_random"
+sweep 0 "${SLICE[@]}" protocol=prefill_once policy=random "policy.skip_layers=[0,1]" "budget=$KNORM_BUDGETS" \
+    "hydra.sweep.dir=$RUNS/knorm_random"
+sweep 1 "${SLICE[@]}" protocol=prefill_once policy=adakv "budget=$CKV_BUDGETS" "hydra.sweep.dir=$RUNS/criticalkv_adakv"
+sweep 1 "${SLICE[@]}" protocol=prefill_once policy=criticalkv policy.base=adakv "budget=$CKV_BUDGETS" \
+    "hydra.sweep.dir=$RUNS/criticalkv_adakv"
+queue 0 python -m kvbench.bench --model "$MODEL" "${BENCH[@]}" --out "$RUNS/bench/bench.json"
+wait_workers
+
+EXTRA_MD="Claims table: \`python scripts/claims_table.py $RUNS $RUNS/niah - $OUT\` (no RULER runs on this model)."
+finish_run
+cp "$RUNS"/bench/bench.json "$RUNS"/bench/bench.md "$OUT"/
+python scripts/claims_table.py "$RUNS" "$RUNS/niah" - "$OUT"
