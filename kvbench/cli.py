@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvbench.errors import error_line
 from kvbench.run import config as kconfig
 from kvbench.run.settings import user_errors
 
@@ -41,7 +42,7 @@ def _job(cfg: Any) -> None:
     except RunBusy as e:
         _fail(str(e))  # the directory is another process's: nothing of it is removed
     except user_errors() as e:
-        _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, run_dir)
+        _fail(error_line(e), run_dir)
 
 
 def main() -> None:

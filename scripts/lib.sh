@@ -127,7 +127,7 @@ finish_run() {
     {
         echo "# How \`$OUT\` was made"
         echo
-        echo "- script: \`scripts/${NAME}.sh\`$([[ "$QUICK" == 1 ]] && echo " (QUICK=1)")"
+        echo "- script: \`scripts/$(basename "$0")\`$([[ "$QUICK" == 1 ]] && echo " (QUICK=1)")"
         echo "- kvbench commit: \`$COMMIT\`$([[ "$DIRTY" != 0 ]] && echo " (with $DIRTY uncommitted changes in kvbench/ or conf/)")"
         echo "- finished: $(date -u +%Y-%m-%dT%H:%MZ); wall time: $((wall / 60)) min $((wall % 60)) s; CPU time of the kvbench processes: $cpu"
         echo "- machine: $(nproc --all) CPU cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $WORKERS workers x $THREADS threads; load average at start $LOAD0, at end $(cut -d' ' -f1-3 /proc/loadavg)"

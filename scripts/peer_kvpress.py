@@ -85,7 +85,7 @@ def kvbench_side(args: argparse.Namespace, prompts_path: Path, peer_command: lis
     import torch
 
     from kvbench.engine import attention
-    from kvbench.engine.generate import generate
+    from kvbench.engine.generate import GenerationSettings, generate
     from kvbench.models import packaged
     from kvbench.models.common import cache_root
     from kvbench.models.loading import load_model
@@ -120,9 +120,10 @@ def kvbench_side(args: argparse.Namespace, prompts_path: Path, peer_command: lis
             for scenario in SCENARIOS:
                 settings = RunSettings(budget=args.budget, block=None, protocol="prefill_once")
                 policy = build_policy({**load_group("policy", preset_name), **overrides}, settings)
-                res = generate(loaded.model, policy, sample.input_ids, None, sample.max_new_tokens, stop_ids=stop,
-                               min_new_tokens=sample.min_new_tokens, context_tokens=sample.context_tokens,
-                               scenario=scenario, protocol="prefill_once")
+                res = generate(loaded.model, policy, sample.input_ids,
+                               GenerationSettings(max_new_tokens=sample.max_new_tokens, stop_ids=tuple(stop),
+                                                  min_new_tokens=sample.min_new_tokens, protocol="prefill_once",
+                                                  context_tokens=sample.context_tokens, scenario=scenario))
                 runs.append({"sample": sample.id, "policy": policy_name, "scenario": scenario, "tokens": res.tokens,
                              "text": loaded.tokenizer.decode(res.tokens, skip_special_tokens=True)})
                 print(f"kvbench {sample.id} {policy_name} {scenario}: {runs[-1]['text']!r}", flush=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kvbench.bench.setup import load_real_model, make_policy, prompt_ids
-from kvbench.engine.generate import Observer, generate
+from kvbench.engine.generate import GenerationSettings, Observer, generate
 
 FUNCS = ("evict", "select", "score", "window_scores", "query_attention", "ranked_scores", "top_slots", "rank_mask",
          "adaptive_counts", "head_counts", "compact", "two_stage", "keep", "unpack", "pack", "on_append",
@@ -28,10 +28,11 @@ FUNCS = ("evict", "select", "score", "window_scores", "query_attention", "ranked
 
 def profile(model, tok, name: str, prompt: list[int], budget: int, block: int, new_tokens: int) -> list[str]:
     policy = make_policy(name, budget, 0)
-    generate(model, policy, prompt[:256], block, 2, stop_ids=())  # warm-up
+    generate(model, policy, prompt[:256], GenerationSettings(block=block, max_new_tokens=2))  # warm-up
     prof = cProfile.Profile(time.process_time)
     prof.enable()
-    res = generate(model, make_policy(name, budget, 0), prompt, block, new_tokens, stop_ids=(),
+    res = generate(model, make_policy(name, budget, 0), prompt,
+                   GenerationSettings(block=block, max_new_tokens=new_tokens),
                    observer=Observer(clock=time.process_time))
     prof.disable()
     total = res.prefill_s + res.decode_s

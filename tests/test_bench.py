@@ -144,7 +144,7 @@ def test_peak_memory_is_per_call() -> None:
 def test_generate_splits_eviction_time_into_prefill_and_decode() -> None:
     """A fake clock advanced only inside Policy.evict: 1 s per call while the prompt is processed, 100 s per call
     while decoding. 40 prompt tokens in blocks of 8 = 5 blocks, 3 new tokens = 2 decoding steps, 2 layers."""
-    from kvbench.engine import generate as runner
+    from kvbench.engine import generate as engine_generate
     from kvbench.models.tiny import build_tiny_model
     from kvbench.policies.keydiff import KeyDiff
 
@@ -159,8 +159,9 @@ def test_generate_splits_eviction_time_into_prefill_and_decode() -> None:
     from kvbench.engine.attention import install
 
     install(model)
-    res = runner.generate(model, Ticking(budget=16), list(range(10, 50)), 8, 3, stop_ids=(),
-                          observer=runner.Observer(clock=lambda: clock[0]))
+    res = engine_generate.generate(model, Ticking(budget=16), list(range(10, 50)),
+                                   engine_generate.GenerationSettings(block=8, max_new_tokens=3),
+                                   observer=engine_generate.Observer(clock=lambda: clock[0]))
     assert res.decode_steps == 2
     assert res.evict_prefill_s == 5 * 2 * 1.0
     assert res.evict_decode_s == 2 * 2 * 100.0

@@ -14,8 +14,9 @@ import torch
 from kvbench.bench.setup import make_policy
 from kvbench.engine import attention
 from kvbench.engine.cache import EvictingCache, EvictingLayer
-from kvbench.engine.generate import PROTOCOLS, Observer, generate
+from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.models.tiny import build_tiny_model
+from kvbench.options import PROTOCOLS
 from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
 from kvbench.policies.keydiff import KeyDiff
@@ -24,7 +25,7 @@ from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.tova import TOVA
 from kvbench.run.config import group_choices
 
-from conftest import installed_model
+from helpers import installed_model
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-gemma"]
 # Two bfloat16 steps at the logits' scale. With output_scale 1 the logits lie in (-2, 2) (asserted), where bfloat16's
@@ -96,12 +97,14 @@ def test_bf16_generate_without_eviction_matches_full() -> None:
     model = _bf16_model("tiny-llama")
     ids = _prompt(150)[0].tolist()
     ref: list[torch.Tensor] = []
-    full = generate(model, Full(), ids, 16, 12, observer=Observer(on_logits=ref.append))
+    full = generate(model, Full(), ids, GenerationSettings(block=16, max_new_tokens=12),
+                    observer=Observer(on_logits=ref.append))
     # 150 + 11 tokens x 2 layers x 2 KV heads x head_dim 64 x (K and V) x 2 bytes
     assert full.kv_bytes_peak == (150 + 11) * 2 * 2 * 64 * 2 * 2
     for policy in (KeyDiff(budget=400), H2O(budget=400), SnapKV(budget=400), TOVA(budget=400)):
         got: list[torch.Tensor] = []
-        res = generate(model, policy, ids, 16, 12, observer=Observer(forced=full.tokens, on_logits=got.append))
+        res = generate(model, policy, ids, GenerationSettings(block=16, max_new_tokens=12), forced=full.tokens,
+                       observer=Observer(on_logits=got.append))
         assert res.peak_kv_tokens == 150 + 11, policy.name
         assert len(got) == len(ref) == 12
         assert max((a - b).abs().max().item() for a, b in zip(got, ref)) <= BF16_TOL, policy.name
@@ -192,7 +195,8 @@ def test_every_policy_runs_bounded_in_bf16_with_float32_scores(model4, name: str
     policy = make_policy(name, N, 0)
     policy.start_sample(0)
     check = Float32Twin(policy)
-    res = generate(model4, policy, _prompt(T)[0].tolist(), B, NEW, protocol=protocol, observer=Observer(trace=True))
+    res = generate(model4, policy, _prompt(T)[0].tolist(),
+                   GenerationSettings(block=B, max_new_tokens=NEW, protocol=protocol), observer=Observer(trace=True))
     assert len(res.tokens) == NEW  # no stop tokens: every step ran
     assert check.mismatches == []
     seen = _seen_before_each_forward(protocol, policy)
@@ -229,7 +233,7 @@ def test_the_float32_twin_check_catches_bf16_arithmetic(model4) -> None:
 
     for cls, kind in ((StateInBf16, "state norm"), (ScoreInBf16, "scores")):
         check = Float32Twin(cls(budget=N))
-        generate(model4, check.policy, _prompt(T)[0].tolist(), B, NEW)
+        generate(model4, check.policy, _prompt(T)[0].tolist(), GenerationSettings(block=B, max_new_tokens=NEW))
         assert kind in {m[0] for m in check.mismatches}, cls.__name__
 
 
@@ -237,7 +241,9 @@ def test_bf16_diagnostics_and_graded_branch_run(model4) -> None:
     ids = _prompt(T)[0].tolist()
     for name in ("keydiff", "adakv", "criticalkv"):
         policy = make_policy(name, N, 0)
-        res = generate(model4, policy, ids, B, NEW, diagnostics=("attention_loss", "perturbation", "key_logdet"),
+        res = generate(model4, policy, ids,
+                       GenerationSettings(block=B, max_new_tokens=NEW,
+                                          diagnostics=("attention_loss", "perturbation", "key_logdet")),
                        answer_ids=[11, 12, 13])
         assert math.isfinite(res.answer_logprob)
         for diag in ("attention_loss", "perturbation", "key_logdet"):

@@ -10,7 +10,7 @@ import torch
 
 from kvbench.engine import attention
 from kvbench.engine.cache import EvictingCache
-from kvbench.engine.generate import Observer, generate
+from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
@@ -60,10 +60,10 @@ def test_block_prefill_equals_full_forward(arch: str, impl: str) -> None:
 def test_budget_at_least_prompt_evicts_nothing() -> None:
     model, _ = _model("tiny-llama")
     ids = _prompt(200)[0].tolist()
-    full = generate(model, Full(), ids, None, 12, stop_ids=())
+    full = generate(model, Full(), ids, GenerationSettings(block=None, max_new_tokens=12))
     for policy in (KeyDiff(budget=400), StreamingLLM(budget=400), TOVA(budget=400), H2O(budget=400),
                    SnapKV(budget=400), KNorm(budget=400, skip_layers=[]), Random(budget=400)):
-        res = generate(model, policy, ids, 32, 12, stop_ids=())
+        res = generate(model, policy, ids, GenerationSettings(block=32, max_new_tokens=12))
         assert res.tokens == full.tokens, policy.name
         assert res.peak_kv_tokens == 200 + 11  # prompt + fed-back generated tokens, nothing dropped
 
@@ -82,8 +82,8 @@ def test_eviction_matches_float64_reference(policy_factory, layers: int) -> None
     ids = _prompt(70)[0].tolist()
     logged: list[torch.Tensor] = []
     policy = policy_factory()
-    res = generate(model, policy, ids, 16, 6, stop_ids=(), observer=Observer(trace=True,
-                   on_logits=lambda lg: logged.append(lg[0])))
+    res = generate(model, policy, ids, GenerationSettings(block=16, max_new_tokens=6),
+                   observer=Observer(trace=True, on_logits=lambda lg: logged.append(lg[0])))
     chunks = [ids[s:s + 16] for s in range(0, len(ids), 16)] + [[t] for t in res.tokens[:-1]]
     assert len(res.trace) == len(chunks)
     ref = reference_logits(model, chunks, res.trace)
@@ -102,7 +102,7 @@ def test_eviction_matches_float64_reference(policy_factory, layers: int) -> None
 def test_cache_bounded(policy) -> None:
     model, _ = _model("tiny-llama")
     ids = _prompt(300)[0].tolist()
-    res = generate(model, policy, ids, 16, 10, stop_ids=(), observer=Observer(trace=True))
+    res = generate(model, policy, ids, GenerationSettings(block=16, max_new_tokens=10), observer=Observer(trace=True))
     for step in res.trace[1:]:  # before every forward after the first: at most N held
         for pos in step:
             assert pos is not None and pos.shape[-1] <= 40
@@ -116,7 +116,8 @@ def test_knorm_default_skips_layers_0_and_1_and_bounds_the_rest() -> None:
     # K-norm's default leaves layers 0 and 1 uncompressed; on a 2-layer model it would evict nothing, so use 4.
     model, _ = _model("tiny-llama", num_hidden_layers=4)
     ids = _prompt(100)[0].tolist()
-    res = generate(model, KNorm(budget=40), ids, 16, 5, stop_ids=(), observer=Observer(trace=True))
+    res = generate(model, KNorm(budget=40), ids, GenerationSettings(block=16, max_new_tokens=5),
+                   observer=Observer(trace=True))
     assert len(res.trace) == 7 + 4  # 7 prompt blocks (100 = 6 x 16 + 4), then 4 one-token decoding steps
     for k, step in enumerate(res.trace[1:], 1):  # before forward k: the tokens seen so far, or N after eviction
         seen = min(16 * k, 100) + max(0, k - 7)
@@ -127,7 +128,8 @@ def test_knorm_default_skips_layers_0_and_1_and_bounds_the_rest() -> None:
 def test_block_null_is_one_forward_then_one_eviction() -> None:
     model, _ = _model("tiny-llama")
     ids = _prompt(300)[0].tolist()
-    res = generate(model, KeyDiff(budget=40), ids, None, 3, stop_ids=(), observer=Observer(trace=True))
+    res = generate(model, KeyDiff(budget=40), ids, GenerationSettings(block=None, max_new_tokens=3),
+                   observer=Observer(trace=True))
     assert len(res.trace) == 1 + 2  # prompt forward + two decoding steps
     assert res.peak_kv_tokens == 300
     assert all(p.shape[-1] == 40 for p in res.trace[1])
@@ -139,7 +141,7 @@ def test_block_null_is_one_forward_then_one_eviction() -> None:
 def test_hand_loop_equals_hf_generate(policy_factory) -> None:
     model, tok = _model("tiny-llama")
     ids = _prompt(200)[0].tolist()
-    mine = generate(model, policy_factory(), ids, 32, 15, stop_ids=())
+    mine = generate(model, policy_factory(), ids, GenerationSettings(block=32, max_new_tokens=15))
     policy = policy_factory()
     cache = EvictingCache(model.config, policy)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvbench.engine import attention
-from kvbench.engine.generate import Observer, generate
+from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.metrics.degenerate import is_degenerate
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.adakv import AdaKV
@@ -31,6 +31,7 @@ from kvbench.tasks.longbench import LongBench
 from kvbench.tasks.niah import NIAH
 from kvbench.tasks.ruler import Ruler
 
+from helpers import run_config
 from shared_reference import REFERENCE
 
 ESSAYS_REF = REFERENCE / "niah" / "PaulGrahamEssays"
@@ -185,7 +186,7 @@ def _ids(n: int, seed: int = 0) -> list[int]:
 
 def test_answer_logprob_with_the_full_cache_equals_a_teacher_forced_forward(tiny) -> None:
     prompt, answer = _ids(200), _ids(6, seed=1)
-    res = generate(tiny, Full(), prompt, 64, 5, stop_ids=(), answer_ids=answer)
+    res = generate(tiny, Full(), prompt, GenerationSettings(block=64, max_new_tokens=5), answer_ids=answer)
     with torch.no_grad():
         logits = tiny(torch.tensor([prompt + answer])).logits[0].double()  # (T + 6, vocab)
     logp = torch.log_softmax(logits, dim=-1)
@@ -202,23 +203,24 @@ def test_answer_logprob_with_the_full_cache_equals_a_teacher_forced_forward(tiny
 def test_the_fork_equals_a_separate_teacher_forced_run_and_leaves_the_greedy_path_alone(tiny, factory,
                                                                                           protocol) -> None:
     prompt, answer = _ids(150), _ids(8, seed=2)
-    plain = generate(tiny, factory(), prompt, 32, 6, stop_ids=(), protocol=protocol)
-    graded = generate(tiny, factory(), prompt, 32, 6, stop_ids=(), protocol=protocol, answer_ids=answer)
+    plain = generate(tiny, factory(), prompt, GenerationSettings(block=32, max_new_tokens=6, protocol=protocol))
+    graded = generate(tiny, factory(), prompt, GenerationSettings(block=32, max_new_tokens=6, protocol=protocol),
+                      answer_ids=answer)
     assert graded.tokens == plain.tokens and plain.answer_logprob is None
     # The same answer teacher-forced in a run of its own (a fresh policy: the same per-sample state).
     logps: list[torch.Tensor] = []
-    obs = Observer(forced=answer, on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
-    generate(tiny, factory(), prompt, 32, len(answer), stop_ids=(), protocol=protocol, observer=obs)
+    obs = Observer(on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
+    generate(tiny, factory(), prompt, GenerationSettings(block=32, max_new_tokens=len(answer), protocol=protocol),
+             forced=answer, observer=obs)
     separate = float(torch.stack([lp[t] for lp, t in zip(logps, answer)]).mean())
     assert graded.answer_logprob == pytest.approx(separate, abs=1e-6)
 
 
 def test_run_records_and_metrics_carry_the_evidence(tmp_path: Path) -> None:
-    task = {**load_group("task", "niah"), "context_lengths": [300], "depths": [50], "samples_per_cell": 2,
-            "max_new_tokens": 4, "heatmap": False, "haystack": "filler"}
-    cfg = {"model": load_group("model", "tiny-llama"), "policy": load_group("policy", "h2o"), "task": task,
-           "budget": 64, "block": 32, "seed": 0, "device": "cpu", "progress": False}
-    m = run_one(cfg, "h2o", tmp_path / "a", Session(), progress=False)
+    cfg = run_config("model=tiny-llama", "policy=h2o", "task=niah", "task.context_lengths=[300]", "task.depths=[50]",
+                     "task.samples_per_cell=2", "task.max_new_tokens=4", "task.heatmap=false", "task.haystack=filler",
+                     "budget=64", "block=32", "device=cpu", "progress=false")
+    m = run_one(cfg, "h2o", tmp_path / "a", Session())
     recs = [json.loads(line) for line in (tmp_path / "a" / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in recs] == ["L300_D50", "L300_D50_n1"]
     for r in recs:
@@ -227,7 +229,7 @@ def test_run_records_and_metrics_carry_the_evidence(tmp_path: Path) -> None:
     assert m["composition"] == {"L300_D50": {"samples": ["L300_D50", "L300_D50_n1"]},
                                 "avg": {"samples": ["L300_D50", "L300_D50_n1"]}}
     assert m["stats"]["degenerate"] == sum(r["degenerate"] for r in recs) and m["graded"] is True
-    off = run_one({**cfg, "graded": False}, "h2o", tmp_path / "b", Session(), progress=False)
+    off = run_one({**cfg, "graded": False}, "h2o", tmp_path / "b", Session())
     recs_off = [json.loads(line) for line in (tmp_path / "b" / "predictions.jsonl").read_text().splitlines()]
     assert off["graded"] is False and all(r["answer_logprob"] is None for r in recs_off)
     assert [r["tokens"] for r in recs_off] == [r["tokens"] for r in recs]  # grading never changes the answers

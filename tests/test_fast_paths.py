@@ -17,7 +17,7 @@ from kvbench.policies.knorm import KNorm
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
 
-from conftest import installed_model
+pytestmark = pytest.mark.tiny_model(num_hidden_layers=4)  # the `model` fixture (conftest.py)
 
 
 def _layer(n: int, h: int = 2, d: int = 4, d_v: int | None = None, seed: int = 0) -> EvictingLayer:
@@ -119,11 +119,6 @@ def test_a_gap_in_stashed_queries_falls_back_to_the_full_mask() -> None:
     layer.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
     layer.stash_queries(torch.zeros(1, 2, 1, 4), 4)
     assert layer.query_first is None and layer.query_positions.tolist() == [4, 5, 9]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return installed_model(num_hidden_layers=4)[0]
 
 
 def test_layers_a_policy_never_evicts_get_no_policy_work(model) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.engine.generate import Observer, generate
+from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.metrics.fidelity import fidelity
 from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
@@ -20,19 +20,13 @@ from kvbench.run.settings import RunSettings
 from kvbench.tasks.base import TaskEnv
 from kvbench.tasks.fidelity import FidelityTask
 
-from conftest import installed_model
 
-
-@pytest.fixture(scope="module")
-def tiny():
-    return installed_model()
-
-
-def _run(tiny, policy, tmp_path: Path, budget: int, lengths=(300,), new_tokens: int = 8, source: str = "filler"):
-    model, tok = tiny
+def _run(model, tok, policy, tmp_path: Path, budget: int, lengths=(300,), new_tokens: int = 8,
+         source: str = "filler"):
     task = FidelityTask(lengths=list(lengths), new_tokens=new_tokens, source=source)
     env = TaskEnv(tokenizer=tok, model_name="tiny", max_prompt_tokens=8000)
-    records = run_task(model, tok, policy, task, env, RunSettings(budget=budget, block=32), tmp_path, progress=False)
+    records = run_task(model, tok, policy, task, env, RunSettings(budget=budget, block=32, progress=False),
+                       tmp_path)
     return task, records
 
 
@@ -47,8 +41,8 @@ def test_metric_by_hand() -> None:
     assert f["match_len"] == 1
 
 
-def test_full_policy_is_exactly_its_own_reference(tiny, tmp_path: Path) -> None:
-    task, records = _run(tiny, Full(), tmp_path, budget=64)
+def test_full_policy_is_exactly_its_own_reference(model, tok, tmp_path: Path) -> None:
+    task, records = _run(model, tok, Full(), tmp_path, budget=64)
     f = records[0]["fidelity"]
     assert f == {"top1": 100.0, "kl_mean": 0.0, "kl_max": 0.0, "match_len": 8}
     assert task.aggregate(records)["top1"] == 100.0
@@ -57,30 +51,29 @@ def test_full_policy_is_exactly_its_own_reference(tiny, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("policy", [KeyDiff(budget=400), H2O(budget=400), SnapKV(budget=400),
                                     StreamingLLM(budget=400)], ids=lambda p: p.name)
-def test_budget_above_prompt_matches_full(tiny, tmp_path: Path, policy) -> None:
-    _, records = _run(tiny, policy, tmp_path, budget=400)
+def test_budget_above_prompt_matches_full(model, tok, tmp_path: Path, policy) -> None:
+    _, records = _run(model, tok, policy, tmp_path, budget=400)
     f = records[0]["fidelity"]
     assert f["top1"] == 100.0 and f["match_len"] == 8
     assert f["kl_max"] < 1e-6  # block-wise prefill vs one forward: fp32 rounding only (logits ~1e-5 apart)
 
 
-def test_eviction_moves_the_model(tiny, tmp_path: Path) -> None:
-    _, records = _run(tiny, StreamingLLM(budget=24), tmp_path, budget=24, lengths=(400,), new_tokens=16)
+def test_eviction_moves_the_model(model, tok, tmp_path: Path) -> None:
+    _, records = _run(model, tok, StreamingLLM(budget=24), tmp_path, budget=24, lengths=(400,), new_tokens=16)
     f = records[0]["fidelity"]
     assert f["kl_mean"] > 0 and f["kl_max"] > 0
     assert f["top1"] < 100.0  # 24 of 400 tokens kept: some next-token choices change
 
 
-def test_teacher_forcing_feeds_exactly_the_given_tokens(tiny) -> None:
-    model, _ = tiny
+def test_teacher_forcing_feeds_exactly_the_given_tokens(model) -> None:
     fed: list[list[int]] = []
     hook = model.register_forward_pre_hook(lambda m, args, kw: fed.append(kw["input_ids"][0].tolist()),
                                            with_kwargs=True)
     try:
         prompt = list(range(10, 74))  # 64 tokens -> two blocks of 32
         forced = [5, 400, 7, 7, 123]
-        res = generate(model, KeyDiff(budget=40), prompt, 32, len(forced), stop_ids=(),
-                       observer=Observer(forced=forced))
+        res = generate(model, KeyDiff(budget=40), prompt, GenerationSettings(block=32, max_new_tokens=len(forced)),
+                       forced=forced)
     finally:
         hook.remove()
     assert fed[:2] == [prompt[:32], prompt[32:]]
@@ -88,8 +81,7 @@ def test_teacher_forcing_feeds_exactly_the_given_tokens(tiny) -> None:
     assert res.tokens == forced
 
 
-def test_generated_prompts_have_the_requested_lengths(tiny) -> None:
-    _, tok = tiny
+def test_generated_prompts_have_the_requested_lengths(tok) -> None:
     env = TaskEnv(tokenizer=tok, model_name="tiny", max_prompt_tokens=8000)
     for source in ("filler", "random"):
         samples = list(FidelityTask(lengths=[100, 250], samples_per_length=2, source=source).samples(env))

@@ -15,6 +15,7 @@ PKG = Path(__file__).resolve().parent.parent / "kvbench"
 
 # Lowest first. Packages of one layer do not import each other.
 LAYERS = [
+    ("errors", "options"),  # the one-line report of an exception; the run options' tables (torch-free)
     ("metrics", "models"),  # official metrics; model loading and builders
     ("tasks",),  # prompts, answers and scoring rules (use metrics; the probe task uses the probe model)
     ("policies",),  # scores and selection over a cache layer

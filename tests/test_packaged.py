@@ -1,4 +1,4 @@
-"""Models shipped inside PyPI packages (kvbench.packaged): the one-time conversion into the cache is atomic.
+"""Models shipped inside PyPI packages (kvbench.models.packaged): the one-time conversion into the cache is atomic.
 
 These tests use a fake package (a directory on sys.path with a dist-info and a tiny GGUF holding only the
 file-type field) and replace the slow transformers conversion by a writer that saves the tiny built-in

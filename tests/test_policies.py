@@ -18,7 +18,7 @@ from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
 
-from conftest import make_layer as shared_make_layer
+from helpers import make_layer as shared_make_layer
 
 
 def make_layer(keys: list, queries: list | None = None, layer_idx: int = 2, scaling: float = 1.0) -> EvictingLayer:

@@ -13,7 +13,7 @@ import torch
 from kvbench.engine import attention
 from kvbench.engine.cache import EvictingCache, EvictingLayer
 from kvbench.engine.diagnostics import Diagnostics, aggregate, key_logdet
-from kvbench.engine.generate import Observer, generate
+from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.adakv import AdaKV
 from kvbench.policies.base import Policy, PolicyError, adaptive_counts, compact
@@ -23,7 +23,7 @@ from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.sagekv import SageKV
 
-from conftest import installed_model, make_layer
+from helpers import installed_model, make_layer, run_config
 from float64_reference import reference_logits
 
 
@@ -245,7 +245,8 @@ def test_pyramidkv_run_keeps_n_per_layer_on_average() -> None:
     # 4 layers, N = 40, window 8, B = 16: F = 32, min 1.6, max 62.4, step 20.267 -> 62, 42, 22, 2 (+8).
     model = _model("tiny-llama", num_hidden_layers=4)
     policy = PyramidKV(budget=40)
-    res = generate(model, policy, _prompt(200, seed=3), 16, 3, stop_ids=(), observer=Observer(trace=True))
+    res = generate(model, policy, _prompt(200, seed=3), GenerationSettings(block=16, max_new_tokens=3),
+                   observer=Observer(trace=True))
     assert policy.num_layers == 4  # told by the cache
     assert [pos.shape[-1] for pos in res.trace[-1]] == [70, 50, 30, 10]
     # all layers together: at most 4 x (N + B) tokens per KV head; 2 KV heads x 64 dims x (K + V) x 4 bytes each
@@ -350,8 +351,8 @@ def test_ragged_heads_match_float64_reference(policy_factory) -> None:
     model.double()
     ids = _prompt(70)
     logged: list[torch.Tensor] = []
-    res = generate(model, policy_factory(), ids, 16, 6, stop_ids=(), observer=Observer(trace=True,
-                   on_logits=lambda lg: logged.append(lg[0])))
+    res = generate(model, policy_factory(), ids, GenerationSettings(block=16, max_new_tokens=6),
+                   observer=Observer(trace=True, on_logits=lambda lg: logged.append(lg[0])))
     chunks = [ids[s:s + 16] for s in range(0, len(ids), 16)] + [[t] for t in res.tokens[:-1]]
     ref = reference_logits(model, chunks, res.trace)
     first = len(chunks) - len(res.tokens)
@@ -375,7 +376,7 @@ NEW_POLICIES = {
 def test_deterministic_and_bounded(name: str) -> None:
     model = _model()
     ids = _prompt(120, seed=1)
-    runs = [generate(model, NEW_POLICIES[name](), ids, 16, 4, stop_ids=(),
+    runs = [generate(model, NEW_POLICIES[name](), ids, GenerationSettings(block=16, max_new_tokens=4),
                      observer=Observer(trace=True)) for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens
     assert all(torch.equal(a, b) for a, b in zip(runs[0].trace[-1], runs[1].trace[-1], strict=True))
@@ -399,8 +400,8 @@ def test_deterministic_and_bounded(name: str) -> None:
 def test_adakv_peak_is_the_layer_total(arch: str, h_kv: int, d: int, allocation: str) -> None:
     N, B = 96, 32
     model = _model(arch)
-    res = generate(model, AdaKV(budget=N, allocation=allocation), _prompt(224), B, 3, stop_ids=(),
-                   observer=Observer(trace=True))
+    res = generate(model, AdaKV(budget=N, allocation=allocation), _prompt(224),
+                   GenerationSettings(block=B, max_new_tokens=3), observer=Observer(trace=True))
     assert any(t is not None and bool((t < 0).any()) for step in res.trace for t in step)  # really ragged
     for step in res.trace[1:]:
         for pos in step:
@@ -463,9 +464,10 @@ def test_key_logdet_of_fewer_keys_than_dims() -> None:
 def test_diagnostics_in_a_run_do_not_change_tokens() -> None:
     model = _model()
     ids = _prompt(150, seed=2)
-    plain = generate(model, KeyDiff(budget=40), ids, 16, 5, stop_ids=())
-    diag = generate(model, KeyDiff(budget=40), ids, 16, 5, stop_ids=(),
-                    diagnostics=["attention_loss", "perturbation", "key_logdet"])
+    plain = generate(model, KeyDiff(budget=40), ids, GenerationSettings(block=16, max_new_tokens=5))
+    diag = generate(model, KeyDiff(budget=40), ids,
+                    GenerationSettings(block=16, max_new_tokens=5,
+                                       diagnostics=tuple(["attention_loss", "perturbation", "key_logdet"])))
     assert plain.tokens == diag.tokens and plain.diagnostics is None
     # key-only KeyDiff: the engine stashed the latest query anyway (declared by the diagnostics)
     # evictions: 150 tokens in blocks of 16 -> blocks 3..10 overflow 40 (8 events) + 4 decoding steps, per layer
@@ -488,7 +490,6 @@ def test_run_reports_diagnostics_in_records_and_metrics(tmp_path) -> None:
     import json
 
     from kvbench.run.app import Session, run_one
-    from kvbench.run.config import load_group
 
     model, tok = build_tiny_model("tiny-llama", seed=3)
     model.save_pretrained(tmp_path / "model")
@@ -496,13 +497,11 @@ def test_run_reports_diagnostics_in_records_and_metrics(tmp_path) -> None:
     rows = [{"id": f"q{i}", "prompt": " ".join(["river north valley"] * (20 + 10 * i)), "answers": ["x"],
              "max_new_tokens": 3} for i in range(2)]
     (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = {"model": {"name": "m", "path": str(tmp_path / "model"), "dtype": "float32", "max_prompt_tokens": 4000,
-                     "chat_template": False},
-           "policy": dict(load_group("policy", "adakv"), window=8),
-           "task": dict(load_group("task", "jsonl"), path=str(tmp_path / "qa.jsonl")),
-           "budget": 32, "block": 16, "seed": 0, "scenario": "question_aware", "device": "cpu",
-           "diagnostics": ["attention_loss", "key_logdet"]}
-    metrics = run_one(cfg, "adakv", tmp_path / "run", Session(), progress=False)
+    cfg = run_config("model=hf", "model.dtype=float32", "model.max_prompt_tokens=4000", "model.chat_template=false",
+                     "policy=adakv", "policy.window=8", "task=jsonl", "budget=32", "block=16", "device=cpu",
+                     "diagnostics=[attention_loss,key_logdet]", "progress=false",
+                     values={"model.path": str(tmp_path / "model"), "task.path": str(tmp_path / "qa.jsonl")})
+    metrics = run_one(cfg, "adakv", tmp_path / "run", Session())
     recs = [json.loads(line) for line in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
     means = [r["diagnostics"]["attention_loss"]["mean"] for r in recs]
     assert set(recs[0]["diagnostics"]) == {"attention_loss", "key_logdet"}

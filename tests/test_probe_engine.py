@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvbench.engine import attention
-from kvbench.engine.generate import generate
+from kvbench.engine.generate import GenerationSettings, generate
 from kvbench.models.loading import load_model
 from kvbench.policies.base import Policy
 from kvbench.policies.streamingllm import StreamingLLM
@@ -48,7 +48,7 @@ def _samples(probe, length: int, depths: list[int]):
 
 
 def _answer(probe, sample, policy, block: int | None = 128) -> bool:
-    res = generate(probe.model, policy, sample.input_ids, block, 1, stop_ids=())
+    res = generate(probe.model, policy, sample.input_ids, GenerationSettings(block=block, max_new_tokens=1))
     return probe.tokenizer.decode(res.tokens, skip_special_tokens=True).strip() == sample.answers[0]
 
 

@@ -24,20 +24,21 @@ def probe_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tok(probe_path):
+def probe_tok(probe_path):
+    """The probe model's own tokenizer (not conftest's tiny `tok`)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(probe_path)
 
 
-def _env(tok, seed: int = 42, max_prompt_tokens: int = 65536) -> TaskEnv:
-    return TaskEnv(tokenizer=tok, model_name="probe", max_prompt_tokens=max_prompt_tokens, chat_template=False,
+def _env(probe_tok, seed: int = 42, max_prompt_tokens: int = 65536) -> TaskEnv:
+    return TaskEnv(tokenizer=probe_tok, model_name="probe", max_prompt_tokens=max_prompt_tokens, chat_template=False,
                    seed=seed)
 
 
-def test_grid_and_positions(tok):
+def test_grid_and_positions(probe_tok):
     task = ProbeTask(context_lengths=[64, 100], depths=[0, 50, 100], samples_per_cell=2)
-    samples = list(task.samples(_env(tok)))
+    samples = list(task.samples(_env(probe_tok)))
     assert [s.id for s in samples[:3]] == ["probe_L64_D0_n1_0", "probe_L64_D0_n1_1", "probe_L64_D50_n1_0"]
     assert [(s.meta["length"], s.meta["depth"]) for s in samples] == [
         (n, d) for n in (64, 100) for d in (0.0, 50.0, 100.0) for _ in range(2)]
@@ -53,15 +54,15 @@ def test_grid_and_positions(tok):
         assert ids[0] == BOS and ids[kp] == ids[-1] and ids[kp] in KEYS and ids[vp] in VALUES
         assert ids[-2] in FILLERS
         assert all(t in FILLERS for i, t in enumerate(ids) if i not in (0, kp, vp, n - 1))
-        assert s.answers == [tok.convert_ids_to_tokens(ids[vp])] and s.answers[0].startswith("v")
-        assert m["key"] == tok.convert_ids_to_tokens(ids[-1])
-        assert tok(s.prompt, add_special_tokens=False).input_ids == ids
+        assert s.answers == [probe_tok.convert_ids_to_tokens(ids[vp])] and s.answers[0].startswith("v")
+        assert m["key"] == probe_tok.convert_ids_to_tokens(ids[-1])
+        assert probe_tok(s.prompt, add_special_tokens=False).input_ids == ids
         assert s.max_new_tokens == 1 and m["num_needles"] == 1 and m["variant"] == "A"
 
 
-def test_multi_needle_positions(tok):
+def test_multi_needle_positions(probe_tok):
     task = ProbeTask(context_lengths=[64], depths=[50], num_needles=4, samples_per_cell=3)
-    for s in task.samples(_env(tok)):
+    for s in task.samples(_env(probe_tok)):
         ids, m = s.input_ids, s.meta
         kps, vps = m["all_key_pos"], m["all_value_pos"]
         assert len(ids) == 64 and len(kps) == 4 and kps == sorted(kps) and vps == [k + 1 for k in kps]
@@ -75,11 +76,11 @@ def test_multi_needle_positions(tok):
         assert m["needle_key_pos"] - 1 - 2 * before == 27
 
 
-def test_deterministic_and_seeded(tok):
+def test_deterministic_and_seeded(probe_tok):
     task = ProbeTask(context_lengths=[128], depths=[30], num_needles=2, samples_per_cell=2)
-    a = [s.input_ids for s in task.samples(_env(tok))]
-    assert a == [s.input_ids for s in task.samples(_env(tok))]
-    assert a != [s.input_ids for s in task.samples(_env(tok, seed=7))]
+    a = [s.input_ids for s in task.samples(_env(probe_tok))]
+    assert a == [s.input_ids for s in task.samples(_env(probe_tok))]
+    assert a != [s.input_ids for s in task.samples(_env(probe_tok, seed=7))]
     assert a[0] != a[1]
 
 
@@ -95,15 +96,15 @@ def test_rejects_non_probe_model(tmp_path):
         list(ProbeTask().samples(env))
 
 
-def test_bad_settings(tok):
+def test_bad_settings(probe_tok):
     with pytest.raises(TaskError, match=r"task.depths must lie in \[0, 100\], got \[101.0\]"):
         ProbeTask(depths=[50, 101])
     with pytest.raises(TaskError, match=r"context_lengths \[13\] too short for 4 needle\(s\): need at least 14"):
         ProbeTask(context_lengths=[13, 14], num_needles=4)
     with pytest.raises(TaskError, match=r"context_lengths \[4096\] exceed the model's max_prompt_tokens \(1024\)"):
-        list(ProbeTask(context_lengths=[1024, 4096]).samples(_env(tok, max_prompt_tokens=1024)))
+        list(ProbeTask(context_lengths=[1024, 4096]).samples(_env(probe_tok, max_prompt_tokens=1024)))
     with pytest.raises(TaskError, match="num_needles=129 exceeds the 128 probe keys"):
-        list(ProbeTask(context_lengths=[1024], num_needles=129).samples(_env(tok)))
+        list(ProbeTask(context_lengths=[1024], num_needles=129).samples(_env(probe_tok)))
 
 
 def test_score():
@@ -148,19 +149,19 @@ def test_task_yaml_defaults():
 
 
 @pytest.mark.parametrize("num_needles", [1, 4])
-def test_end_to_end_plain_forward(probe_path, tok, num_needles):
+def test_end_to_end_plain_forward(probe_path, probe_tok, num_needles):
     """Full cache -> 100; the needle VALUE at meta.needle_value_pos replaced by a filler -> 0; the other needles'
     values replaced -> still 100 (so the meta positions are exactly the evidence the model uses)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(probe_path).eval()
     task = ProbeTask(context_lengths=[1024], depths=[0, 50, 100], num_needles=num_needles, samples_per_cell=1)
-    samples = list(task.samples(_env(tok)))
+    samples = list(task.samples(_env(probe_tok)))
 
     def run(batch):
         with torch.no_grad():
             out = model(torch.tensor(batch), logits_to_keep=1).logits[:, -1].argmax(-1)  # (b,)
-        return [tok.decode([t], skip_special_tokens=True) for t in out.tolist()]
+        return [probe_tok.decode([t], skip_special_tokens=True) for t in out.tolist()]
 
     full = run([s.input_ids for s in samples])
     records = [{"id": s.id, "score": task.score(s, p), "meta": s.meta} for s, p in zip(samples, full)]

@@ -20,7 +20,8 @@ import torch
 
 from kvbench.engine import attention
 from kvbench.engine.cache import EvictingCache
-from kvbench.engine.generate import Observer, generate, resolve_protocol
+from kvbench.engine.generate import GenerationSettings, Observer, generate
+from kvbench.options import resolve_protocol
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.full import Full
 from kvbench.policies.snapkv import SnapKV
@@ -28,15 +29,11 @@ from kvbench.run.labels import model_label, protocol_label
 from kvbench.run.settings import RunSettings
 from kvbench.run.settings import ConfigError
 
-from conftest import installed_model
+from helpers import run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 T, N, NEW = 150, 40, 6
-
-
-@pytest.fixture(scope="module")
-def model():
-    return installed_model(output_scale=1.0)[0]
+pytestmark = pytest.mark.tiny_model(output_scale=1.0)  # the `model` fixture (conftest.py)
 
 
 def _ids(n: int = T, seed: int = 7) -> list[int]:
@@ -51,8 +48,9 @@ def _held(step: list[torch.Tensor | None]) -> list[int]:
 # --- prefill_once --------------------------------------------------------------------------------------------------
 
 def test_prefill_once_cache_is_n_after_the_prompt_and_grows_by_one_per_token(model) -> None:
-    res = generate(model, SnapKV(budget=N, window=8, kernel=3), _ids(), 16, NEW, stop_ids=(),
-                   protocol="prefill_once", observer=Observer(trace=True))
+    res = generate(model, SnapKV(budget=N, window=8, kernel=3), _ids(),
+                   GenerationSettings(block=16, max_new_tokens=NEW, protocol="prefill_once"),
+                   observer=Observer(trace=True))
     assert len(res.tokens) == NEW
     # Forwards: the prompt once (block 16 ignored), then NEW - 1 decoding steps (the last token is never fed back).
     assert len(res.trace) == 1 + NEW - 1
@@ -68,8 +66,8 @@ def test_prefill_once_cache_is_n_after_the_prompt_and_grows_by_one_per_token(mod
 
 def test_prefill_once_peak_is_n_plus_fed_back_tokens_when_decoding_outgrows_the_prompt(model) -> None:
     short, new = 50, 30  # prompt 50 > N = 40, then 29 tokens fed back: 40 + 29 = 69 > 50
-    res = generate(model, SnapKV(budget=N, window=8, kernel=3), _ids(short), None, new, stop_ids=(),
-                   protocol="prefill_once")
+    res = generate(model, SnapKV(budget=N, window=8, kernel=3), _ids(short),
+                   GenerationSettings(block=None, max_new_tokens=new, protocol="prefill_once"))
     assert len(res.tokens) == new and res.peak_kv_tokens == N + new - 1
 
 
@@ -87,21 +85,24 @@ def test_prefill_once_equals_one_forward_one_eviction_then_plain_greedy(model) -
             expected.append(int(logits.argmax(dim=-1)))
             logits = model(torch.tensor([[expected[-1]]]), past_key_values=cache, logits_to_keep=1).logits[:, -1]
     for block in (16, None):  # block is ignored
-        res = generate(model, SnapKV(budget=N, window=8, kernel=3), ids, block, NEW, stop_ids=(),
-                       protocol="prefill_once")
+        res = generate(model, SnapKV(budget=N, window=8, kernel=3), ids,
+                       GenerationSettings(block=block, max_new_tokens=NEW, protocol="prefill_once"))
         assert res.tokens == expected, block
     # ... and differs from evicting while decoding, which keeps the cache at N
-    evicting = generate(model, SnapKV(budget=N, window=8, kernel=3), ids, None, NEW, stop_ids=(),
-                        protocol="prefill_once_decode_evict", observer=Observer(trace=True))
+    evicting = generate(model, SnapKV(budget=N, window=8, kernel=3), ids,
+                        GenerationSettings(block=None, max_new_tokens=NEW, protocol="prefill_once_decode_evict"),
+                        observer=Observer(trace=True))
     assert all(_held(step) == [N] * model.config.num_hidden_layers for step in evicting.trace[1:])
 
 
 def test_prefill_once_decode_evict_is_blockwise_with_block_none(model) -> None:
     ids = _ids()
-    a = generate(model, SnapKV(budget=N, window=8, kernel=3), ids, 16, NEW, stop_ids=(),
-                 protocol="prefill_once_decode_evict", observer=Observer(trace=True))
-    b = generate(model, SnapKV(budget=N, window=8, kernel=3), ids, None, NEW, stop_ids=(),
-                 protocol="blockwise", observer=Observer(trace=True))
+    a = generate(model, SnapKV(budget=N, window=8, kernel=3), ids,
+                 GenerationSettings(block=16, max_new_tokens=NEW, protocol="prefill_once_decode_evict"),
+                 observer=Observer(trace=True))
+    b = generate(model, SnapKV(budget=N, window=8, kernel=3), ids,
+                 GenerationSettings(block=None, max_new_tokens=NEW, protocol="blockwise"),
+                 observer=Observer(trace=True))
     assert a.tokens == b.tokens and a.peak_kv_tokens == b.peak_kv_tokens == T
     assert len(a.trace) == len(b.trace) == NEW
     for sa, sb in zip(a.trace[1:], b.trace[1:], strict=True):
@@ -192,7 +193,9 @@ def test_greedy_applies_the_generation_config_processors_like_generate(settings:
     model.generation_config.update(**settings)
     hf_tokens = hf_generate()
     assert hf_tokens != plain  # the processors change the answer (so this test fails without them)
-    res = generate(model, Full(), ids, None, 16, stop_ids=[eos], min_new_tokens=min_new or 0)
+    res = generate(model, Full(), ids,
+                   GenerationSettings(block=None, max_new_tokens=16, stop_ids=tuple([eos]),
+                                      min_new_tokens=min_new or 0))
     assert res.tokens == hf_tokens
 
 
@@ -222,10 +225,10 @@ def test_report_never_mixes_protocols_unlabelled(tmp_path: Path) -> None:
     for name, (policy, target, protocol, block) in runs.items():
         d = tmp_path / name
         d.mkdir()
-        cfg = {"model": {"name": "m"}, "policy": {"_target_": target}, "task": {"_target_": niah}, "budget": 256,
-               "block": block, "seed": 0, "scenario": "question_aware", "shard": None}
-        if protocol is not None:
-            cfg["protocol"] = protocol
+        cfg = run_config(values={"model": {"name": "m"}, "policy": {"_target_": target}, "task": {"_target_": niah},
+                                 "budget": 256, "block": block, "protocol": protocol})
+        if protocol is None:  # a config.yaml from before the setting has no such key
+            del cfg["protocol"]
         (d / "config.yaml").write_text(yaml.safe_dump(cfg))
         (d / "metrics.json").write_text(json.dumps({
             "model": "smollm2-135m", "policy": policy, "budget": 256, "task": "niah", "shard": None,

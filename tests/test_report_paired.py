@@ -29,6 +29,8 @@ from kvbench.report.cli import main as report_main
 from kvbench.report.cli import print_metrics_table
 from kvbench.report.paired import PAIRED_HEAD
 
+from helpers import run_config
+
 IDS = [f"s{i}" for i in range(1, 9)]
 COMPOSITION = {"easy": {"samples": IDS[:5]}, "hard": {"samples": IDS[5:]}, "all": {"samples": IDS},
                "avg": {"mean_of": ["easy", "hard"]}}
@@ -66,9 +68,10 @@ def write_run(root: Path, name: str, policy: str, values: list[float], *, tokens
     if composition is not None:
         metrics["composition"] = composition
     (d / "metrics.json").write_text(json.dumps(metrics))
-    cfg = {"model": {"name": "m"}, "policy": {"_target_": TARGETS[policy], **(options or {})},
-           "task": {"_target_": "my.QA", "context_length": context_length}, "budget": None if full else 256,
-           "block": 128, "protocol": "blockwise", "seed": 0, "scenario": "question_aware", "shard": shard}
+    cfg = run_config("block=128", "protocol=blockwise",
+                     values={"model": {"name": "m"}, "policy": {"_target_": TARGETS[policy], **(options or {})},
+                             "task": {"_target_": "my.QA", "context_length": context_length},
+                             "budget": None if full else 256, "shard": shard})
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
     os.utime(d / "metrics.json", (mtime, mtime))  # the table's order among equal rows: the order they ran in
     return d

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.run.app import run_key, run_lock
+from kvbench.run.app import run_lock
 from kvbench.run.loop import append_record, read_records
-from kvbench.run.settings import ConfigError
+from kvbench.run.settings import ConfigError, RunSettings
+
+from helpers import run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMING = ("prefill_s", "decode_s", "evict_s", "graded_s")
@@ -64,12 +66,39 @@ def test_repeated_id_keeps_first_record(tmp_path: Path) -> None:
 
 
 def test_resume_key_covers_policy_and_model_not_progress() -> None:
+    def key(cfg: dict, name: str) -> str:
+        return RunSettings.from_config(cfg).key(name)
+
     cfg = {"model": {"path": "x", "dtype": "float32"}, "policy": {"_target_": "p.P"}, "budget": 64, "progress": True}
-    key = run_key(cfg, "keydiff")
-    assert run_key(cfg, "tova") != key
-    assert run_key({**cfg, "model": {"path": "x", "dtype": "bfloat16"}}, "keydiff") != key
-    assert run_key({**cfg, "policy": {"_target_": "p.Q"}}, "keydiff") != key
-    assert run_key({**cfg, "progress": False, "overwrite": True, "device": "cpu"}, "keydiff") == key
+    k = key(cfg, "keydiff")
+    assert key(cfg, "tova") != k
+    assert key({**cfg, "model": {"path": "x", "dtype": "bfloat16"}}, "keydiff") != k
+    assert key({**cfg, "policy": {"_target_": "p.Q"}}, "keydiff") != k
+    assert key({**cfg, "budget": 65}, "keydiff") != k
+    assert key({**cfg, "shard": "0/2"}, "keydiff") != k
+    assert key({**cfg, "progress": False, "overwrite": True, "device": "cpu", "compare": ["full"]}, "keydiff") == k
+
+
+def test_resume_key_is_the_hash_of_the_settings_that_change_results() -> None:
+    # The key runs already on disk carry: sha256 of the sorted JSON of the recorded config without the four options
+    # that do not change results (compare, overwrite, device, progress) plus the policy's name, first 16 hex digits.
+    # Written out by hand here, so a change of the key (which would refuse every existing run's resume) fails.
+    import hashlib
+    import json
+
+    cfg = {"model": {"name": "m", "path": "x"}, "policy": {"_target_": "p.P"}, "task": {"_target_": "t.T"},
+           "compare": ["full"], "budget": 64, "block": 16, "protocol": "blockwise", "seed": 0,
+           "scenario": "question_aware", "save_prompts": False, "overwrite": False, "device": "auto", "shard": "1/2",
+           "diagnostics": [], "graded": True, "progress": True}
+    stable = {k: v for k, v in cfg.items() if k not in ("compare", "overwrite", "device", "progress")}
+    stable["policy_name"] = "keydiff"
+    expected = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+    assert RunSettings.from_config(cfg).key("keydiff") == expected
+
+
+def test_settings_reject_an_unknown_top_level_key() -> None:
+    with pytest.raises(ConfigError, match="unknown setting: budgett"):
+        RunSettings.from_config({"budgett": 64})
 
 
 def test_second_process_on_a_run_dir_is_refused(tmp_path: Path) -> None:
@@ -82,15 +111,9 @@ def test_second_process_on_a_run_dir_is_refused(tmp_path: Path) -> None:
 
 
 def _cfg(data: Path, **changes: object) -> dict:
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from kvbench.run.config import CONF_DIR
-
+    """The config the command line `_args(data, ...)` runs, with `changes` as further overrides."""
     overrides = [a for a in _args(data, Path("unused")) if not a.startswith("hydra.")]
-    overrides += [f"{k}={v}" for k, v in changes.items()]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+    return run_config(*overrides, *(f"{k}={v}" for k, v in changes.items()))
 
 
 def test_sigkill_mid_run_resumes_to_the_clean_predictions(tmp_path: Path) -> None:
@@ -99,7 +122,7 @@ def test_sigkill_mid_run_resumes_to_the_clean_predictions(tmp_path: Path) -> Non
     data = _data(tmp_path)
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     session = Session()
-    m_clean = run_one(_cfg(data), "keydiff", clean, session, progress=False)
+    m_clean = run_one(_cfg(data), "keydiff", clean, session)
     clean_records = _lines(clean / "predictions.jsonl")
     assert [r["id"] for r in clean_records] == [f"s{i}" for i in range(N_SAMPLES)]
 
@@ -120,7 +143,7 @@ def test_sigkill_mid_run_resumes_to_the_clean_predictions(tmp_path: Path) -> Non
     with pred.open("ab") as f:  # as if the kill had cut a write short
         f.write(b'{"id": "s7", "prediction": "tor')
 
-    m_resumed = run_one(_cfg(data), "keydiff", killed, session, progress=False)  # the same command again
+    m_resumed = run_one(_cfg(data), "keydiff", killed, session)  # the same command again
     resumed = _lines(pred)
     assert [r["id"] for r in resumed] == [f"s{i}" for i in range(N_SAMPLES)]  # no duplicates, sample order
     assert _strip(resumed) == _strip(clean_records)
@@ -128,12 +151,12 @@ def test_sigkill_mid_run_resumes_to_the_clean_predictions(tmp_path: Path) -> Non
 
     # Finished: a rerun does not recompute (the file is byte-identical), another configuration is refused.
     before = pred.read_bytes()
-    assert run_one(_cfg(data), "keydiff", killed, session, progress=False)["scores"] == m_clean["scores"]
+    assert run_one(_cfg(data), "keydiff", killed, session)["scores"] == m_clean["scores"]
     assert pred.read_bytes() == before
     with pytest.raises(ConfigError, match="different configuration"):
-        run_one(_cfg(data, budget=40), "keydiff", killed, session, progress=False)
+        run_one(_cfg(data, budget=40), "keydiff", killed, session)
     with pytest.raises(ConfigError, match="different configuration"):  # same settings, another policy name
-        run_one(_cfg(data), "keydiff-variant", killed, session, progress=False)
+        run_one(_cfg(data), "keydiff-variant", killed, session)
     assert pred.read_bytes() == before
 
 
@@ -145,4 +168,4 @@ def test_predictions_without_run_json_are_not_reused(tmp_path: Path) -> None:
     run_dir.mkdir()
     (run_dir / "predictions.jsonl").write_text('{"id": "s0", "prediction": "x"}\n')
     with pytest.raises(ConfigError, match="without run.json"):
-        run_one(_cfg(data), "keydiff", run_dir, Session(), progress=False)
+        run_one(_cfg(data), "keydiff", run_dir, Session())

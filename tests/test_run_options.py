@@ -15,15 +15,16 @@ from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.snapkv import SnapKV
 from kvbench.report.collect import applies, collect_entries
 from kvbench.run.app import run_configured
-from kvbench.run.config import load_group
 from kvbench.run.labels import NA
 from kvbench.run.settings import ConfigError
 
+from helpers import run_config
 
-def _cfg(data: Path, **top: object) -> dict:
-    return {"model": load_group("model", "tiny-llama"), "task": {**load_group("task", "jsonl"), "path": str(data),
-            "max_new_tokens": 3}, "budget": 48, "block": 16, "protocol": "blockwise", "seed": 0,
-            "scenario": "question_aware", "progress": False, **top}
+
+def _cfg(data: Path, *overrides: str, **top: object) -> dict:
+    """tiny-llama on the one-line jsonl file `data`, N = 48, B = 16; `top` replaces top-level keys."""
+    return run_config("model=tiny-llama", "task=jsonl", "task.max_new_tokens=3", "budget=48", "block=16",
+                      "progress=false", *overrides, values={"task.path": str(data), **top})
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_no_policy_runs_every_compare_policy_in_its_own_directory(data: Path, tm
 
 
 def test_a_chosen_policy_runs_alone_whatever_compare_lists(data: Path, tmp_path: Path) -> None:
-    cfg = _cfg(data, policy=load_group("policy", "keydiff"), compare=["full", "streamingllm"])
+    cfg = _cfg(data, "policy=keydiff", compare=["full", "streamingllm"])
     results = run_configured(cfg, {"policy": "keydiff"}, tmp_path)
     assert [r["policy"] for r in results] == ["keydiff"]
     assert (tmp_path / "metrics.json").is_file() and not (tmp_path / "full").exists()

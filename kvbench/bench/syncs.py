@@ -150,11 +150,11 @@ class SyncCount:
 def count_host_syncs(model: Any, policy: Any, ids: Sequence[int], block: int | None, new_tokens: int,
                      protocol: str = "blockwise") -> SyncCount:
     """Run `generate` once (greedy, no stop tokens) and count the host syncs of each decoding step."""
-    from kvbench.engine import generate as runner
+    from kvbench.engine import generate as engine_generate
 
     counter = SyncCounter()
     timers: list[int] = []
-    real_sync = runner._sync
+    real_sync = engine_generate.sync
 
     def on_logits(_: torch.Tensor) -> None:
         counter.step += 1
@@ -163,13 +163,14 @@ def count_host_syncs(model: Any, policy: Any, ids: Sequence[int], block: int | N
         timers.append(counter.step)
         real_sync(device)
 
-    runner._sync = timed_sync  # the engine's timer syncs: counted apart, never a dispatch op
+    engine_generate.sync = timed_sync  # the engine's timer syncs: counted apart, never a dispatch op
     try:
         with counter:
-            res = runner.generate(model, policy, list(ids), block, new_tokens, stop_ids=(), protocol=protocol,
-                                  observer=runner.Observer(on_logits=on_logits))
+            settings = engine_generate.GenerationSettings(block=block, max_new_tokens=new_tokens, protocol=protocol)
+            res = engine_generate.generate(model, policy, list(ids), settings,
+                                           observer=engine_generate.Observer(on_logits=on_logits))
     finally:
-        runner._sync = real_sync
+        engine_generate.sync = real_sync
     steps = res.decode_steps  # complete steps: 1..steps (step steps+1 only reads the last token)
     per = Counter(s for s, _, _ in counter.events)
     return SyncCount(per_step=[per.get(k, 0) for k in range(1, steps + 1)], prefill=per.get(0, 0),

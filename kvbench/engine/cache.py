@@ -9,10 +9,13 @@ itself, in plain forwards and in `generate`. Kept keys keep their original rotat
 from __future__ import annotations
 
 import copy
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+from kvbench.policies.base import query_attention
 
 if TYPE_CHECKING:
     from kvbench.policies.base import Policy
@@ -33,6 +36,12 @@ class EvictingLayer(DynamicLayer):
     Policies always score a padded (b, h_kv, L) view: `unpack` builds it for a ragged layer at eviction time
     (each head's tokens first, then padding: `valid` False, position -1, zero K/V) and `keep`/`pack` turn the
     result back into storage, so the view is never held across steps (`Policy.evict` does both).
+
+    `window_attention` (SnapKV's observation window: the stashed queries' mean attention over the slots) is kept
+    incrementally once a policy has asked for it: per token, the attention probability each of the w stashed queries
+    gave it when that query's row was computed (`window_probs`, g * w floats per token and KV head, stored and pruned
+    with the token exactly like its key). A decoding step then computes one new row (the new query over the slots)
+    instead of the w x n logits and softmax, and renormalises the older rows over the slots still held; see there.
     """
 
     is_sliding = False
@@ -56,7 +65,7 @@ class EvictingLayer(DynamicLayer):
         self.query_first: int | None = None
         self._query_end = 0  # `seen` at the latest stash
         self.peak_tokens = 0  # max over time of tokens held per KV head (ragged: layer total / (b * h_kv), ceil)
-        self.decoding = False  # set by the runner once the prompt is done (SAGE-KV only slides its window then)
+        self.decoding = False  # set by generate once the prompt is done (SAGE-KV only slides its window then)
         # Set by the attention wrapper at every forward: the model's attention scale and softcap (query_attention
         # rebuilds the weights with them) and the attention module (CriticalKV reads its o_proj).
         self.scaling: float | None = None
@@ -65,6 +74,20 @@ class EvictingLayer(DynamicLayer):
         # Per-layer (not per-token) values a policy keeps from a forward to the eviction after it (HashEvict's
         # probe code); per-token values go in `state`.
         self.scratch: dict[str, torch.Tensor] = {}
+        # `window_attention`'s state (None until a policy asks): per token, (b, h_kv, n, g * w) uniform / (S, g * w)
+        # ragged / (b, h_kv, L, g * w) in the padded view, the probability the stashed query in ring slot r (of w) of
+        # each query head of the group gave the token when that query's row was computed; zero where the query does
+        # not see the token (later tokens, padding). Host bookkeeping, all in absolute positions:
+        self.window_probs: torch.Tensor | None = None
+        self._stash_window = 0  # w of the latest stash (`stash_queries`); <= 0: no ring
+        self._wp_cols = 0  # tokens at positions < this have their window_probs entries; later ones get zeros
+        self._wp_rows = 0  # stashed queries at positions < this have their row computed
+        self._wp_exact = 0  # rows of queries at positions >= this were computed over exactly the slots held now
+        self._wp_base = 0  # the query at position p sits in ring slot (p - base) % w
+        # Evictions of a uniform layer prune window_probs lazily: (b, h_kv, m) rows of window_probs (flattened) that
+        # the slots held at `_wp_cols` have, -1 for zeros; applied (one copy) when the next scoring needs the rows,
+        # so a prompt block whose queries replace every row never copies the old ones. None: window_probs as it is.
+        self._wp_sel: torch.Tensor | None = None
 
     @property
     def ragged(self) -> bool:
@@ -163,10 +186,22 @@ class EvictingLayer(DynamicLayer):
         if not self.ragged:
             return
         valid = self._valid_slots()  # (b, h_kv, L)
-        rows = _slots(valid, self.keys.shape[0])  # (S,)
-        self.keys, self.values = _pad(self.keys, valid, rows, 0), _pad(self.values, valid, rows, 0)
-        self.positions = _pad(self.positions, valid, rows, -1)
-        self.state = {k: _pad(s, valid, rows, 0) for k, s in self.state.items()}
+        b, h, length = valid.shape
+        sizes = self.head_sizes
+        self.keys, self.values = _pad_heads(self.keys, sizes, length, 0), _pad_heads(self.values, sizes, length, 0)
+        if self.window_probs is not None:
+            # entries of the tokens appended since the window state was complete are zeros (see _window_rows):
+            # they are part of the padding here, no separate extension
+            new = self.seen - self._wp_cols
+            self.window_probs = _pad_heads(self.window_probs, [n - new for n in sizes], length, 0)
+            self._wp_cols = self.seen
+        self.positions = _pad_heads(self.positions, sizes, length, -1)
+        self.state = {k: _pad_heads(s, sizes, length, 0) for k, s in self.state.items()}
+        self.keys, self.values = self.keys.view(b, h, length, -1), self.values.view(b, h, length, -1)
+        if self.window_probs is not None:
+            self.window_probs = self.window_probs.view(b, h, length, -1)
+        self.positions = self.positions.view(b, h, length)
+        self.state = {k: s.view(b, h, length) for k, s in self.state.items()}
         self.valid, self.lengths, self.head_sizes = valid, None, None
 
     def pack(self) -> None:
@@ -180,12 +215,16 @@ class EvictingLayer(DynamicLayer):
         d = self.keys.shape[-1]
         self.keys = self.keys.reshape(-1, d).index_select(0, rows)
         self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows)
+        if self.window_probs is not None:
+            self.window_probs = self.window_probs.reshape(-1, self.window_probs.shape[-1]).index_select(0, rows)
         self.positions = self.positions.reshape(-1).index_select(0, rows)
         self.state = {k: s.reshape(-1).index_select(0, rows) for k, s in self.state.items()}
         if min(sizes) == max(sizes):  # the fast uniform path again
             b, h = counts.shape
             n = sizes[0]
             self.keys, self.values = self.keys.view(b, h, n, d), self.values.view(b, h, n, -1)
+            if self.window_probs is not None:
+                self.window_probs = self.window_probs.view(b, h, n, -1)
             self.positions = self.positions.view(b, h, n)
             self.state = {k: s.view(b, h, n) for k, s in self.state.items()}
         else:
@@ -203,6 +242,14 @@ class EvictingLayer(DynamicLayer):
         rows = (idx + torch.arange(0, b * h * n, n, device=idx.device).view(b, h, 1)).view(-1)  # (b*h*kept,)
         self.keys = self.keys.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
         self.values = self.values.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
+        if self.window_probs is not None:  # per-token rows like K/V; every row computed so far loses slots
+            if self.valid is None and valid is None:  # uniform before and after: pruned lazily (`_wp_sel`)
+                self._wp_sel = self._window_sel().gather(2, idx)  # (b, h, kept)
+                self._wp_cols = self.seen
+            else:
+                self._window_rows()
+                self.window_probs = self.window_probs.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
+            self._wp_exact = self._wp_rows
         self.positions = self.positions.gather(2, idx)
         self.state = {k: v.gather(2, idx) for k, v in self.state.items()}
         if self.valid is not None:
@@ -214,9 +261,11 @@ class EvictingLayer(DynamicLayer):
     def fork(self) -> EvictingLayer:
         """An independent copy of this layer's state. K/V, positions and queries are only ever replaced, never
         written in place, so the copy shares them; per-token policy state is written in place (set_block_state,
-        H2O's accumulator), so it is cloned."""
+        H2O's accumulator), and so are `window_attention`'s new rows, so they are cloned."""
         new = copy.copy(self)
         new.state = {k: v.clone() for k, v in self.state.items()}
+        if self.window_probs is not None:
+            new.window_probs = self.window_probs.clone()
         new.scratch = dict(self.scratch)
         return new
 
@@ -230,6 +279,7 @@ class EvictingLayer(DynamicLayer):
         """Keep the latest `window` queries (-1: the current block's) for the policy's scoring."""
         q = query.shape[-2]
         pos = torch.arange(self.seen - q, self.seen, device=query.device)
+        self._stash_window = window
         if window < 0 or self.queries is None:
             self.queries, self.query_positions = query, pos
             self.query_first = self.seen - q
@@ -245,6 +295,147 @@ class EvictingLayer(DynamicLayer):
             self.query_first = self.seen - self.queries.shape[-2]
         self._query_end = self.seen
 
+    # -- the stashed queries' attention, kept incrementally (window_attention) -------------------------------------
+    def window_attention(self) -> torch.Tensor:
+        """(b, h_q, n) float32: the mean over the stashed queries of their attention probabilities over the slots,
+        `query_attention(self).mean(dim=-2)` (padding and keys a query does not see weigh 0), kept incrementally.
+
+        When every stashed query is new (a prompt block of at least w tokens, the one-pass prompt, the first call) it
+        is computed exactly as query_attention computes it, and each query's row of probabilities is stored
+        (`window_probs`, token-major, in a ring of w slots). Afterwards a forward of k < w tokens computes only its k
+        new rows (query_attention's arithmetic on those queries), written over the ring slots of the k queries that
+        left the window. The older rows need no new entry (a new key is later than every older query, which does not
+        see it) but have lost the slots evicted since they were computed: their probabilities are renormalised over
+        the slots still held, p / sum(p), the softmax over fewer keys (the same values up to float rounding: a
+        different order of the sums, one division more). A decoding step thus costs one (g x d) by (d x n) product per
+        KV head and a few passes over the g * w * n stored probabilities, where recomputing costs the (g * w x d) by
+        (d x n) product, its softmax and mean.
+        Stashed positions with a gap (a forward that stashed nothing) or per-block queries (window < 0) have no ring:
+        then it is the plain computation, every time.
+        """
+        w, first = self._stash_window, self.query_first
+        if w <= 0 or first is None or self.queries is None:
+            self.window_probs = None
+            return query_attention(self).mean(dim=-2)
+        if self.ragged:
+            raise RuntimeError("window_attention() reads the scoring view; unpack() the ragged layer first")
+        b, h_q = self.queries.shape[:2]
+        h_kv, n = self.keys.shape[1], self.keys.shape[2]
+        g = h_q // h_kv
+        seen = self.seen
+        count = seen - first  # stashed queries, at positions first .. seen - 1
+        fresh = max(first, self._wp_rows)  # the queries from position `fresh` on have no row yet
+        if self.window_probs is None or self.window_probs.shape[-1] != g * w or fresh == first:
+            self._wp_sel = None  # the old rows are all replaced: never copied
+            probs = query_attention(self)  # (b, h_q, count, n): every stashed query is new
+            rows = probs.view(b, h_kv, g, count, n).permute(0, 1, 4, 2, 3)  # (b, h_kv, n, g, count)
+            if count == w:  # ring slot i <- the i-th stashed query (base = first)
+                self.window_probs = rows.reshape(b, h_kv, n, g * w)
+            else:  # fewer queries than the window so far: the other slots empty
+                wp = probs.new_zeros(b, h_kv, n, g, w)
+                wp[..., :count] = rows
+                self.window_probs = wp.view(b, h_kv, n, g * w)
+            self._wp_base, self._wp_rows, self._wp_cols, self._wp_exact = first, seen, seen, first
+            return probs.mean(dim=-2)
+        self._window_rows()  # the kept rows, and zeros for the tokens appended since: one copy
+        wp = self.window_probs.view(b, h_kv, n, g, w)  # written in place: the new rows
+        new = seen - fresh
+        if new > 0:
+            rows = self._query_rows(self.queries[:, :, count - new:], fresh)  # (b, h_q, new, n)
+            src = rows.view(b, h_kv, g, new, n).permute(0, 1, 4, 2, 3)  # (b, h_kv, n, g, new)
+            done = 0
+            for lo, hi in self._ring_runs(fresh, seen):
+                wp[..., lo:hi] = src[..., done:done + hi - lo]
+                done += hi - lo
+            self._wp_rows = seen
+        # Per ring slot: rows computed before the latest eviction are renormalised over the slots held (1 / their
+        # remaining mass); rows computed since are already a softmax over exactly these slots (1: their values as
+        # query_attention computes them); slots no stashed query holds (fewer than w stashed) weigh 0.
+        scale = wp.sum(dim=2).reciprocal_()  # (b, h_kv, g, w)
+        for lo, hi in self._ring_runs(max(first, self._wp_exact), seen):
+            scale[..., lo:hi] = 1.0
+        for lo, hi in self._ring_runs(seen, first + w):
+            scale[..., lo:hi] = 0.0
+        # The scaled sum over each query head's w rows as one product with a block-diagonal (g x g*w) matrix of the
+        # scales: it reads the stored rows once and writes (b, h_q, n) directly (a product then a sum over w would
+        # write and read a temporary as large as the rows; the zeros of the other heads add exactly nothing)
+        blocks = scale.new_zeros(b, h_kv, g, g, w)
+        blocks.diagonal(dim1=2, dim2=3).copy_(scale.transpose(-1, -2))  # (b, h_kv, w, g) view of the diagonal
+        mean = torch.bmm(blocks.view(b * h_kv, g, g * w), self.window_probs.view(b * h_kv, n, g * w).transpose(1, 2))
+        return mean.view(b, h_q, n) / count  # (b, h_q, n)
+
+    def _ring_runs(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The ring slots of the queries at positions start .. end - 1 (at most w of them), as at most two runs."""
+        w = self._stash_window
+        if end <= start:
+            return []
+        lo = (start - self._wp_base) % w
+        hi = lo + (end - start)
+        return [(lo, hi)] if hi <= w else [(lo, w), (0, hi - w)]
+
+    def _query_rows(self, query: torch.Tensor, first: int) -> torch.Tensor:
+        """(b, h_q, k, n) attention probabilities of `query` (b, h_q, k, d), the stashed queries at positions first ..
+        first + k - 1, over the slots: query_attention's arithmetic (float32, scale fused into the product, softcap,
+        causal and padding masks, softmax) on k of its rows."""
+        q = query.float()  # (b, h_q, k, d)
+        keys = self.keys.float()  # (b, h_kv, n, d)
+        b, h_q, k, d = q.shape
+        h_kv, n = keys.shape[1], keys.shape[2]
+        g = h_q // h_kv
+        logits = torch.baddbmm(q.new_zeros(()), q.reshape(b * h_kv, g * k, d),
+                               keys.reshape(b * h_kv, n, d).transpose(1, 2), beta=0.0,
+                               alpha=self.scaling).view(b, h_q, k, n)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.valid is None:
+            # chronological slots: only the keys after `first` can be hidden from one of these queries, the last ones
+            tail = min(n, self.seen - 1 - first)
+            if tail > 0:
+                qpos = torch.arange(first, first + k, device=q.device)
+                hidden = self.positions[..., n - tail:].unsqueeze(-2) > qpos.view(1, 1, k, 1)  # (b, h_kv, k, tail)
+                logits.view(b, h_kv, g, k, n)[..., n - tail:].masked_fill_(hidden.unsqueeze(2), -math.inf)
+            return torch.softmax(logits, dim=-1)
+        qpos = torch.arange(first, first + k, device=q.device)
+        visible = (self.positions.unsqueeze(-2) <= qpos.view(1, 1, k, 1)) & self.valid.unsqueeze(-2)  # (b, h_kv, k, n)
+        logits = logits.masked_fill(~visible.repeat_interleave(g, dim=1), -math.inf)
+        return torch.softmax(logits, dim=-1)
+
+    def _window_sel(self) -> torch.Tensor:
+        """(b, h_kv, n) the rows of window_probs (flattened; -1: zeros) of the slots held now (uniform layer)."""
+        wp = self.window_probs
+        b, h, m, _ = wp.shape
+        sel = self._wp_sel
+        if sel is None:
+            sel = torch.arange(b * h * m, device=wp.device).view(b, h, m)
+        new = self.seen - self._wp_cols  # tokens appended since: later than every query with a row, zeros
+        return sel if new == 0 else torch.cat([sel, sel.new_full((b, h, new), -1)], dim=-1)
+
+    def _window_rows(self) -> None:
+        """Make window_probs hold exactly the slots held now: the pending lazy pruning applied, and zeros for the
+        tokens appended since it was last complete (every query with a row is earlier than them and does not see
+        them). Deferred to the next scoring, so a cache that stops scoring (decoding under prefill_once) pays nothing
+        per step, and one decoding step costs one copy of the rows (pruning and appending together). A no-op in the
+        padded view (`unpack` pads a ragged layer's pending entries with zeros itself)."""
+        wp = self.window_probs
+        if wp is None or (self._wp_sel is None and self.seen == self._wp_cols):
+            return
+        b, h, _, r = wp.shape
+        if self._wp_sel is None:  # nothing evicted since: append the zeros
+            self.window_probs = torch.cat([wp, wp.new_zeros(b, h, self.seen - self._wp_cols, r)], dim=2)
+        else:
+            sel = self._window_sel()  # (b, h, n)
+            out = wp.reshape(-1, r).index_select(0, sel.clamp_min(0).view(-1)).view(b, h, -1, r)
+            self.window_probs = out.masked_fill_((sel < 0).unsqueeze(-1), 0.0)
+        self._wp_sel, self._wp_cols = None, self.seen
+
+    def padded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ragged layer's keys and values, (b, h_kv, L, d), each head's tokens first and zeros after (the padded
+        view's layout), for one attention over all heads at once; the storage stays flat."""
+        b, h = self.lengths.shape
+        length = max(self.head_sizes)
+        return (_pad_heads(self.keys, self.head_sizes, length, 0).view(b, h, length, -1),
+                _pad_heads(self.values, self.head_sizes, length, 0).view(b, h, length, -1))
+
 
 def _interleave(old: torch.Tensor, new: torch.Tensor, sizes: list[int], q: int) -> torch.Tensor:
     """Flat per-head storage with `q` new rows appended to each segment: old (S, ...) split by `sizes`,
@@ -259,6 +450,17 @@ def _slots(valid: torch.Tensor, count: int) -> torch.Tensor:
     """(count,) flat indices of the True slots of `valid`, in row-major order, `count` their number known on the
     host: boolean-mask indexing would ask the device for it (a host sync on a GPU), nonzero_static does not."""
     return valid.reshape(-1).nonzero_static(size=count).squeeze(-1)
+
+
+def _pad_heads(flat: torch.Tensor, sizes: list[int], length: int, fill: float) -> torch.Tensor:
+    """Flat per-head storage (S, ...), segments of `sizes` (on the host) -> (len(sizes) * length, ...): each segment
+    followed by `fill` up to `length` rows. One concatenation of views (a single copy of the data): ~3x cheaper on CPU
+    than scattering the rows with index_copy_ (measured: 3072 rows of 64 floats, 0.034 vs 0.113 ms)."""
+    pad = flat.new_full((length - min(sizes), *flat.shape[1:]), fill)
+    parts: list[torch.Tensor] = []
+    for seg, n in zip(flat.split(sizes), sizes):
+        parts += [seg, pad[:length - n]]
+    return torch.cat(parts)
 
 
 def _pad(flat: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, fill: float) -> torch.Tensor:
@@ -294,7 +496,7 @@ class EvictingCache(Cache):
         self.evicted = {i for i, layer in enumerate(layers) if isinstance(layer, EvictingLayer)
                         and policy is not None and policy.layer_budget(i) is not None}
         self.masks: dict[Any, torch.Tensor] = {}  # causal masks rebuilt for layers HF's mask does not fit (attention)
-        # Latest queries to stash per layer (Policy.query_window; the runner raises it to 1 for diagnostics).
+        # Latest queries to stash per layer (Policy.query_window; generate raises it to 1 for diagnostics).
         self.query_window = policy.query_window if policy is not None else 0
 
     def fork(self) -> EvictingCache:

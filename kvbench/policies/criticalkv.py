@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 BASES = {"snapkv": SnapKV, "adakv": AdaKV}
 STAGE1 = ("outside", "inside")
+# Appended tokens (batch x block) up to which the value norms of all query heads come from one batched product;
+# measured on CPU (SmolLM2, 9 heads, hidden 576): 4x cheaper than the per-head loop for 1 token, 1.7x for 32,
+# 2.7x dearer for 128 (a (h_q, 128, hidden) intermediate).
+BATCHED_TOKENS = 32
 
 
 class CriticalKV(Policy):
@@ -73,11 +77,23 @@ class CriticalKV(Policy):
         h_q = w.shape[1] // d
         g = h_q // h_kv
         v = values.float()
-        norms = torch.empty(b, h_q, q, device=values.device)
-        for h in range(h_q):  # one head at a time: never a (b, h_q, q, hidden) tensor
-            proj = v[:, h // g] @ w[:, h * d:(h + 1) * d].float().T  # (b, q, hidden)
-            norms[:, h] = proj.abs().sum(dim=-1)
-        return {"vnorm": norms.view(b, h_kv, g, q).mean(dim=2)}  # (b, h_kv, q)
+        if b * q <= BATCHED_TOKENS:
+            # A decoding step (and any small block): all query heads in one batched product instead of h_q small
+            # ones (~4x cheaper per layer on CPU for one token). Each head's product is the same (q x d) by
+            # (d x hidden) product as in the loop below; the BLAS kernel may round it differently (a one-row product
+            # can take a matrix-vector path): equal to the loop within float32 rounding (tests/test_window_state.py;
+            # bit-identical at SmolLM2's shapes, where the committed runs are reproduced exactly).
+            hidden = w.shape[0]
+            w_heads = w.float().view(hidden, h_q, d).permute(1, 2, 0)  # (h_q, d, hidden)
+            v_heads = v.permute(1, 0, 2, 3).reshape(h_kv, 1, b * q, d).expand(h_kv, g, b * q, d)
+            proj = torch.bmm(v_heads.reshape(h_q, b * q, d), w_heads)  # (h_q, b*q, hidden), b*q <= BATCHED_TOKENS
+            norms = proj.abs().sum(dim=-1).view(h_q, b, q).permute(1, 0, 2)  # (b, h_q, q)
+        else:
+            norms = torch.empty(b, h_q, q, device=values.device)
+            for h in range(h_q):  # one head at a time: never a (b, h_q, q, hidden) tensor for a long block
+                proj = v[:, h // g] @ w[:, h * d:(h + 1) * d].float().T  # (b, q, hidden)
+                norms[:, h] = proj.abs().sum(dim=-1)
+        return {"vnorm": norms.reshape(b, h_kv, g, q).mean(dim=2)}  # (b, h_kv, q)
 
     def score(self, layer: CacheLayer) -> torch.Tensor:
         return self.base.score(layer)  # (b, h_kv, n): A, the base's scores (stage 1)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvbench.policies.base import Policy, PolicyError, group_mean, query_attention
+from kvbench.policies.base import Policy, PolicyError, group_mean
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
@@ -35,7 +35,7 @@ class SnapKV(Policy):
 
     def window_scores(self, layer: CacheLayer) -> torch.Tensor:
         """(b, h_q, n) pooled window attention per query head (the window's own slots get the max, as kept)."""
-        probs = query_attention(layer).mean(dim=-2)  # (b, h_q, n)
+        probs = layer.window_attention()  # (b, h_q, n): query_attention(layer).mean(dim=-2), kept incrementally
         w = min(self.window, probs.shape[-1])
         prefix = probs[..., :-w]  # (b, h_q, n - w)
         b, h, n = prefix.shape

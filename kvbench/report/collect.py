@@ -1,7 +1,9 @@
 """Runs and entries: every directory below a root that holds a `metrics.json` is one run; runs whose configurations
 differ only in `shard` are merged into one entry (predictions back in sample order, scores recomputed from the
-records through metrics.json `composition`, speed and memory by `run.loop.summarize`). An entry carries its
-records and composition, so every score has its n and standard error (report.samples).
+merged records by the recipe of metrics.json `layout` through kvbench.metrics.aggregate, the function the run's
+task aggregated with, so they equal the unsharded run's; speed and memory by `run.loop.summarize`). No task is
+ever built here. An entry carries its records, composition and layout, so every score has its n and standard error
+(report.samples) and its place in the tables (report.layout).
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvbench.errors import error_line
+from kvbench.metrics.aggregate import RecipeError, aggregate_scores, average_of
 from kvbench.metrics.stats import MeanSE
+from kvbench.report.layout import Layout, stored_layout
 from kvbench.report.samples import Agreement, Composition, Records, cells, degenerate_count, logprob_cell, \
     merge_compositions
 from kvbench.run.labels import NA
@@ -60,6 +65,7 @@ class Entry:
     logprob: MeanSE | None = None  # mean answer_logprob over the samples that have one
     vs_full: Agreement | None = None  # token agreement with the full cache's entry (set by tables.build_report)
     dlogprob: Any = None  # stats.PairedResult: answer_logprob of this entry - the full cache's (build_report)
+    layout: Layout | None = None  # metrics.json `layout` (report.layout.stored_layout; None for older runs)
 
 
 def is_num(v: Any) -> bool:
@@ -121,7 +127,7 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _settings(run: Run) -> dict[str, Any]:
-    from kvbench.engine.generate import resolve_protocol
+    from kvbench.options import resolve_protocol
 
     m = run.metrics
     cfg = run.config or {"budget": m.get("budget"), "block": m.get("block"), "protocol": m.get("protocol"),
@@ -200,8 +206,14 @@ def entry_from_run(run: Run, label: str = "", read: bool = True) -> Entry:
     comp = _composition(m)
     # Records only for runs that write a composition (possibly empty): older runs carry no per-sample fields.
     with_samples(e, comp, _read(run.path) if read and isinstance(m.get("composition"), dict) else {})
-    e.average_key = _average_key(e.scores, e.average, comp, e.cells)
+    e.layout = stored_layout(m)
+    e.average_key = _layout_average(e.layout) or _average_key(e.scores, e.average, comp, e.cells)
     return e
+
+
+def _layout_average(layout: Layout | None) -> str | None:
+    """The score the run's `average` is, as its layout names it (None: none named, or no layout)."""
+    return layout["average"] if layout is not None else None
 
 
 def pair_key(e: Entry) -> str:
@@ -274,56 +286,58 @@ def merge_shards(runs: Sequence[Run], root: Path, notes: list[str]) -> Entry:
         entry.stats["degenerate"] = k
     elif any("degenerate" in (r.metrics.get("stats") or {}) for r in shards):
         entry.stats["degenerate"] = sum(int((r.metrics.get("stats") or {}).get("degenerate") or 0) for r in shards)
-    order = list(dict.fromkeys(k for r in shards for k in (r.metrics.get("scores") or {})))
-    # Scores the composition traces to samples: the means of the merged records, no task needed (new runs).
-    composed = {k: entry.cells[k].mean for k in order if k in entry.cells} if all(comps) else {}
-    rest = [k for k in order if k not in composed]
-    task = _aggregate_with_task(entry, shards, records, rest, notes) if rest else None
-    entry.scores = {k: composed[k] if k in composed else entry.scores.get(k) for k in order}
-    first = shards[0].metrics
-    key = _average_key(first.get("scores") or {}, first.get("average"), composition, entry.cells, composed_only=False)
-    if task is not None:
-        from kvbench.run.app import task_average
-
-        entry.average = task_average(task, entry.scores)
-    elif key is not None:
-        entry.average = entry.scores[key]
-    elif not rest:  # a task without an average_key averages all its scores (run.app.task_average)
-        vals = [v for v in entry.scores.values() if is_num(v)]
-        entry.average = sum(vals) / len(vals) if vals else None
-    # else: the sample-weighted mean of the shards' averages, set by the fallback
-    entry.average_key = _average_key(entry.scores, entry.average, composition, entry.cells)
+    layouts = {json.dumps(r.metrics.get("layout"), sort_keys=True) for r in shards}
+    if len(layouts) > 1:
+        notes.append(f"{what}: shards write different layouts; the first shard's is used")
+    recipe = entry.layout["recipe"] if entry.layout is not None else None
+    why, scores = "no recipe in the runs' metrics.json layout", None
+    if recipe is not None:
+        try:
+            # The run's own aggregation (the task aggregated through the same function and recipe): the merged
+            # records, back in sample order, give the unsharded run's scores.
+            scores = aggregate_scores(records, recipe)
+        except RecipeError as e:
+            why = f"the layout's recipe does not apply: {_why(e)}"
+    if scores is not None:
+        entry.scores, entry.average = scores, average_of(scores, _layout_average(entry.layout))
+    else:
+        _merge_without_recipe(entry, shards, comps, composition, notes, why)
+    entry.average_key = _layout_average(entry.layout) or \
+        _average_key(entry.scores, entry.average, composition, entry.cells)
     return entry
 
 
 def _why(e: Exception) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    return error_line(e, with_type=True)
 
 
-def _aggregate_with_task(entry: Entry, shards: list[Run], records: list[dict[str, Any]], names: list[str],
-                         notes: list[str]) -> Any:
-    """The fallback for scores the composition does not trace to samples (all scores of runs from before it, a
-    task's leaderboard averages): rebuild the task from config.yaml and recompute them with its own `aggregate`
-    (returns the task); if that fails, sample-weighted means of the shards' scores, said in a note (None)."""
-    try:
-        from kvbench.run.settings import build_task
-
-        task = build_task(shards[0].config["task"])
-        scores = task.aggregate(records)
-        entry.scores.update({k: scores.get(k) for k in names})
-        return task
-    except Exception as e:  # noqa: BLE001 - any failure: fall back to sample-weighted shard means, say so
-        weights = [float((r.metrics.get("stats") or {}).get("samples") or 0) for r in shards]
-        wsum = sum(weights) or 1.0
-        entry.scores.update({k: sum(w * (r.metrics.get("scores") or {}).get(k, 0.0) for w, r in zip(weights, shards))
-                             / wsum for k in names})
+def _merge_without_recipe(entry: Entry, shards: list[Run], comps: list[Composition], composition: Composition,
+                          notes: list[str], why: str) -> None:
+    """Scores of shards whose runs give no recipe (runs from before metrics.json `layout`, tasks that aggregate in
+    their own code): the scores the composition traces to samples are the merged records' means; any other is the
+    sample-weighted mean of the shards' values, and a note says so."""
+    order = list(dict.fromkeys(k for r in shards for k in (r.metrics.get("scores") or {})))
+    composed = {k: entry.cells[k].mean for k in order if k in entry.cells} if all(comps) else {}
+    rest = [k for k in order if k not in composed]
+    weights = [float((r.metrics.get("stats") or {}).get("samples") or 0) for r in shards]
+    wsum = sum(weights) or 1.0
+    weighted = {k: sum(w * (r.metrics.get("scores") or {}).get(k, 0.0) for w, r in zip(weights, shards)) / wsum
+                for k in rest}
+    if rest:
+        which = "" if set(rest) >= set(order) else f" {', '.join(rest)}"
+        notes.append(f"{entry.model} {entry.policy} {entry.task}: shard scores{which} are sample-weighted means, "
+                     f"not recomputed ({why})")
+    entry.scores = {k: composed[k] if k in composed else weighted[k] for k in order}
+    first = shards[0].metrics
+    key = _layout_average(entry.layout) or \
+        _average_key(first.get("scores") or {}, first.get("average"), composition, entry.cells, composed_only=False)
+    if key is not None:
+        entry.average = entry.scores.get(key)
+    elif not rest:  # a task without an average_key averages all its scores (metrics.aggregate.average_of)
+        entry.average = average_of({k: v for k, v in entry.scores.items() if is_num(v)}, None)
+    else:  # the sample-weighted mean of the shards' averages
         avgs = [(w, r.metrics.get("average")) for w, r in zip(weights, shards) if is_num(r.metrics.get("average"))]
         entry.average = sum(w * a for w, a in avgs) / (sum(w for w, _ in avgs) or 1.0) if avgs else None
-        which = "" if set(names) >= set(entry.scores) else f" {', '.join(names)}"
-        notes.append(f"{entry.model} {entry.policy} {entry.task}: shard scores{which} are sample-weighted means, "
-                     f"not recomputed ({_why(e)})")
-        return None
 
 
 def collect_entries(root: Path) -> tuple[list[Entry], list[str]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.report.collect import is_num
-from kvbench.report.tables import CELL, Report
+from kvbench.report.tables import Report
 from kvbench.run.labels import NA, settings_text
 
 Z95 = 1.96  # normal quantile of a two-sided 95 % interval of a mean
@@ -25,16 +25,18 @@ def _figure(width: float, height: float, layout: str | None = None) -> Any:
 
 
 def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
-    """Length x depth heatmaps of NIAH-like tasks side by side: one figure per (task, model), one panel per row."""
+    """Length x depth heatmaps of NIAH-like tasks side by side: one figure per (task, model), one panel per row. The
+    cells are the score columns the tasks' layouts place on a (context length, depth) grid."""
     written = []
-    cell_tasks = list(dict.fromkeys(c.task for c in rep.columns if CELL.match(c.score)))
+    cell_tasks = list(dict.fromkeys(c.task for c in rep.columns if c.cell is not None))
     for task in cell_tasks:
+        where = {c.score: c.cell for c in rep.columns if c.task == task and c.cell is not None}
         for model in dict.fromkeys(r.model for r in rep.rows):
             rows = [r for r in rep.rows if r.model == model and task in r.entries]
             if not rows:
                 continue
-            cells = [{tuple(float(x) for x in CELL.match(k).groups()): v  # type: ignore[union-attr]
-                      for k, v in r.entries[task].scores.items() if CELL.match(k) and is_num(v)} for r in rows]
+            cells = [{where[k]: v for k, v in r.entries[task].scores.items() if k in where and is_num(v)}
+                     for r in rows]
             lengths = sorted({k[0] for c in cells for k in c})
             depths = sorted({k[1] for c in cells for k in c})
             if not lengths:
@@ -62,7 +64,7 @@ def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
                 axes[k // ncol][k % ncol].set_axis_off()
             if im is not None:
                 fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
-            ns = sorted({st.n for r in rows for k, st in r.entries[task].cells.items() if CELL.match(k) and st.n})
+            ns = sorted({st.n for r in rows for k, st in r.entries[task].cells.items() if k in where and st.n})
             n_text = "" if not ns else f" (cell means, n = {ns[0]}{'' if len(ns) == 1 else f'-{ns[-1]}'} per cell)"
             fig.suptitle(f"{task}: {model}{n_text}", fontsize=9)
             path = out_dir / f"heatmap_{_safe(task)}_{_safe(model)}.png"

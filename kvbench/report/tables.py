@@ -1,29 +1,26 @@
 """Table layout: rows = (model, policy, budget, block, protocol, any other varying setting), grouped by model with
-the full cache first; columns = scores grouped by category (LongBench categories, NIAH context lengths, else the
-task), then Avg; the summary and speed tables.
+the full cache first; columns = scores in the order and under the categories the tasks' metrics.json `layout`
+gives (LongBench categories, NIAH context lengths, else the task; report.layout derives it for older runs), then
+Avg; the summary and speed tables.
 """
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.metrics.stats import MeanSE, mean_of
 from kvbench.report.collect import IDENTITY, Entry, is_num, pair_key
+from kvbench.report.layout import LEGACY_CELL, Layout, cells_of, legacy_layout, merge_layouts
 from kvbench.report.samples import LOGPROB, agreement, compare
 from kvbench.run.labels import NA, fmt, setting_name
 
 ALWAYS_SHOWN = ("block", "protocol")  # settings shown as columns even when every row has the same value
 
-
-CELL = re.compile(r"^L(\d+)_D(\d+(?:\.\d+)?)$")  # NIAH / probe cell scores
-
-
-LONGBENCH_CATEGORIES = {"single_doc_qa": "Single Doc. QA", "multi_doc_qa": "Multi Doc. QA",
-                        "summarization": "Summarization", "few_shot": "Few-shot Learning",
-                        "synthetic": "Synthetic", "code": "Code"}
+# The NIAH/probe cell-name pattern, still imported by scripts/claims_table.py and scripts/niah_heatmaps.py; the
+# report itself places cells by the tasks' layouts (Column.cell) and uses the pattern only for older runs.
+CELL = LEGACY_CELL
 
 
 SPEED_HEAD = ["samples", "prefill tok/s", "decode tok/s", "evict s", "peak KV tok", "KV MiB", "compression"]
@@ -35,6 +32,7 @@ class Column:
     score: str
     name: str  # the table header (task-prefixed when two tasks share a score name)
     category: str
+    cell: tuple[float, float] | None = None  # (context length, depth) of a heatmap cell score
 
 
 @dataclass
@@ -66,39 +64,14 @@ class Report:
     notes: list[str]
 
 
-def _longbench_spec() -> dict[str, dict[str, Any]]:
-    try:
-        from kvbench.tasks.longbench import load_spec
-
-        return load_spec()
-    except Exception:  # noqa: BLE001 - LongBench data missing: fall back to plain task columns
-        return {}
-
-
-def _is_summary(task: str, name: str) -> bool:
-    if name.startswith(("cat:", "cat_zh:", "avg")) or re.fullmatch(r"L\d+", name):
-        return True
-    return False
-
-
-def _layout(task: str, names: list[str]) -> list[tuple[str, str]]:
-    """(score, category) pairs of a task's detail scores, in table order."""
-    details = [n for n in names if not _is_summary(task, n)]
-    if task in ("longbench", "longbench_e"):
-        spec = _longbench_spec()
-        order = list(spec)
-
-        def ds(n: str) -> str:
-            return n.split(":")[0]
-
-        if spec and all(ds(n) in spec for n in details):
-            details.sort(key=lambda n: (order.index(ds(n)), n))
-            return [(n, LONGBENCH_CATEGORIES.get(spec[ds(n)].get("category"), spec[ds(n)].get("category", task)))
-                    for n in details]
-    if details and all(CELL.match(n) for n in details):
-        details.sort(key=lambda n: tuple(float(x) for x in CELL.match(n).groups()))  # type: ignore[union-attr]
-        return [(n, f"{task} L{CELL.match(n).group(1)}") for n in details]  # type: ignore[union-attr]
-    return [(n, task) for n in details]
+def _task_layouts(task: str, entries: list[Entry]) -> list[Layout]:
+    """The layouts of one task's runs: each run's metrics.json `layout`; the runs from before that field share one
+    layout derived from their score names (report.layout.legacy_layout), as the report always laid them out."""
+    layouts = [e.layout for e in entries if e.layout is not None]
+    old_names = list(dict.fromkeys(k for e in entries if e.layout is None for k in e.scores))
+    if any(e.layout is None for e in entries):
+        layouts.append(legacy_layout(task, old_names))
+    return layouts
 
 
 def _columns(entries: list[Entry]) -> tuple[list[Column], list[Column]]:
@@ -112,11 +85,17 @@ def _columns(entries: list[Entry]) -> tuple[list[Column], list[Column]]:
     count = Counter(n for t in tasks for n in names[t])
     multi = len(tasks) > 1
 
-    def col(task: str, score: str, category: str) -> Column:
-        return Column(task, score, f"{task}/{score}" if count[score] > 1 else score, category)
+    def col(task: str, score: str, category: str, cell: tuple[float, float] | None = None) -> Column:
+        return Column(task, score, f"{task}/{score}" if count[score] > 1 else score, category, cell)
 
-    detail = [col(t, s, c) for t in tasks for s, c in _layout(t, names[t])]
-    summary = [col(t, s, t) for t in tasks for s in names[t] if _is_summary(t, s)]
+    detail: list[Column] = []
+    summary: list[Column] = []
+    for t in tasks:
+        layouts = _task_layouts(t, [e for e in entries if e.task == t])
+        cols, summ = merge_layouts(layouts, names[t], t)
+        cells = cells_of(layouts)
+        detail += [col(t, c["score"], c["category"], cells.get(c["score"])) for c in cols]
+        summary += [col(t, s, t) for s in summ]
     if not multi:  # one task: a summary equal in name to nothing else needs no prefix
         for c in detail + summary:
             c.name = c.score

@@ -7,7 +7,6 @@ A run directory holds `config.yaml` (the resolved config), `predictions.jsonl` (
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import platform
@@ -16,11 +15,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from kvbench import __version__
 from kvbench.engine.diagnostics import aggregate as aggregate_diagnostics
 from kvbench.engine.generate import generation_provenance
+from kvbench.metrics.aggregate import average_of
 from kvbench.models.common import portable_path
 from kvbench.models.loading import LoadedModel, load_model
 from kvbench.policies.base import Policy
@@ -29,10 +29,6 @@ from kvbench.run.labels import describe_run
 from kvbench.run.loop import run_task, summarize
 from kvbench.run.settings import ConfigError, RunSettings, build_policy, build_task, user_errors
 from kvbench.tasks.base import Task, TaskEnv
-
-# Settings that do not change results: excluded from the resume key.
-_NOT_IN_KEY = ("progress", "overwrite", "device", "compare")
-
 
 def _git_commit() -> str | None:
     try:
@@ -54,20 +50,10 @@ def provenance(loaded: LoadedModel, task: Task) -> dict[str, Any]:
             "generation": generation_provenance(loaded.model)}
 
 
-def run_key(cfg: dict[str, Any], policy_name: str | None = None) -> str:
-    """Resume key: every setting that changes results (model, policy and its name, task, budget, block, shard,
-    seed, ...), so predictions are only ever continued under the configuration that produced them."""
-    stable = {k: v for k, v in cfg.items() if k not in _NOT_IN_KEY}
-    if policy_name is not None:
-        stable["policy_name"] = policy_name
-    return hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def task_average(task: Task, scores: dict[str, float]) -> float | None:
-    """The `average` of metrics.json: the task's average_key score, else the mean of all scores."""
-    if task.average_key:
-        return scores.get(task.average_key)
-    return sum(scores.values()) / len(scores) if scores else None
+    """The `average` of metrics.json: the task's average_key score, else the mean of all scores (the one rule,
+    kvbench.metrics.aggregate.average_of, which the report's shard merge applies too)."""
+    return average_of(scores, task.average_key)
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -189,9 +175,9 @@ class Session:
         self._model: tuple[str, LoadedModel] | None = None
         self.references: dict[Any, Any] = {}  # full-cache continuations, shared by the runs of one model
 
-    def model(self, cfg: dict[str, Any], seed: int) -> LoadedModel:
-        m = dict(cfg["model"])
-        key = json.dumps([m, cfg.get("device"), seed], sort_keys=True)
+    def model(self, settings: RunSettings) -> LoadedModel:
+        m = dict(settings.model)
+        key = json.dumps([m, settings.device, settings.seed], sort_keys=True)
         if self._model is None or self._model[0] != key:
             from kvbench.engine.attention import install
 
@@ -200,32 +186,32 @@ class Session:
             loaded = load_model(name=m.get("name", "model"), path=str(m["path"]), dtype=m.get("dtype", "auto"),
                                 max_prompt_tokens=m.get("max_prompt_tokens", 4096), revision=m.get("revision"),
                                 attn_implementation=m.get("attn_implementation", "sdpa"),
-                                device=cfg.get("device", "auto"), chat_template=m.get("chat_template", True),
-                                seed=seed)
+                                device=settings.device, chat_template=m.get("chat_template", True),
+                                seed=settings.seed)
             install(loaded.model)
             self._model = (key, loaded)
             self.references = {}
         return self._model[1]
 
 
-def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Session, progress: bool = True,
-            settings: RunSettings | None = None) -> dict[str, Any]:
-    """One (model, policy, budget, block, task) run into `run_dir`; returns its metrics. `settings`: the job's
-    settings parsed once (`RunSettings.from_config(cfg)` when not given).
+def run_one(cfg: Mapping[str, Any] | RunSettings, policy_name: str, run_dir: Path, session: Session) -> dict[str, Any]:
+    """One (model, policy, budget, block, task) run into `run_dir`; returns its metrics. `cfg`: a resolved config
+    (parsed here) or the job's settings parsed once.
 
     Resumable: a rerun into the same directory with the same configuration skips finished samples (and a
     finished run entirely); another configuration is refused unless overwrite=true.
     """
-    settings = settings or RunSettings.from_config(cfg)
-    cfg = settings.recorded(cfg)
-    policy = build_policy(cfg["policy"], settings)
-    task = build_task(cfg["task"])
+    settings = cfg if isinstance(cfg, RunSettings) else RunSettings.from_config(cfg)
+    if settings.policy is None:
+        raise ConfigError("no policy chosen (policy=NAME)")
+    policy = build_policy(settings.policy, settings)
+    task = build_task(settings.task)
     if not run_dir.exists():  # a model that cannot load is bad input: fail before creating the run directory
-        session.model(cfg, settings.seed)  # (an existing directory may be a finished run, which needs no model)
+        session.model(settings)  # (an existing directory may be a finished run, which needs no model)
     with run_lock(run_dir) as lock:
         existed = {name for name in _RUN_FILES if (run_dir / name).exists()}
         try:
-            return _run_locked(cfg, policy_name, run_dir, session, progress, settings, policy, task)
+            return _run_locked(settings, policy_name, run_dir, session, policy, task)
         except user_errors():
             # Bad input found only once the run has started (a data file read while the samples are built): a new
             # run that has no prediction yet leaves nothing behind.
@@ -233,11 +219,11 @@ def run_one(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Sessi
             raise
 
 
-def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: Session, progress: bool,
-                settings: RunSettings, policy: Policy, task: Task) -> dict[str, Any]:
+def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session: Session, policy: Policy,
+                task: Task) -> dict[str, Any]:
     metrics_path, pred_path, meta_path = run_dir / "metrics.json", run_dir / "predictions.jsonl", run_dir / "run.json"
-    key = run_key(cfg, policy_name)
-    if cfg.get("overwrite"):
+    key = settings.key(policy_name)
+    if settings.overwrite:
         for p in (metrics_path, pred_path, meta_path):
             p.unlink(missing_ok=True)
     elif meta_path.is_file():
@@ -254,19 +240,19 @@ def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: S
     elif pred_path.is_file():
         raise ConfigError(f"{pred_path} exists without run.json (its configuration is unknown); use "
                           f"overwrite=true or another hydra.run.dir")
-    loaded = session.model(cfg, settings.seed)
+    loaded = session.model(settings)
     env = TaskEnv(tokenizer=loaded.tokenizer, model_name=loaded.name, max_prompt_tokens=loaded.max_prompt_tokens,
                   chat_template=loaded.chat_template, seed=settings.seed)
-    _write_config(run_dir, cfg)
+    _write_config(run_dir, settings.recorded())
     if not meta_path.is_file():
         write_json(meta_path, {"key": key, "policy": policy_name, "kvbench": __version__, "commit": _git_commit()})
-    records = run_task(loaded.model, loaded.tokenizer, policy, task, env, settings, run_dir, progress=progress,
+    records = run_task(loaded.model, loaded.tokenizer, policy, task, env, settings, run_dir,
                        references=session.references)
     scores = task.aggregate(records)
     metrics: dict[str, Any] = {
         "task": task.name, "model": loaded.name, "policy": policy_name, "budget": settings.budget,
         "block": settings.block, "protocol": settings.protocol, "scenario": settings.scenario,
-        "shard": cfg.get("shard"),
+        "shard": settings.recorded()["shard"],
         # Which settings this policy uses (the report shows "-" for the others): the full cache has no budget nor
         # protocol, and no block when it reads the prompt in one forward.
         "applies": {"budget": policy.evicts, "protocol": policy.evicts,
@@ -274,6 +260,8 @@ def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: S
         "scores": scores, "average": task_average(task, scores),
         # How each score is built from the samples (kvbench-report's standard errors and paired tests read it).
         "composition": task.composition(records), "graded": settings.graded,
+        # The report's columns and the recipe a shard merge recomputes the scores with (it never builds a Task).
+        "layout": task.layout(records, scores),
         "stats": summarize(records, settings.budget, policy.evicts),
         "provenance": provenance(loaded, task),
     }
@@ -285,29 +273,27 @@ def _run_locked(cfg: dict[str, Any], policy_name: str, run_dir: Path, session: S
     return metrics
 
 
-def _write_config(run_dir: Path, cfg: dict[str, Any]) -> None:
+def _write_config(run_dir: Path, cfg: Mapping[str, Any]) -> None:
     from omegaconf import OmegaConf
 
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg)))
 
 
-def run_configured(cfg: dict[str, Any], choices: dict[str, Any], run_dir: Path,
+def run_configured(cfg: Mapping[str, Any], choices: Mapping[str, Any], run_dir: Path,
                    conf_dirs: Sequence[Path] | None = None) -> list[dict[str, Any]]:
     """Entry from the CLI: the chosen policy's run, or with no policy chosen one run per policy of the `compare`
     option (same model, task and settings; each in run_dir/<policy>; `conf_dirs` are where their YAMLs are found);
     returns their metrics."""
     settings = RunSettings.from_config(cfg)
     session = Session()
-    progress = bool(cfg.get("progress", True))
     if settings.shard is not None:
         # Each shard gets its own directory below the run's (shards of one sweep share the Hydra subdir);
         # kvbench-report merges the shards back into one row.
         index, count = settings.shard
         run_dir = run_dir / f"shard{index}of{count}"
-    if cfg.get("policy"):
-        return [run_one(cfg, str(choices.get("policy") or "policy"), run_dir, session, progress, settings)]
-    names = [str(n) for n in cfg.get("compare") or []]
-    if not names:
+    if settings.policy is not None:
+        return [run_one(settings, str(choices.get("policy") or "policy"), run_dir, session)]
+    if not settings.compare:
         raise ConfigError("no policy to run: choose one (policy=NAME) or list several (compare=[NAME,...])")
-    policies = {n: load_group("policy", n, conf_dirs) for n in names}  # a bad name fails before any run starts
-    return [run_one(dict(cfg, policy=policies[n]), n, run_dir / n, session, progress, settings) for n in names]
+    policies = {n: load_group("policy", n, conf_dirs) for n in settings.compare}  # a bad name fails before any run
+    return [run_one(settings.with_policy(policies[n]), n, run_dir / n, session) for n in settings.compare]

@@ -11,6 +11,7 @@ import itertools
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from kvbench.errors import error_line
 from kvbench.run.labels import model_label, policy_label, protocol_label
 
 # The repository's top-level conf/ ships as this package (pyproject.toml maps it), in wheels and editable installs.
@@ -104,7 +105,7 @@ def validate_overrides(argv: list[str]) -> str | None:
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
-        return _first_line(e)
+        return error_line(e)
     searchpath = [o for o in parsed if o.key_or_group == "hydra.searchpath"]
     dirs = conf_dirs(searchpath[-1].value() if searchpath else ())
     searchpath_lines = [o.input_line for o in searchpath[-1:]]  # composing needs the user's config directories too
@@ -130,7 +131,7 @@ def validate_overrides(argv: list[str]) -> str | None:
                 return _preflight(compose, cfg, [o for o in overrides if not o.lstrip("+~").startswith("hydra")], dirs,
                                   searchpath_lines)
     except Exception as e:  # noqa: BLE001 - any compose failure is reported as one line
-        return _first_line(e)
+        return error_line(e)
     finally:
         GlobalHydra.instance().clear()
     return None
@@ -188,19 +189,15 @@ def _preflight(compose: Any, cfg: Any, overrides: list[str], dirs: Sequence[Path
                 OmegaConf.update(job_cfg, o.key_or_group, o.value(), merge=False)
             job_cfg = OmegaConf.to_container(job_cfg, resolve=True)
             settings = RunSettings.from_config(job_cfg)
-            policies = [job_cfg["policy"]] if job_cfg.get("policy") else [
-                load_group("policy", str(n), dirs) for n in job_cfg.get("compare") or []]
+            policies = [settings.policy] if settings.policy else [
+                load_group("policy", n, dirs) for n in settings.compare]
             for policy_cfg in policies:
                 build_policy(policy_cfg, settings)
-            task_key = repr(job_cfg["task"])
+            task_key = repr(settings.task)
             if task_key not in tasks_seen:
-                build_task(job_cfg["task"])
+                build_task(settings.task)
                 tasks_seen.add(task_key)
         except user_errors() + (ValueError,) as e:
-            return f"sweep job [{' '.join(job)}]: {_first_line(e)}"
+            return f"sweep job [{' '.join(job)}]: {error_line(e)}"
     return None
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

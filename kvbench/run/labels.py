@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kvbench.options import resolve_protocol
+
 
 class _NotApplicable:
     """A setting that does not apply to a policy (the budget of the full cache)."""
@@ -70,9 +72,6 @@ def policy_label(choice: Any) -> str:
 def protocol_label(protocol: Any, block: Any) -> str:
     """What a run directory calls the protocol: `blockwise_B128`, `prefill_once`, ... (the block only where the
     prompt goes in blocks). A bad value passes through unchanged; the run then fails on it with one line."""
-    from kvbench.engine.generate import resolve_protocol
-
-
     try:
         protocol, block = resolve_protocol(str(protocol), block)
     except ValueError:

@@ -4,6 +4,7 @@ predictions.jsonl, and the run's summary statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import zlib
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvbench.engine.generate import GenerationResult, Observer, generate
+from kvbench.engine.generate import GenerationResult, GenerationSettings, Observer, generate
 from kvbench.metrics.degenerate import is_degenerate
 from kvbench.policies.base import Policy
 from kvbench.policies.full import Full
@@ -75,7 +76,7 @@ def eos_ids(model: Any, tokenizer: Any) -> list[int]:
 
 
 def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEnv, settings: RunSettings,
-             out_dir: Path, progress: bool = True, references: dict[Any, Any] | None = None) -> list[dict[str, Any]]:
+             out_dir: Path, references: dict[Any, Any] | None = None) -> list[dict[str, Any]]:
     """Run every (not yet finished) sample of `task`, appending records to out_dir/predictions.jsonl.
 
     `references` caches full-cache continuations of reference tasks between runs on the same model.
@@ -91,18 +92,15 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
         samples = [s for k, s in enumerate(samples) if k % n == i]
     default_stop = eos_ids(model, tokenizer)
     todo = [s for s in samples if s.id not in done]
-    bar = tqdm(todo, desc=f"{task.name}", unit="sample", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(todo, desc=f"{task.name}", unit="sample", disable=not settings.progress, dynamic_ncols=True)
     for sample in bar:
         policy.start_sample(sample_seed(sample.id))
         if task.needs_reference:
             record = _reference_sample(model, tokenizer, policy, task, sample, settings,
                                        references if references is not None else {})
         else:
-            res = generate(model, policy, sample.input_ids, settings.block, sample.max_new_tokens,
-                           stop_ids=sample.stop_token_ids if sample.stop_token_ids is not None else default_stop,
-                           min_new_tokens=sample.min_new_tokens, context_tokens=sample.context_tokens,
-                           scenario=settings.scenario, diagnostics=settings.diagnostics,
-                           protocol=settings.protocol,
+            stop = sample.stop_token_ids if sample.stop_token_ids is not None else default_stop
+            res = generate(model, policy, sample.input_ids, generation_settings(settings, sample, stop),
                            answer_ids=answer_token_ids(tokenizer, sample, task) if settings.graded else None)
             prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
             record = make_record(sample, prediction, res, task.score(sample, prediction), settings)
@@ -110,6 +108,15 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
         records.append(record)
     order = {s.id: k for k, s in enumerate(samples)}
     return sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]])
+
+
+def generation_settings(settings: RunSettings, sample: Sample, stop_ids: Any,
+                        max_new_tokens: int | None = None) -> GenerationSettings:
+    """What `generate` needs of the run's settings and one sample (its answer length, stop tokens, context)."""
+    return GenerationSettings(block=settings.block, protocol=settings.protocol, scenario=settings.scenario,
+                              diagnostics=settings.diagnostics, context_tokens=sample.context_tokens,
+                              stop_ids=tuple(stop_ids), min_new_tokens=sample.min_new_tokens,
+                              max_new_tokens=sample.max_new_tokens if max_new_tokens is None else max_new_tokens)
 
 
 def answer_token_ids(tokenizer: Any, sample: Sample, task: Task) -> list[int] | None:
@@ -133,14 +140,15 @@ def _reference_sample(model: Any, tokenizer: Any, policy: Policy, task: Task, sa
     if key not in references:
         logps: list[torch.Tensor] = []
         log_probs = Observer(on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
-        ref = generate(model, Full(), sample.input_ids, None, sample.max_new_tokens, stop_ids=(), observer=log_probs)
+        ref = generate(model, Full(), sample.input_ids, GenerationSettings(max_new_tokens=sample.max_new_tokens),
+                       observer=log_probs)
         references[key] = (ref.tokens, torch.stack(logps))  # (new, vocab)
     ref_tokens, ref_logp = references[key]
     logps = []
-    forced = Observer(forced=ref_tokens, on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
-    res = generate(model, policy, sample.input_ids, settings.block, len(ref_tokens), stop_ids=(),
-                   context_tokens=sample.context_tokens, scenario=settings.scenario,
-                   diagnostics=settings.diagnostics, protocol=settings.protocol, observer=forced)
+    log_probs = Observer(on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
+    # Along the reference's tokens: no stop token ends it and nothing holds one off (min_new_tokens 0).
+    along = dataclasses.replace(generation_settings(settings, sample, (), len(ref_tokens)), min_new_tokens=0)
+    res = generate(model, policy, sample.input_ids, along, forced=ref_tokens, observer=log_probs)
     test_logp = torch.stack(logps)  # (new, vocab)
     prediction = tokenizer.decode(test_logp.argmax(dim=-1).tolist(), skip_special_tokens=True)
     record = make_record(sample, prediction, res, 0.0, settings)

@@ -1,11 +1,24 @@
-"""kvbench-score: rescore a directory of official-format LongBench predictions, as LongBench's eval.py does.
+"""kvbench-score: score predictions again without the model, either a run directory of any task, as the run
+scores it, or a directory of official-format LongBench predictions, as LongBench's eval.py does.
 
-    kvbench-score PRED_DIR [--longbench-e] [--fuzz-backend difflib|levenshtein]
+    kvbench-score DIR [--fuzz-backend difflib|levenshtein] [--longbench-e]
 
-PRED_DIR holds `<dataset>.jsonl` files whose lines carry `pred`, `answers`, `all_classes` and `length` (what the
-official pred.py writes, and what the longbench task's finalize writes into `<run_dir>/longbench_pred/`). Writes
-PRED_DIR/result.json with eval.py's keys and numbers ({dataset: score}, or {dataset: {bucket: score}} with
+A run directory (what `kvbench` writes: `config.yaml` and `predictions.jsonl`): the task is built from config.yaml as
+the run built it (a task that reads its data when built, such as jsonl, needs that file where the run read it), every
+record's `prediction` is scored again by the task's own `score` (from the record's `id`, `answers` and `meta`, what a
+record keeps of its sample: scores never need the prompt), and the task aggregates the new scores as the run does.
+Writes DIR/rescored.json ({"task", "samples", "scores", "average", "changed": the ids whose score differs from the
+recorded one}) and prints the scores. `--fuzz-backend` switches a LongBench run's code_sim_score backend. The
+fidelity task is the exception: it compares the full cache's log-probabilities, which predictions.jsonl does not keep,
+so its runs cannot be rescored.
+
+A LongBench prediction directory holds `<dataset>.jsonl` files whose lines carry `pred`, `answers`, `all_classes` and
+`length` (what the official pred.py writes, and what the longbench task writes into `<run_dir>/longbench_pred/`).
+Writes DIR/result.json with eval.py's keys and numbers ({dataset: score}, or {dataset: {bucket: score}} with
 --longbench-e; indent 4, non-ASCII kept) and prints a table with the labelled averages.
+
+Bad input (a directory of neither kind, a task that cannot be rebuilt or rescored, a malformed file) ends with one line
+on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -17,12 +30,17 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvbench.errors import error_line
 from kvbench.metrics import longbench as lbm
 from kvbench.tasks.base import TaskError, parse_jsonl
 
+PREDICTIONS = "predictions.jsonl"  # a run directory's records (kvbench.run.loop)
+RESCORED = "rescored.json"
+
 
 class ScoreError(ValueError):
-    """Bad prediction directory; printed as one line."""
+    """Bad input (a directory of neither kind, a run that cannot be rescored, a malformed file); printed as one
+    line."""
 
 
 def read_pred_dir(pred_dir: Path) -> dict[str, list[dict[str, Any]]]:
@@ -72,6 +90,81 @@ def score_pred_dir(pred_dir: Path, longbench_e: bool = False, fuzz_backend: str 
     return scores
 
 
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """The resolved config a run recorded (config.yaml)."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ScoreError(f"{run_dir} has {PREDICTIONS} but no config.yaml: the run's task is unknown")
+    try:
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ScoreError(f"{path}: not a readable YAML file ({error_line(e)})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("task"), dict) or not cfg["task"].get("_target_"):
+        raise ScoreError(f"{path}: no task section with a _target_ (not a kvbench run's config)")
+    return cfg
+
+
+def rescore_run(run_dir: Path, fuzz_backend: str | None = None) -> dict[str, Any]:
+    """Score a run directory's predictions again with its own task, as the run does: the task built from config.yaml
+    (`fuzz_backend`, when given, replaces a LongBench task's backend), `Task.score` per record, `Task.aggregate` over
+    them and the run's average. Returns {"task", "samples", "scores", "average", "changed"}."""
+    from kvbench.run.app import task_average
+    from kvbench.run.loop import read_records
+    from kvbench.run.settings import build_task
+    from kvbench.tasks.base import Sample
+
+    task_cfg = dict(read_run_config(run_dir)["task"])
+    if fuzz_backend is not None:
+        if "fuzz_backend" not in task_cfg:
+            raise ScoreError(f"--fuzz-backend applies to LongBench runs; this run's task is {task_cfg['_target_']}")
+        task_cfg["fuzz_backend"] = fuzz_backend
+    try:
+        task = build_task(task_cfg)
+    except (TaskError, ImportError, AttributeError) as e:  # (ImportError: a user's task module not on the path)
+        raise ScoreError(f"cannot build the run's task {task_cfg['_target_']}: {error_line(e)}") from None
+    if task.needs_reference:
+        raise ScoreError(f"task '{task.name}' scores against the full cache's log-probabilities, which {PREDICTIONS} "
+                         f"does not keep: its runs cannot be rescored")
+    path = run_dir / PREDICTIONS
+    records = read_records(path, repair=False)  # only reads: the run may still be going
+    if not records:
+        raise ScoreError(f"{path}: no finished predictions")
+    rescored = []
+    for r in records:
+        missing = [k for k in ("prediction", "answers") if k not in r]
+        if missing:
+            raise ScoreError(f"{path}: record {r['id']!r} has no '{missing[0]}'")
+        # What a record keeps of its sample; the prompt's ids are not kept, and no task's score reads them.
+        sample = Sample(id=str(r["id"]), input_ids=[], answers=list(r["answers"]),
+                        max_new_tokens=int(r.get("new_tokens") or 0), meta=dict(r.get("meta") or {}))
+        try:
+            score = task.score(sample, r["prediction"])
+        except (TaskError, KeyError) as e:  # a record of another task (no meta.dataset, ...)
+            raise ScoreError(f"{path}: record {r['id']!r}: cannot score it as task '{task.name}' "
+                             f"({error_line(e, with_type=True)})") from None
+        rescored.append({**r, "score": score})
+    try:
+        scores = task.aggregate(rescored)
+    except (TaskError, KeyError) as e:
+        raise ScoreError(f"{path}: cannot aggregate as task '{task.name}' ({error_line(e, with_type=True)})") from None
+    return {"task": task.name, "samples": len(rescored), "scores": scores, "average": task_average(task, scores),
+            "changed": [n["id"] for r, n in zip(records, rescored) if r.get("score") != n["score"]]}
+
+
+def format_scores(result: dict[str, Any]) -> str:
+    """The rescored run as a table: every score, then the average."""
+    from tabulate import tabulate
+
+    def fmt(v: Any) -> str:
+        return "nan" if isinstance(v, float) and math.isnan(v) else (f"{v:.2f}" if isinstance(v, float) else str(v))
+
+    rows = [[k, fmt(v)] for k, v in result["scores"].items()]
+    rows.append(["average", "-" if result["average"] is None else fmt(float(result["average"]))])
+    return tabulate(rows, headers=[f"{result['task']} score", "value"], tablefmt="github", disable_numparse=True)
+
+
 def format_table(scores: dict[str, Any], longbench_e: bool) -> str:
     from tabulate import tabulate
 
@@ -89,22 +182,61 @@ def format_table(scores: dict[str, Any], longbench_e: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbench-score", description=__doc__.split("\n\n")[0])
-    ap.add_argument("pred_dir", type=Path, help="directory of <dataset>.jsonl prediction files")
-    ap.add_argument("--longbench-e", action="store_true", help="score per length bucket (eval.py --e)")
-    ap.add_argument("--fuzz-backend", choices=lbm.FUZZ_BACKENDS, default="difflib",
-                    help="fuzzywuzzy backend for code_sim_score (difflib = the official requirements)")
+    ap.add_argument("dir", type=Path, metavar="DIR",
+                    help=f"a run directory (config.yaml + {PREDICTIONS}, any task) or a directory of official-format "
+                         f"LongBench <dataset>.jsonl predictions")
+    ap.add_argument("--longbench-e", action="store_true",
+                    help="LongBench prediction directories: score per length bucket (eval.py --e)")
+    ap.add_argument("--fuzz-backend", choices=lbm.FUZZ_BACKENDS, default=None,
+                    help="fuzzywuzzy backend for code_sim_score (default: difflib, the official requirements; for a "
+                         "run directory, the run's own setting)")
     args = ap.parse_args(argv)
     try:
-        scores = score_pred_dir(args.pred_dir, args.longbench_e, args.fuzz_backend)
+        if not args.dir.is_dir():
+            raise ScoreError(f"directory not found: {args.dir}")
+        if (args.dir / PREDICTIONS).is_file():
+            if args.longbench_e:
+                raise ScoreError("--longbench-e is for LongBench prediction directories; a run directory's "
+                                 "config.yaml says which task it ran")
+            _score_run_dir(args.dir, args.fuzz_backend)
+        else:
+            _score_longbench_dir(args.dir, args.longbench_e, args.fuzz_backend or "difflib")
     except ScoreError as e:
         print(f"kvbench-score: {e}", file=sys.stderr)
         return 2
-    out = args.pred_dir / "result.json"
+    return 0
+
+
+def _score_run_dir(run_dir: Path, fuzz_backend: str | None) -> None:
+    result = rescore_run(run_dir, fuzz_backend)
+    out = run_dir / RESCORED
+    out.write_text(json.dumps(result, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    print(format_scores(result))
+    changed = result["changed"]
+    listed = ", ".join(map(str, changed[:10])) + (", ..." if len(changed) > 10 else "")
+    print(f"\n{result['samples']} samples, {len(changed)} scored differently from {PREDICTIONS}"
+          f"{f' ({listed})' if changed else ''}; wrote {out}")
+
+
+def _score_longbench_dir(pred_dir: Path, longbench_e: bool, fuzz_backend: str) -> None:
+    _check_longbench_files(pred_dir)
+    scores = score_pred_dir(pred_dir, longbench_e, fuzz_backend)
+    out = pred_dir / "result.json"
     with out.open("w", encoding="utf-8") as f:
         json.dump(scores, f, ensure_ascii=False, indent=4)
-    print(format_table(scores, args.longbench_e))
-    print(f"\nfuzz backend: {args.fuzz_backend}; wrote {out}")
-    return 0
+    print(format_table(scores, longbench_e))
+    print(f"\nfuzz backend: {fuzz_backend}; wrote {out}")
+
+
+def _check_longbench_files(pred_dir: Path) -> None:
+    """A directory with neither a run's predictions nor LongBench files: say which it lacks, and name the runs below
+    it (a `compare` job or a sharded run keeps one run directory per policy or shard)."""
+    if any(p.is_file() and p.name.endswith("jsonl") for p in pred_dir.iterdir()):
+        return
+    runs = sorted(p.parent.name for p in pred_dir.glob(f"*/{PREDICTIONS}"))
+    below = f"; the runs below it: {', '.join(runs)} (kvbench-score {pred_dir / runs[0]})" if runs else ""
+    raise ScoreError(f"no {PREDICTIONS} (a run directory) nor <dataset>.jsonl files (LongBench predictions) in "
+                     f"{pred_dir}{below}")
 
 
 if __name__ == "__main__":

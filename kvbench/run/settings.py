@@ -5,13 +5,15 @@ objects a config's `_target_` entries describe (policy, task).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
-from dataclasses import dataclass
-from typing import Any
+import json
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping
 
 from kvbench.engine.diagnostics import NAMES as DIAGNOSTICS
-from kvbench.engine.generate import SCENARIOS, resolve_protocol
-from kvbench.policies.base import Policy, PolicyError, positive_int
+from kvbench.options import SCENARIOS, positive_int, resolve_protocol
+from kvbench.policies.base import Policy, PolicyError
 from kvbench.tasks.base import Task, TaskError
 
 
@@ -28,23 +30,44 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (TaskError, PolicyError, ModelError, OmegaConfBaseException, ConfigError)
 
 
+def _setting(default: Any = None, *, factory: Any = None, changes_results: bool = True) -> Any:
+    """A RunSettings field; `changes_results=False` leaves it out of the resume key (how a run is shown or
+    where it runs, not what it computes)."""
+    meta = {"changes_results": changes_results}
+    return field(default_factory=factory, metadata=meta) if factory is not None else field(default=default,
+                                                                                            metadata=meta)
+
+
 @dataclass(frozen=True)
 class RunSettings:
-    """What a run does, beyond which model, policy and task: parsed once by `from_config`."""
+    """Everything a job reads of its resolved config, parsed and validated once by `from_config`: the model, policy
+    and task entries, the budget and the protocol in canonical form, and the run options. Fields are in
+    conf/config.yaml's order (`recorded()` writes them back in that order)."""
 
-    budget: int | None
-    block: int | None  # None: the prompt goes in one forward (the protocol says so, or B = inf)
-    scenario: str = "question_aware"
+    model: Mapping[str, Any] = _setting(factory=dict)  # the model preset's entries (name, path, dtype, ...)
+    policy: Mapping[str, Any] | None = None  # the chosen policy's entries; None: run the `compare` list
+    task: Mapping[str, Any] = _setting(factory=dict)  # the task's entries
+    compare: tuple[str, ...] = _setting((), changes_results=False)  # policies run when none is chosen
+    budget: int | None = None
+    block: int | None = None  # None: the prompt goes in one forward (the protocol says so, or B = inf)
     protocol: str = "blockwise"
+    seed: int = 0
+    scenario: str = "question_aware"
     save_prompts: bool = False
+    overwrite: bool = _setting(False, changes_results=False)
+    device: str = _setting("auto", changes_results=False)
     shard: tuple[int, int] | None = None  # (i, n): samples with index % n == i
     diagnostics: tuple[str, ...] = ()
-    seed: int = 0
     graded: bool = True  # measure the graded score (answer_logprob): one teacher-forced branch per sample
+    progress: bool = _setting(True, changes_results=False)
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> RunSettings:
-        """Validate the top-level settings of a resolved config; ConfigError (one line) on a bad value."""
+    def from_config(cls, cfg: Mapping[str, Any]) -> RunSettings:
+        """Validate a resolved config (a plain dict; absent keys take conf/config.yaml's defaults); ConfigError (one
+        line) on a bad value or an unknown top-level key."""
+        unknown = sorted(set(cfg) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown setting{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
         try:
             block = positive_int("block", cfg.get("block"), allow_none=True)
             budget = cfg.get("budget")
@@ -66,15 +89,46 @@ class RunSettings:
             except (ValueError, AssertionError):
                 raise ConfigError(f"shard must look like i/n with 0 <= i < n, got {shard!r}") from None
             shard = (i, n)
-        return cls(budget=budget, block=block, protocol=protocol, scenario=scenario,
-                   save_prompts=bool(cfg.get("save_prompts")), shard=shard,
-                   diagnostics=tuple(cfg.get("diagnostics") or ()), seed=int(cfg.get("seed", 0)),
-                   graded=_flag("graded", cfg.get("graded", True)))
+        seed = cfg.get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        policy = cfg.get("policy")
+        return cls(model=dict(cfg.get("model") or {}), policy=dict(policy) if policy else None,
+                   task=dict(cfg.get("task") or {}), compare=tuple(str(n) for n in cfg.get("compare") or ()),
+                   budget=budget, block=block, protocol=protocol, seed=seed, scenario=scenario,
+                   save_prompts=_flag("save_prompts", cfg.get("save_prompts", False)),
+                   overwrite=_flag("overwrite", cfg.get("overwrite", False)), device=str(cfg.get("device", "auto")),
+                   shard=shard, diagnostics=tuple(cfg.get("diagnostics") or ()),
+                   graded=_flag("graded", cfg.get("graded", True)),
+                   progress=_flag("progress", cfg.get("progress", True)))
 
-    def recorded(self, cfg: dict[str, Any]) -> dict[str, Any]:
-        """`cfg` as the run records it (config.yaml, resume key, metrics): the canonical protocol, and null for a
-        block the protocol ignores."""
-        return dict(cfg, protocol=self.protocol, block=self.block)
+    def recorded(self) -> dict[str, Any]:
+        """The settings as the run records them (config.yaml; the resume key; metrics): plain values in the
+        config's form (the canonical protocol, null for a block the protocol ignores, shard as "i/n")."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "shard":
+                v = None if v is None else f"{v[0]}/{v[1]}"
+            elif isinstance(v, tuple):
+                v = list(v)
+            elif isinstance(v, Mapping):
+                v = dict(v)
+            out[f.name] = v
+        return out
+
+    def key(self, policy_name: str | None = None) -> str:
+        """Resume key: every setting that changes results (model, policy and its name, task, budget, block, shard,
+        seed, ...), so predictions are only ever continued under the configuration that produced them."""
+        changes = {f.name for f in fields(self) if f.metadata.get("changes_results", True)}
+        stable = {k: v for k, v in self.recorded().items() if k in changes}
+        if policy_name is not None:
+            stable["policy_name"] = policy_name
+        return hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def with_policy(self, policy: Mapping[str, Any]) -> RunSettings:
+        """These settings with one policy chosen (a `compare` list runs each of its policies so)."""
+        return replace(self, policy=dict(policy))
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -83,7 +137,7 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
-def instantiate(spec: dict[str, Any], **extra: Any) -> Any:
+def instantiate(spec: Mapping[str, Any], **extra: Any) -> Any:
     """Build the object a group YAML describes: `_target_` is "module.Class", the other keys its arguments."""
     spec = dict(spec)
     target = spec.pop("_target_", None)
@@ -93,14 +147,14 @@ def instantiate(spec: dict[str, Any], **extra: Any) -> Any:
     return getattr(importlib.import_module(module), cls)(**spec, **extra)
 
 
-def build_policy(policy_cfg: dict[str, Any], settings: RunSettings) -> Policy:
+def build_policy(policy_cfg: Mapping[str, Any], settings: RunSettings) -> Policy:
     try:
         return instantiate(policy_cfg, budget=settings.budget, seed=settings.seed)
     except TypeError as e:  # unknown option passed to the policy's constructor
         raise PolicyError(str(e)) from None
 
 
-def build_task(task_cfg: dict[str, Any]) -> Task:
+def build_task(task_cfg: Mapping[str, Any]) -> Task:
     try:
         return instantiate(task_cfg)
     except TypeError as e:

@@ -1,8 +1,10 @@
-"""The contract between tasks and the runner.
+"""The contract between tasks and the run loop (kvbench.run.loop).
 
 A task turns its data into `Sample`s (token ids exactly as fed to the model), scores one prediction at a time,
-and aggregates the per-sample records of `predictions.jsonl` into named 0-100 scores. Tasks never import the
-runner, the cache or the policies; they refer to metrics by name.
+and aggregates the per-sample records of `predictions.jsonl` into named 0-100 scores. It describes those scores as
+plain data for metrics.json: `composition` (which samples make each score) and `layout` (the table's columns, the
+heatmap cells, and the recipe the scores are aggregated with), so the report never needs the task. Tasks never
+import the run loop, the cache or the policies; they refer to metrics by name.
 """
 
 from __future__ import annotations
@@ -78,6 +80,31 @@ class Task(ABC):
         (none by default) are shown without an uncertainty."""
         return {}
 
+    def recipe(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+        """How `aggregate(records)` computes each score from the records, as plain data
+        (kvbench.metrics.aggregate: score name -> {"mean" | "max": field, "metric": name, "mean_of": [scores],
+        "where", "round", ...}, in score order). A task that has one aggregates through it
+        (`aggregate_scores(records, self.recipe(records))`), and kvbench-report recomputes a sharded run's scores
+        from the merged records with the same recipe, read from metrics.json `layout`. None (the default): the task
+        computes its scores in its own code, and a shard merge recomputes only the scores of the composition."""
+        return None
+
+    def layout(self, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+        """What kvbench-report needs to lay out and recompute this task's scores without building the task:
+        metrics.json `layout`, plain JSON.
+
+            columns: [{"score": name, "category": header, "sort": [..]}, ...] the score table's columns in order,
+                     grouped under `category` (a category row appears when there are several); the optional "sort"
+                     keys order the columns of several runs of the task (NIAH: [length, depth])
+            summary: [score names] the summary table's columns (category means, per-length means, averages)
+            cells:   {score: [context length, depth %]} the scores that are cells of a length x depth grid (heatmaps)
+            average: the score metrics.json `average` is (None: the mean of all scores)
+            recipe:  `recipe(records)`, or None
+
+        Default: every score a column under the task's name, in score order; no summary, no cells."""
+        return make_layout([column(k, self.name) for k in scores], average=self.average_key,
+                           recipe=self.recipe(records))
+
     def graded_answer(self, sample: Sample) -> str | None:
         """The gold continuation whose log-probability the graded score measures (teacher-forced after the prompt):
         by default the first answer; None = no graded score for this sample."""
@@ -100,6 +127,27 @@ class Task(ABC):
         Returns extra entries for metrics.json (e.g. {"notes": [...]}); default: nothing.
         """
         return {}
+
+
+def column(score: str, category: str, sort: list[Any] | None = None) -> dict[str, Any]:
+    """One column of a layout (Task.layout): a score, its category header, optionally its sort key."""
+    return {"score": score, "category": category, **({"sort": list(sort)} if sort is not None else {})}
+
+
+def make_layout(columns: list[dict[str, Any]], summary: list[str] | None = None,
+                cells: dict[str, list[Any]] | None = None, average: str | None = None,
+                recipe: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A Task.layout dict with every key present (plain JSON: lists, not tuples)."""
+    return {"columns": columns, "summary": list(summary or []),
+            "cells": {k: list(v) for k, v in (cells or {}).items()}, "average": average, "recipe": recipe}
+
+
+def grid_layout(task: str, grid: list[tuple[int, float]], key: Any, average: str | None,
+                recipe: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The layout of a length x depth grid task (NIAH, the probe): one column per cell named `key(length, depth)`,
+    grouped by length, sorted by (length, depth), each a heatmap cell; `avg` in the summary."""
+    return make_layout([column(key(L, d), f"{task} L{L}", [L, d]) for L, d in grid], summary=["avg"],
+                       cells={key(L, d): [L, d] for L, d in grid}, average=average, recipe=recipe)
 
 
 def group_ids(records: list[dict[str, Any]], key: Any) -> dict[str, dict[str, Any]]:

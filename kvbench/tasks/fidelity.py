@@ -16,6 +16,7 @@ import random
 from typing import Any, Iterator, Sequence
 
 from kvbench.metrics import get_metric
+from kvbench.metrics.aggregate import aggregate_scores
 from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, read_jsonl
 from kvbench.tasks.haystack import filler_text
 
@@ -86,15 +87,13 @@ class FidelityTask(Task):
         f = get_metric("fidelity")(ref_logprobs, test_logprobs)
         return {"score": f["top1"], "fidelity": f}
 
+    def recipe(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        # Over every sample: the means of the per-sample measures, and the largest KL.
+        return {"top1": {"mean": "fidelity.top1"}, "kl_mean": {"mean": "fidelity.kl_mean"},
+                "kl_max": {"max": "fidelity.kl_max"}, "match_len": {"mean": "fidelity.match_len"}}
+
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
-        if not records:
-            return {}
-        n = len(records)
-        fid = [r["fidelity"] for r in records]
-        return {"top1": sum(f["top1"] for f in fid) / n,
-                "kl_mean": sum(f["kl_mean"] for f in fid) / n,
-                "kl_max": max(f["kl_max"] for f in fid),
-                "match_len": sum(f["match_len"] for f in fid) / n}
+        return aggregate_scores(records, self.recipe(records))
 
     def provenance(self) -> dict[str, Any]:
         return {"source": self.path or self.source, "lengths": self.lengths, "new_tokens": self.new_tokens,

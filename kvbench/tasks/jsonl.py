@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from kvbench.metrics import get_metric
+from kvbench.metrics.aggregate import aggregate_scores
 from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids, read_jsonl
 from kvbench.tasks.haystack import encode_prompt
 
@@ -74,5 +75,8 @@ class JsonlTask(Task):
     def composition(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         return group_ids(records, lambda r: "jsonl")
 
+    def recipe(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return {"jsonl": {"mean": "score"}}  # the mean over every sample
+
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
-        return {"jsonl": sum(r["score"] for r in records) / len(records)} if records else {}
+        return aggregate_scores(records, self.recipe(records))

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import zipfile
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from kvbench.metrics import get_metric
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids, parse_jsonl, read_bytes
+from kvbench.metrics.aggregate import aggregate_scores
+from kvbench.tasks.base import (Sample, Task, TaskEnv, TaskError, column, group_ids, make_layout, parse_jsonl,
+                                 read_bytes)
 from kvbench.tasks.haystack import encode_prompt
 
 HF_REPO_ID = "THUDM/LongBench"  # now zai-org/LongBench; the hub redirects
@@ -304,22 +305,49 @@ class LongBench(Task):
             out["avg_selected"] = {"mean_of": datasets}
         return out
 
-    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
-        per = self.dataset_scores(records)
+    def _datasets(self, records: list[dict[str, Any]]) -> list[str]:
+        """The configured datasets (and any other the records hold) in the official order: the same in every shard
+        of a run."""
+        held = set(self._by_dataset(records))  # (raises on a record of no known dataset)
+        return [d for d in self.spec if d in held or d in self.datasets]
+
+    def recipe(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        # Dataset scores are eval.py's, from the predictions (metrics.longbench.records_score*): LongBench rounds
+        # only the dataset mean. LongBench-E: each dataset's three buckets (NaN when empty, as eval.py), the bucket
+        # averages over the datasets that have the bucket, avg the mean of the bucket averages.
+        datasets = self._datasets(records)
+        where = lambda d: {"meta.dataset": d}  # noqa: E731
         if not self.e_variant:
-            return {**per, **get_metric("longbench_summary")(per)}
-        out: dict[str, float] = {}
-        for ds, buckets in per.items():
-            for b, v in buckets.items():
-                out[f"{ds}:{b}"] = v
+            per = {d: {"metric": "longbench_dataset", "kwargs": {"dataset": d, "fuzz_backend": self.fuzz_backend},
+                       "where": where(d)} for d in datasets}
+            from kvbench.metrics.longbench import summary_recipe
+
+            return {**per, **summary_recipe(datasets)}
+        out: dict[str, dict[str, Any]] = {
+            f"{d}:{b}": {"metric": "longbench_dataset_e", "where": where(d),
+                         "kwargs": {"dataset": d, "bucket": b, "fuzz_backend": self.fuzz_backend}}
+            for d in datasets for b in E_BUCKETS}
         for b in E_BUCKETS:
-            vals = [buckets[b] for buckets in per.values() if not math.isnan(buckets[b])]
-            if vals:
-                out[f"avg:{b}"] = sum(vals) / len(vals)
-        bucket_means = [out[f"avg:{b}"] for b in E_BUCKETS if f"avg:{b}" in out]
-        if bucket_means:
-            out["avg"] = sum(bucket_means) / len(bucket_means)
+            out[f"avg:{b}"] = {"mean_of": [f"{d}:{b}" for d in datasets], "skip_missing": True}
+        out["avg"] = {"mean_of": [f"avg:{b}" for b in E_BUCKETS], "skip_missing": True}
         return out
+
+    def layout(self, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+        from kvbench.metrics.longbench import CATEGORY_TITLES
+
+        recipe = self.recipe(records)
+        order = list(self.spec)
+        columns = []
+        for d in self._datasets(records):  # grouped under the dataset's category, in the official order
+            category = CATEGORY_TITLES.get(self.spec[d]["category"], self.spec[d]["category"])
+            names = [f"{d}:{b}" for b in E_BUCKETS] if self.e_variant else [d]
+            columns += [column(n, category, [order.index(d), n]) for n in names]
+        shown = {c["score"] for c in columns}
+        return make_layout(columns, summary=[k for k in recipe if k not in shown], average=self.average_key,
+                           recipe=recipe)
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
+        return aggregate_scores(records, self.recipe(records))
 
     def provenance(self) -> dict[str, Any]:
         """Data source and checksums (filled while loading) and the code_sim backend used."""

@@ -23,7 +23,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids
+from kvbench.metrics.aggregate import aggregate_scores
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, grid_layout, group_ids
 from kvbench.tasks.haystack import (HAYSTACKS, Haystack, chat_wrapper, encode_prompt, filler_text, load_haystack,
                                     prefix_token_count)
 
@@ -243,12 +244,28 @@ class NIAH(Task):
             cells.setdefault(self._cell_of(r), []).append(float(r["score"]))
         return cells
 
-    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
-        cells = self._cells(records)
-        out = {cell_key(L, d): round(sum(v) / len(v), 2) for (L, d), v in sorted(cells.items())}
-        all_scores = [s for v in cells.values() for s in v]
-        out["avg"] = round(sum(all_scores) / len(all_scores), 2) if all_scores else 0.0
+    def _grid(self, records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+        """The configured cells (and any other cell the records hold), by length, then depth: the same in every
+        shard of a run, so a shard merge recomputes with the run's own recipe."""
+        grid = {(L, d) for L in self.context_lengths for d in self.depths}
+        return sorted(grid | {self._cell_of(r) for r in records})
+
+    def recipe(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        # Each cell the mean of its samples, avg the mean of all samples (not of the cells), both to 2 decimals.
+        out: dict[str, dict[str, Any]] = {
+            cell_key(L, d): {"mean": "score", "where": {"meta.context_length": L, "meta.depth": d}, "round": 2}
+            for L, d in self._grid(records)}
+        out["avg"] = {"mean": "score", "round": 2, "default": 0.0}
         return out
+
+    def layout(self, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+        return grid_layout(self.name, self._grid(records), cell_key, self.average_key, self.recipe(records))
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
+        # Records without meta (hand-made ones) take their cell from the id, as the composition does.
+        placed = [r if "context_length" in (r.get("meta") or {}) and "depth" in r["meta"] else
+                  {**r, "meta": dict(zip(("context_length", "depth"), self._cell_of(r)))} for r in records]
+        return aggregate_scores(placed, self.recipe(records))
 
     def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float],
                  label: str = "") -> dict[str, Any]:

@@ -21,7 +21,8 @@ import random
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids, read_text
+from kvbench.metrics.aggregate import aggregate_scores
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, grid_layout, group_ids, read_text
 
 META_FILE = "probe_meta.json"  # written next to the weights by kvbench.models.probe
 HEATMAP_FILE = "probe_heatmap.png"
@@ -168,12 +169,24 @@ class ProbeTask(Task):
             out["avg"] = {"mean_of": list(out)}  # avg is the mean of the cell means
         return out
 
+    def _grid(self, records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+        """The configured cells in sample order (lengths, then depths), then any other cell the records hold: the
+        same in every shard of a run."""
+        grid = [(L, d) for L in self.context_lengths for d in self.depths]
+        return list(dict.fromkeys(grid + list(self._cells(records))))
+
+    def recipe(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        # Each cell the mean of its samples, avg the mean of the cell means (unrounded).
+        cells = {cell_key(L, d): {"mean": "score", "where": {"meta.length": L, "meta.depth": d}}
+                 for L, d in self._grid(records)}
+        return {**cells, "avg": {"mean_of": list(cells), "skip_missing": True}}
+
+    def layout(self, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+        return grid_layout(self.name, self._grid(records), cell_key, self.average_key, self.recipe(records))
+
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
-        cells = self._cells(records)
-        out = {cell_key(length, depth): sum(v) / len(v) for (length, depth), v in cells.items()}
-        if out:
-            out["avg"] = sum(out.values()) / len(out)
-        return out
+        self._cells(records)  # every record must be a probe record
+        return aggregate_scores(records, self.recipe(records))
 
     def finalize(self, run_dir: Path, records: list[dict[str, Any]], scores: dict[str, float],
                  label: str = "") -> dict[str, Any]:

@@ -10,7 +10,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids
+from kvbench.metrics.aggregate import aggregate_scores
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, column, group_ids, make_layout
 from kvbench.tasks.haystack import (HAYSTACKS, Haystack, chat_wrapper, encode_prompt, filler_text, load_haystack,
                                     prefix_token_count)
 from kvbench.tasks.haystack import sentence_splitter as pick_splitter
@@ -138,31 +139,48 @@ class Ruler(Task):
 
         return 100.0 * get_metric(sample.meta["metric"])(prediction, sample.answers)
 
-    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
-        from kvbench.metrics import get_metric
-        from kvbench.metrics.ruler import dataset_score
+    def _shape(self, records: list[dict[str, Any]]) -> tuple[list[str], list[int]]:
+        """The tasks (configured order, then any other the records hold, sorted) and lengths (sorted) of the
+        scores: the configuration's, so every shard of a run has the same recipe."""
+        tasks = list(dict.fromkeys(self.tasks))
+        tasks += sorted({r["meta"]["task"] for r in records} - set(tasks))
+        lengths = sorted(set(self.lengths) | {int(r["meta"]["length"]) for r in records})
+        return tasks, lengths
 
-        per: dict[tuple[str, int], list[float]] = {}
-        for r in records:
-            m = r["meta"]
-            # Recompute the 0-1 fractions from the text: RULER rounds only once, on the dataset mean.
-            per.setdefault((m["task"], int(m["length"])), []).append(
-                get_metric(m["metric"])(r["prediction"], r["answers"]))
-        cell = {k: dataset_score(v) for k, v in per.items()}
-        tasks = [t for t in self.tasks if any(k[0] == t for k in cell)] + sorted({k[0] for k in cell} - set(self.tasks))
-        lengths = sorted({k[1] for k in cell})
-        out: dict[str, float] = {}
+    def recipe(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        # A (task, length) cell is RULER's dataset score of its samples; each task score, per-length mean and avg
+        # is a mean of the cells (or per-length means) there are, rounded to 2 decimals. With one length the task
+        # score is its one cell; with several the cells are scores of their own (task_L<length>).
+        tasks, lengths = self._shape(records)
+        multi = len(lengths) > 1
+
+        def cell(t: str, L: int) -> dict[str, Any]:
+            return {"metric": "ruler_dataset", "where": {"meta.task": t, "meta.length": L}}
+
+        def mean(parts: list[str], **extra: Any) -> dict[str, Any]:
+            return {"mean_of": parts, "skip_missing": True, "round": 2, **extra}
+
+        name = (lambda t, L: f"{t}_L{L}") if multi else (lambda t, L: t)
+        out: dict[str, dict[str, Any]] = {}
         for t in tasks:
-            vals = [cell[(t, L)] for L in lengths if (t, L) in cell]
-            out[t] = round(sum(vals) / len(vals), 2)
+            out[t] = mean([name(t, L) for L in lengths]) if multi else {**cell(t, lengths[0]), "round": 2}
         for L in lengths:
-            vals = [cell[(t, L)] for t in tasks if (t, L) in cell]
-            out[f"L{L}"] = round(sum(vals) / len(vals), 2)
-        if len(lengths) > 1:
-            for (t, L), v in sorted(cell.items()):
-                out[f"{t}_L{L}"] = v
-        out["avg"] = round(sum(out[f"L{L}"] for L in lengths) / len(lengths), 2) if lengths else 0.0
+            out[f"L{L}"] = mean([name(t, L) for t in tasks])
+        if multi:
+            out.update({name(t, L): cell(t, L) for t, L in sorted((t, L) for t in tasks for L in lengths)})
+        out["avg"] = mean([f"L{L}" for L in lengths], default=0.0)
         return out
+
+    def layout(self, records: list[dict[str, Any]], scores: dict[str, float]) -> dict[str, Any]:
+        recipe = self.recipe(records)
+        summary = [f"L{L}" for L in self._shape(records)[1]] + ["avg"]
+        return make_layout([column(k, self.name) for k in recipe if k not in summary], summary=summary,
+                           average=self.average_key, recipe=recipe)
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, float]:
+        # The 0-1 fractions are recomputed from the text (metrics.ruler.records_score): RULER rounds only once, on
+        # the dataset mean.
+        return aggregate_scores(records, self.recipe(records))
 
     def composition(self, records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         cell = lambda r: (r["meta"]["task"], int(r["meta"]["length"]))  # noqa: E731

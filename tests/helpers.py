@@ -1,0 +1,70 @@
+"""Helpers the tests call as functions (`from helpers import make_layer`; pyproject.toml puts tests/ on the path):
+the tiny model with kvbench's attention installed, hand-built cache layers, and run configs composed from the real
+conf/config.yaml. Fixtures live in conftest.py, which pytest finds by itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Mapping
+
+import torch
+
+from kvbench.engine import attention
+from kvbench.engine.cache import EvictingLayer
+from kvbench.models.tiny import build_tiny_model
+
+
+def installed_model(arch: str = "tiny-llama", **kw: Any) -> tuple[Any, Any]:
+    """A tiny random model (and its tokenizer) with kvbench's attention wrapper installed; `kw` go to
+    `build_tiny_model` (seed, dtype, output_scale, config overrides such as num_hidden_layers)."""
+    model, tok = build_tiny_model(arch, **kw)
+    attention.install(model)
+    return model, tok
+
+
+def make_layer(keys: list, queries: list | None = None, values: list | None = None, layer_idx: int = 0,
+               scaling: float = 1.0) -> EvictingLayer:
+    """A layer holding `keys` (h_kv, n, d) at positions 0..n-1 (values zero unless given), and optionally stashed
+    `queries` (h_q, w, d) at the latest w positions."""
+    k = torch.tensor(keys, dtype=torch.float32).unsqueeze(0)  # (1, h_kv, n, d)
+    v = torch.zeros_like(k) if values is None else torch.tensor(values, dtype=torch.float32).unsqueeze(0)
+    layer = EvictingLayer(layer_idx)
+    layer.update(k, v)
+    layer.scaling, layer.softcap = scaling, None
+    if queries is not None:
+        q = torch.tensor(queries, dtype=torch.float32).unsqueeze(0)  # (1, h_q, w, d)
+        layer.queries = q
+        layer.query_positions = torch.arange(layer.seen - q.shape[2], layer.seen)
+    return layer
+
+
+def run_config(*overrides: str, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A resolved run config exactly as `kvbench <overrides>` hands it to the run: conf/config.yaml composed by Hydra
+    with the command-line `overrides` ("model=tiny-llama", "policy=keydiff", "task.max_new_tokens=4", ...), as a plain
+    dict. Then `values` are set as given, by dotted key ({"task.path": str(path)}, {"model": {"name": "m"}}): what is
+    awkward on a command line (temporary paths, whole hand-made sections, keys the YAML does not have). So no test
+    repeats config.yaml's keys by hand, and a key added there reaches every test's config."""
+    cfg = copy.deepcopy(_composed(tuple(overrides)))  # a fresh copy: tests change their configs
+    for key, value in (values or {}).items():
+        *parents, last = key.split(".")
+        node = cfg
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[last] = value
+    return cfg
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...]) -> dict[str, Any]:
+    # Composing takes Hydra a noticeable fraction of a second; report tests write many run configs.
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from kvbench.run.config import conf_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = OmegaConf.to_container(compose(config_name="config", overrides=list(overrides)), resolve=True)
+    assert isinstance(cfg, dict)
+    return cfg

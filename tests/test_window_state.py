@@ -1,0 +1,340 @@
+"""The incremental observation window and the one-call ragged attention select and attend exactly as the plain
+computations they replace.
+
+- `EvictingLayer.window_attention` (SnapKV, PyramidKV, AdaKV and CriticalKV on either: the stashed queries' mean
+  attention) keeps each stashed query's row of probabilities as per-token state and adds only the new queries' rows
+  per forward. At every eviction of real `generate` runs (every affected policy, every protocol, blocks larger and
+  smaller than the window, the graded branch's fork, context_only, bfloat16) its rows and its mean are checked
+  against `query_attention` recomputed on the same layer, within the float32 bound derived in `_bound`, and the
+  policy's selection against the one made on a copy of the layer that recomputes: the kept slots are identical.
+- `ragged_attention` (AdaKV, SAGE-KV, CriticalKV on AdaKV) can attend all heads of a ragged layer in one masked call
+  (`batched`, the CUDA default; measured slower on CPU, which keeps the per-head calls): checked against the per-head
+  loop (padded slots: weight exactly 0).
+- CriticalKV's value norms of a decoding step come from one batched product: the per-head loop's values within float32
+  rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from kvbench.engine import attention
+from kvbench.engine.attention import QUERY_CHUNK, explicit_attention, ragged_attention
+from kvbench.engine.cache import EvictingCache, EvictingLayer
+from kvbench.engine.generate import GenerationSettings, generate
+from kvbench.policies.adakv import AdaKV
+from kvbench.policies.base import Policy, query_attention
+from kvbench.policies.criticalkv import BATCHED_TOKENS, CriticalKV
+from kvbench.policies.pyramidkv import PyramidKV
+from kvbench.policies.snapkv import SnapKV
+
+from helpers import installed_model
+
+pytestmark = pytest.mark.tiny_model("tiny-llama")  # the `model` fixture (conftest.py): 2 layers, 4 / 2 heads
+
+EPS = torch.finfo(torch.float32).eps
+IDS = torch.randint(8, 500, (70,), generator=torch.Generator().manual_seed(0)).tolist()
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "snapkv": lambda: SnapKV(budget=24, window=4, kernel=3),  # avg pooling
+    "pyramidkv": lambda: PyramidKV(budget=24, window=4, kernel=3),  # per-layer budgets, max pooling
+    "adakv": lambda: AdaKV(budget=24, window=4, kernel=3),  # ragged layers
+    "adakv_kvpress": lambda: AdaKV(budget=24, window=4, kernel=3, allocation="kvpress"),
+    "criticalkv": lambda: CriticalKV(budget=24, window=4, kernel=3),
+    "criticalkv_adakv": lambda: CriticalKV(base="adakv", budget=24, window=4, kernel=3, stage1_window="inside"),
+}
+# (protocol, block): blocks larger and smaller than the window (4), one forward, one forward then every step
+PROTOCOLS = [("blockwise", 8), ("blockwise", 3), ("prefill_once", None), ("prefill_once_decode_evict", None)]
+
+
+def _bound(layer: EvictingLayer) -> float:
+    """Relative error allowed between a probability kept incrementally and the recomputed one (float32).
+
+    The rows a decoding step adds come from a (g x d) by (d x n) product, the recomputation's from a (g*w x d) by
+    (d x n) one: the BLAS kernel may order each logit's d-term sum differently, and two orders of a sum of d products
+    each lie within gamma_d * sum|q_i k_i| of the exact value (gamma_d = d eps / (1 - d eps), the standard bound), so
+    a logit moves by at most 2 gamma_d scaling max(|q| |k|^T). A probability exp(l - logsumexp) moves by at most twice
+    that, relatively. Older rows are renormalised over fewer slots: one sum of at most n terms, one division, and the
+    mean of at most w rows add (n + w + 4) eps. Measured: 1e-6 to 1e-5 here, where logits reach ~10-30.
+    """
+    q, k = layer.queries.float().abs(), layer.keys.float().abs()  # (b, h_q, w, d), (b, h_kv, n, d)
+    b, h_q, w, d = q.shape
+    h_kv, n = k.shape[1], k.shape[2]
+    mags = torch.matmul(q.reshape(b, h_kv, h_q // h_kv * w, d), k.transpose(-1, -2)).max().item() * layer.scaling
+    gamma = d * EPS / (1 - d * EPS)
+    return 4 * gamma * mags + (n + w + 4) * EPS
+
+
+def _assert_close_relative(got: torch.Tensor, want: torch.Tensor, rel: float) -> float:
+    """Zero exactly where `want` is (masked keys, padding), relative error <= rel elsewhere; returns the largest."""
+    zero = want == 0
+    assert torch.equal(got[zero], want[zero])
+    err = ((got - want).abs() / want.abs())[~zero].max().item() if (~zero).any() else 0.0
+    assert err <= rel, (err, rel)
+    return err
+
+
+def stored_rows(layer: EvictingLayer) -> torch.Tensor:
+    """(b, h_q, count, n) each stashed query's stored row renormalised over the slots held: what window_attention
+    averages (the rows computed since the latest eviction are used as stored: they sum to 1 up to rounding)."""
+    first, seen, w = layer.query_first, layer.seen, layer._stash_window
+    b, h_q = layer.queries.shape[:2]
+    h_kv, n = layer.keys.shape[1], layer.keys.shape[2]
+    wp = layer.window_probs.view(b, h_kv, n, h_q // h_kv, w)
+    rows = [wp[..., (p - layer._wp_base) % w] for p in range(first, seen)]  # (b, h_kv, n, g) each
+    rows = torch.stack(rows, dim=-1).permute(0, 1, 3, 4, 2).reshape(b, h_q, seen - first, n)
+    return rows / rows.sum(dim=-1, keepdim=True)
+
+
+class Checks:
+    """Wraps `policy.select`: at every eviction, compares the layer's incremental window with `query_attention` and
+    the selection with the one a recomputing copy of the layer makes, then selects on the layer itself."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.calls = self.incremental = 0
+        self.worst = 0.0
+        select = policy.select
+
+        def checked(layer: EvictingLayer) -> Any:
+            ref = layer.fork()  # shares K/V; its own window state, which the next two lines switch off
+            ref.window_probs, ref.query_first = None, None  # no ring: window_attention recomputes every time
+            want = select(ref)
+            if layer.queries is not None and layer.query_first is not None:
+                self.calls += 1
+                self.incremental += layer.window_probs is not None and layer._wp_rows > layer.query_first
+                probs = query_attention(layer)  # (b, h_q, w, n)
+                rel = _bound(layer)
+                got = layer.window_attention()  # brings the state up to date first
+                self.worst = max(self.worst, _assert_close_relative(got, probs.mean(dim=-2), rel))
+                _assert_close_relative(stored_rows(layer), probs, rel)
+            got = select(layer)
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert torch.equal(got[0], want[0])
+                assert (got[1] is None) == (want[1] is None)
+                assert got[1] is None or torch.equal(got[1], want[1])
+            return got
+
+        policy.select = checked
+
+
+@pytest.mark.parametrize("protocol,block", PROTOCOLS, ids=lambda x: str(x))
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_incremental_window_selects_what_recomputing_selects(model, name: str, protocol: str,
+                                                             block: int | None) -> None:
+    policy = POLICIES[name]()
+    checks = Checks(policy)
+    settings = GenerationSettings(block=block, max_new_tokens=10, protocol=protocol)
+    out = generate(model, policy, IDS, settings, answer_ids=IDS[:6])  # the graded branch runs on a fork
+    assert checks.calls > 0 and len(out.tokens) == 10
+    # every decoding step that evicts scores incrementally (prefill_once never evicts while decoding)
+    assert (checks.incremental > 0) == (protocol != "prefill_once")
+
+
+def test_context_only_and_bfloat16() -> None:
+    model = installed_model("tiny-llama", dtype=torch.bfloat16)[0]
+    for name in ("snapkv", "criticalkv_adakv"):
+        policy = POLICIES[name]()
+        checks = Checks(policy)
+        settings = GenerationSettings(block=8, max_new_tokens=8, scenario="context_only", context_tokens=50)
+        generate(model, policy, IDS, settings)  # evicts within the first 50 tokens only
+        assert checks.calls > 0
+        policy = POLICIES[name]()
+        checks = Checks(policy)
+        generate(model, policy, IDS, GenerationSettings(block=8, max_new_tokens=8), answer_ids=IDS[:4])
+        assert checks.incremental > 0
+
+
+def test_greedy_tokens_equal_the_recomputing_windows(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end: the same answers and graded score as with window_attention recomputed at every call."""
+    settings = GenerationSettings(block=8, max_new_tokens=12)
+    got = {n: generate(model, POLICIES[n](), IDS, settings, answer_ids=IDS[:6]) for n in POLICIES}
+    monkeypatch.setattr(EvictingLayer, "window_attention", lambda self: query_attention(self).mean(dim=-2))
+    for n in POLICIES:
+        want = generate(model, POLICIES[n](), IDS, settings, answer_ids=IDS[:6])
+        assert got[n].tokens == want.tokens, n
+        assert math.isclose(got[n].answer_logprob, want.answer_logprob, rel_tol=1e-6), n
+
+
+def _layer_with_window(seed: int = 0, n: int = 20, w: int = 4) -> EvictingLayer:
+    """A uniform layer of n tokens whose last w queries are stashed (window w), scaling 0.3."""
+    g = torch.Generator().manual_seed(seed)
+    layer = EvictingLayer(0)
+    layer.scaling, layer.softcap = 0.3, None
+    for q in (n - 1, 1):  # a block, then one decoding step: stashed as the wrapper does
+        layer.update(torch.randn(1, 2, q, 8, generator=g), torch.randn(1, 2, q, 8, generator=g))
+        layer.stash_queries(torch.randn(1, 4, q, 8, generator=g), w)
+    return layer
+
+
+def test_a_decoding_step_adds_one_row_and_renormalises_the_others() -> None:
+    layer = _layer_with_window()
+    layer.window_attention()  # 4 new queries: computed as query_attention computes them, and stored
+    assert layer.window_probs.shape == (1, 2, 20, 8)  # g * w = 2 * 4 per token and KV head
+    assert torch.equal(layer.window_attention(), query_attention(layer).mean(dim=-2))  # nothing new: same values
+    layer.keep(torch.tensor([[[0, 2, 3, 5, 7, 11, 12, 15, 16, 17, 18, 19]] * 2]))  # evicts 8 slots
+    g = torch.Generator().manual_seed(7)
+    layer.update(torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g))
+    layer.stash_queries(torch.randn(1, 4, 1, 8, generator=g), 4)
+    assert layer.window_probs.shape[2] == 12  # the new token's entries wait for the next call (zeros then)
+    got = layer.window_attention()
+    assert layer.window_probs.shape[2] == 13 and layer._wp_rows == 21
+    probs = query_attention(layer)
+    rel = _bound(layer)
+    _assert_close_relative(got, probs.mean(dim=-2), rel)
+    _assert_close_relative(stored_rows(layer), probs, rel)
+    # the newest query's row is stored as computed: query_attention's arithmetic on that one query
+    slot = (20 - layer._wp_base) % 4
+    stored = layer.window_probs.view(1, 2, 13, 2, 4)[..., slot].permute(0, 1, 3, 2).reshape(1, 4, 13)
+    assert torch.equal(stored, layer._query_rows(layer.queries[:, :, -1:], 20)[:, :, 0])
+
+
+def test_the_fork_keeps_its_own_window() -> None:
+    layer = _layer_with_window(seed=1)
+    before = layer.window_attention().clone()
+    branch = layer.fork()
+    g = torch.Generator().manual_seed(2)
+    branch.update(torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g))
+    branch.stash_queries(torch.randn(1, 4, 1, 8, generator=g), 4)
+    branch.window_attention()  # writes the branch's new row in place
+    assert branch.window_probs.data_ptr() != layer.window_probs.data_ptr()
+    assert torch.equal(layer.window_attention(), before)
+
+
+def test_a_cache_that_stops_scoring_pays_nothing_per_step(model) -> None:
+    """prefill_once: one eviction, then decoding only appends; the window state is not touched (extended lazily)."""
+    policy = POLICIES["snapkv"]()
+    cache = EvictingCache(model.config, policy)
+    ids = torch.tensor([IDS])
+    with attention.active(cache), torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache)
+        for layer in cache.evicting_layers():
+            policy.evict(layer)
+        for t in range(5):
+            model(input_ids=ids[:, t:t + 1], past_key_values=cache)
+    for layer in cache.evicting_layers():
+        assert layer.window_probs.shape[2] == 24 and layer.physical() == 29 and layer._wp_cols == 70
+
+
+# -- the ragged layers' attention in one call ------------------------------------------------------------------------
+
+def _ragged_layer(b: int, q: int, d: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32) -> EvictingLayer:
+    """A ragged layer (b, 3 KV heads holding 10, 4, 7 tokens; batch 1 holds 6, 9, 2) with a block of q appended."""
+    g = torch.Generator().manual_seed(seed)
+    layer = EvictingLayer(0)
+    layer.update(torch.randn(b, 3, 12, d, generator=g).to(dtype), torch.randn(b, 3, 12, d, generator=g).to(dtype))
+    counts = [[10, 4, 7], [6, 9, 2]][:b]
+    idx = torch.zeros(b, 3, 10, dtype=torch.long)
+    valid = torch.zeros(b, 3, 10, dtype=torch.bool)
+    for i, row in enumerate(counts):
+        for h, c in enumerate(row):
+            idx[i, h, :c] = torch.randperm(12, generator=g)[:c].sort().values
+            valid[i, h, :c] = True
+    layer.keep(idx, valid)
+    assert layer.ragged
+    layer.update(torch.randn(b, 3, q, d, generator=g).to(dtype), torch.randn(b, 3, q, d, generator=g).to(dtype))
+    return layer
+
+
+def per_head_attention(query: torch.Tensor, layer: EvictingLayer, scaling: float,
+                       softcap: float | None) -> torch.Tensor:
+    """The per-(batch, KV head) loop, written out: each head's query group over its own keys."""
+    b, h_q, q_len, _ = query.shape
+    h_kv = layer.lengths.shape[1]
+    g = h_q // h_kv
+    out = layer.values.new_empty(b, q_len, h_q, layer.values.shape[-1])
+    sizes = layer.head_sizes
+    for i, (k, v) in enumerate(zip(layer.keys.split(sizes), layer.values.split(sizes))):
+        bi, hi = divmod(i, h_kv)
+        qi = query[bi:bi + 1, hi * g:(hi + 1) * g]
+        out[bi, :, hi * g:(hi + 1) * g] = explicit_attention(qi, k[None, None], v[None, None], scaling, softcap)[0]
+    return out
+
+
+@pytest.mark.parametrize("q_len", [1, 2, QUERY_CHUNK + 3])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("b", [1, 2])
+def test_ragged_attention_in_one_call_equals_the_per_head_loop(q_len: int, softcap: float | None, b: int) -> None:
+    layer = _ragged_layer(b, q_len)
+    query = torch.randn(b, 6, q_len, 8, generator=torch.Generator().manual_seed(3))  # g = 2
+    want = per_head_attention(query, layer, 0.4, softcap)
+    assert torch.equal(ragged_attention(query, layer, 0.4, softcap), want)  # the default on CPU: per head
+    got = ragged_attention(query, layer, 0.4, softcap, batched=True)
+    # The same logits; the softmax and the product with V run over the padded length instead of each head's:
+    # sums of the same terms plus exact zeros, which the kernels may group differently (a few ulps of the output).
+    torch.testing.assert_close(got, want, rtol=4 * EPS * 64, atol=4 * EPS)
+
+
+def test_ragged_attention_in_bfloat16() -> None:
+    layer = _ragged_layer(1, 3, dtype=torch.bfloat16)
+    query = torch.randn(1, 6, 3, 8, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    got = ragged_attention(query, layer, 0.4, None, batched=True)
+    assert got.dtype == torch.bfloat16
+    # float32 logits and softmax in both; the probabilities are rounded to bfloat16 before the product with V
+    torch.testing.assert_close(got, per_head_attention(query, layer, 0.4, None), rtol=2 ** -7, atol=2 ** -8)
+
+
+def test_padded_kv_and_the_scoring_view_pad_alike() -> None:
+    layer = _ragged_layer(2, 3)
+    keys, values = layer.padded_kv()
+    sizes = layer.head_sizes
+    layer.unpack()
+    assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
+    assert layer.valid.sum(dim=-1).flatten().tolist() == sizes
+    assert (layer.positions[~layer.valid] == -1).all() and (layer.keys[~layer.valid] == 0).all()
+    layer.pack()
+    assert layer.head_sizes == sizes
+
+
+def test_padded_slots_get_exactly_zero_weight() -> None:
+    """Padding filled with large finite garbage changes nothing: its weights are exactly 0."""
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([[9, 4, 6]])
+    q_len, L = 3, 9
+    keys, values = torch.randn(1, 3, L, 8, generator=g), torch.randn(1, 3, L, 8, generator=g)
+    clean_k, clean_v = keys.clone(), values.clone()
+    for h, n in enumerate(lengths[0].tolist()):
+        keys[0, h, n:], values[0, h, n:] = 1e4, -1e4
+        clean_k[0, h, n:], clean_v[0, h, n:] = 0.0, 0.0
+    query = torch.randn(1, 6, q_len, 8, generator=g)
+    got = explicit_attention(query, keys, values, 0.5, None, lengths=lengths, shortest=4)
+    assert torch.equal(got, explicit_attention(query, clean_k, clean_v, 0.5, None, lengths=lengths, shortest=4))
+    for h, n in enumerate(lengths[0].tolist()):  # and each head equals its own causal attention
+        want = explicit_attention(query[:, 2 * h:2 * h + 2], keys[:, h:h + 1, :n], values[:, h:h + 1, :n], 0.5, None)
+        torch.testing.assert_close(got[:, :, 2 * h:2 * h + 2], want, rtol=4 * EPS * 64, atol=4 * EPS)
+
+
+# -- CriticalKV's value norms ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_criticalkv_value_norms_batched_equal_the_loop(seed: int) -> None:
+    """The batched product (b * q <= BATCHED_TOKENS) against the per-head loop. Each projection entry is a sum of d
+    products; two kernels' orders of it lie within 2 gamma_d sum|v||w| of each other (gamma_d = d eps / (1 - d eps)),
+    so the L1 norm within the sum of those bounds over hidden, and the group mean adds a rounding of the mean."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.o_proj = torch.nn.Linear(6 * 8, 40, bias=False)
+
+    torch.manual_seed(seed)  # the Linear's initial weights
+    module = Attn()
+    policy = CriticalKV(budget=24, window=4, kernel=3)
+    g = torch.Generator().manual_seed(6)
+    w = module.o_proj.weight.detach()  # (hidden, h_q * d)
+    gamma = 8 * EPS / (1 - 8 * EPS)
+    for q in (1, 5, BATCHED_TOKENS, BATCHED_TOKENS + 1):
+        values = torch.randn(1, 3, q, 8, generator=g)
+        got = policy.on_append(None, module, values, values, None)["vnorm"]  # (1, 3, q)
+        heads = [values[:, h // 2] @ w[:, h * 8:(h + 1) * 8].T for h in range(6)]  # (1, q, hidden) each
+        want = torch.stack([p.abs().sum(dim=-1) for p in heads], dim=1).view(1, 3, 2, q).mean(dim=2)
+        if q > BATCHED_TOKENS:
+            assert torch.equal(got, want)  # the loop itself
+            continue
+        scale = torch.stack([(values[:, h // 2].abs() @ w[:, h * 8:(h + 1) * 8].abs().T).sum(dim=-1)
+                             for h in range(6)], dim=1).view(1, 3, 2, q).mean(dim=2)
+        assert ((got - want).abs() <= 2 * gamma * scale + 4 * EPS * want).all(), q
