@@ -176,11 +176,12 @@ def test_a_decoding_step_adds_one_row_and_renormalises_the_others() -> None:
     layer.window_attention()  # 4 new queries: computed as query_attention computes them, and stored
     assert layer.window_probs.shape == (1, 2, 20, 8)  # g * w = 2 * 4 per token and KV head
     assert torch.equal(layer.window_attention(), query_attention(layer).mean(dim=-2))  # nothing new: same values
+    stored = layer.window_probs
     layer.keep(torch.tensor([[[0, 2, 3, 5, 7, 11, 12, 15, 16, 17, 18, 19]] * 2]))  # evicts 8 slots
     g = torch.Generator().manual_seed(7)
     layer.update(torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g))
     layer.stash_queries(torch.randn(1, 4, 1, 8, generator=g), 4)
-    assert layer.window_probs.shape[2] == 12  # the new token's entries wait for the next call (zeros then)
+    assert layer.window_probs is stored  # pruning and the new token's entries wait for the next call: one copy then
     got = layer.window_attention()
     assert layer.window_probs.shape[2] == 13 and layer._wp_rows == 21
     probs = query_attention(layer)
@@ -191,6 +192,30 @@ def test_a_decoding_step_adds_one_row_and_renormalises_the_others() -> None:
     slot = (20 - layer._wp_base) % 4
     stored = layer.window_probs.view(1, 2, 13, 2, 4)[..., slot].permute(0, 1, 3, 2).reshape(1, 4, 13)
     assert torch.equal(stored, layer._query_rows(layer.queries[:, :, -1:], 20)[:, :, 0])
+
+
+def test_evictions_between_scorings_keep_the_window_aligned() -> None:
+    """Two tokens appended without scoring, an eviction that keeps one of them in head 0 and both in head 1 (their
+    entries are pending zeros, pruned lazily with the rest), one more token, then scoring."""
+    layer = _layer_with_window(seed=3)
+    layer.window_attention()
+    g = torch.Generator().manual_seed(8)
+
+    def append() -> None:
+        layer.update(torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g))
+        layer.stash_queries(torch.randn(1, 4, 1, 8, generator=g), 4)
+
+    append()
+    append()
+    layer.keep(torch.tensor([[[0, 1, 4, 6, 8, 10, 12, 14, 16, 17, 18, 19, 21],
+                              [1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 20, 21]]]))
+    append()
+    got = layer.window_attention()  # queries 19 (row kept from before) and 20, 21, 22 (new rows)
+    assert layer._wp_rows == 23 and layer.window_probs.shape[2] == 14
+    probs = query_attention(layer)
+    rel = _bound(layer)
+    _assert_close_relative(got, probs.mean(dim=-2), rel)
+    _assert_close_relative(stored_rows(layer), probs, rel)
 
 
 def test_the_fork_keeps_its_own_window() -> None:
@@ -214,10 +239,13 @@ def test_a_cache_that_stops_scoring_pays_nothing_per_step(model) -> None:
         model(input_ids=ids, past_key_values=cache)
         for layer in cache.evicting_layers():
             policy.evict(layer)
+        stored = [layer.window_probs for layer in cache.evicting_layers()]
         for t in range(5):
             model(input_ids=ids[:, t:t + 1], past_key_values=cache)
-    for layer in cache.evicting_layers():
-        assert layer.window_probs.shape[2] == 24 and layer.physical() == 29 and layer._wp_cols == 70
+    for layer, before in zip(cache.evicting_layers(), stored):
+        assert layer.window_probs is before and layer.physical() == 29 and layer._wp_cols == 70
+        layer.window_attention()  # scoring again brings it up to date: the 24 kept slots and the 5 appended
+        assert layer.window_probs.shape[2] == 29
 
 
 # -- the ragged layers' attention in one call ------------------------------------------------------------------------

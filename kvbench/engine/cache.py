@@ -88,6 +88,7 @@ class EvictingLayer(DynamicLayer):
         # the slots held at `_wp_cols` have, -1 for zeros; applied (one copy) when the next scoring needs the rows,
         # so a prompt block whose queries replace every row never copies the old ones. None: window_probs as it is.
         self._wp_sel: torch.Tensor | None = None
+        self._wp_sel_zeros = False  # _wp_sel may hold -1 (tokens appended, then kept, before any scoring)
 
     @property
     def ragged(self) -> bool:
@@ -244,6 +245,7 @@ class EvictingLayer(DynamicLayer):
         self.values = self.values.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
         if self.window_probs is not None:  # per-token rows like K/V; every row computed so far loses slots
             if self.valid is None and valid is None:  # uniform before and after: pruned lazily (`_wp_sel`)
+                self._wp_sel_zeros |= self.seen > self._wp_cols
                 self._wp_sel = self._window_sel().gather(2, idx)  # (b, h, kept)
                 self._wp_cols = self.seen
             else:
@@ -315,7 +317,7 @@ class EvictingLayer(DynamicLayer):
         """
         w, first = self._stash_window, self.query_first
         if w <= 0 or first is None or self.queries is None:
-            self.window_probs = None
+            self.window_probs, self._wp_sel, self._wp_sel_zeros = None, None, False
             return query_attention(self).mean(dim=-2)
         if self.ragged:
             raise RuntimeError("window_attention() reads the scoring view; unpack() the ragged layer first")
@@ -326,7 +328,7 @@ class EvictingLayer(DynamicLayer):
         count = seen - first  # stashed queries, at positions first .. seen - 1
         fresh = max(first, self._wp_rows)  # the queries from position `fresh` on have no row yet
         if self.window_probs is None or self.window_probs.shape[-1] != g * w or fresh == first:
-            self._wp_sel = None  # the old rows are all replaced: never copied
+            self._wp_sel, self._wp_sel_zeros = None, False  # the old rows are all replaced: never copied
             probs = query_attention(self)  # (b, h_q, count, n): every stashed query is new
             rows = probs.view(b, h_kv, g, count, n).permute(0, 1, 4, 2, 3)  # (b, h_kv, n, g, count)
             if count == w:  # ring slot i <- the i-th stashed query (base = first)
@@ -416,17 +418,25 @@ class EvictingLayer(DynamicLayer):
         them). Deferred to the next scoring, so a cache that stops scoring (decoding under prefill_once) pays nothing
         per step, and one decoding step costs one copy of the rows (pruning and appending together). A no-op in the
         padded view (`unpack` pads a ragged layer's pending entries with zeros itself)."""
-        wp = self.window_probs
-        if wp is None or (self._wp_sel is None and self.seen == self._wp_cols):
+        wp, sel = self.window_probs, self._wp_sel
+        new = self.seen - self._wp_cols  # appended since: their rows are zeros
+        if wp is None or (sel is None and new == 0):
             return
         b, h, _, r = wp.shape
-        if self._wp_sel is None:  # nothing evicted since: append the zeros
-            self.window_probs = torch.cat([wp, wp.new_zeros(b, h, self.seen - self._wp_cols, r)], dim=2)
+        if sel is None:  # nothing evicted since: append the zeros
+            self.window_probs = torch.cat([wp, wp.new_zeros(b, h, new, r)], dim=2)
         else:
-            sel = self._window_sel()  # (b, h, n)
-            out = wp.reshape(-1, r).index_select(0, sel.clamp_min(0).view(-1)).view(b, h, -1, r)
-            self.window_probs = out.masked_fill_((sel < 0).unsqueeze(-1), 0.0)
-        self._wp_sel, self._wp_cols = None, self.seen
+            m = sel.shape[-1]
+            rows = sel.clamp_min(0) if self._wp_sel_zeros else sel
+            if new:  # any row as a placeholder for the appended tokens, zeroed below
+                rows = torch.cat([rows, rows[..., :1].expand(b, h, new)], dim=-1)
+            out = wp.reshape(-1, r).index_select(0, rows.reshape(-1)).view(b, h, m + new, r)
+            if new:
+                out[:, :, m:] = 0.0
+            if self._wp_sel_zeros:  # kept tokens that were appended before the previous eviction
+                out[:, :, :m].masked_fill_((sel < 0).unsqueeze(-1), 0.0)
+            self.window_probs = out
+        self._wp_sel, self._wp_sel_zeros, self._wp_cols = None, False, self.seen
 
     def padded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A ragged layer's keys and values, (b, h_kv, L, d), each head's tokens first and zeros after (the padded
