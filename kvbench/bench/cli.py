@@ -14,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+from kvbench.bench.batch import (BATCH_POLICIES, WORKLOADS, batch_goal_lines, batch_markdown,
+                                 run_batch_bench)
 from kvbench.bench.goals import goal_lines, goals, markdown_table
 from kvbench.bench.measure import CLOCKS, configurations, run_bench
 from kvbench.bench.setup import (BASELINES, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies, build_model,
@@ -76,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
                         "--threads 1: robust to other processes' load; with more threads it sums them)")
     p.add_argument("--no-syncs", dest="syncs", action="store_false",
                    help="skip counting host syncs per decoding step (one extra untimed call per policy and budget)")
+    p.add_argument("--batch", type=_int_list, default=None,
+                   help="batch sizes, e.g. 1,4,8: samples per hour with K samples per forward (kvbench.bench.batch) "
+                        "for the NIAH- and LongBench-shaped workloads, next to HF's batched generate; default "
+                        f"policies {','.join(BATCH_POLICIES)}, N = the first --budgets")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"with --batch: comma-separated from {', '.join(WORKLOADS)}")
+    p.add_argument("--samples", type=int, default=None, help="with --batch: samples per workload (default: largest K)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json", help="rows and goals as JSON")
     p.add_argument("--markdown", default=None, help="markdown table file (default: --out with .md)")
@@ -92,9 +101,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     block = a.block or preset["block"]
     new_tokens = a.new_tokens if a.new_tokens is not None else preset["new_tokens"]
     repeats = a.repeats or preset["repeats"]
-    policies = [s.strip() for s in a.policies.split(",") if s.strip()] if a.policies else preset["policies"]
+    default_policies = BATCH_POLICIES if a.batch else preset["policies"]
+    policies = [s.strip() for s in a.policies.split(",") if s.strip()] if a.policies else default_policies
     if block <= 0 or new_tokens < 1 or repeats < 1:
         p.error("--block, --new-tokens and --repeats must be positive")
+    workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
+    if any(w not in WORKLOADS for w in workloads) or not workloads:
+        p.error(f"--workloads takes {', '.join(WORKLOADS)} (comma-separated), got '{a.workloads}'")
+    a.workloads = workloads
+    if a.samples is not None and a.samples < 1:
+        p.error("--samples must be positive")
     if a.model is not None and a.config is not None:
         p.error("--model (real weights) and --config (random weights) exclude each other")
     if a.baselines is None:
@@ -126,7 +142,7 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
         for name in policies:  # fail on bad names and budgets before anything is built
             for b in budgets:
                 make_policy(name, b, a.seed)
-        prompt = None
+        prompt, tokenizer = None, None
         if a.model is not None:
             model, tokenizer, desc = load_real_model(a.model, a.dtype, str(device))
             prompt = prompt_ids(max(lengths + budgets), 0, tokenizer, a.seed)
@@ -136,6 +152,10 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
         if log:
             log(f"kvbench-bench: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
         t0 = time.perf_counter()
+        if a.batch:
+            rows = run_batch_bench(model, tokenizer, policies, a.batch, a.workloads, budgets[0], block, a.samples,
+                                   HF in a.baselines, a.seed, CLOCKS[a.clock], log)
+            return _write_batch(a, rows, desc, device, log, t0)
         rows = run_bench(model, configurations(policies, budgets, lengths, block, a.baselines, a.full_max_tokens),
                          new_tokens, repeats, a.seed, desc, log, prompt, a.clock, a.syncs)
     except (BenchError, PolicyError) as e:
@@ -158,6 +178,26 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
         print(ln)
     if log:
         log(f"kvbench-bench: {len(rows)} configurations in {time.perf_counter() - t0:.0f} s -> {out}, {md}")
+    return 0
+
+
+def _write_batch(a: argparse.Namespace, rows: list[dict], desc: str, device: torch.device, log, t0: float) -> int:
+    """--batch: bench.json (rows and goal lines) and the markdown table."""
+    lines = batch_goal_lines(rows)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "goals": lines}, indent=1) + "\n", encoding="utf-8")
+    table = batch_markdown(rows)
+    md = Path(a.markdown) if a.markdown else out.with_suffix(".md")
+    md.write_text(f"{desc} on {device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
+                  f"{torch.get_num_threads()} threads); {a.clock} clock, one round; samples decode exactly their new "
+                  f"tokens.\n\nCommand: `{a.command}`\n\n{table}\n\n## Goals\n\n" +
+                  "\n".join(f"- {ln}" for ln in lines) + "\n", encoding="utf-8")
+    print(table)
+    for ln in lines:
+        print(ln)
+    if log:
+        log(f"kvbench-bench: {len(rows)} batch rows in {time.perf_counter() - t0:.0f} s -> {out}, {md}")
     return 0
 
 

@@ -29,15 +29,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from kvbench.engine.cache import EvictingCache, EvictingLayer
+from kvbench.engine.cache import BatchCache, EvictingCache, EvictingLayer
 
-_ACTIVE: contextvars.ContextVar[EvictingCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
+_ACTIVE: contextvars.ContextVar[EvictingCache | BatchCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
 QUERY_CHUNK = 256  # queries per chunk when computing attention probabilities explicitly
 
 
 @contextlib.contextmanager
-def active(cache: EvictingCache) -> Iterator[None]:
-    """Route attention of forwards inside this block through `cache`'s policy."""
+def active(cache: EvictingCache | BatchCache) -> Iterator[None]:
+    """Route attention of forwards inside this block through `cache`'s policy (a BatchCache: each sample's)."""
     token = _ACTIVE.set(cache)
     try:
         yield
@@ -174,39 +174,58 @@ def ragged_attention(query: torch.Tensor, layer: EvictingLayer, scaling: float, 
     return out
 
 
+def _attend(module: Any, cache: EvictingCache, layer: EvictingLayer, query: torch.Tensor, key: torch.Tensor,
+            value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, base: str,
+            base_fn: Callable[..., Any], **kwargs: Any) -> torch.Tensor:
+    """One sample's attention over its own layer `layer` of `cache` (query (1, h_q, q, d) for a batched forward's
+    row), with the policy's hooks; returns (b, q, h_q, d_v)."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    layer.scaling, layer.softcap, layer.module = scaling, kwargs.get("softcap"), module
+    policy = cache.policy
+    # Layers the policy never evicts (K-norm's first two) cost no policy work: no queries, state or attention.
+    if policy is not None and not cache.frozen and layer.layer_idx in cache.evicted:
+        if cache.query_window:
+            layer.stash_queries(query, cache.query_window)
+        if policy.state_names:
+            new = policy.on_append(layer, module, *layer.block_kv(q_len), query)
+            for name in policy.state_names:
+                layer.set_block_state(name, new[name])
+        if policy.needs_attention:
+            if layer.ragged:
+                raise NotImplementedError(f"policy '{policy.name}' needs attention probabilities, which "
+                                          "kvbench does not compute on ragged per-head layers")
+            return explicit_attention(query, key, value, scaling, layer.softcap,
+                                      lambda p: policy.on_attention(layer, p))
+    if layer.ragged:  # per-head budgets: `key`/`value` are the flat storage; each head over its own keys
+        return ragged_attention(query, layer, scaling, layer.softcap)
+    mask = _fit_mask(attention_mask, q_len, kv_len, base, query.dtype, query.device, cache.masks)
+    return base_fn(module, query, key, value, mask, scaling=scaling, **kwargs)[0]
+
+
 def _make_wrapper(base: str) -> Callable[..., Any]:
     def kvbench_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                           **kwargs: Any):
         base_fn = _base_function(module, base)
         cache = _ACTIVE.get()
+        if isinstance(cache, BatchCache):
+            # Each sample over its own layer, with its own mask (HF's was built for no cache: see BatchCache); the
+            # batch's rows are then concatenated for o_proj. Every layer of a BatchCache is an EvictingLayer.
+            if scaling is None:
+                scaling = module.head_dim ** -0.5
+            rows = []
+            for j, member in enumerate(cache.caches):
+                layer = member.layers[module.layer_idx]
+                rows.append(_attend(module, member, layer, query[j:j + 1], layer.keys, layer.values, None, scaling,
+                                    base, base_fn, dropout=dropout, **kwargs))
+            return torch.cat(rows), None
         layer = cache.layers[module.layer_idx] if cache is not None else None
         if not isinstance(layer, EvictingLayer):  # not a kvbench run, or a sliding layer HF bounds itself
             return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if scaling is None:
             scaling = module.head_dim ** -0.5
-        q_len, kv_len = query.shape[-2], key.shape[-2]
-        layer.scaling, layer.softcap, layer.module = scaling, kwargs.get("softcap"), module
-        policy = cache.policy
-        # Layers the policy never evicts (K-norm's first two) cost no policy work: no queries, state or attention.
-        if policy is not None and not cache.frozen and layer.layer_idx in cache.evicted:
-            if cache.query_window:
-                layer.stash_queries(query, cache.query_window)
-            if policy.state_names:
-                new = policy.on_append(layer, module, *layer.block_kv(q_len), query)
-                for name in policy.state_names:
-                    layer.set_block_state(name, new[name])
-            if policy.needs_attention:
-                if layer.ragged:
-                    raise NotImplementedError(f"policy '{policy.name}' needs attention probabilities, which "
-                                              "kvbench does not compute on ragged per-head layers")
-                out = explicit_attention(query, key, value, scaling, layer.softcap,
-                                         lambda p: policy.on_attention(layer, p))
-                return out, None
-        if layer.ragged:  # per-head budgets: `key`/`value` are the flat storage; each head over its own keys
-            return ragged_attention(query, layer, scaling, layer.softcap), None
-        mask = _fit_mask(attention_mask, q_len, kv_len, base, query.dtype, query.device, cache.masks)
-        return base_fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+        return _attend(module, cache, layer, query, key, value, attention_mask, scaling, base, base_fn,
+                       dropout=dropout, **kwargs), None
 
     kvbench_attention.__name__ = f"kvbench_{base}"
     return kvbench_attention

@@ -40,8 +40,9 @@ class EvictingLayer(DynamicLayer):
     `window_attention` (SnapKV's observation window: the stashed queries' mean attention over the slots) is kept
     incrementally once a policy has asked for it: per token, the attention probability each of the w stashed queries
     gave it when that query's row was computed (`window_probs`, g * w floats per token and KV head, stored and pruned
-    with the token exactly like its key). A decoding step then computes one new row (the new query over the slots)
-    instead of the w x n logits and softmax, and renormalises the older rows over the slots still held; see there.
+    with the token like its key; on uniform layers the pruning waits for the next scoring, see `_window_rows`). A
+    decoding step then computes one new row (the new query over the slots) instead of the w x n logits and softmax,
+    and renormalises the older rows over the slots still held; see there.
     """
 
     is_sliding = False
@@ -89,6 +90,7 @@ class EvictingLayer(DynamicLayer):
         # so a prompt block whose queries replace every row never copies the old ones. None: window_probs as it is.
         self._wp_sel: torch.Tensor | None = None
         self._wp_sel_zeros = False  # _wp_sel may hold -1 (tokens appended, then kept, before any scoring)
+        self._wp_keep_rows: torch.Tensor | None = None  # set by `keep` in the padded view, applied by its `pack`
 
     @property
     def ragged(self) -> bool:
@@ -190,6 +192,8 @@ class EvictingLayer(DynamicLayer):
         b, h, length = valid.shape
         sizes = self.head_sizes
         self.keys, self.values = _pad_heads(self.keys, sizes, length, 0), _pad_heads(self.values, sizes, length, 0)
+        if self.window_probs is not None and self.query_first is not None and self._wp_rows <= self.query_first:
+            self.window_probs = None  # every stashed query is newer than the rows (a prompt block): rebuilt, not padded
         if self.window_probs is not None:
             # entries of the tokens appended since the window state was complete are zeros (see _window_rows):
             # they are part of the padding here, no separate extension
@@ -217,7 +221,11 @@ class EvictingLayer(DynamicLayer):
         self.keys = self.keys.reshape(-1, d).index_select(0, rows)
         self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows)
         if self.window_probs is not None:
-            self.window_probs = self.window_probs.reshape(-1, self.window_probs.shape[-1]).index_select(0, rows)
+            if self._wp_keep_rows is not None:  # `keep` just ran: its selection and this one in a single copy
+                rows_wp, self._wp_keep_rows = self._wp_keep_rows.index_select(0, rows), None
+            else:
+                rows_wp = rows
+            self.window_probs = self.window_probs.reshape(-1, self.window_probs.shape[-1]).index_select(0, rows_wp)
         self.positions = self.positions.reshape(-1).index_select(0, rows)
         self.state = {k: s.reshape(-1).index_select(0, rows) for k, s in self.state.items()}
         if min(sizes) == max(sizes):  # the fast uniform path again
@@ -248,9 +256,9 @@ class EvictingLayer(DynamicLayer):
                 self._wp_sel_zeros |= self.seen > self._wp_cols
                 self._wp_sel = self._window_sel().gather(2, idx)  # (b, h, kept)
                 self._wp_cols = self.seen
-            else:
+            else:  # a padded view, or a uniform layer that turns ragged: `pack` (below) copies the rows once
                 self._window_rows()
-                self.window_probs = self.window_probs.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
+                self._wp_keep_rows = rows  # (b*h*kept,) rows of window_probs (flattened) of the kept slots
             self._wp_exact = self._wp_rows
         self.positions = self.positions.gather(2, idx)
         self.state = {k: v.gather(2, idx) for k, v in self.state.items()}
@@ -303,8 +311,9 @@ class EvictingLayer(DynamicLayer):
         `query_attention(self).mean(dim=-2)` (padding and keys a query does not see weigh 0), kept incrementally.
 
         When every stashed query is new (a prompt block of at least w tokens, the one-pass prompt, the first call) it
-        is computed exactly as query_attention computes it, and each query's row of probabilities is stored
-        (`window_probs`, token-major, in a ring of w slots). Afterwards a forward of k < w tokens computes only its k
+        is computed exactly as query_attention computes it; while decoding (or when fewer than w queries were stashed
+        so far) each query's row of probabilities is then stored (`window_probs`, token-major, in a ring of w slots):
+        prompt blocks of at least w tokens keep nothing, the next block replaces every row anyway. Afterwards a forward of k < w tokens computes only its k
         new rows (query_attention's arithmetic on those queries), written over the ring slots of the k queries that
         left the window. The older rows need no new entry (a new key is later than every older query, which does not
         see it) but have lost the slots evicted since they were computed: their probabilities are renormalised over
@@ -330,6 +339,11 @@ class EvictingLayer(DynamicLayer):
         if self.window_probs is None or self.window_probs.shape[-1] != g * w or fresh == first:
             self._wp_sel, self._wp_sel_zeros = None, False  # the old rows are all replaced: never copied
             probs = query_attention(self)  # (b, h_q, count, n): every stashed query is new
+            if not self.decoding and count == w:
+                # A prompt block of at least w tokens: the next block replaces every row again, so none is kept (the
+                # first decoding step computes them once). Under prefill_once nothing is held after the prompt.
+                self.window_probs = None
+                return probs.mean(dim=-2)
             rows = probs.view(b, h_kv, g, count, n).permute(0, 1, 4, 2, 3)  # (b, h_kv, n, g, count)
             if count == w:  # ring slot i <- the i-th stashed query (base = first)
                 self.window_probs = rows.reshape(b, h_kv, n, g * w)
@@ -536,9 +550,57 @@ class EvictingCache(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes of K and V held now, all layers (exact: what the tensors hold, no padding)."""
-        return sum(layer.kv_bytes() for layer in self.layers if layer.keys is not None)
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.keys is not None
+                   for t in (layer.keys, layer.values))  # sliding layers (HF's own) included
 
     def head_positions(self) -> list[torch.Tensor | None]:
         """Per layer, (b, h_kv, L) absolute positions of the tokens each head holds (-1 pads ragged heads);
         None for layers HF bounds itself (sliding)."""
         return [layer.head_positions() if isinstance(layer, EvictingLayer) else None for layer in self.layers]
+
+
+class _BatchLayer(DynamicLayer):
+    """One model layer of a `BatchCache`: hands each sample's rows of the new keys/values to that sample's own layer."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, members: list[EvictingLayer]) -> None:
+        super().__init__()
+        self.members = members
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        # key_states (k, h_kv, q, d): row j is sample j's block
+        for j, layer in enumerate(self.members):
+            layer.update(key_states[j:j + 1], value_states[j:j + 1])
+        return key_states, value_states  # not read: the attention wrapper attends each sample over its own layer
+
+    def get_seq_length(self) -> int:
+        return 0  # positions come from the forward's position_ids (each sample's own), never from here
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0  # HF's mask is not used: the wrapper builds each sample's own (attention._fit_mask)
+
+
+class BatchCache(Cache):
+    """The per-sample caches of one batched forward, as the single `past_key_values` the model takes.
+
+    Each sample keeps its own `EvictingCache` (its own kept tokens, positions, per-token state and policy copy), so
+    nothing of one sample's cache depends on the others. The model runs its projections and MLPs on the k samples'
+    rows at once (what batching buys: the weights are read once per step); the kvbench attention wrapper sees this
+    cache and attends each sample over its own layer, as a batch-1 forward would, and each sample's policy evicts its
+    own cache afterwards. The forward must pass `position_ids` (k, q): each sample's own positions. Built per
+    forward (a list of references: nothing copied), so samples leave a batch by not being in the next one.
+    Only caches whose every layer is an `EvictingLayer` batch (a sliding layer's mask and length are per sample).
+    """
+
+    def __init__(self, caches: list[EvictingCache]) -> None:
+        if not caches or not all(batchable(c) for c in caches):
+            raise ValueError("only caches of full-attention layers batch (a sliding layer's length is per sample)")
+        super().__init__(layers=[_BatchLayer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))])
+        self.caches = caches
+
+
+def batchable(cache: EvictingCache) -> bool:
+    """Whether `cache` can be one sample of a `BatchCache`: every layer is an EvictingLayer."""
+    return all(isinstance(layer, EvictingLayer) for layer in cache.layers)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from kvbench.engine import attention
-from kvbench.engine.cache import EvictingCache
+from kvbench.engine.cache import BatchCache, EvictingCache, batchable
 from kvbench.engine.diagnostics import Diagnostics
 from kvbench.options import PROTOCOLS
 from kvbench.policies.base import Policy
@@ -59,6 +59,8 @@ class GenerationResult:
     evict_decode_s: float = 0.0  # eviction time inside decode_s
     answer_logprob: float | None = None  # mean log-probability per token (nats) of `answer_ids`, when given
     graded_s: float = 0.0  # time of that teacher-forced branch (not in prefill_s nor decode_s)
+    batch_size: int = 1  # the most samples one forward of this sample held (generate_batch)
+    batch_kv_bytes_peak: int = 0  # max over those forwards of the K+V bytes of all the batch's caches together
 
 
 def greedy_processors(model: Any, prompt: torch.Tensor, stop_ids: Iterable[int] = (), min_new_tokens: int = 0,
@@ -117,93 +119,240 @@ class Observer:
     clock: Callable[[], float] = time.perf_counter
 
 
-class _Stepper:
-    """One forward through a policy-managed cache, and the eviction after it: the step prefill, decoding and the
-    graded branch all take. Keeps what the result reports of the cache: peak K+V bytes, the position trace and the
-    eviction seconds per phase (diagnostics' own time excluded)."""
+@dataclass(frozen=True)
+class Job:
+    """One sample of a `generate_batch` call: what `generate` takes for one prompt."""
 
-    def __init__(self, model: Any, cache: EvictingCache, observer: Observer, diag: Diagnostics | None = None) -> None:
-        self.model, self.cache, self.obs, self.diag = model, cache, observer, diag
+    input_ids: Sequence[int]
+    policy: Policy
+    settings: GenerationSettings
+    forced: Sequence[int] | None = None
+    answer_ids: Sequence[int] | None = None
+    observer: Observer | None = None
+
+
+class _Run:
+    """One sample's state while it goes through the model, alone or in a batch: its cache (with its own policy), its
+    prompt and answer buffer, and what its result reports (time, eviction seconds, peak K+V bytes, trace)."""
+
+    def __init__(self, ids: torch.Tensor, cache: EvictingCache, settings: GenerationSettings,
+                 observer: Observer, diag: Diagnostics | None = None, forced: Sequence[int] | None = None,
+                 processors: Any = None, evicts_decoding: bool = True) -> None:
+        self.ids, self.cache, self.settings, self.obs, self.diag = ids, cache, settings, observer, diag
+        self.forced, self.processors, self.evicts_decoding = forced, processors, evicts_decoding
+        self.pos = 0  # tokens fed so far: the next one's position
+        self.logits: torch.Tensor | None = None  # (1, vocab) float32: the latest next-token logits
+        self.time_s = {"prefill": 0.0, "decode": 0.0}  # this sample's share of the batch's steps + its own evictions
         self.evict_s = {"prefill": 0.0, "decode": 0.0}
         self.peak_bytes = 0
+        self.batch_peak_bytes = 0  # max over its forwards of the K+V bytes of every cache in the batch
+        self.batch_size = 0  # the most samples one of its forwards held
         self.traces: list[list[torch.Tensor | None]] = []
+        self.new: list[int] = []
+        self.steps = 0  # one-token forwards while decoding
 
-    def forward(self, chunk: torch.Tensor) -> torch.Tensor:
-        """chunk (1, t) token ids -> next-token logits (1, vocab) float32."""
-        if self.obs.trace:
-            self.traces.append(self.cache.head_positions())
-        out = self.model(input_ids=chunk, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.peak_bytes = max(self.peak_bytes, self.cache.kv_bytes())
-        return out.logits[:, -1].float()
 
-    def evict(self, phase: str) -> None:
-        cache, diag = self.cache, self.diag
-        if cache.frozen or not cache.policy.evicts:
-            return
-        device = self.model.device
+# Fewer rows than this go through the model alone: on this machine's CPU BLAS a product of 1-3 rows takes another kernel
+# than one of 4 or more and rounds differently, while every count from 4 on gives each row the same bits (measured:
+# rows of torch.nn.functional.linear at 1..512 rows vs 2048, SmolLM2's three shapes). So prompt blocks of >= 4 tokens
+# batch without changing a bit of any sample's cache; a 1-3 token tail block would not, and goes alone.
+_MIN_BATCH_ROWS = 4
+
+
+def _forward(model: Any, runs: list[_Run], chunk: torch.Tensor) -> torch.Tensor:
+    """chunk (k, t) token ids, row j for runs[j], through their caches -> next-token logits (k, vocab) float32."""
+    for r in runs:
+        if r.obs.trace:
+            r.traces.append(r.cache.head_positions())
+    if len(runs) == 1:
+        cache, extra = runs[0].cache, {}  # batch 1: exactly HF's own positions and mask
+    else:
+        cache = BatchCache([r.cache for r in runs])
+        first = torch.tensor([r.pos for r in runs], device=chunk.device).unsqueeze(1)  # (k, 1)
+        extra = {"position_ids": first + torch.arange(chunk.shape[1], device=chunk.device)}  # (k, t) each its own
+    with attention.active(cache):
+        out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+    total = 0
+    for r in runs:
+        r.pos += chunk.shape[1]
+        held = r.cache.kv_bytes()
+        r.peak_bytes = max(r.peak_bytes, held)
+        total += held
+    for r in runs:
+        r.batch_peak_bytes = max(r.batch_peak_bytes, total)
+        r.batch_size = max(r.batch_size, len(runs))
+    return out.logits[:, -1].float()
+
+
+def _evict(r: _Run, phase: str, device: torch.device) -> float:
+    """Prune every layer of r's cache with its policy; returns the seconds it took (diagnostics included; evict_s
+    excludes them). The device is idle when it is called (see _step)."""
+    cache, diag = r.cache, r.diag
+    t0 = r.obs.clock()
+    spent = diag.elapsed if diag is not None else 0.0
+    for layer in cache.evicting_layers():
+        cache.policy.evict(layer, diag.observe if diag is not None else None)
+    sync(device)
+    took = r.obs.clock() - t0
+    r.evict_s[phase] += took - ((diag.elapsed - spent) if diag is not None else 0.0)
+    return took
+
+
+def _evicts(r: _Run, phase: str) -> bool:
+    return (phase == "prefill" or r.evicts_decoding) and not r.cache.frozen and r.cache.policy.evicts
+
+
+def _step(model: Any, runs: list[_Run], chunk: torch.Tensor, phase: str, since: float | None = None) -> None:
+    """One forward of `runs` together, then each sample's own eviction (decoding: if its protocol evicts then).
+    Each sample is charged its own eviction and an equal share of the rest of the step's time (from `since`, when
+    the step's own host work began, else from the forward); sets each run's logits. On a GPU the timers synchronise
+    after the forward and after each eviction, and only when something evicts (a step that only appends waits for
+    nothing but its token)."""
+    device, clock = chunk.device, runs[0].obs.clock
+    t0 = clock() if since is None else since
+    logits = _forward(model, runs, chunk)
+    evicting = [_evicts(r, phase) for r in runs]
+    if any(evicting):
         sync(device)
-        t0 = self.obs.clock()
-        spent = diag.elapsed if diag is not None else 0.0
-        for layer in cache.evicting_layers():
-            cache.policy.evict(layer, diag.observe if diag is not None else None)
-        sync(device)
-        self.evict_s[phase] += self.obs.clock() - t0 - ((diag.elapsed - spent) if diag is not None else 0.0)
-
-    def step(self, chunk: torch.Tensor, phase: str, evicts: bool = True) -> torch.Tensor:
-        logits = self.forward(chunk)
-        if evicts:
-            self.evict(phase)
-        return logits
+    shared = clock() - t0
+    for j, r in enumerate(runs):
+        r.logits = logits[j:j + 1]
+        if evicting[j]:
+            r.time_s[phase] += _evict(r, phase, device)
+        r.time_s[phase] += shared / len(runs)
 
 
-def _prefill(run: _Stepper, ids: torch.Tensor, s: GenerationSettings) -> torch.Tensor:
-    """The prompt ids (1, T) through the cache in blocks (or one forward), evicting after each; returns the last
-    position's logits (1, vocab). context_only: the question after `context_tokens` goes in unevicted."""
-    T = ids.shape[1]
-    one_pass = PROTOCOLS[s.protocol][0] or s.block is None or run.cache.policy.single_pass_prefill
+def _chunks(r: _Run) -> list[tuple[int, int, bool]]:
+    """The prompt's forwards in order: (start, end, evicted). Blocks of B tokens, or one forward; context_only: the
+    question after `context_tokens` goes in unevicted."""
+    s, T = r.settings, r.ids.shape[1]
+    one_pass = PROTOCOLS[s.protocol][0] or s.block is None or r.cache.policy.single_pass_prefill
     if s.scenario == "context_only" and s.context_tokens is not None and 0 < s.context_tokens < T:
         segments = [(0, s.context_tokens, True), (s.context_tokens, T, False)]
     else:
         segments = [(0, T, True)]
+    out: list[tuple[int, int, bool]] = []
     for start, end, evicted in segments:
-        run.cache.frozen = not evicted
         step = end - start if one_pass else s.block
-        for i in range(start, end, step):
-            logits = run.step(ids[:, i:min(end, i + step)], "prefill")
-    return logits
+        out += [(i, min(end, i + step), evicted) for i in range(start, end, step)]
+    return out
 
 
-def _decode(run: _Stepper, ids: torch.Tensor, logits: torch.Tensor, s: GenerationSettings, processors: Any,
-            forced: Sequence[int] | None) -> tuple[list[int], int]:
-    """Greedy decoding from the prompt's last logits: (new tokens, one-token forwards). `forced` tokens are fed
-    instead of the argmax (teacher forcing; the stop tokens do not end it). One host sync per step: the token."""
-    T = ids.shape[1]
-    stop = set(s.stop_ids)
-    evicts = PROTOCOLS[s.protocol][1]
-    limit = s.max_new_tokens if forced is None else min(s.max_new_tokens, len(forced))
-    # The prompt and the answer so far, in one buffer written in place: the processors read a view of it and each
-    # step's input is a one-token view, so a step does no O(T) host work (no list copied into a new tensor).
-    seq = torch.cat([ids, ids.new_zeros((1, max(limit, 0)))], dim=1)  # (1, T + limit)
-    new: list[int] = []
-    steps = 0
-    while len(new) < limit:
-        if run.obs.on_logits is not None:
-            run.obs.on_logits(logits)
-        if processors:  # what generate(do_sample=False) does to the logits (min_new_tokens included)
-            logits = processors(seq[:, :T + len(new)], logits)
-        tok = forced[len(new)] if forced is not None else int(logits.argmax(dim=-1))
-        if forced is None and tok in stop:
+def _prefill(model: Any, runs: list[_Run]) -> None:
+    """Every prompt through its cache, evicting after each forward; leaves each run's last-position logits. Round i
+    is every sample's i-th forward; the samples whose i-th forward has the same length go through the model
+    together (blocks of B tokens, mostly), the others alone."""
+    plans = [_chunks(r) for r in runs]
+    for i in range(max(len(p) for p in plans)):
+        groups: dict[Any, list[int]] = {}
+        for j, plan in enumerate(plans):
+            if i < len(plan):
+                size = plan[i][1] - plan[i][0]
+                groups.setdefault(size if size >= _MIN_BATCH_ROWS else ("alone", j), []).append(j)
+        for members in groups.values():
+            for j in members:
+                runs[j].cache.frozen = not plans[j][i][2]  # stays as the last chunk left it (context_only decoding)
+            chunk = torch.cat([runs[j].ids[:, plans[j][i][0]:plans[j][i][1]] for j in members])  # (k, t)
+            _step(model, [runs[j] for j in members], chunk, "prefill")
+
+
+def _decode(model: Any, runs: list[_Run], limits: list[int]) -> None:
+    """Greedy decoding of every run together from its prompt's last logits, up to limits[j] new tokens; a sample
+    leaves the batch when it emits a stop token or reaches its limit. `forced` tokens are fed instead of the argmax
+    (teacher forcing; the stop tokens do not end it). One host sync per step: the batch's tokens."""
+    T = [r.ids.shape[1] for r in runs]
+    # Each sample's prompt and answer so far in one buffer written in place: the processors read a view of it and
+    # each step's input is a one-token view, so a step does no O(T) host work (no list copied into a new tensor).
+    seqs = [torch.cat([r.ids, r.ids.new_zeros((1, max(n, 0)))], dim=1) for r, n in zip(runs, limits)]  # (1, T + n)
+    stops = [set(r.settings.stop_ids) for r in runs]
+    active = [j for j in range(len(runs)) if limits[j] > 0]
+    while active:
+        t0 = runs[active[0]].obs.clock()
+        picked = []
+        for j in active:
+            r = runs[j]
+            if r.obs.on_logits is not None:
+                r.obs.on_logits(r.logits)
+            # what generate(do_sample=False) does to the logits (min_new_tokens included)
+            picked.append(r.processors(seqs[j][:, :T[j] + len(r.new)], r.logits) if r.processors else r.logits)
+        greedy = any(runs[j].forced is None for j in active)
+        tokens = (picked[0] if len(picked) == 1 else torch.cat(picked)).argmax(dim=-1).tolist() if greedy else None
+        going = []
+        for k, j in enumerate(active):
+            r = runs[j]
+            tok = r.forced[len(r.new)] if r.forced is not None else tokens[k]
+            if r.forced is None and tok in stops[j]:
+                continue
+            seqs[j][0, T[j] + len(r.new)] = tok
+            r.new.append(tok)
+            if len(r.new) < limits[j]:
+                going.append(j)
+        if not going:
             break
-        seq[0, T + len(new)] = tok
-        new.append(tok)
-        if len(new) == limit:
-            break
-        logits = run.step(seq[:, T + len(new) - 1:T + len(new)], "decode", evicts)
-        steps += 1
-    return new, steps
+        chunk = torch.cat([seqs[j][:, T[j] + len(runs[j].new) - 1:T[j] + len(runs[j].new)] for j in going])  # (k, 1)
+        _step(model, [runs[j] for j in going], chunk, "decode", since=t0)
+        for j in going:
+            runs[j].steps += 1
+        active = going
 
 
 @torch.inference_mode()
+def generate_batch(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
+    """`generate` for several samples at once: they go through the model together, each with its own
+    policy-managed cache (its own copy of its policy: give each job its own instance), and each result is what
+    `generate` returns for that job alone: the same prompt blocks, evictions, positions and greedy steps. The
+    caches' contents after the prompt are bit-identical to batch 1 (prompt blocks of >= 4 tokens, see
+    _MIN_BATCH_ROWS); a decoding step multiplies k rows by the weights instead of 1, which this CPU's BLAS rounds
+    differently from a single row (a different kernel), so a later token can differ where two logits or two eviction
+    scores are within that rounding (kvbench-bench --batch counts such samples). Times are per sample: its own
+    evictions plus an equal share of each batched step. Models with sliding-window layers run one job at a time."""
+    if not jobs:
+        return []
+    device = model.device
+    runs: list[_Run] = []
+    for job in jobs:
+        ids = torch.tensor([list(job.input_ids)], device=device)  # (1, T)
+        s = job.settings
+        cache = EvictingCache(model.config, job.policy)
+        diag = Diagnostics(tuple(s.diagnostics)) if s.diagnostics else None
+        if diag is not None and not cache.query_window:
+            cache.query_window = diag.query_window
+        processors = greedy_processors(model, ids, sorted(set(s.stop_ids)), s.min_new_tokens, s.max_new_tokens)
+        runs.append(_Run(ids, cache, s, job.observer or Observer(), diag, job.forced, processors,
+                         PROTOCOLS[s.protocol][1]))
+    if len(runs) > 1 and not batchable(runs[0].cache):
+        return [generate_batch(model, [job])[0] for job in jobs]
+    _prefill(model, runs)
+    branches = []  # the graded score's teacher-forced branch of each job with an answer: a fork after the prompt
+    for r, job in zip(runs, jobs):
+        r.cache.start_decoding()
+        if job.answer_ids:
+            answer = list(job.answer_ids)
+            logps: list[torch.Tensor] = []  # one 0-d tensor per answer token; a single host sync at the end
+            # The model's own log-probabilities (before the processors), as in a teacher-forced forward
+            hook = (lambda lg, a=answer, out=logps: out.append(torch.log_softmax(lg[0], dim=-1)[a[len(out)]]))
+            branch = _Run(r.ids, r.cache.fork(), r.settings, Observer(on_logits=hook, clock=r.obs.clock),
+                          forced=answer, evicts_decoding=r.evicts_decoding)
+            branch.logits, branch.pos = r.logits, r.pos
+            branches.append((r, branch, logps))
+    limits = [r.settings.max_new_tokens if r.forced is None else min(r.settings.max_new_tokens, len(r.forced))
+              for r in runs]
+    _decode(model, runs, limits)
+    if branches:
+        _decode(model, [b for _, b, _ in branches], [len(b.forced) for _, b, _ in branches])
+    graded = {id(r): (float(torch.stack(logps).mean()), b.time_s["decode"]) for r, b, logps in branches}
+    return [GenerationResult(tokens=r.new, prompt_tokens=r.ids.shape[1], prefill_s=r.time_s["prefill"],
+                             decode_s=r.time_s["decode"], decode_steps=r.steps,
+                             evict_s=r.evict_s["prefill"] + r.evict_s["decode"], evict_prefill_s=r.evict_s["prefill"],
+                             evict_decode_s=r.evict_s["decode"], peak_kv_tokens=r.cache.peak_tokens(),
+                             kv_bytes_peak=r.peak_bytes, trace=r.traces,
+                             diagnostics=r.diag.summary() if r.diag is not None else None,
+                             answer_logprob=graded[id(r)][0] if id(r) in graded else None,
+                             graded_s=graded[id(r)][1] if id(r) in graded else 0.0,
+                             batch_size=r.batch_size, batch_kv_bytes_peak=r.batch_peak_bytes)
+            for r in runs]
+
+
 def generate(model: Any, policy: Policy, input_ids: list[int], settings: GenerationSettings,
              forced: Sequence[int] | None = None, answer_ids: Sequence[int] | None = None,
              observer: Observer | None = None) -> GenerationResult:
@@ -218,53 +367,4 @@ def generate(model: Any, policy: Policy, input_ids: list[int], settings: Generat
     decode, which it leaves untouched; the log-probabilities are the model's own (before the logits processors), as
     in a teacher-forced forward of prompt + answer.
     """
-    obs = observer or Observer()
-    clock, device = obs.clock, model.device
-    ids = torch.tensor([input_ids], device=device)  # (1, T)
-    cache = EvictingCache(model.config, policy)
-    processors = greedy_processors(model, ids, sorted(set(settings.stop_ids)), settings.min_new_tokens,
-                                   settings.max_new_tokens)
-    diag = Diagnostics(tuple(settings.diagnostics)) if settings.diagnostics else None
-    if diag is not None and not cache.query_window:
-        cache.query_window = diag.query_window
-    run = _Stepper(model, cache, obs, diag)
-    with attention.active(cache):
-        sync(device)
-        t0 = clock()
-        logits = _prefill(run, ids, settings)
-        sync(device)
-        prefill_s = clock() - t0
-        cache.start_decoding()
-        branch = (cache.fork(), logits) if answer_ids else None
-        t0 = clock()
-        new, steps = _decode(run, ids, logits, settings, processors, forced)
-        sync(device)
-        decode_s = clock() - t0
-    answer_logprob, graded_s = None, 0.0
-    if branch is not None:
-        t0 = clock()
-        answer_logprob = teacher_forced_logprob(model, *branch, list(answer_ids or ()), PROTOCOLS[settings.protocol][1])
-        graded_s = clock() - t0
-    return GenerationResult(tokens=new, prompt_tokens=ids.shape[1], prefill_s=prefill_s, decode_s=decode_s,
-                            decode_steps=steps, evict_s=run.evict_s["prefill"] + run.evict_s["decode"],
-                            evict_prefill_s=run.evict_s["prefill"], evict_decode_s=run.evict_s["decode"],
-                            peak_kv_tokens=cache.peak_tokens(), kv_bytes_peak=run.peak_bytes, trace=run.traces,
-                            diagnostics=diag.summary() if diag is not None else None,
-                            answer_logprob=answer_logprob, graded_s=graded_s)
-
-
-def teacher_forced_logprob(model: Any, cache: EvictingCache, logits: torch.Tensor, answer_ids: list[int],
-                           evicts: bool) -> float:
-    """Mean log-probability per token (nats) of `answer_ids` fed one by one into `cache` (a fork taken after the
-    prompt; its own policy copy evicts after every token when `evicts`), `logits` (1, vocab) the prompt's last.
-    The same step as decoding (_Stepper), with nothing recorded."""
-    run = _Stepper(model, cache, Observer())
-    answer = torch.tensor([answer_ids], device=logits.device)  # (1, A)
-    logps: list[torch.Tensor] = []  # one 0-d tensor per answer token; a single host sync at the end
-    with attention.active(cache):
-        for k, tok in enumerate(answer_ids):
-            logps.append(torch.log_softmax(logits[0], dim=-1)[tok])
-            if k + 1 == len(answer_ids):
-                break
-            logits = run.step(answer[:, k:k + 1], "decode", evicts)
-    return float(torch.stack(logps).mean())
+    return generate_batch(model, [Job(input_ids, policy, settings, forced, answer_ids, observer)])[0]

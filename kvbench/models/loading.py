@@ -22,7 +22,7 @@ from kvbench.models.common import ModelError, cache_root
 from kvbench.models.tiny import builtin_dir
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "auto": "auto"}
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "auto": "auto"}
 
 
 

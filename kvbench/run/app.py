@@ -26,7 +26,7 @@ from kvbench.models.loading import LoadedModel, load_model
 from kvbench.policies.base import Policy
 from kvbench.run.config import load_group
 from kvbench.run.labels import describe_run
-from kvbench.run.loop import run_task, summarize
+from kvbench.run.loop import batching_note, run_task, summarize
 from kvbench.run.settings import ConfigError, RunSettings, build_policy, build_task, user_errors
 from kvbench.tasks.base import Task, TaskEnv
 
@@ -246,6 +246,9 @@ def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session:
     _write_config(run_dir, settings.recorded())
     if not meta_path.is_file():
         write_json(meta_path, {"key": key, "policy": policy_name, "kvbench": __version__, "commit": _git_commit()})
+    note = batching_note(loaded.model, task, settings)
+    if note:
+        print(f"kvbench: {note}", file=sys.stderr)
     records = run_task(loaded.model, loaded.tokenizer, policy, task, env, settings, run_dir,
                        references=session.references)
     scores = task.aggregate(records)
@@ -263,6 +266,7 @@ def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session:
         # The report's columns and the recipe a shard merge recomputes the scores with (it never builds a Task).
         "layout": task.layout(records, scores),
         "stats": summarize(records, settings.budget, policy.evicts),
+        **({"batch": {"size": settings.batch_size, "note": note}} if settings.batch_size > 1 else {}),
         "provenance": provenance(loaded, task),
     }
     if settings.diagnostics:

@@ -4,6 +4,7 @@ predictions.jsonl, and the run's summary statistics.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -13,7 +14,8 @@ from typing import Any
 
 import torch
 
-from kvbench.engine.generate import GenerationResult, GenerationSettings, Observer, generate
+from kvbench.engine.cache import EvictingCache, batchable
+from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate, generate_batch
 from kvbench.metrics.degenerate import is_degenerate
 from kvbench.policies.base import Policy
 from kvbench.policies.full import Full
@@ -92,22 +94,61 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
         samples = [s for k, s in enumerate(samples) if k % n == i]
     default_stop = eos_ids(model, tokenizer)
     todo = [s for s in samples if s.id not in done]
-    bar = tqdm(todo, desc=f"{task.name}", unit="sample", disable=not settings.progress, dynamic_ncols=True)
-    for sample in bar:
-        policy.start_sample(sample_seed(sample.id))
-        if task.needs_reference:
-            record = _reference_sample(model, tokenizer, policy, task, sample, settings,
-                                       references if references is not None else {})
+    size = settings.batch_size if batching_note(model, task, settings) is None else 1
+    # Batches of similar prompt lengths (equal-length prompt blocks go through the model together; the records are
+    # appended as each batch ends, so a kill loses at most the batch under way and resumes at sample granularity)
+    ordered = sorted(todo, key=lambda s: len(s.input_ids)) if size > 1 else todo
+    bar = tqdm(total=len(todo), desc=f"{task.name}", unit="sample", disable=not settings.progress, dynamic_ncols=True)
+    for start in range(0, len(ordered), size):
+        batch = ordered[start:start + size]
+        if task.needs_reference:  # size 1 (batching_note)
+            policy.start_sample(sample_seed(batch[0].id))
+            new = [_reference_sample(model, tokenizer, policy, task, batch[0], settings,
+                                     references if references is not None else {})]
         else:
-            stop = sample.stop_token_ids if sample.stop_token_ids is not None else default_stop
-            res = generate(model, policy, sample.input_ids, generation_settings(settings, sample, stop),
-                           answer_ids=answer_token_ids(tokenizer, sample, task) if settings.graded else None)
-            prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
-            record = make_record(sample, prediction, res, task.score(sample, prediction), settings)
-        append_record(pred_path, record)
-        records.append(record)
+            new = _generate_samples(model, tokenizer, policy, task, batch, settings, default_stop)
+        for record in new:
+            append_record(pred_path, record)
+            records.append(record)
+        bar.update(len(batch))
+    bar.close()
     order = {s.id: k for k, s in enumerate(samples)}
     return sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]])
+
+
+def batching_note(model: Any, task: Task, settings: RunSettings) -> str | None:
+    """Why a run with batch_size > 1 runs its samples one by one (one line, for metrics.json and the log), or None
+    when it batches (or batch_size is 1)."""
+    if settings.batch_size <= 1:
+        return None
+    if task.needs_reference:
+        return (f"batch_size={settings.batch_size} not applied: task '{task.name}' scores against a full-cache "
+                "reference per sample and runs one sample at a time")
+    if not batchable(EvictingCache(model.config)):
+        return (f"batch_size={settings.batch_size} not applied: the model has sliding-window layers, whose cache is "
+                "per sample; samples run one at a time")
+    return None
+
+
+def _generate_samples(model: Any, tokenizer: Any, policy: Policy, task: Task, batch: list[Sample],
+                      settings: RunSettings, default_stop: list[int]) -> list[dict[str, Any]]:
+    """Records of `batch`'s samples, generated together (one sample: exactly the batch-1 run). Each sample has its
+    own copy of the policy, started with the sample's own seed as a batch-1 run starts it."""
+    jobs = []
+    for sample in batch:
+        own = policy if len(batch) == 1 else copy.deepcopy(policy)
+        own.start_sample(sample_seed(sample.id))
+        stop = sample.stop_token_ids if sample.stop_token_ids is not None else default_stop
+        jobs.append(Job(sample.input_ids, own, generation_settings(settings, sample, stop),
+                        answer_ids=answer_token_ids(tokenizer, sample, task) if settings.graded else None))
+    records = []
+    for sample, res in zip(batch, generate_batch(model, jobs)):
+        prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
+        record = make_record(sample, prediction, res, task.score(sample, prediction), settings)
+        if settings.batch_size > 1:
+            record["batch"] = {"size": res.batch_size, "kv_bytes_peak": res.batch_kv_bytes_peak}
+        records.append(record)
+    return records
 
 
 def generation_settings(settings: RunSettings, sample: Sample, stop_ids: Any,
@@ -186,6 +227,7 @@ def summarize(records: list[dict[str, Any]], budget: int | None, evicts: bool) -
     prefill = sum(r["prefill_s"] for r in records)
     steps = sum(r["decode_steps"] for r in records)
     decode = sum(r["decode_s"] for r in records)
+    batched = [r for r in records if "batch" in r]
     ratio = [min(1.0, budget / r["prompt_tokens"]) if (evicts and budget) else 1.0 for r in records]
     return {
         "samples": len(records),
@@ -202,4 +244,7 @@ def summarize(records: list[dict[str, Any]], budget: int | None, evicts: bool) -
         # Outputs that collapsed (empty, whitespace, one token or n-gram repeated): records from before the field
         # count as not degenerate.
         "degenerate": sum(1 for r in records if r.get("degenerate")),
+        # batched runs: the largest batch and the most K+V bytes its caches held together
+        **({"batch_size": max(r["batch"]["size"] for r in batched),
+            "batch_kv_bytes_peak": max(r["batch"]["kv_bytes_peak"] for r in batched)} if batched else {}),
     }

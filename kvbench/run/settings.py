@@ -60,6 +60,10 @@ class RunSettings:
     diagnostics: tuple[str, ...] = ()
     graded: bool = True  # measure the graded score (answer_logprob): one teacher-forced branch per sample
     progress: bool = _setting(True, changes_results=False)
+    # Samples per forward (each with its own cache; engine.generate.generate_batch): a sample's tokens are its batch-1
+    # tokens but where the k-row products round a near-tie differently (kvbench-bench --batch counts them), so a
+    # batched run may resume a batch-1 one and the key leaves it out; every record says its batch.
+    batch_size: int = _setting(1, changes_results=False)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RunSettings:
@@ -73,6 +77,7 @@ class RunSettings:
             budget = cfg.get("budget")
             budget = None if budget is None else positive_int("budget", budget)  # null: the full cache's
             protocol, block = resolve_protocol(cfg.get("protocol", "blockwise"), block)
+            batch_size = positive_int("batch_size", cfg.get("batch_size", 1))
         except ValueError as e:
             raise ConfigError(str(e)) from None
         scenario = cfg.get("scenario", "question_aware")
@@ -100,7 +105,7 @@ class RunSettings:
                    overwrite=_flag("overwrite", cfg.get("overwrite", False)), device=str(cfg.get("device", "auto")),
                    shard=shard, diagnostics=tuple(cfg.get("diagnostics") or ()),
                    graded=_flag("graded", cfg.get("graded", True)),
-                   progress=_flag("progress", cfg.get("progress", True)))
+                   progress=_flag("progress", cfg.get("progress", True)), batch_size=batch_size)
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the run records them (config.yaml; the resume key; metrics): plain values in the

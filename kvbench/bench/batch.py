@@ -1,0 +1,172 @@
+"""`kvbench-bench --batch 1,4,8`: samples per CPU-hour (per hour on a GPU) when K samples go through the model
+together, each with its own policy-managed cache (`engine.generate.generate_batch`), next to HF's own batched
+`generate` (full cache, no eviction) on the same model and prompts.
+
+Two workloads, shaped like the benchmarks' samples: `niah` (2k-token prompts, 32 new tokens) and `longbench`
+(4k-token prompts, 256 new tokens). A workload's S samples (S = the largest K unless --samples) have distinct
+prompts of slightly different lengths (L, L - 13, L - 26, ...: as a task's samples differ, so their last prompt
+blocks differ and go through the model alone), and every sample decodes exactly its new tokens (no stop token), so
+every batch size does the same work. Each (workload, policy, K) runs the S samples in batches of K; the number is
+S / time x 3600 with the chosen clock (cpu: the process's CPU time, robust to other processes' load on one thread).
+For K > 1 the row also counts the samples whose tokens equal the K = 1 run's (`same_as_batch1`): a batched decoding
+step multiplies K rows by the weights where batch 1 multiplies one, which the CPU's BLAS rounds differently, so a
+near-tie between two logits (or two eviction scores) can go the other way; the first differing sample is shown.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kvbench.bench.setup import HF, make_policy, prompt_ids
+from kvbench.engine.generate import GenerationSettings, Job, Observer, generate_batch, sync
+
+WORKLOADS: dict[str, tuple[int, int]] = {"niah": (2048, 32), "longbench": (4096, 256)}  # prompt tokens, new tokens
+LENGTH_STEP = 13  # sample j's prompt is j x 13 tokens shorter: distinct tails, as a task's samples have
+BATCH_POLICIES = ["keydiff", "snapkv", "streamingllm"]
+GOALS = {"longbench": 1.6, "niah": 1.15}  # batch 8 vs batch 1, samples per hour (docs/bench.md)
+GOAL_BATCH = 8
+
+
+def batch_prompts(model: Any, tokenizer: Any, length: int, count: int, seed: int) -> list[list[int]]:
+    """`count` distinct prompts of lengths length, length - 13, ... (filler prose of seed + j, or random ids)."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    return [prompt_ids(length - LENGTH_STEP * j, vocab, tokenizer, seed + j) for j in range(count)]
+
+
+def _kvbench(model: Any, name: str, budget: int, block: int, prompts: list[list[int]], new_tokens: int, k: int,
+             clock: Callable[[], float], seed: int) -> dict[str, Any]:
+    """The prompts in batches of k through kvbench; time, tokens and the batches' peak K+V."""
+    jobs = []
+    for ids in prompts:
+        policy = make_policy(name, budget, seed)
+        policy.start_sample(seed)
+        jobs.append(Job(ids, policy, GenerationSettings(block=block, max_new_tokens=new_tokens),
+                        observer=Observer(clock=clock)))
+    sync(model.device)
+    t0 = clock()
+    results = [r for i in range(0, len(jobs), k) for r in generate_batch(model, jobs[i:i + k])]
+    sync(model.device)
+    seconds = clock() - t0
+    return {"seconds": seconds, "tokens": [r.tokens for r in results],
+            "prefill_s": sum(r.prefill_s for r in results), "decode_s": sum(r.decode_s for r in results),
+            "evict_s": sum(r.evict_s for r in results),
+            "kv_bytes_peak": max(r.batch_kv_bytes_peak for r in results)}
+
+
+@torch.inference_mode()
+def _hf(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int, k: int,
+        clock: Callable[[], float]) -> dict[str, Any]:
+    """HF's own batched `generate` (greedy, full cache, exactly new_tokens each), prompts left-padded per batch."""
+    device = model.device
+    pad = (getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None)
+    if pad is None:
+        pad = model.generation_config.eos_token_id
+        pad = pad[0] if isinstance(pad, list) else (pad if pad is not None else 0)
+    tokens: list[list[int]] = []
+    kv = 0
+    sync(device)
+    t0 = clock()
+    for i in range(0, len(prompts), k):
+        group = prompts[i:i + k]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=device)  # (k, width) left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
+                             return_dict_in_generate=True)
+        tokens += out.sequences[:, width:].tolist()
+        kv = max(kv, sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in out.past_key_values.layers))
+    sync(device)
+    return {"seconds": clock() - t0, "tokens": tokens, "prefill_s": None, "decode_s": None, "evict_s": None,
+            "kv_bytes_peak": kv}
+
+
+def run_batch_bench(model: Any, tokenizer: Any, policies: Sequence[str], batches: Sequence[int],
+                    workloads: Sequence[str], budget: int, block: int, samples: int | None, hf: bool, seed: int,
+                    clock: Callable[[], float], log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """One row per (workload, policy or hf, K); K = 1 first in each (policy, workload), so every later row is compared
+    with it (speed-up, identical tokens)."""
+    rows: list[dict[str, Any]] = []
+    batches = sorted(set(batches) | {1})
+    count = samples or max(batches)
+    for workload in workloads:
+        length, new_tokens = WORKLOADS[workload]
+        prompts = batch_prompts(model, tokenizer, length, count, seed)
+        for name in [*policies, *([HF] if hf else [])]:
+            first: dict[str, Any] | None = None
+            for k in batches:
+                t0 = time.perf_counter()
+                m = (_hf(model, tokenizer, prompts, new_tokens, k, clock) if name == HF else
+                     _kvbench(model, name, budget, block, prompts, new_tokens, k, clock, seed))
+                first = first or m
+                same = [a == b for a, b in zip(m["tokens"], first["tokens"])]
+                diverged = next((j for j, s in enumerate(same) if not s), None)
+                row = {
+                    "workload": workload, "policy": name, "batch": k, "samples": count,
+                    "prompt_tokens": [len(p) for p in prompts], "new_tokens": new_tokens,
+                    "budget": None if name == HF else budget, "block": None if name == HF else block,
+                    "seconds": round(m["seconds"], 3),
+                    "samples_per_hour": round(count / m["seconds"] * 3600, 1),
+                    "vs_batch1": round(first["seconds"] / m["seconds"], 3),
+                    "prefill_s": None if m["prefill_s"] is None else round(m["prefill_s"], 3),
+                    "decode_s": None if m["decode_s"] is None else round(m["decode_s"], 3),
+                    "evict_s": None if m["evict_s"] is None else round(m["evict_s"], 3),
+                    "kv_bytes_peak": m["kv_bytes_peak"],
+                    "same_as_batch1": sum(same),
+                    "first_difference": None if diverged is None else {
+                        "sample": diverged, "token": _first_diff(m["tokens"][diverged], first["tokens"][diverged])},
+                    "wall_s": round(time.perf_counter() - t0, 3),
+                }
+                rows.append(row)
+                if log:
+                    log(f"  {workload:9s} {name:13s} K={k}: {row['seconds']:.1f} s, {row['samples_per_hour']:.0f} "
+                        f"samples/h ({row['vs_batch1']:.2f}x batch 1), same tokens as batch 1: "
+                        f"{row['same_as_batch1']}/{count}")
+    return rows
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def batch_goal_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Pass/fail lines: the largest K vs K = 1 per (workload, policy) against GOALS, and identical tokens."""
+    lines = []
+    for (workload, name), group in _groups(rows).items():
+        top = max(group, key=lambda r: r["batch"])
+        if top["batch"] == 1:
+            continue
+        goal = GOALS.get(workload) if top["batch"] >= GOAL_BATCH and name != HF else None
+        verdict = "" if goal is None else (" PASS" if top["vs_batch1"] >= goal else " MISS") + f" (goal >= {goal}x)"
+        same = ", ".join(f"K={r['batch']} {r['same_as_batch1']}/{r['samples']}" for r in group if r["batch"] > 1)
+        lines.append(f"{workload}: {name} batch {top['batch']} vs 1: {top['vs_batch1']:.2f}x samples per hour"
+                     f"{verdict}; tokens identical to batch 1: {same}")
+    return lines
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    out: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault((r["workload"], r["policy"]), []).append(r)
+    return out
+
+
+def batch_markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table (times in the run's clock)."""
+    head = ("| workload | prompt / new tokens | policy | N | K | samples | time (s) | samples / h | vs K=1 | "
+            "prefill (s) | decode (s) | evict (s) | K+V peak (MiB) | same tokens as K=1 |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lengths = r["prompt_tokens"]
+        span = f"{min(lengths)}-{max(lengths)} / {r['new_tokens']}"
+        fmt = (lambda v: "-" if v is None else f"{v:.1f}")
+        same = f"{r['same_as_batch1']}/{r['samples']}" if r["batch"] > 1 else "-"
+        out.append(f"| {r['workload']} | {span} | {r['policy']} | {r['budget'] or '-'} | {r['batch']} | "
+                   f"{r['samples']} | {r['seconds']:.1f} | {r['samples_per_hour']:.0f} | {r['vs_batch1']:.2f} | "
+                   f"{fmt(r['prefill_s'])} | {fmt(r['decode_s'])} | {fmt(r['evict_s'])} | "
+                   f"{r['kv_bytes_peak'] / 2 ** 20:.0f} | {same} |")
+    return "\n".join(out)
+

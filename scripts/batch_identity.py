@@ -1,0 +1,87 @@
+"""Batched runs against committed batch-1 runs: every record of a committed run, rerun with batch_size=K, compared
+field by field (tokens, prediction, score, graded log-probability, decoding steps, peak tokens and bytes).
+
+    python scripts/batch_identity.py --batch 4 --shard 0/2 --out results/bench_smollm2/batch_identity.md \
+        results/niah_grid/runs/smollm2-135m/niah/*_N512_blockwise_B128
+
+Each run directory's own config.yaml is rerun (shard i/n: its samples with index % n == i) into a scratch directory
+(--scratch, default a temporary one); the table says, per run, how many samples are identical in every field above,
+and for the others where the tokens first differ and by how much the graded score moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+FIELDS = ("tokens", "prediction", "score", "answer_logprob", "decode_steps", "new_tokens", "peak_kv_tokens",
+          "kv_bytes_peak", "degenerate")
+
+
+def _records(path: Path) -> dict[str, dict]:
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--shard", default=None, help="i/n: rerun only the samples with index % n == i")
+    p.add_argument("--scratch", type=Path, default=None)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    for run in a.runs:
+        if not (run / "config.yaml").is_file() or not (run / "predictions.jsonl").is_file():
+            print(f"batch_identity: {run} is not a run directory (config.yaml, predictions.jsonl)", file=sys.stderr)
+            return 2
+    from kvbench.run.app import Session, run_one
+
+    scratch = a.scratch or Path(tempfile.mkdtemp(prefix="kvbench-batch-"))
+    session = Session()
+    rows = []
+    for run in a.runs:
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        name = json.loads((run / "metrics.json").read_text())["policy"]
+        cfg.update(batch_size=a.batch, shard=a.shard, overwrite=True, progress=False)
+        t0 = time.perf_counter()
+        run_one(cfg, name, scratch / run.name, session)
+        took = time.perf_counter() - t0
+        old, new = _records(run / "predictions.jsonl"), _records(scratch / run.name / "predictions.jsonl")
+        same, diffs = 0, []
+        for sid, rec in new.items():
+            ref = old[sid]
+            if all(rec.get(f) == ref.get(f) for f in FIELDS):
+                same += 1
+                continue
+            moved = (abs(rec["answer_logprob"] - ref["answer_logprob"])
+                     if rec.get("answer_logprob") is not None and ref.get("answer_logprob") is not None else None)
+            diffs.append(f"{sid}: tokens from {_first_diff(rec['tokens'], ref['tokens'])}, "
+                         f"fields {', '.join(f for f in FIELDS if rec.get(f) != ref.get(f))}"
+                         + (f", graded {moved:.2e}" if moved is not None else ""))
+        rows.append((run, name, len(new), same, diffs, took))
+        print(f"{run.name}: {same}/{len(new)} identical ({took:.0f} s)", file=sys.stderr, flush=True)
+    lines = [f"Batched (batch_size={a.batch}) reruns of committed batch-1 runs"
+             + (f", samples of shard {a.shard}" if a.shard else "") + "; identical = every field of "
+             + ", ".join(f"`{f}`" for f in FIELDS) + " equal.", "",
+             "| committed run | policy | samples | identical | differing (first differing token, fields) | wall (s) |",
+             "|---|---|---|---|---|---|"]
+    for run, name, n, same, diffs, took in rows:
+        lines.append(f"| `{run.as_posix()}` | {name} | {n} | {same} | {'; '.join(diffs) or '-'} | {took:.0f} |")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Batched samples (`generate_batch`, `batch_size=K`): each sample's result is the one it gets alone.
+
+Every policy under every protocol, prompts of different lengths (so different tail blocks and prompt-block counts),
+samples that stop at different steps (their own stop token, their own max_new_tokens) and leave the batch, a graded
+branch per sample. In float64 the batched and the batch-1 runs must give the same tokens, decoding steps, peak
+tokens and bytes (the only arithmetic difference, k rows through a weight product instead of 1, is then ~1e-16 and
+cannot flip a token); in float32 the caches after the prompt must be bit-identical (the kept positions of every
+prompt forward; blocks of >= 4 tokens: see generate._MIN_BATCH_ROWS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from kvbench.bench.setup import make_policy
+from kvbench.engine.generate import GenerationSettings, Job, Observer, generate, generate_batch
+from kvbench.options import PROTOCOLS
+from kvbench.run.config import group_choices
+
+from helpers import installed_model, run_config
+
+POLICIES = group_choices("policy")  # every conf/policy file, the full baseline included
+N, B = 40, 16  # N above the 32 recent tokens SnapKV's family protects
+LENGTHS = (101, 64, 133, 84)  # 7 / 4 / 9 / 6 prompt forwards; tails of 5, 0, 5 and 4 tokens
+NEW = (9, 6, 12, 9)  # per-sample max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def model64() -> Any:
+    model, _ = installed_model("tiny-llama", output_scale=1.0)
+    return model.to(torch.float64)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(8, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _jobs(name: str, protocol: str, stops: list[tuple[int, ...]] | None = None, graded: bool = True,
+          scenario: str = "question_aware") -> list[Job]:
+    jobs = []
+    for j, (n, new) in enumerate(zip(LENGTHS, NEW)):
+        settings = GenerationSettings(block=B, max_new_tokens=new, protocol=protocol, scenario=scenario,
+                                      context_tokens=n - 9 if scenario == "context_only" else None,
+                                      stop_ids=stops[j] if stops else ())
+        jobs.append(Job(_prompt(n, j), make_policy(name, N, seed=j), settings,
+                        answer_ids=_prompt(4 + j, 100 + j) if graded else None))
+    return jobs
+
+
+def _same(alone: Any, batched: Any) -> None:
+    assert batched.tokens == alone.tokens
+    assert batched.decode_steps == alone.decode_steps
+    assert (batched.peak_kv_tokens, batched.kv_bytes_peak) == (alone.peak_kv_tokens, alone.kv_bytes_peak)
+    if alone.answer_logprob is None:
+        assert batched.answer_logprob is None
+    else:
+        assert batched.answer_logprob == pytest.approx(alone.answer_logprob, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+@pytest.mark.parametrize("name", POLICIES)
+def test_batched_equals_each_sample_alone(model64, name: str, protocol: str) -> None:
+    alone = [generate(model64, j.policy, list(j.input_ids), j.settings, answer_ids=j.answer_ids)
+             for j in _jobs(name, protocol)]
+    # Sample 1 stops on the first token of its answer that did not occur before (a stop id emitted earlier would
+    # have stopped it earlier), so it leaves the batch early; the others run to their own max_new_tokens (6-12).
+    first = alone[1].tokens
+    k = next((i for i in range(1, len(first)) if first[i] not in first[:i]), 0)
+    stops: list[tuple[int, ...]] = [(), (first[k],), (), ()]
+    job1 = _jobs(name, protocol, stops)[1]
+    alone[1] = generate(model64, job1.policy, list(job1.input_ids), job1.settings, answer_ids=job1.answer_ids)
+    assert len(alone[1].tokens) == k < NEW[1]
+    batched = generate_batch(model64, _jobs(name, protocol, stops))
+    for a, b in zip(alone, batched):
+        _same(a, b)
+    assert [b.batch_size for b in batched] == [4, 4, 4, 4]
+
+
+def test_context_only_batches(model64) -> None:
+    """The question after context_tokens goes in unevicted (a forward of 9 tokens, alone or with the others)."""
+    jobs = _jobs("keydiff", "blockwise", scenario="context_only")
+    alone = [generate(model64, j.policy, list(j.input_ids), j.settings, answer_ids=j.answer_ids)
+             for j in _jobs("keydiff", "blockwise", scenario="context_only")]
+    for a, b in zip(alone, generate_batch(model64, jobs)):
+        _same(a, b)
+
+
+def test_forced_tokens_and_logits_per_sample(model64) -> None:
+    """Teacher forcing (the fidelity task) per sample: each sample's observer sees its own logits, equal to alone."""
+    seen: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    alone_seen: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    jobs, alone = [], []
+    for j in (0, 1):
+        forced = _prompt(5 + j, 50 + j)
+        s = GenerationSettings(block=B, max_new_tokens=10, protocol="blockwise")
+        ids = _prompt(LENGTHS[j], j)
+        alone.append(generate(model64, make_policy("snapkv", N, 0), ids, s, forced=forced,
+                              observer=Observer(on_logits=alone_seen[j].append)))
+        jobs.append(Job(ids, make_policy("snapkv", N, 0), s, forced=forced, observer=Observer(on_logits=seen[j].append)))
+    batched = generate_batch(model64, jobs)
+    for j in (0, 1):
+        assert batched[j].tokens == alone[j].tokens == _prompt(5 + j, 50 + j)
+        assert len(seen[j]) == len(alone_seen[j]) == 5 + j
+        for x, y in zip(seen[j], alone_seen[j]):
+            assert x.shape == (1, y.shape[-1]) and torch.allclose(x, y, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_float32_caches_after_the_prompt_are_bit_identical(name: str) -> None:
+    """In float32 the kept positions of every prompt forward equal batch 1's exactly (the trace before each forward,
+    the prompt's forwards only: decoding steps may round differently, see generate_batch)."""
+    model, _ = installed_model("tiny-llama", output_scale=1.0)
+
+    def job(j: int, trace: bool) -> Job:
+        s = GenerationSettings(block=B, max_new_tokens=1, protocol="blockwise")
+        return Job(_prompt(LENGTHS[j], j), make_policy(name, N, seed=j), s, observer=Observer(trace=trace))
+
+    alone = [generate(model, jb.policy, list(jb.input_ids), jb.settings, observer=jb.observer)
+             for jb in (job(j, True) for j in range(4))]
+    batched = generate_batch(model, [job(j, True) for j in range(4)])
+    for a, b in zip(alone, batched):
+        assert len(a.trace) == len(b.trace) >= 1  # the full cache: one forward per prompt
+        for step_a, step_b in zip(a.trace, b.trace):
+            for pa, pb in zip(step_a, step_b):
+                assert (pa is None) == (pb is None) and (pa is None or torch.equal(pa, pb))
+
+
+def test_batch_memory_is_the_sum_of_the_samples_caches(model64) -> None:
+    """Bounded policy: each cache holds at most N + B tokens per KV head, so the batch's K+V never exceeds
+    K x layers x 2 (K and V) x h_kv x (N + B) x head_dim x 8 bytes (float64); worked out from tiny-llama's config:
+    4 x 2 x 2 x 2 x 56 x 64 x 8 = 917504 bytes. Prompts are long enough that every sample reaches N + B."""
+    jobs = _jobs("keydiff", "blockwise", graded=False)
+    batched = generate_batch(model64, jobs)
+    assert all(r.peak_kv_tokens == N + B for r in batched)
+    assert max(r.batch_kv_bytes_peak for r in batched) == 917504
+    assert all(r.kv_bytes_peak == 2 * 2 * 2 * (N + B) * 64 * 8 for r in batched)
+
+
+def test_sliding_window_models_run_one_sample_at_a_time() -> None:
+    """A model with sliding-window layers (bounded by HF, per sample) does not batch: each job alone, same result."""
+    model, _ = installed_model("tiny-mistral", output_scale=1.0, sliding_window=16)
+    jobs = _jobs("keydiff", "blockwise", graded=False)[:2]
+    alone = [generate(model, j.policy, list(j.input_ids), j.settings) for j in _jobs("keydiff", "blockwise",
+                                                                                       graded=False)[:2]]
+    batched = generate_batch(model, jobs)
+    assert [r.batch_size for r in batched] == [1, 1]
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+
+
+def test_a_batched_run_writes_the_batch_1_records_and_resumes(tmp_path) -> None:
+    """batch_size=3 over 8 jsonl samples of different lengths (float64): every record equals the batch_size=1 run's
+    but for timing and its `batch` entry; metrics.json says the batch; a run cut after its first batch resumes to
+    the same records."""
+    import json
+
+    from kvbench.run.app import Session, run_one
+    from test_resume import TIMING, _cfg, _data
+
+    data = _data(tmp_path)
+    session = Session()
+
+    def records(path) -> list[dict]:
+        rows = [json.loads(line) for line in (path / "predictions.jsonl").read_text().splitlines()]
+        return sorted(({k: v for k, v in r.items() if k not in TIMING + ("batch",)} for r in rows),
+                      key=lambda r: r["id"])
+
+    one = run_one(_cfg(data, **{"model.dtype": "float64"}), "keydiff", tmp_path / "one", session)
+    three = run_one(_cfg(data, **{"model.dtype": "float64", "batch_size": 3}), "keydiff", tmp_path / "three", session)
+    assert records(tmp_path / "three") == records(tmp_path / "one")
+    assert one["scores"] == three["scores"] and "batch" not in one
+    assert three["batch"] == {"size": 3, "note": None} and three["stats"]["batch_size"] == 3
+    # the batch's K+V: at most 3 caches of N + B = 64 tokens, 2 layers x K,V x 2 heads x 64 dims x 8 bytes
+    assert three["stats"]["batch_kv_bytes_peak"] <= 3 * 64 * 2 * 2 * 2 * 64 * 8
+    # cut after the first batch (3 records), then resumed
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "predictions.jsonl").write_text("".join((tmp_path / "three" / "predictions.jsonl").read_text()
+                                                   .splitlines(keepends=True)[:3]))
+    (cut / "run.json").write_text((tmp_path / "three" / "run.json").read_text())
+    run_one(_cfg(data, **{"model.dtype": "float64", "batch_size": 3}), "keydiff", cut, session)
+    assert records(cut) == records(tmp_path / "one")
+
+
+def test_a_reference_task_runs_one_by_one_and_says_so(tmp_path) -> None:
+    from kvbench.run.app import Session, run_one
+
+    cfg = run_config("model=tiny-llama", "task=fidelity", "task.lengths=[60]", "task.samples_per_length=2",
+                     "task.new_tokens=3", "policy=keydiff", "budget=40", "block=16", "batch_size=2", "progress=false")
+    metrics = run_one(cfg, "keydiff", tmp_path / "run", Session())
+    assert metrics["batch"]["size"] == 2 and "one sample at a time" in metrics["batch"]["note"]
