@@ -21,9 +21,10 @@ import torch
 from kvbench.bench.setup import load_real_model, make_policy, prompt_ids
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 
-FUNCS = ("evict", "select", "score", "window_scores", "query_attention", "ranked_scores", "top_slots", "rank_mask",
-         "adaptive_counts", "head_counts", "compact", "two_stage", "keep", "unpack", "pack", "on_append",
-         "on_attention", "explicit_attention", "ragged_attention", "wrapped")
+FUNCS = ("evict", "_evict", "select", "score", "window_scores", "query_attention", "ranked_scores", "top_slots",
+         "rank_mask", "adaptive_counts", "head_counts", "compact", "two_stage", "keep", "unpack", "pack", "on_append",
+         "on_attention", "explicit_attention", "ragged_attention", "wrapped", "window_attention", "_query_rows",
+         "_window_rows")
 
 
 def profile(model, tok, name: str, prompt: list[int], budget: int, block: int, new_tokens: int) -> list[str]:

@@ -185,10 +185,34 @@ def test_a_batched_run_writes_the_batch_1_records_and_resumes(tmp_path) -> None:
     assert records(cut) == records(tmp_path / "one")
 
 
-def test_a_reference_task_runs_one_by_one_and_says_so(tmp_path) -> None:
+def test_a_reference_task_batches_too(tmp_path) -> None:
+    """fidelity (label-free: the full cache's continuation, then the policy forced along it), 3 prompts of different
+    lengths in float64: batch_size=2 gives the batch-1 records but for timing and `batch`."""
+    import json
+
     from kvbench.run.app import Session, run_one
 
-    cfg = run_config("model=tiny-llama", "task=fidelity", "task.lengths=[60]", "task.samples_per_length=2",
-                     "task.new_tokens=3", "policy=keydiff", "budget=40", "block=16", "batch_size=2", "progress=false")
-    metrics = run_one(cfg, "keydiff", tmp_path / "run", Session())
-    assert metrics["batch"]["size"] == 2 and "one sample at a time" in metrics["batch"]["note"]
+    def run(name: str, *extra: str) -> list[dict]:
+        cfg = run_config("model=tiny-llama", "model.dtype=float64", "task=fidelity", "task.lengths=[60,90]",
+                         "task.samples_per_length=2", "task.new_tokens=5", "policy=keydiff", "budget=40", "block=16",
+                         "progress=false", *extra)
+        metrics = run_one(cfg, "keydiff", tmp_path / name, Session())
+        assert ("batch" in metrics) == bool(extra) and (not extra or metrics["batch"]["note"] is None)
+        rows = [json.loads(line) for line in (tmp_path / name / "predictions.jsonl").read_text().splitlines()]
+        return sorted(({k: v for k, v in r.items() if not k.endswith("_s") and k != "batch"} for r in rows),
+                      key=lambda r: r["id"])
+
+    one, two = run("one"), run("two", "batch_size=2")
+    assert len(one) == 4 and two == one
+
+
+def test_sliding_window_models_say_why_they_do_not_batch() -> None:
+    from kvbench.run.loop import batching_note
+    from kvbench.run.settings import RunSettings
+
+    model, _ = installed_model("tiny-mistral", output_scale=1.0, sliding_window=16)
+    note = batching_note(model, RunSettings(batch_size=4))
+    assert note.startswith("batch_size=4 not applied: the model has sliding-window layers") and "\n" not in note
+    assert batching_note(model, RunSettings(batch_size=1)) is None
+    plain, _ = installed_model("tiny-llama")
+    assert batching_note(plain, RunSettings(batch_size=4)) is None

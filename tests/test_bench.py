@@ -257,3 +257,55 @@ def test_unknown_model_is_one_line(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert err == "kvbench-bench: error: unknown model 'nosuch-model': neither a conf/model preset nor a model directory"
     assert not (tmp_path / "b.json").exists()
+
+
+def test_batch_rows_per_workload_policy_and_k(tmp_path, one_thread) -> None:
+    """--batch 1,2 on the NIAH-shaped workload (2 prompts of 2048 and 2035 tokens, 32 new tokens) with HF's batched
+    generate beside: one row per (policy, K), K+V bytes worked out from tiny-llama's shape."""
+    from kvbench.bench.batch import batch_goal_lines
+    from kvbench.models.tiny import builtin_dir
+
+    out = tmp_path / "b.json"
+    rc = bench.main(["--model", str(builtin_dir("tiny-llama")), "--batch", "1,2", "--samples", "2", "--workloads",
+                     "niah", "--policies", "keydiff", "--budgets", "64", "--block", "16", "--clock", "cpu",
+                     "--out", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = {(r["policy"], r["batch"]): r for r in data["rows"]}
+    assert set(rows) == {("keydiff", 1), ("keydiff", 2), ("hf", 1), ("hf", 2)}
+    for r in rows.values():
+        assert r["prompt_tokens"] == [2048, 2035] and r["new_tokens"] == 32 and r["samples"] == 2
+        assert r["samples_per_hour"] == pytest.approx(2 / r["seconds"] * 3600, rel=1e-2)
+    assert rows[("keydiff", 1)]["vs_batch1"] == 1.0 and rows[("keydiff", 1)]["same_as_batch1"] == 2
+    # K+V of a batch: K samples x 2 layers x (K, V) x 2 heads x (N + B = 80 tokens) x 64 dims x 4 bytes
+    assert rows[("keydiff", 1)]["kv_bytes_peak"] == 1 * 2 * 2 * 2 * 80 * 64 * 4
+    assert rows[("keydiff", 2)]["kv_bytes_peak"] == 2 * 2 * 2 * 2 * 80 * 64 * 4
+    # HF's full cache: both prompts left-padded to 2048, plus the 31 fed-back tokens
+    assert rows[("hf", 2)]["kv_bytes_peak"] == 2 * 2 * 2 * 2 * (2048 + 31) * 64 * 4
+    assert data["goals"] == batch_goal_lines(data["rows"])
+    assert data["goals"][0].startswith("niah: keydiff batch 2 vs 1: ") and "PASS" not in data["goals"][0]
+    md = out.with_suffix(".md").read_text()
+    assert "| niah | 2035-2048 / 32 | keydiff | 64 | 2 | 2 |" in md
+
+
+def test_batch_goal_lines_judge_batch_8_against_the_workload_goal() -> None:
+    from kvbench.bench.batch import batch_goal_lines
+
+    def row(workload: str, policy: str, k: int, speedup: float, same: int) -> dict:
+        return {"workload": workload, "policy": policy, "batch": k, "vs_batch1": speedup, "samples": 8,
+                "same_as_batch1": same}
+
+    lines = batch_goal_lines([row("longbench", "keydiff", 1, 1.0, 8), row("longbench", "keydiff", 8, 1.61, 7),
+                              row("niah", "snapkv", 1, 1.0, 8), row("niah", "snapkv", 8, 1.14, 8),
+                              row("niah", "hf", 1, 1.0, 8), row("niah", "hf", 8, 2.0, 8)])
+    assert lines == ["longbench: keydiff batch 8 vs 1: 1.61x samples per hour PASS (goal >= 1.6x); tokens identical "
+                     "to batch 1: K=8 7/8",
+                     "niah: snapkv batch 8 vs 1: 1.14x samples per hour MISS (goal >= 1.15x); tokens identical to "
+                     "batch 1: K=8 8/8",
+                     "niah: hf batch 8 vs 1: 2.00x samples per hour; tokens identical to batch 1: K=8 8/8"]
+
+
+def test_bad_workload_is_refused(tmp_path) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--batch", "1,2", "--workloads", "ruler", "--out", str(tmp_path / "b.json")])
+    assert e.value.code == 2 and not (tmp_path / "b.json").exists()

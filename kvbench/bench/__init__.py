@@ -23,7 +23,10 @@ So `evict_share` (eviction time / total run time), `vs_floor` (prefill time / th
 `goals()` turns them into the pass/fail lines of the speed goals of docs/bench.md (eviction share, decode vs HF,
 prefill vs HF, slowest policy vs KeyDiff, flat memory, host syncs per decoding step).
 
-Modules: setup (models, prompts, policies by name), measure (one configuration, interleaved rounds, peak memory;
+`--batch 1,4,8` measures something else: samples per hour with K samples per forward (`batch`), for NIAH- and
+LongBench-shaped workloads, next to HF's batched `generate`.
+
+Modules: setup (models, prompts, policies by name), batch (--batch), measure (one configuration, interleaved rounds, peak memory;
 its docstring says how RSS is measured), syncs (host syncs per decoding step, counted on any device), goals (ratios,
 pass/fail lines, the table), cli (`main`).
 """

@@ -162,43 +162,38 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
         print(f"kvbench-bench: error: {e}", file=sys.stderr)
         return 2
     results = goals(rows)
-    lines = goal_lines(results)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "goals": results}, indent=1) + "\n", encoding="utf-8")
-    table = markdown_table(rows)
-    md = Path(a.markdown) if a.markdown else out.with_suffix(".md")
-    md.write_text(f"{desc} on {device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
-                  f"{torch.get_num_threads()} threads); {a.clock} clock, medians of {repeats} interleaved rounds, "
-                  f"{new_tokens} new tokens.\n\nCommand: `{a.command}`" +
-                  f"\n\n{table}\n" + ("\n## Goals\n\n" + "\n".join(f"- {ln}" for ln in lines) + "\n"
-                                      if lines else ""), encoding="utf-8")
-    print(table)
-    for ln in lines:
-        print(ln)
+    _write(a, {"rows": rows, "goals": results}, markdown_table(rows), goal_lines(results), desc, device,
+           f"medians of {repeats} interleaved rounds, {new_tokens} new tokens")
     if log:
-        log(f"kvbench-bench: {len(rows)} configurations in {time.perf_counter() - t0:.0f} s -> {out}, {md}")
+        log(f"kvbench-bench: {len(rows)} configurations in {time.perf_counter() - t0:.0f} s -> {a.out}")
     return 0
 
 
 def _write_batch(a: argparse.Namespace, rows: list[dict], desc: str, device: torch.device, log, t0: float) -> int:
     """--batch: bench.json (rows and goal lines) and the markdown table."""
     lines = batch_goal_lines(rows)
+    _write(a, {"rows": rows, "goals": lines}, batch_markdown(rows), lines, desc, device,
+           "one round; samples decode exactly their new tokens")
+    if log:
+        log(f"kvbench-bench: {len(rows)} batch rows in {time.perf_counter() - t0:.0f} s -> {a.out}")
+    return 0
+
+
+def _write(a: argparse.Namespace, payload: dict, table: str, lines: list[str], desc: str, device: torch.device,
+           about: str) -> None:
+    """--out (JSON) and the markdown file (--markdown, default --out with .md): where it ran, the command, the table
+    and the goal lines; the table and the lines are printed too."""
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "goals": lines}, indent=1) + "\n", encoding="utf-8")
-    table = batch_markdown(rows)
+    out.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
     md = Path(a.markdown) if a.markdown else out.with_suffix(".md")
     md.write_text(f"{desc} on {device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
-                  f"{torch.get_num_threads()} threads); {a.clock} clock, one round; samples decode exactly their new "
-                  f"tokens.\n\nCommand: `{a.command}`\n\n{table}\n\n## Goals\n\n" +
-                  "\n".join(f"- {ln}" for ln in lines) + "\n", encoding="utf-8")
+                  f"{torch.get_num_threads()} threads); {a.clock} clock, {about}.\n\nCommand: `{a.command}`" +
+                  f"\n\n{table}\n" + ("\n## Goals\n\n" + "\n".join(f"- {ln}" for ln in lines) + "\n"
+                                      if lines else ""), encoding="utf-8")
     print(table)
     for ln in lines:
         print(ln)
-    if log:
-        log(f"kvbench-bench: {len(rows)} batch rows in {time.perf_counter() - t0:.0f} s -> {out}, {md}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ The wrapper receives post-norm, post-RoPE queries, the layer's whole key/value (
 and otherwise delegates to sdpa or the model file's own eager function.
 
 The active cache is found through a context variable set by `active(cache)`, so plain forwards outside kvbench
-runs go straight to the base implementation.
+runs go straight to the base implementation. A `BatchCache` (several samples in one forward, engine/cache.py) makes
+the wrapper do all of the above per sample, each sample's query rows over its own layer with its own mask, as its
+batch-1 forward would; only the projections and MLPs around it see the batch.
 """
 
 from __future__ import annotations

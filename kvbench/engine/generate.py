@@ -4,6 +4,8 @@
 every layer's cache is pruned back to its budget by the policy; decoding feeds one token at a time (B = 1) and
 evicts after every step. The protocol (PROTOCOLS) can instead feed the prompt in one forward and/or leave the
 cache to grow while decoding. The loop never looks at a policy's class: it only reads its declared needs.
+`generate_batch` runs several samples through the same steps together (each with its own cache and policy: the
+model's projections see the batch, attention and eviction stay per sample); `generate` is its one-sample case.
 """
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session:
     _write_config(run_dir, settings.recorded())
     if not meta_path.is_file():
         write_json(meta_path, {"key": key, "policy": policy_name, "kvbench": __version__, "commit": _git_commit()})
-    note = batching_note(loaded.model, task, settings)
+    note = batching_note(loaded.model, settings)
     if note:
         print(f"kvbench: {note}", file=sys.stderr)
     records = run_task(loaded.model, loaded.tokenizer, policy, task, env, settings, run_dir,

@@ -94,17 +94,16 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
         samples = [s for k, s in enumerate(samples) if k % n == i]
     default_stop = eos_ids(model, tokenizer)
     todo = [s for s in samples if s.id not in done]
-    size = settings.batch_size if batching_note(model, task, settings) is None else 1
+    size = settings.batch_size if batching_note(model, settings) is None else 1
     # Batches of similar prompt lengths (equal-length prompt blocks go through the model together; the records are
     # appended as each batch ends, so a kill loses at most the batch under way and resumes at sample granularity)
     ordered = sorted(todo, key=lambda s: len(s.input_ids)) if size > 1 else todo
     bar = tqdm(total=len(todo), desc=f"{task.name}", unit="sample", disable=not settings.progress, dynamic_ncols=True)
     for start in range(0, len(ordered), size):
         batch = ordered[start:start + size]
-        if task.needs_reference:  # size 1 (batching_note)
-            policy.start_sample(sample_seed(batch[0].id))
-            new = [_reference_sample(model, tokenizer, policy, task, batch[0], settings,
-                                     references if references is not None else {})]
+        if task.needs_reference:
+            new = _reference_samples(model, tokenizer, policy, task, batch, settings,
+                                     references if references is not None else {})
         else:
             new = _generate_samples(model, tokenizer, policy, task, batch, settings, default_stop)
         for record in new:
@@ -116,14 +115,11 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
     return sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]])
 
 
-def batching_note(model: Any, task: Task, settings: RunSettings) -> str | None:
+def batching_note(model: Any, settings: RunSettings) -> str | None:
     """Why a run with batch_size > 1 runs its samples one by one (one line, for metrics.json and the log), or None
     when it batches (or batch_size is 1)."""
     if settings.batch_size <= 1:
         return None
-    if task.needs_reference:
-        return (f"batch_size={settings.batch_size} not applied: task '{task.name}' scores against a full-cache "
-                "reference per sample and runs one sample at a time")
     if not batchable(EvictingCache(model.config)):
         return (f"batch_size={settings.batch_size} not applied: the model has sliding-window layers, whose cache is "
                 "per sample; samples run one at a time")
@@ -174,30 +170,43 @@ def answer_token_ids(tokenizer: Any, sample: Sample, task: Task) -> list[int] | 
     return ids or None
 
 
-def _reference_sample(model: Any, tokenizer: Any, policy: Policy, task: Task, sample: Sample,
-                      settings: RunSettings, references: dict[Any, Any]) -> dict[str, Any]:
-    """Label-free scoring: the full cache's greedy continuation, then the policy teacher-forced along it."""
-    key = (sample.id, zlib.crc32(json.dumps(sample.input_ids).encode()), sample.max_new_tokens)
-    if key not in references:
-        logps: list[torch.Tensor] = []
-        log_probs = Observer(on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
-        ref = generate(model, Full(), sample.input_ids, GenerationSettings(max_new_tokens=sample.max_new_tokens),
-                       observer=log_probs)
-        references[key] = (ref.tokens, torch.stack(logps))  # (new, vocab)
-    ref_tokens, ref_logp = references[key]
-    logps = []
-    log_probs = Observer(on_logits=lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)))
-    # Along the reference's tokens: no stop token ends it and nothing holds one off (min_new_tokens 0).
-    along = dataclasses.replace(generation_settings(settings, sample, (), len(ref_tokens)), min_new_tokens=0)
-    res = generate(model, policy, sample.input_ids, along, forced=ref_tokens, observer=log_probs)
-    test_logp = torch.stack(logps)  # (new, vocab)
-    prediction = tokenizer.decode(test_logp.argmax(dim=-1).tolist(), skip_special_tokens=True)
-    record = make_record(sample, prediction, res, 0.0, settings)
-    extra = task.score_reference(sample, ref_tokens, ref_logp, test_logp)
-    record["score"] = extra.pop("score")
-    record["reference"] = tokenizer.decode(ref_tokens, skip_special_tokens=True)
-    record.update(extra)
-    return record
+def _reference_samples(model: Any, tokenizer: Any, policy: Policy, task: Task, batch: list[Sample],
+                       settings: RunSettings, references: dict[Any, Any]) -> list[dict[str, Any]]:
+    """Label-free scoring of `batch` (together, as `_generate_samples`): each sample's full-cache greedy continuation
+    (kept in `references` for the next policy on the same model), then the policy teacher-forced along it."""
+    def collector(out: list[torch.Tensor]) -> Observer:
+        return Observer(on_logits=lambda lg: out.append(torch.log_softmax(lg[0], dim=-1)))
+
+    keys = [(s.id, zlib.crc32(json.dumps(s.input_ids).encode()), s.max_new_tokens) for s in batch]
+    missing = [(s, k) for s, k in zip(batch, keys) if k not in references]
+    logps: dict[Any, list[torch.Tensor]] = {k: [] for _, k in missing}
+    jobs = [Job(s.input_ids, Full(), GenerationSettings(max_new_tokens=s.max_new_tokens), observer=collector(logps[k]))
+            for s, k in missing]
+    for (_, k), ref in zip(missing, generate_batch(model, jobs)):
+        references[k] = (ref.tokens, torch.stack(logps[k]))  # (new, vocab)
+    test_logps: list[list[torch.Tensor]] = [[] for _ in batch]
+    jobs = []
+    for sample, key, out in zip(batch, keys, test_logps):
+        own = policy if len(batch) == 1 else copy.deepcopy(policy)
+        own.start_sample(sample_seed(sample.id))
+        ref_tokens = references[key][0]
+        # Along the reference's tokens: no stop token ends it and nothing holds one off (min_new_tokens 0).
+        along = dataclasses.replace(generation_settings(settings, sample, (), len(ref_tokens)), min_new_tokens=0)
+        jobs.append(Job(sample.input_ids, own, along, forced=ref_tokens, observer=collector(out)))
+    records = []
+    for sample, key, out, res in zip(batch, keys, test_logps, generate_batch(model, jobs)):
+        ref_tokens, ref_logp = references[key]
+        test_logp = torch.stack(out)  # (new, vocab)
+        prediction = tokenizer.decode(test_logp.argmax(dim=-1).tolist(), skip_special_tokens=True)
+        record = make_record(sample, prediction, res, 0.0, settings)
+        extra = task.score_reference(sample, ref_tokens, ref_logp, test_logp)
+        record["score"] = extra.pop("score")
+        record["reference"] = tokenizer.decode(ref_tokens, skip_special_tokens=True)
+        record.update(extra)
+        if settings.batch_size > 1:
+            record["batch"] = {"size": res.batch_size, "kv_bytes_peak": res.batch_kv_bytes_peak}
+        records.append(record)
+    return records
 
 
 def make_record(sample: Sample, prediction: str, res: GenerationResult, score: float,
