@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvbench.bench.setup import HF, make_policy, prompt_ids
+from kvbench.engine.cache import kv_bytes
 from kvbench.engine.generate import GenerationSettings, Job, Observer, generate_batch, sync
 
 WORKLOADS: dict[str, tuple[int, int]] = {"niah": (2048, 32), "longbench": (4096, 256)}  # prompt tokens, new tokens
@@ -78,7 +79,7 @@ def _hf(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int, k
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
                              return_dict_in_generate=True)
         tokens += out.sequences[:, width:].tolist()
-        kv = max(kv, sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in out.past_key_values.layers))
+        kv = max(kv, kv_bytes(out.past_key_values))
     sync(device)
     return {"seconds": clock() - t0, "tokens": tokens, "prefill_s": None, "decode_s": None, "evict_s": None,
             "kv_bytes_peak": kv}

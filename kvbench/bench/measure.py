@@ -30,6 +30,7 @@ import torch
 from kvbench.bench.goals import add_ratios
 from kvbench.bench.setup import FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, make_policy, prompt_ids
 from kvbench.bench.syncs import count_host_syncs
+from kvbench.engine.cache import kv_bytes
 from kvbench.engine.generate import GenerationSettings, Observer, generate, sync
 
 ROW_FIELDS = ("policy", "prompt_tokens", "budget", "block", "prefill_s", "prefill_tokens_per_s",
@@ -135,11 +136,9 @@ def hf_generate(model: Any, ids: list[int], new_tokens: int,
         steps += 1
     sync(device)
     decode_s = clock() - t0
-    kv = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-             for layer in cache.layers)
     return {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "tokens": tokens,
             "evict_prefill_s": 0.0, "evict_decode_s": 0.0, "peak_kv_tokens": cache.get_seq_length(),
-            "kv_bytes_peak": kv}
+            "kv_bytes_peak": kv_bytes(cache)}
 
 
 def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int = 0,

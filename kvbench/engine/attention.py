@@ -177,10 +177,12 @@ def ragged_attention(query: torch.Tensor, layer: EvictingLayer, scaling: float, 
 
 
 def _attend(module: Any, cache: EvictingCache, layer: EvictingLayer, query: torch.Tensor, key: torch.Tensor,
-            value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, base: str,
+            value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None, base: str,
             base_fn: Callable[..., Any], **kwargs: Any) -> torch.Tensor:
     """One sample's attention over its own layer `layer` of `cache` (query (1, h_q, q, d) for a batched forward's
-    row), with the policy's hooks; returns (b, q, h_q, d_v)."""
+    row), with the policy's hooks; returns (b, q, h_q, d_v). `scaling` None: the model's default, head_dim^-0.5."""
+    if scaling is None:
+        scaling = module.head_dim ** -0.5
     q_len, kv_len = query.shape[-2], key.shape[-2]
     layer.scaling, layer.softcap, layer.module = scaling, kwargs.get("softcap"), module
     policy = cache.policy
@@ -213,8 +215,6 @@ def _make_wrapper(base: str) -> Callable[..., Any]:
         if isinstance(cache, BatchCache):
             # Each sample over its own layer, with its own mask (HF's was built for no cache: see BatchCache); the
             # batch's rows are then concatenated for o_proj. Every layer of a BatchCache is an EvictingLayer.
-            if scaling is None:
-                scaling = module.head_dim ** -0.5
             rows = []
             for j, member in enumerate(cache.caches):
                 layer = member.layers[module.layer_idx]
@@ -224,8 +224,6 @@ def _make_wrapper(base: str) -> Callable[..., Any]:
         layer = cache.layers[module.layer_idx] if cache is not None else None
         if not isinstance(layer, EvictingLayer):  # not a kvbench run, or a sliding layer HF bounds itself
             return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        if scaling is None:
-            scaling = module.head_dim ** -0.5
         return _attend(module, cache, layer, query, key, value, attention_mask, scaling, base, base_fn,
                        dropout=dropout, **kwargs), None
 

@@ -550,8 +550,7 @@ class EvictingCache(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes of K and V held now, all layers (exact: what the tensors hold, no padding)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer.keys is not None
-                   for t in (layer.keys, layer.values))  # sliding layers (HF's own) included
+        return kv_bytes(self)
 
     def head_positions(self) -> list[torch.Tensor | None]:
         """Per layer, (b, h_kv, L) absolute positions of the tokens each head holds (-1 pads ragged heads);
@@ -599,6 +598,12 @@ class BatchCache(Cache):
             raise ValueError("only caches of full-attention layers batch (a sliding layer's length is per sample)")
         super().__init__(layers=[_BatchLayer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))])
         self.caches = caches
+
+
+def kv_bytes(cache: Cache) -> int:
+    """Bytes of K and V held by any HF cache's layers now (sliding and evicting layers alike; no padding counted)."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.keys is not None
+               for t in (layer.keys, layer.values))
 
 
 def batchable(cache: EvictingCache) -> bool:

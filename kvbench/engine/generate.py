@@ -325,34 +325,39 @@ def generate_batch(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
     if len(runs) > 1 and not batchable(runs[0].cache):
         return [generate_batch(model, [job])[0] for job in jobs]
     _prefill(model, runs)
-    branches = []  # the graded score's teacher-forced branch of each job with an answer: a fork after the prompt
-    for r, job in zip(runs, jobs):
+    for r in runs:
         r.cache.start_decoding()
-        if job.answer_ids:
-            answer = list(job.answer_ids)
-            logps: list[torch.Tensor] = []  # one 0-d tensor per answer token; a single host sync at the end
-            # The model's own log-probabilities (before the processors), as in a teacher-forced forward
-            hook = (lambda lg, a=answer, out=logps: out.append(torch.log_softmax(lg[0], dim=-1)[a[len(out)]]))
-            branch = _Run(r.ids, r.cache.fork(), r.settings, Observer(on_logits=hook, clock=r.obs.clock),
-                          forced=answer, evicts_decoding=r.evicts_decoding)
-            branch.logits, branch.pos = r.logits, r.pos
-            branches.append((r, branch, logps))
+    # the graded score's teacher-forced branch of each job with an answer: a fork after the prompt
+    graded = [_graded_branch(r, job.answer_ids) if job.answer_ids else None for r, job in zip(runs, jobs)]
+    branches = [g[0] for g in graded if g is not None]
     limits = [r.settings.max_new_tokens if r.forced is None else min(r.settings.max_new_tokens, len(r.forced))
               for r in runs]
     _decode(model, runs, limits)
     if branches:
-        _decode(model, [b for _, b, _ in branches], [len(b.forced) for _, b, _ in branches])
-    graded = {id(r): (float(torch.stack(logps).mean()), b.time_s["decode"]) for r, b, logps in branches}
+        _decode(model, branches, [len(b.forced) for b in branches])
     return [GenerationResult(tokens=r.new, prompt_tokens=r.ids.shape[1], prefill_s=r.time_s["prefill"],
                              decode_s=r.time_s["decode"], decode_steps=r.steps,
                              evict_s=r.evict_s["prefill"] + r.evict_s["decode"], evict_prefill_s=r.evict_s["prefill"],
                              evict_decode_s=r.evict_s["decode"], peak_kv_tokens=r.cache.peak_tokens(),
                              kv_bytes_peak=r.peak_bytes, trace=r.traces,
                              diagnostics=r.diag.summary() if r.diag is not None else None,
-                             answer_logprob=graded[id(r)][0] if id(r) in graded else None,
-                             graded_s=graded[id(r)][1] if id(r) in graded else 0.0,
+                             answer_logprob=None if g is None else float(torch.stack(g[1]).mean()),
+                             graded_s=0.0 if g is None else g[0].time_s["decode"],
                              batch_size=r.batch_size, batch_kv_bytes_peak=r.batch_peak_bytes)
-            for r in runs]
+            for r, g in zip(runs, graded)]
+
+
+def _graded_branch(r: _Run, answer_ids: Sequence[int]) -> tuple[_Run, list[torch.Tensor]]:
+    """A run teacher-forcing `answer_ids` through a fork of r's cache taken now (after the prompt), and the list its
+    observer fills with each answer token's log-probability (0-d tensors: one host sync at the end). The model's own
+    log-probabilities (before the processors), as in a teacher-forced forward of prompt + answer."""
+    answer = list(answer_ids)
+    logps: list[torch.Tensor] = []
+    hook = (lambda lg: logps.append(torch.log_softmax(lg[0], dim=-1)[answer[len(logps)]]))
+    branch = _Run(r.ids, r.cache.fork(), r.settings, Observer(on_logits=hook, clock=r.obs.clock), forced=answer,
+                  evicts_decoding=r.evicts_decoding)
+    branch.logits, branch.pos = r.logits, r.pos
+    return branch, logps
 
 
 def generate(model: Any, policy: Policy, input_ids: list[int], settings: GenerationSettings,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvbench.engine.cache import EvictingCache, batchable
-from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate, generate_batch
+from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate_batch
 from kvbench.metrics.degenerate import is_degenerate
 from kvbench.policies.base import Policy
 from kvbench.policies.full import Full
@@ -94,7 +94,7 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
         samples = [s for k, s in enumerate(samples) if k % n == i]
     default_stop = eos_ids(model, tokenizer)
     todo = [s for s in samples if s.id not in done]
-    size = settings.batch_size if batching_note(model, settings) is None else 1
+    size = settings.batch_size  # generate_batch itself runs a model it cannot batch one sample at a time
     # Batches of similar prompt lengths (equal-length prompt blocks go through the model together; the records are
     # appended as each batch ends, so a kill loses at most the batch under way and resumes at sample granularity)
     ordered = sorted(todo, key=lambda s: len(s.input_ids)) if size > 1 else todo
@@ -131,20 +131,24 @@ def _generate_samples(model: Any, tokenizer: Any, policy: Policy, task: Task, ba
     """Records of `batch`'s samples, generated together (one sample: exactly the batch-1 run). Each sample has its
     own copy of the policy, started with the sample's own seed as a batch-1 run starts it."""
     jobs = []
-    for sample in batch:
-        own = policy if len(batch) == 1 else copy.deepcopy(policy)
-        own.start_sample(sample_seed(sample.id))
+    for sample, own in zip(batch, _sample_policies(policy, batch)):
         stop = sample.stop_token_ids if sample.stop_token_ids is not None else default_stop
         jobs.append(Job(sample.input_ids, own, generation_settings(settings, sample, stop),
                         answer_ids=answer_token_ids(tokenizer, sample, task) if settings.graded else None))
     records = []
     for sample, res in zip(batch, generate_batch(model, jobs)):
         prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
-        record = make_record(sample, prediction, res, task.score(sample, prediction), settings)
-        if settings.batch_size > 1:
-            record["batch"] = {"size": res.batch_size, "kv_bytes_peak": res.batch_kv_bytes_peak}
-        records.append(record)
+        records.append(make_record(sample, prediction, res, task.score(sample, prediction), settings))
     return records
+
+
+def _sample_policies(policy: Policy, batch: list[Sample]) -> list[Policy]:
+    """One policy per sample of `batch`, each started with its sample's seed as a batch-1 run starts it: the run's
+    own policy for a batch of one, copies otherwise (a policy's state, a generator included, is per sample)."""
+    own = [policy] if len(batch) == 1 else [copy.deepcopy(policy) for _ in batch]
+    for p, sample in zip(own, batch):
+        p.start_sample(sample_seed(sample.id))
+    return own
 
 
 def generation_settings(settings: RunSettings, sample: Sample, stop_ids: Any,
@@ -186,9 +190,7 @@ def _reference_samples(model: Any, tokenizer: Any, policy: Policy, task: Task, b
         references[k] = (ref.tokens, torch.stack(logps[k]))  # (new, vocab)
     test_logps: list[list[torch.Tensor]] = [[] for _ in batch]
     jobs = []
-    for sample, key, out in zip(batch, keys, test_logps):
-        own = policy if len(batch) == 1 else copy.deepcopy(policy)
-        own.start_sample(sample_seed(sample.id))
+    for sample, key, out, own in zip(batch, keys, test_logps, _sample_policies(policy, batch)):
         ref_tokens = references[key][0]
         # Along the reference's tokens: no stop token ends it and nothing holds one off (min_new_tokens 0).
         along = dataclasses.replace(generation_settings(settings, sample, (), len(ref_tokens)), min_new_tokens=0)
@@ -203,8 +205,6 @@ def _reference_samples(model: Any, tokenizer: Any, policy: Policy, task: Task, b
         record["score"] = extra.pop("score")
         record["reference"] = tokenizer.decode(ref_tokens, skip_special_tokens=True)
         record.update(extra)
-        if settings.batch_size > 1:
-            record["batch"] = {"size": res.batch_size, "kv_bytes_peak": res.batch_kv_bytes_peak}
         records.append(record)
     return records
 
@@ -227,6 +227,8 @@ def make_record(sample: Sample, prediction: str, res: GenerationResult, score: f
         rec["diagnostics"] = res.diagnostics
     if settings.save_prompts:
         rec["prompt"] = sample.prompt
+    if settings.batch_size > 1:
+        rec["batch"] = {"size": res.batch_size, "kv_bytes_peak": res.batch_kv_bytes_peak}
     return rec
 
 
