@@ -216,3 +216,39 @@ def test_sliding_window_models_say_why_they_do_not_batch() -> None:
     assert batching_note(model, RunSettings(batch_size=1)) is None
     plain, _ = installed_model("tiny-llama")
     assert batching_note(plain, RunSettings(batch_size=4)) is None
+
+
+def test_batch_identity_script_counts_identical_and_differing_samples(tmp_path, capsys) -> None:
+    """scripts/batch_identity.py on a tiny committed run (float64, 8 jsonl samples, batch 1) rerun at batch 2: all
+    identical; then with one committed record planted different (a token from position 3 on, the graded score by
+    0.5): 7 identical, that sample named with its first differing token, the graded difference 5.0e-01."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from kvbench.run.app import Session, run_one
+    from test_resume import _cfg, _data
+
+    spec = importlib.util.spec_from_file_location(
+        "batch_identity", Path(__file__).resolve().parent.parent / "scripts" / "batch_identity.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    run = tmp_path / "committed"
+    run_one(_cfg(_data(tmp_path), **{"model.dtype": "float64"}), "keydiff", run, Session())
+    out = tmp_path / "identity.md"
+    args = ["--batch", "2", "--scratch", str(tmp_path / "scratch"), "--out", str(out), str(run)]
+    assert script.main(args) == 0
+    assert f"| `{run.as_posix()}` | keydiff | 8 | 8 | 0.0e+00 | - |" in out.read_text()
+
+    rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    rows[5]["tokens"][3] += 1
+    rows[5]["answer_logprob"] -= 0.5
+    (run / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert script.main([*args, "--reuse"]) == 0
+    line = next(ln for ln in out.read_text().splitlines() if ln.startswith(f"| `{run.as_posix()}`"))
+    assert line.startswith(f"| `{run.as_posix()}` | keydiff | 8 | 7 | 5.0e-01 | {rows[5]['id']}: tokens from 3, "
+                           "fields tokens |")
+
+    capsys.readouterr()
+    assert script.main(["--out", str(out), str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err.strip().endswith("is not a run directory (config.yaml, predictions.jsonl)")
