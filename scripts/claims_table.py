@@ -14,8 +14,8 @@ A comparison is resolved when the interval excludes 0 and p < 0.05. "holds": res
 every budget (and against every named rival); "reversed": resolved the other way at some budget; otherwise
 "not resolved (n = ...)". The last column gives the smallest difference those n could resolve: with 0/100 scores
 the exact McNemar test needs at least 6 discordant pairs all one way (2 * 0.5^6 = 0.031 < 0.05), so 100 * 6 / n
-points. Runs without per-sample data (written before metrics.json had `composition`) cannot be paired: their
-verdict reads "no paired runs found" and the numbers are the plain averages.
+points. Where no two runs hold the same samples the verdict reads "no paired runs found" and the numbers are the
+plain averages.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from kvbench.metrics.stats import PairedResult, mcnemar_min_discordant, resolved
 from kvbench.report.collect import Entry, collect_entries
 from kvbench.report.paired import compare_entries
 from kvbench.report.samples import LOGPROB
-from kvbench.report.tables import CELL
 from kvbench.run.labels import NA
 
 # The model's name as its card spells it, for the title (a preset not listed here shows its preset name).
@@ -210,9 +209,9 @@ def streaming_mid_context(grid: list[Entry]) -> dict[str, str]:
         tokens = prompt_tokens(e)
         by_depth: dict[float, list[float]] = {}
         for k, v in e.scores.items():
-            m = CELL.match(k)
-            if m and tokens.get(k, 0) > b:  # only cells where the prompt exceeds the budget (something evicted)
-                by_depth.setdefault(float(m.group(2)), []).append(v)
+            cell = e.layout["cells"].get(k)  # (context length, depth) of a NIAH cell score, from the run's layout
+            if cell and tokens.get(k, 0) > b:  # only cells where the prompt exceeds the budget (something evicted)
+                by_depth.setdefault(float(cell[1]), []).append(v)
         if not by_depth:
             continue
         def mean(ds: list[float]) -> float | None:

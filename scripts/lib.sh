@@ -6,7 +6,8 @@
 #   sweep <worker> <overrides...> one `kvbench --multirun` command, queued on worker <worker> (0..WORKERS-1)
 #   sweep_policies <budgets> <policies> <overrides...>   the full cache plus one sweep per policy
 #   wait_workers                  run the queued commands (workers in parallel, each worker's commands in order)
-#   finish_run                    kvbench-report, copy tables/plots/run files into results/<name>/, RUN.md
+#   finish_run                    copy the run files into results/<name>/runs/, draw its tables from them
+#                                 (scripts/tables.sh), RUN.md
 #
 # Environment knobs common to all scripts:
 #   QUICK=1      a tiny sub-grid that checks the script end to end; output goes to results/runs/<name>-quick/
@@ -111,18 +112,17 @@ finish_run() {
     wall=$((t1 - T0))
     times > "$QUEUE_DIR/times"  # (not in $(...): a subshell has no children) the second line: every kvbench process
     cpu=$(tail -1 "$QUEUE_DIR/times" | awk '{print $1" user, "$2" sys"}')
-    $REPORT "$RUNS" -q
     mkdir -p "$OUT"
     rm -rf "$OUT/runs"
-    cp "$RUNS"/table.md "$RUNS"/table.csv "$RUNS"/runs.csv "$OUT"/
-    find "$RUNS" -maxdepth 1 -name '*.png' -exec cp {} "$OUT"/ \;
-    # Each run's resolved config, scores and predictions (small), under the same relative paths.
+    # Each run's resolved config, scores and predictions (small), under the same relative paths; the tables are drawn
+    # from this copy (scripts/tables.sh), so the committed tables come from the committed runs alone.
     (cd "$RUNS" && find . -name metrics.json -printf '%h\n') | while read -r d; do
         mkdir -p "$OUT/runs/$d"
         for f in config.yaml metrics.json predictions.jsonl; do
             [[ -f "$RUNS/$d/$f" ]] && cp "$RUNS/$d/$f" "$OUT/runs/$d/$f"
         done
     done
+    bash scripts/tables.sh "$NAME" "$OUT"
     EXTRA_MD=${EXTRA_MD:-}
     {
         echo "# How \`$OUT\` was made"
@@ -137,7 +137,7 @@ finish_run() {
         echo
         echo '```bash'
         for c in "${COMMANDS[@]}"; do echo "$c"; done
-        echo "$REPORT $RUNS"
+        echo "bash scripts/tables.sh $NAME $OUT   # kvbench-report on $OUT/runs, and this folder's other tables"
         echo '```'
         if [[ -n "$EXTRA_MD" ]]; then echo; echo "$EXTRA_MD"; fi
     } > "$OUT/RUN.md"

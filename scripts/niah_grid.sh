@@ -27,4 +27,3 @@ start_run
 sweep_policies "$BUDGETS" "$POLICIES" "${TASK[@]}"
 wait_workers
 finish_run
-python scripts/niah_heatmaps.py "$RUNS" "$OUT"

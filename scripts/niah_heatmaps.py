@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 from kvbench.report.collect import collect_entries
-from kvbench.report.tables import CELL
 from kvbench.run.labels import NA
 
 
@@ -45,8 +44,7 @@ def main(runs: Path, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     for (model, budget, block, protocol), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         panels = [e for e in full if e.model == model] + group
-        cells = [{tuple(float(x) for x in CELL.match(k).groups()): v for k, v in e.scores.items() if CELL.match(k)}
-                 for e in panels]
+        cells = [{e.layout["cells"][k]: v for k, v in e.scores.items() if k in e.layout["cells"]} for e in panels]
         lengths = sorted({L for c in cells for L, _ in c})
         depths = sorted({d for c in cells for _, d in c})
         ncol = min(4, len(panels))
@@ -77,7 +75,7 @@ def main(runs: Path, out: Path) -> list[Path]:
         notes = " ".join(first.notes)
         haystack = ("Paul Graham essays" if "Paul Graham essays" in notes else
                     "built-in filler haystack" if "builtin" in notes or "filler" in notes else "haystack: see table.md")
-        ns = sorted({st.n for e in panels for k, st in e.cells.items() if CELL.match(k) and st.n})
+        ns = sorted({st.n for e in panels for k, st in e.cells.items() if k in e.layout["cells"] and st.n})
         if ns:  # samples behind each cell's mean (the scores are cell means)
             haystack += f"; n = {ns[0]}{'' if len(ns) == 1 else f'-{ns[-1]}'} samples per cell"
         fig.suptitle(f"NIAH (substring recall, 0-100) on {_label_source(first)}\n"

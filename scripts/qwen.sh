@@ -68,10 +68,6 @@ sweep 1 "${SLICE[@]}" "${BLOCKWISE[@]}" policy=full budget=null "hydra.sweep.dir
 queue 0 python -m kvbench.bench --model "$MODEL" "${BENCH[@]}" --out "$RUNS/bench/bench.json"
 wait_workers
 
-EXTRA_MD="Claims table: \`python scripts/claims_table.py $RUNS $RUNS/niah - $OUT\` (no RULER runs on this model)."
+EXTRA_MD="Claims table: \`python scripts/claims_table.py $OUT/runs $OUT/runs/niah - $OUT\` (no RULER runs on this model) and the side-by-side table, both part of scripts/tables.sh."
 finish_run
 cp "$RUNS"/bench/bench.json "$RUNS"/bench/bench.md "$OUT"/
-python scripts/claims_table.py "$RUNS" "$RUNS/niah" - "$OUT"
-# Each claim's verdicts on SmolLM2 (results/claims, scripts/claims.sh) and on this model, side by side.
-python scripts/claims_side_by_side.py results/claims/claims.csv "$OUT/claims.csv" \
-    --names SmolLM2-135M Qwen2.5-Coder-1.5B --out "$OUT/side_by_side.md"

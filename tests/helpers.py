@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Mapping
 
 import torch
@@ -68,3 +71,13 @@ def _composed(overrides: tuple[str, ...]) -> dict[str, Any]:
         cfg = OmegaConf.to_container(compose(config_name="config", overrides=list(overrides)), resolve=True)
     assert isinstance(cfg, dict)
     return cfg
+
+
+def load_script(name: str) -> ModuleType:
+    """A module of scripts/ (scripts are run as files, not imported as a package), loaded from its path."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

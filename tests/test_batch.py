@@ -10,7 +10,6 @@ prompt forward; blocks of >= 4 tokens: see generate._MIN_BATCH_ROWS).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ from kvbench.engine.generate import GenerationSettings, Job, Observer, generate,
 from kvbench.options import PROTOCOLS
 from kvbench.run.config import group_choices
 
-from helpers import installed_model, run_config
+from helpers import installed_model, load_script, run_config
 
 POLICIES = group_choices("policy")  # every conf/policy file, the full baseline included
 N, B = 40, 16  # N above the 32 recent tokens SnapKV's family protects
@@ -222,17 +221,12 @@ def test_batch_identity_script_counts_identical_and_differing_samples(tmp_path, 
     """scripts/batch_identity.py on a tiny committed run (float64, 8 jsonl samples, batch 1) rerun at batch 2: all
     identical; then with one committed record planted different (a token from position 3 on, the graded score by
     0.5): 7 identical, that sample named with its first differing token, the graded difference 5.0e-01."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     from kvbench.run.app import Session, run_one
     from test_resume import _cfg, _data
 
-    spec = importlib.util.spec_from_file_location(
-        "batch_identity", Path(__file__).resolve().parent.parent / "scripts" / "batch_identity.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("batch_identity")
     run = tmp_path / "committed"
     run_one(_cfg(_data(tmp_path), **{"model.dtype": "float64"}), "keydiff", run, Session())
     out = tmp_path / "identity.md"

@@ -214,26 +214,30 @@ def test_report_never_mixes_protocols_unlabelled(tmp_path: Path) -> None:
 
     from kvbench.report.cli import report
     from kvbench.run.labels import settings_text, describe_run
+    from kvbench.tasks.base import grid_layout
+    from kvbench.tasks.niah import cell_key
 
     niah = "kvbench.tasks.niah.NIAH"
-    runs = {  # name: (policy, target, config protocol, config block); "old" predates the protocol setting
+    runs = {  # name: (policy, target, config protocol, config block)
         "bw": ("snapkv", "kvbench.policies.snapkv.SnapKV", "blockwise", 128),
         "once": ("snapkv", "kvbench.policies.snapkv.SnapKV", "prefill_once", 128),
-        "old": ("snapkv", "kvbench.policies.snapkv.SnapKV", None, None),
+        "inf": ("snapkv", "kvbench.policies.snapkv.SnapKV", "blockwise", None),
         "full": ("full", "kvbench.policies.full.Full", "prefill_once", None),
     }
+    grid = [(1024, 0.0), (1024, 50.0)]
+    layout = grid_layout("niah", grid, cell_key, "avg", None)
     for name, (policy, target, protocol, block) in runs.items():
         d = tmp_path / name
         d.mkdir()
         cfg = run_config(values={"model": {"name": "m"}, "policy": {"_target_": target}, "task": {"_target_": niah},
                                  "budget": 256, "block": block, "protocol": protocol})
-        if protocol is None:  # a config.yaml from before the setting has no such key
-            del cfg["protocol"]
         (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+        evicts = policy != "full"
         (d / "metrics.json").write_text(json.dumps({
             "model": "smollm2-135m", "policy": policy, "budget": 256, "task": "niah", "shard": None,
-            "scores": {"L1024_D0": 100.0, "L1024_D50": 0.0, "avg": 50.0}, "average": 50.0, "stats": {},
-            "provenance": {}}))
+            "applies": {"budget": evicts, "protocol": evicts, "block": evicts}, "reference": not evicts,
+            "scores": {"L1024_D0": 100.0, "L1024_D50": 0.0, "avg": 50.0}, "average": 50.0, "composition": {},
+            "layout": layout, "stats": {}, "provenance": {}}))
     rep = report(tmp_path, plots=True, quiet=True)
     got = sorted((r.policy, repr(r.settings["block"]), repr(r.settings["protocol"])) for r in rep.rows)
     assert got == [("full", "-", "-"), ("snapkv", "-", "'prefill_once'"),

@@ -43,10 +43,10 @@ def test_every_yaml_has_a_class_and_every_class_a_yaml(group: str, package: str,
 
 
 def _readme_row(key: str) -> set[str]:
-    """The backquoted words of README.md's `| `key=` | ... |` row (its settings table)."""
+    """The backquoted words of docs/running.md's `| `key=` | ... |` row (its settings table)."""
     import re
 
-    readme = (PKG.parent / "README.md").read_text()
+    readme = (PKG.parent / "docs" / "running.md").read_text()
     (row,) = [line for line in readme.splitlines() if line.startswith(f"| `{key}=` |")]
     return set(re.findall(r"`([^`]+)`", row.split("|")[2]))
 
@@ -55,8 +55,8 @@ def _readme_row(key: str) -> set[str]:
     ("model", {"conf/model/", "kvbench-fetch", "model.path=<hub id or local dir>"}),
     ("task", {"conf/task/"}),
 ])
-def test_readme_lists_every_model_and_task_preset(group: str, other: set[str]) -> None:
-    # Every conf/<group>/ option is named in the README's row, the default job's included, and the row names nothing
+def test_the_settings_table_lists_every_model_and_task_preset(group: str, other: set[str]) -> None:
+    # Every conf/<group>/ option is named in the settings table's row, the default job's included, and the row names nothing
     # else in backquotes but the pinned extras (so a removed preset or a typo fails too).
     from kvbench.run.config import group_choices
 

@@ -18,6 +18,7 @@ import pytest
 
 from kvbench.metrics.aggregate import RecipeError, aggregate_scores
 from kvbench.report.cli import report
+from kvbench.report.collect import ReportError
 from kvbench.tasks.fidelity import FidelityTask
 from kvbench.tasks.jsonl import JsonlTask
 from kvbench.tasks.longbench import LongBench, LongBenchE
@@ -25,7 +26,7 @@ from kvbench.tasks.niah import NIAH
 from kvbench.tasks.probe import ProbeTask
 from kvbench.tasks.ruler import Ruler
 
-from helpers import run_config
+from helpers import load_script, run_config
 
 PKG = Path(__file__).resolve().parent.parent / "kvbench"
 
@@ -231,8 +232,9 @@ def _zebra_run(root: Path, layout: dict | None) -> None:
     d = root / "run"
     d.mkdir(parents=True)
     metrics = {"model": "m", "policy": "keydiff", "budget": 256, "block": 128, "protocol": "blockwise",
-               "task": "zebra", "shard": None, "scores": ZEBRA_SCORES, "average": 4.0, "stats": {"samples": 2},
-               "provenance": {"commit": "abc"}}
+               "task": "zebra", "shard": None, "applies": {"budget": True, "protocol": True, "block": True},
+               "reference": False, "scores": ZEBRA_SCORES, "average": 4.0, "composition": {},
+               "stats": {"samples": 2}, "provenance": {"commit": "abc"}}
     if layout is not None:
         metrics["layout"] = layout
     (d / "metrics.json").write_text(json.dumps(metrics))
@@ -260,26 +262,10 @@ def test_report_lays_out_a_made_up_task_as_its_layout_says(tmp_path: Path) -> No
     assert rep.entries[0].average_key == "avg_total"
     assert (tmp_path / "new" / "heatmap_zebra_m.png").stat().st_size > 0  # the layout's cells, not the names
 
-    # The same run without a layout (a run from before the field): the old name rules, as the report always did.
+    # The same run without a layout (an older kvbench): not read by name rules, but named in the notes.
     _zebra_run(tmp_path / "old", None)
-    old = report(tmp_path / "old", plots=False, quiet=True)
-    assert [(c.score, c.category) for c in old.columns] == [("zeta", "zebra"), ("L1_D2", "zebra"), ("extra", "zebra")]
-    assert [c.score for c in old.summary_columns] == ["cat:alpha", "L9", "avg_total"]
-    assert old.columns[1].cell == (1.0, 2.0)
-
-
-def test_legacy_longbench_order_and_categories_are_the_tasks() -> None:
-    # The fallback for runs without a layout knows LongBench's datasets from kvbench.metrics; they must be the
-    # task's own (its data file's order and categories).
-    from kvbench.metrics.longbench import CATEGORY_TITLES
-    from kvbench.report.layout import legacy_layout
-    from kvbench.tasks.longbench import load_spec
-
-    spec = load_spec()
-    lay = legacy_layout("longbench", list(reversed(spec)))
-    cols = sorted(lay["columns"], key=lambda c: c["sort"])
-    assert [c["score"] for c in cols] == list(spec)
-    assert [c["category"] for c in cols] == [CATEGORY_TITLES[s["category"]] for s in spec.values()]
+    with pytest.raises(ReportError, match="no finished runs"):
+        report(tmp_path / "old", plots=False, quiet=True)
 
 
 # -- shards: the run's own aggregation, no task ------------------------------------------------------------------
@@ -288,8 +274,8 @@ def _shard_dir(root: Path, name: str, shard: str | None, records: list[dict], la
     d.mkdir(parents=True)
     (d / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     metrics = {"model": "m", "policy": "keydiff", "budget": 256, "block": 128, "protocol": "blockwise",
-               "task": "cells", "shard": shard, "scores": scores, "average": scores.get("avg"),
-               "stats": {"samples": len(records)}, "provenance": {"commit": "abc"},
+               "task": "cells", "shard": shard, "applies": {"budget": True, "protocol": True, "block": True},
+               "reference": False, "scores": scores, "average": scores.get("avg"), "stats": {"samples": len(records)}, "provenance": {"commit": "abc"},
                "composition": {"c": {"samples": [r["id"] for r in records]}}, "layout": layout}
     (d / "metrics.json").write_text(json.dumps(metrics))
 
@@ -341,18 +327,18 @@ def test_shards_of_a_tiny_model_run_merge_into_the_unsharded_metrics(tmp_path: P
     assert e.scores == unsharded["scores"] and list(e.scores) == list(unsharded["scores"])
     assert e.average == unsharded["average"] and e.stats["samples"] == 6
 
-    # The unsharded run renders exactly as the same run without its layout did before the field existed.
+    monkeypatch.undo()  # (the migration builds the run's task: that is its job, not the report's)
+    # scripts/migrate_runs.py gives a run of an older kvbench (no layout, no reference) exactly the metrics.json
+    # the run writes today, key order included, so its tables are the current ones.
     old = tmp_path / "old"
     shutil.copytree(whole, old)
     m = json.loads((old / "run" / "metrics.json").read_text())
-    del m["layout"]
+    del m["layout"], m["reference"]
     (old / "run" / "metrics.json").write_text(json.dumps(m))
-    report(whole, plots=False, quiet=True)
-    report(old, plots=False, quiet=True)
-    for name in ("table.csv", "runs.csv"):
-        assert (whole / name).read_text() == (old / name).read_text(), name
-    # table.md: the same but for its title line, which names the directory.
-    assert (whole / "table.md").read_text().split("\n", 1)[1] == (old / "table.md").read_text().split("\n", 1)[1]
+    migrate_runs = load_script("migrate_runs")
+    assert migrate_runs.migrate(old / "run") == "migrated"
+    assert (old / "run" / "metrics.json").read_text() == (whole / "run" / "metrics.json").read_text()
+    assert migrate_runs.migrate(old / "run") == "current"
 
 
 # -- the report's imports --------------------------------------------------------------------------------------

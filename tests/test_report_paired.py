@@ -29,7 +29,7 @@ from kvbench.report.cli import main as report_main
 from kvbench.report.cli import print_metrics_table
 from kvbench.report.paired import PAIRED_HEAD
 
-from helpers import run_config
+from helpers import load_script, run_config
 
 IDS = [f"s{i}" for i in range(1, 9)]
 COMPOSITION = {"easy": {"samples": IDS[:5]}, "hard": {"samples": IDS[5:]}, "all": {"samples": IDS},
@@ -62,7 +62,9 @@ def write_run(root: Path, name: str, policy: str, values: list[float], *, tokens
     full = policy == "full"
     metrics = {"model": "m", "policy": policy, "budget": None if full else 256, "block": 128, "protocol": "blockwise",
                "task": "qa", "shard": shard, "scores": scores, "average": scores["avg"],
-               "applies": {"budget": not full, "protocol": not full, "block": not full},
+               "applies": {"budget": not full, "protocol": not full, "block": not full}, "reference": full,
+               "layout": {"columns": [{"score": k, "category": "qa"} for k in ("easy", "hard", "all")],
+                          "summary": ["avg"], "average": "avg", "recipe": None},
                "stats": {"samples": len(ids), "degenerate": sum(i in degenerate for i in ids)},
                "provenance": {"commit": "abc"}}
     if composition is not None:
@@ -260,14 +262,14 @@ def test_runs_on_different_samples_are_never_paired(tmp_path: Path) -> None:
     assert (got["n"], got["mean_a"], got["mean_b"], got["diff"]) == ("2", "0.0", "100.0", "-100.0")  # keydiff - full
 
 
-def test_old_runs_show_plain_means_without_se(tmp_path: Path) -> None:
-    write_run(tmp_path, "a", "full", FULL, composition=None)
+def test_runs_of_an_older_kvbench_are_named_not_read(tmp_path: Path) -> None:
+    # A run without composition (an older kvbench) is not read another way: the notes name it and the migration.
+    write_run(tmp_path, "a", "full", FULL)
     write_run(tmp_path, "b", "keydiff", KEYDIFF, composition=None)
     report_main([str(tmp_path), "--no-plots", "-q"])
-    head = list(_csv(tmp_path / "table.csv")[0])
-    assert not any(h.endswith(("_se", "_n")) for h in head)
-    assert _csv(tmp_path / "paired.csv") == []
-    assert "87.50" in (tmp_path / "table.md").read_text()  # as stored, as before
+    assert [r["policy"] for r in _csv(tmp_path / "table.csv")] == ["full"]
+    assert "b: written by an older kvbench (no composition in metrics.json), skipped; scripts/migrate_runs.py " \
+        "brings it up to date" in (tmp_path / "table.md").read_text()
 
 
 def test_shards_merge_from_the_composition(tmp_path: Path) -> None:
@@ -304,13 +306,7 @@ def test_printed_table_counts_degenerate_outputs(tmp_path: Path, capsys: pytest.
 
 
 def _claims_module() -> Any:
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "claims_table.py"
-    spec = importlib.util.spec_from_file_location("claims_table", path)
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+    return load_script("claims_table")
 
 
 def test_claim_verdicts_come_from_the_paired_test(runs: Path) -> None:
@@ -367,23 +363,23 @@ def test_score_vs_budget_draws_95_percent_intervals(tmp_path: Path, monkeypatch:
     assert (tmp_path / "score_vs_budget.png").stat().st_size > 0
 
 
-def test_shards_recompute_uncomposed_scores_without_a_task_as_weighted_means(tmp_path: Path) -> None:
-    # A score the composition leaves out ("board", like LongBench's leaderboard averages) cannot come from the
-    # records, and the task (my.QA) cannot be rebuilt: it is the sample-weighted mean of the shards' values, and a
-    # note says so; the composed scores still come from the records.
+def test_shards_of_a_task_without_a_recipe_recompute_only_the_composed_scores(tmp_path: Path) -> None:
+    # A task whose layout gives no recipe (it aggregates in its own code): a score the composition leaves out
+    # ("board", like a leaderboard average) cannot come from the records and no task is built, so it is the first
+    # shard's value, and a note says so; the composed scores still come from the records.
     for k in (0, 1):
         ids = IDS[k::2]
         d = write_run(tmp_path / "job", f"shard{k}of2", "keydiff", KEYDIFF, ids=ids, shard=f"{k}/2",
                       composition={"all": {"samples": ids}})
         m = json.loads((d / "metrics.json").read_text())
         m["scores"] = {"all": 999.0, "board": 10.0 * (k + 1)}  # "all" is recomputed whatever a shard says
-        m["average"] = m["scores"]["all"]
+        m["average"], m["layout"]["average"] = m["scores"]["all"], "all"
         (d / "metrics.json").write_text(json.dumps(m))
     report_main([str(tmp_path), "--no-plots", "-q"])
     row, = _csv(tmp_path / "table.csv")
-    # all: keydiff is right on s6 only: 12.5; board: (4 * 10 + 4 * 20) / 8 = 15; Avg = all (the shards' average).
-    assert (row["all"], row["board"], row["Avg"]) == ("12.5", "15.0", "12.5")
-    assert "shard scores board are sample-weighted means, not recomputed" in (tmp_path / "table.md").read_text()
+    # all: keydiff is right on s6 only: 12.5; board: shard 0's 10; Avg = all (the layout's average).
+    assert (row["all"], row["board"], row["Avg"]) == ("12.5", "10.0", "12.5")
+    assert "keydiff qa: board are the first shard's (the task writes no recipe)" in (tmp_path / "table.md").read_text()
 
 
 def test_shards_join_the_components_of_a_mean(tmp_path: Path) -> None:

@@ -85,8 +85,9 @@ def test_sign_flip_exact_by_hand() -> None:
 
 def test_sign_flip_random_above_16_samples() -> None:
     # 20 equal differences: only the two all-equal sign patterns (probability 2 / 2^20) reach the observed mean;
-    # none of 10,000 random patterns does, so p = (0 + 1) / (10,000 + 1).
-    assert sign_flip_p(_one([1.0] * 20, [0.0] * 20)) == 1 / 10001
+    # none of 10,000 random patterns does. scipy's two-sided p doubles the smaller tail, each tail counted as
+    # (count + 1) / (resamples + 1): p = 2 * (0 + 1) / (10,000 + 1).
+    assert sign_flip_p(_one([1.0] * 20, [0.0] * 20)) == 2 / 10001
 
 
 def test_sign_flip_random_matches_the_exact_probability() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.run.app import run_lock
-from kvbench.run.loop import append_record, read_records
+from kvbench.run.records import append_record, read_records
 from kvbench.run.settings import ConfigError, RunSettings
 
 from helpers import run_config

@@ -13,7 +13,7 @@ from kvbench.metrics.basic import substring_any
 from kvbench.policies.adakv import AdaKV
 from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.snapkv import SnapKV
-from kvbench.report.collect import applies, collect_entries
+from kvbench.report.collect import collect_entries
 from kvbench.run.app import run_configured
 from kvbench.run.labels import NA
 from kvbench.run.settings import ConfigError
@@ -60,21 +60,23 @@ def test_no_policy_and_no_compare_list_is_one_line(data: Path, tmp_path: Path) -
 def _write_run(root: Path, name: str, metrics: dict) -> None:
     d = root / name
     d.mkdir()
-    base = {"task": "jsonl", "model": "m", "budget": 64, "block": 128, "protocol": "blockwise",
-            "scores": {"jsonl": 50.0}, "average": 50.0, "stats": {"samples": 1}}
+    base = {"task": "jsonl", "model": "m", "budget": 64, "block": 128, "protocol": "blockwise", "reference": False,
+            "scores": {"jsonl": 50.0}, "average": 50.0, "composition": {}, "stats": {"samples": 1},
+            "layout": {"columns": [{"score": "jsonl", "category": "jsonl"}], "average": "jsonl", "recipe": None}}
     (d / "metrics.json").write_text(json.dumps({**base, **metrics}))
 
 
 def test_report_reads_which_settings_apply_from_the_run(tmp_path: Path) -> None:
-    _write_run(tmp_path, "old_full", {"policy": "full", "budget": None})  # from before `applies`: full uses none
-    _write_run(tmp_path, "old_keydiff", {"policy": "keydiff"})  # ... any other policy all three
+    none = {"budget": False, "protocol": False, "block": False}
+    _write_run(tmp_path, "full", {"policy": "full", "budget": None, "applies": none, "reference": True})
+    _write_run(tmp_path, "keydiff", {"policy": "keydiff", "applies": {"budget": True, "protocol": True,
+                                                                       "block": True}})
     _write_run(tmp_path, "recorded", {"policy": "mine", "applies": {"budget": True, "protocol": True,
                                                                      "block": False}})
     entries, _ = collect_entries(tmp_path)
     got = {e.policy: (e.settings["budget"], e.settings["protocol"], e.settings["block"]) for e in entries}
     assert got == {"full": (NA, NA, NA), "keydiff": (64, "blockwise", 128), "mine": (64, "blockwise", NA)}
-    assert applies({"policy": "x", "applies": {"block": False}}) == {"budget": True, "protocol": True,
-                                                                    "block": False}
+    assert [e.reference for e in entries] == [True, False, False]
 
 
 def test_metrics_by_registry_name_or_module_function() -> None:

@@ -15,6 +15,8 @@ import pytest
 from kvbench.report.cli import main as report_main
 from kvbench.report.cli import report
 from kvbench.run import config
+from kvbench.tasks.longbench import LongBench
+from kvbench.tasks.niah import NIAH
 
 from helpers import run_config
 
@@ -100,9 +102,20 @@ def _fake_run(root: Path, name: str, metrics: dict, cfg: dict) -> None:
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
 
 
+def _layout(task: str, names: list[str]) -> dict:
+    """The layout the task writes for runs of these datasets (LongBench) or cells (NIAH `L<length>_D<depth>`)."""
+    if task == "longbench":
+        datasets = [n for n in names if n in LongBench().spec]
+        return LongBench(datasets=datasets).layout([{"meta": {"dataset": d}} for d in datasets], {})
+    grid = sorted({(int(n[1:].split("_D")[0]), float(n.split("_D")[1])) for n in names if "_D" in n})
+    return NIAH().layout([{"meta": {"context_length": L, "depth": d}} for L, d in grid], {})
+
+
 def _metrics(model: str, policy: str, budget: int | None, task: str, scores: dict, average: float) -> dict:
+    evicts = policy != "full"
     return {"model": model, "policy": policy, "budget": budget, "block": 128, "task": task, "shard": None,
-            "scores": scores, "average": average,
+            "applies": {"budget": evicts, "protocol": evicts, "block": evicts}, "reference": not evicts,
+            "scores": scores, "average": average, "composition": {}, "layout": _layout(task, list(scores)),
             "stats": {"samples": 2, "prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": 20.0, "evict_s": 0.1,
                       "peak_kv_tokens": 129, "kv_bytes_peak": 2**20, "compression_ratio": 0.5},
             "provenance": {"kvbench": "0.1.0", "commit": "abc", "transformers": "5.23.0", "torch": "2.13.0",
@@ -119,24 +132,25 @@ def _cfg(policy_target: str, budget: int | None, task: str) -> dict:
 def test_report_layout_full_row_first_categories_and_plots(tmp_path: Path) -> None:
     lb = "kvbench.tasks.longbench.LongBench"
     kd, full = "kvbench.policies.keydiff.KeyDiff", "kvbench.policies.full.Full"
-    scores = {"qasper": 40.0, "narrativeqa": 20.0, "trec": 70.0, "cat:single_doc_qa": 30.0, "avg_selected": 43.0}
+    scores = {"qasper": 40.0, "narrativeqa": 20.0, "multifieldqa_en": 30.0, "trec": 70.0, "cat:single_doc_qa": 30.0,
+              "avg_selected": 40.0}
     for k, budget in enumerate((4096, 2048)):
         s = {n: v - k for n, v in scores.items()}
         _fake_run(tmp_path, f"kd{budget}", _metrics("llama", "keydiff", budget, "longbench", s, s["avg_selected"]),
                   _cfg(kd, budget, lb))
     # The full cache was run at a budget too: the budget does not apply to it, and its row comes first.
-    _fake_run(tmp_path, "full", _metrics("llama", "full", 2048, "longbench", scores, 43.0), _cfg(full, 2048, lb))
+    _fake_run(tmp_path, "full", _metrics("llama", "full", 2048, "longbench", scores, 40.0), _cfg(full, 2048, lb))
     rep = report(tmp_path, plots=True, quiet=True)
 
     rows = _csv(tmp_path / "table.csv")
     # Datasets in LongBench order (narrativeqa before qasper), summaries after the details, then Avg.
-    assert list(rows[0]) == ["model", "policy", "budget", "block", "protocol", "narrativeqa", "qasper", "trec",
-                             "cat:single_doc_qa", "avg_selected", "Avg"]
+    assert list(rows[0]) == ["model", "policy", "budget", "block", "protocol", "narrativeqa", "qasper",
+                             "multifieldqa_en", "trec", "cat:single_doc_qa", "avg_selected", "Avg"]
     # Budget, block and protocol do not apply to the full cache.
     assert [(r["policy"], r["budget"], r["block"], r["protocol"], r["Avg"]) for r in rows] == [
-        ("full", "", "", "", "43.0"), ("keydiff", "2048", "128", "blockwise", "42.0"),
-        ("keydiff", "4096", "128", "blockwise", "43.0")]
-    assert [c.category for c in rep.columns] == ["Single Doc. QA", "Single Doc. QA", "Few-shot Learning"]
+        ("full", "", "", "", "40.0"), ("keydiff", "2048", "128", "blockwise", "39.0"),
+        ("keydiff", "4096", "128", "blockwise", "40.0")]
+    assert [c.category for c in rep.columns] == ["Single Doc. QA"] * 3 + ["Few-shot Learning"]
     md = (tmp_path / "table.md").read_text()
     assert "| *Single Doc. QA* |" in md.replace("  ", " ") or "*Single Doc. QA*" in md
     assert "*Few-shot Learning*" in md

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -43,12 +44,20 @@ def test_wheel_installs_apart_from_the_checkout_and_runs(tmp_path: Path) -> None
     assert len(configs) > 40 and configs - names == set()  # every group option, conf/hydra/launcher/ included
     assert {"kvbench/conf/__init__.py", "kvbench/conf/config.yaml", "kvbench/data/longbench.json"} <= names
 
-    # A fresh environment that reuses the installed torch, transformers, hydra, ... (--system-site-packages) and
-    # gets kvbench from the wheel only; the system's pip installs into it (--python), no pip bootstrap needed.
+    # A fresh environment that gets kvbench from the wheel only and reuses the packages of the interpreter running
+    # the tests (torch, transformers, hydra, ...): a .pth file adds that interpreter's site directories. Not
+    # `venv --system-site-packages`: run from inside a virtualenv, that would see the base Python's packages instead
+    # of the virtualenv's. The venv's own site-packages comes first on sys.path, so its kvbench wins over an
+    # editable install of the checkout.
     venv = tmp_path / "venv"
-    r = _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], tmp_path, env)
+    r = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path, env)
     assert r.returncode == 0, r.stderr
     py = venv / "bin" / "python"
+    r = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path, env)
+    assert r.returncode == 0, r.stderr
+    site_dirs = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    (Path(r.stdout.strip()) / "kvbench_test_parent_site.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs) + "\n")
     r = _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--force-reinstall",
               str(wheel)], tmp_path, env)
     assert r.returncode == 0, r.stderr
@@ -59,8 +68,8 @@ def test_wheel_installs_apart_from_the_checkout_and_runs(tmp_path: Path) -> None
              work, env)
     assert r.returncode == 0, r.stderr
     module_file, conf = map(Path, r.stdout.split())
-    site = venv.resolve()
-    assert module_file.resolve().is_relative_to(site) and conf.resolve().is_relative_to(site), r.stdout
+    home = venv.resolve()
+    assert module_file.resolve().is_relative_to(home) and conf.resolve().is_relative_to(home), r.stdout
     assert conf.name == "conf" and (conf / "policy" / "streamingllm.yaml").is_file()
 
     run_dir = tmp_path / "run"

@@ -1,17 +1,17 @@
-"""LongBench v1 metrics and aggregation, re-implemented from the official rules (THUDM/LongBench @ 2e00731,
-`LongBench/metrics.py` and `LongBench/eval.py`; docs/longbench.md).
+"""LongBench v1 metrics and aggregation (THUDM/LongBench @ 2e00731, `LongBench/metrics.py` and `LongBench/eval.py`;
+docs/longbench.md).
 
 Every per-pair function has the official name and signature `f(prediction, ground_truth, **kwargs)` and returns
 the official value (0-1) bit for bit, quirks included:
 
 - qa_f1_score: ASCII punctuation only, Unicode `\\b` for articles, int 0 when nothing overlaps.
 - qa_f1_zh_score: jieba tokens (on the raw text) normalised one by one; `《` is not punctuation but `》` is.
-- rouge_score / rouge_zh_score: pltrdy `rouge` 1.0.1 ROUGE-L (summary level, exclusive): sentences split on ASCII
-  ".", words split on single spaces (so "a. " yields an empty-string word), a set union of backtracked LCS words,
-  f = 2pr/(p+r+1e-8); any exception gives 0.0, including the RecursionError of rouge's recursive LCS backtrack
-  (emulated here, see `ROUGE_MAX_RECON_FRAMES`).
-- code_sim_score: first line without "`", "#", "//", then fuzzywuzzy 0.18.0 `fuzz.ratio` / 100 with an explicit
-  backend: "difflib" (what the official requirements install) or "levenshtein" (python-Levenshtein).
+- rouge_score / rouge_zh_score: the `rouge` 1.0.1 package itself, as the official code calls it (ROUGE-L F, any
+  exception gives 0.0), at the stack depth eval.py calls it from, so its recursive LCS backtrack overflows exactly
+  where it does there.
+- code_sim_score: first line without "`", "#", "//", then the `fuzzywuzzy` 0.18.0 package's `fuzz.ratio` / 100,
+  with its matcher chosen explicitly: "difflib" (what the official requirements install) or "levenshtein"
+  (python-Levenshtein).
 - classification_score: the official list-removal-while-iterating loop, which skips the element after each
   removed one.
 - count_score / retrieval_score / retrieval_zh_score: Unicode `\\d+`, string comparison.
@@ -26,10 +26,14 @@ import difflib
 import math
 import re
 import string
+import threading
+import warnings
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
+
 FUZZ_BACKENDS = ("difflib", "levenshtein")
+_FUZZ_LOCK = threading.Lock()
 
 # --------------------------------------------------------------------------------------------------------------
 # Normalisation and token F1
@@ -79,119 +83,93 @@ def qa_f1_zh_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# ROUGE-L as pltrdy rouge 1.0.1 computes it (Rouge().get_scores([pred], [gt], avg=True)["rouge-l"]["f"])
-
-# rouge's `_recon` backtracks recursively, one Python frame per step, so a long sentence pair overflows the
-# recursion limit; the official `except:` then returns 0.0. Measured with rouge 1.0.1 on CPython 3.11.7 (default
-# limit 1000) in the call chain of `python eval.py` (module -> scorer -> rouge_score -> Rouge.get_scores -> ...):
-# a pair whose backtrack needs 991 `_recon` frames scores, one needing 992 raises. rouge_zh_score calls
-# rouge_score, one frame deeper, so it allows one frame less. Other Python versions count frames differently;
-# this pins the CPython 3.11 behaviour.
-ROUGE_MAX_RECON_FRAMES = 991
-ROUGE_ZH_MAX_RECON_FRAMES = ROUGE_MAX_RECON_FRAMES - 1
+# ROUGE-L and code edit similarity: the official metrics.py calls pltrdy `rouge` 1.0.1 and fuzzywuzzy 0.18.0, and so
+# does this module, so their values (quirks included) are the packages' own.
 
 
-def _rouge_sentences(text: str) -> list[str]:
-    # The emptiness test is on the raw piece, so a whitespace-only piece becomes the sentence "".
-    return [" ".join(piece.split()) for piece in text.split(".") if len(piece) > 0]
+class _RougeAtEvalPyDepth(threading.Thread):
+    """metrics.py rouge_score (rouge 1.0.1's ROUGE-L F, summary level; 0.0 on any exception), called at the stack
+    depth it has under `python eval.py`.
+
+    rouge backtracks its LCS recursively, one Python frame per step, so whether a long sentence pair scores or
+    overflows the recursion limit (RecursionError, which the official bare `except:` turns into 0.0) depends on how
+    deep the stack already is. Under eval.py rouge_score is the third frame (<module> -> scorer -> rouge_score); a
+    fresh thread's `run` is the third frame too (_bootstrap -> _bootstrap_inner -> run), so the limit falls where it
+    falls for eval.py, whatever the caller's depth (a test runner, the report, a sweep)."""
+
+    def __init__(self, prediction: str, ground_truth: str) -> None:
+        super().__init__(daemon=True)
+        self.args = (prediction, ground_truth)
+        self.result = 0.0
+
+    def run(self) -> None:
+        from rouge import Rouge
+
+        prediction, ground_truth = self.args
+        try:
+            scores = Rouge().get_scores([prediction], [ground_truth], avg=True)
+        except Exception:  # the official bare except
+            self.result = 0.0
+            return
+        self.result = scores["rouge-l"]["f"]
+
+    def score(self) -> float:
+        self.start()
+        self.join()
+        return self.result
 
 
-def _lcs_words(x: list[str], y: list[str], max_frames: int) -> list[str] | None:
-    """rouge's `_recon_lcs(x, y)` words, or None where its recursive backtrack would exceed `max_frames`."""
-    n, m = len(x), len(y)
-    # Every backtrack step lowers i or j (or both) and it stops when one reaches 0, so it takes at least
-    # min(n, m) steps: skip the O(nm) table when even that is too deep.
-    if min(n, m) + 1 > max_frames:
-        return None
-    table = [[0] * (m + 1) for _ in range(n + 1)]
-    for i in range(1, n + 1):
-        xi, row, prev = x[i - 1], table[i], table[i - 1]
-        for j in range(1, m + 1):
-            if xi == y[j - 1]:
-                row[j] = prev[j - 1] + 1
-            else:
-                row[j] = prev[j] if prev[j] >= row[j - 1] else row[j - 1]
-    words: list[str] = []
-    i, j, frames = n, m, 1
-    while i != 0 and j != 0:
-        if x[i - 1] == y[j - 1]:
-            words.append(x[i - 1])
-            i, j = i - 1, j - 1
-        elif table[i - 1][j] > table[i][j - 1]:  # rouge's tie-break: strictly greater goes up, else left
-            i -= 1
-        else:
-            j -= 1
-        frames += 1
-        if frames > max_frames:
-            return None
-    return words
+class _RougeZhAtEvalPyDepth(_RougeAtEvalPyDepth):
+    """metrics.py rouge_zh_score: jieba words joined by single spaces, then rouge_score, one frame deeper."""
 
+    def __init__(self, prediction: str, ground_truth: str) -> None:
+        super().__init__(" ".join(_jieba_cut(prediction)), " ".join(_jieba_cut(ground_truth)))
 
-def _rouge_l_f(prediction: str, ground_truth: str, max_frames: int) -> float:
-    hyp = _rouge_sentences(prediction)
-    ref = _rouge_sentences(ground_truth)
-    if not hyp or not ref:  # rouge raises "Hypothesis is empty." / "Reference is empty."
-        return 0.0
-    hyp_words = [s.split(" ") for s in hyp]
-    ref_words = [s.split(" ") for s in ref]
-    m = len({w for ws in ref_words for w in ws})
-    n = len({w for ws in hyp_words for w in ws})
-    union: set[str] = set()
-    for r in ref_words:
-        for c in hyp_words:
-            words = _lcs_words(r, c, max_frames)
-            if words is None:
-                return 0.0  # RecursionError in rouge, caught by the official bare except
-            union.update(words)
-    llcs = len(union)
-    r_lcs = llcs / m
-    p_lcs = llcs / n
-    return 2.0 * ((p_lcs * r_lcs) / (p_lcs + r_lcs + 1e-8))
+    def run(self) -> None:
+        super().run()
 
 
 def rouge_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
-    return _rouge_l_f(prediction, ground_truth, ROUGE_MAX_RECON_FRAMES)
+    return _RougeAtEvalPyDepth(prediction, ground_truth).score()
 
 
 def rouge_zh_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
-    prediction = " ".join(_jieba_cut(prediction))
-    ground_truth = " ".join(_jieba_cut(ground_truth))
-    return _rouge_l_f(prediction, ground_truth, ROUGE_ZH_MAX_RECON_FRAMES)
+    return _RougeZhAtEvalPyDepth(prediction, ground_truth).score()
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Code edit similarity (fuzzywuzzy 0.18.0 fuzz.ratio)
-
-
-def fuzz_ratio(s1: str | None, s2: str | None, backend: str = "difflib") -> int:
-    """fuzzywuzzy 0.18.0 `fuzz.ratio` with the backend chosen explicitly instead of by what is installed.
-
-    The decorators run in this order: None -> 0, equal -> 100 (so ("", "") -> 100), empty -> 0; then
-    int(round(100 * ratio)) with Python's half-even round. "difflib" is fuzzywuzzy's fallback
-    `difflib.SequenceMatcher(None, s1, s2)` (autojunk on); "levenshtein" is its StringMatcher, i.e.
-    `Levenshtein.ratio` (the Indel ratio).
-    """
-    if s1 is None or s2 is None:
-        return 0
-    if s1 == s2:
-        return 100
-    if len(s1) == 0 or len(s2) == 0:
-        return 0
+def _sequence_matcher(backend: str) -> type:
     if backend == "difflib":
-        r = difflib.SequenceMatcher(None, s1, s2).ratio()
-    elif backend == "levenshtein":
+        return difflib.SequenceMatcher
+    if backend == "levenshtein":
         try:
-            import Levenshtein
+            import Levenshtein  # noqa: F401  (fuzzywuzzy's StringMatcher is python-Levenshtein's ratio)
+            from fuzzywuzzy.StringMatcher import StringMatcher
         except ImportError:
             raise ImportError("fuzz_backend=levenshtein needs python-Levenshtein "
                               "(pip install 'kvbench[levenshtein]')") from None
-        r = Levenshtein.ratio(s1, s2)
-    else:
-        raise ValueError(f"unknown fuzz backend '{backend}'; choose one of: {', '.join(FUZZ_BACKENDS)}")
-    return int(round(100 * r))
+        return StringMatcher
+    raise ValueError(f"unknown fuzz backend '{backend}'; choose one of: {', '.join(FUZZ_BACKENDS)}")
+
+
+def fuzz_ratio(s1: str | None, s2: str | None, backend: str = "difflib") -> int:
+    """fuzzywuzzy 0.18.0 `fuzz.ratio` with its matcher chosen explicitly: fuzzywuzzy itself takes
+    python-Levenshtein's StringMatcher when that is importable and difflib's SequenceMatcher otherwise, so the same
+    prediction could score differently on two machines. "difflib" is what the official requirements install."""
+    matcher = _sequence_matcher(backend)
+    with warnings.catch_warnings():  # fuzzywuzzy warns on import when python-Levenshtein is absent: chosen above
+        warnings.simplefilter("ignore")
+        from fuzzywuzzy import fuzz
+    with _FUZZ_LOCK:  # fuzz.ratio reads its module-level SequenceMatcher: set it for this call only
+        saved = fuzz.SequenceMatcher
+        fuzz.SequenceMatcher = matcher
+        try:
+            return fuzz.ratio(s1, s2)
+        finally:
+            fuzz.SequenceMatcher = saved
 
 
 def code_sim_score(prediction: str, ground_truth: str, fuzz_backend: str = "difflib", **kwargs: Any) -> float:
+    """metrics.py code_sim_score: the first line without "`", "#" or "//", then fuzz.ratio / 100."""
     pred = ""
     for line in prediction.lstrip("\n").split("\n"):
         if "`" not in line and "#" not in line and "//" not in line:

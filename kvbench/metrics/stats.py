@@ -1,5 +1,5 @@
 """Statistics for comparing runs: standard errors, paired bootstrap intervals, the exact McNemar test and the
-paired sign-flip permutation test. Plain numpy (no torch), so scripts can use it without loading a model.
+paired sign-flip permutation test, computed by `scipy.stats` (no torch, so scripts can use it without a model).
 
 Conventions (what lm-evaluation-harness and the usual paired analyses do):
 - the standard error of a mean is the sample standard deviation (n - 1) over sqrt(n); one value has none;
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from scipy import stats
 
 RESAMPLES = 10_000  # bootstrap resamples and random sign flips
 SEED = 0  # fixed, so a report is reproducible run to run
 EXACT_FLIPS_UP_TO = 16  # 2^16 = 65,536 sign patterns: cheap to enumerate exactly
 ALPHA = 0.05
-TOLERANCE = 1e-12  # |stat| >= |observed| - TOLERANCE counts as "as extreme" (float sums of equal terms)
-_CHUNK_CELLS = 2_000_000  # resamples x samples per numpy chunk (bounds the memory of one step to ~16 MB)
+_BATCH_CELLS = 2_000_000  # resamples x samples per scipy batch (bounds the memory of one step to ~16 MB)
 
 
 @dataclass(frozen=True)
@@ -89,91 +89,68 @@ def weighted_diff(strata: Sequence[Stratum]) -> float:
     return float(sum(s.weight * (s.a - s.b).mean() for s in _strata(strata)))
 
 
+def _mean_difference(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+    return a.mean(axis=axis) - b.mean(axis=axis)
+
+
 def bootstrap_ci(strata: Sequence[Stratum], resamples: int = RESAMPLES, seed: int = SEED,
                  level: float = 0.95) -> tuple[float, float]:
-    """Percentile interval of the paired difference: each of `resamples` resamples draws, within every stratum,
-    as many per-sample differences as it holds (with replacement) and recomputes sum_s w_s * mean(d_s)."""
+    """Percentile interval of the paired difference: scipy's paired bootstrap of mean(a) - mean(b) within every
+    stratum (each resample draws as many pairs as the stratum holds, with replacement), the strata's resampled
+    differences summed with their weights, then the percentiles of that sum."""
     kept = _strata(strata)
     if all(np.all(s.a - s.b == (s.a - s.b)[0]) for s in kept):
-        d = weighted_diff(kept)  # every resample gives the same value: skip the float noise of resampled means
+        d = weighted_diff(kept)  # every resample gives the same value (scipy calls such a distribution degenerate)
         return d, d
     rng = np.random.default_rng(seed)
-    stats = np.zeros(resamples)
+    total = np.zeros(resamples)
     for s in kept:
-        d = s.a - s.b
-        n = d.size
-        values, counts = np.unique(d, return_counts=True)
-        # Few distinct differences (0/100 scores: at most 3): a resample is known by how often it drew each
-        # value, multinomial counts, the same distribution of resampled means at a cost of (distinct values) per
-        # resample instead of n. Many distinct values: draw the n indices.
-        grouped = values.size * 4 <= n
-        step = max(1, _CHUNK_CELLS // (values.size if grouped else n))
-        for start in range(0, resamples, step):
-            m = min(step, resamples - start)
-            if grouped:
-                means = (rng.multinomial(n, counts / n, size=m) @ values) / n
-            else:
-                means = d[rng.integers(0, n, size=(m, n), dtype=np.int32)].mean(axis=1)
-            stats[start:start + m] += s.weight * means
-    lo, hi = np.percentile(stats, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
+        res = stats.bootstrap((s.a, s.b), _mean_difference, paired=True, vectorized=True, n_resamples=resamples,
+                              batch=max(1, _BATCH_CELLS // len(s.a)), method="percentile", random_state=rng)
+        total += s.weight * res.bootstrap_distribution
+    lo, hi = np.percentile(total, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
     return float(lo), float(hi)
 
 
-def binom_cdf_half(k: int, n: int) -> float:
-    """P(X <= k) for X ~ Binomial(n, 0.5), exactly (integers, then one division)."""
-    return sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
-
-
 def mcnemar_exact(b: int, c: int) -> float:
-    """Exact two-sided McNemar test on the discordant pairs (b: only the first right, c: only the second):
-    p = min(1, 2 * P(X <= min(b, c))), X ~ Binomial(b + c, 0.5); p = 1 without discordant pairs."""
+    """Exact two-sided McNemar test on the discordant pairs (b: only the first right, c: only the second): the
+    two-sided binomial test of b successes in b + c trials at 0.5 (= min(1, 2 * P(X <= min(b, c)))); p = 1 without
+    discordant pairs."""
     if b + c == 0:
         return 1.0
-    return min(1.0, 2 * binom_cdf_half(min(b, c), b + c))
+    return float(stats.binomtest(b, b + c, 0.5).pvalue)
 
 
 def mcnemar_min_discordant(alpha: float = ALPHA) -> int:
-    """The fewest discordant pairs, all in one direction, the exact McNemar test can call significant:
-    the smallest k with 2 * 0.5^k < alpha (6 at alpha = 0.05: 2/64 = 0.031; 2/32 = 0.0625 is not)."""
+    """The fewest discordant pairs, all in one direction, the exact McNemar test can call significant (6 at
+    alpha = 0.05: p = 2/64 = 0.031; 2/32 = 0.0625 is not)."""
     k = 1
-    while 2 * 0.5 ** k >= alpha:
+    while mcnemar_exact(k, 0) >= alpha:
         k += 1
     return k
 
 
 def sign_flip_p(strata: Sequence[Stratum], resamples: int = RESAMPLES, seed: int = SEED,
                 exact_up_to: int = EXACT_FLIPS_UP_TO) -> float:
-    """Two-sided paired permutation test: under "no difference" each sample's difference is as likely negated.
-    stat = sum_i w_i d_i with w_i = w_s / n_s (the stratified difference). Exact over all 2^n sign patterns
-    when n <= exact_up_to (p = share with |stat| >= |observed|), else `resamples` random patterns with
-    p = (count + 1) / (resamples + 1)."""
+    """Two-sided paired permutation test (scipy's permutation_test, permutation_type="samples": each pair's two
+    values swap, i.e. each sample's difference is negated): under "no difference" every sign pattern is as likely.
+    stat = sum_i w_i (a_i - b_i) with w_i = w_s / n_s (the stratified difference). Exact over all 2^n patterns when
+    n <= exact_up_to (p = the share of patterns with |stat| >= |observed|, the null being symmetric), else
+    `resamples` random patterns, where scipy's p = 2 * min over the two tails of (count + 1) / (resamples + 1)."""
     kept = _strata(strata)
-    d = np.concatenate([s.a - s.b for s in kept])
+    a = np.concatenate([s.a for s in kept])
+    b = np.concatenate([s.b for s in kept])
     w = np.concatenate([np.full(len(s.a), s.weight / len(s.a)) for s in kept])
-    wd = w * d
-    observed = abs(float(wd.sum()))
-    n = d.size
-    if n <= exact_up_to:
-        patterns = ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1) * 2 - 1  # every +-1 vector
-        stats = np.abs(patterns @ wd)
-        return float(np.mean(stats >= observed - TOLERANCE))
-    rng = np.random.default_rng(seed)
-    # Few distinct terms: equal terms flip as a group, k of m terms +v and m - k negated sum to v * (2k - m) with
-    # k ~ Binomial(m, 1/2), the same distribution as m independent signs at one draw per distinct term. Many:
-    # one random bit per term.
-    values, counts = np.unique(wd, return_counts=True)
-    grouped = values.size * 4 <= n
-    count = 0
-    step = max(1, _CHUNK_CELLS // (values.size if grouped else n))
-    for start in range(0, resamples, step):
-        m = min(step, resamples - start)
-        if grouped:
-            stats = (2 * rng.binomial(counts, 0.5, size=(m, values.size)) - counts) @ values
-        else:
-            bits = np.unpackbits(rng.integers(0, 256, size=(m, (n + 7) // 8), dtype=np.uint8), axis=1)[:, :n]
-            stats = (2.0 * bits - 1.0) @ wd
-        count += int(np.sum(np.abs(stats) >= observed - TOLERANCE))
-    return (count + 1) / (resamples + 1)
+    n = a.size
+
+    def statistic(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.sum(w * (x - y), axis=axis)
+
+    exact = n <= exact_up_to
+    res = stats.permutation_test((a, b), statistic, permutation_type="samples", vectorized=True,
+                                 n_resamples=np.inf if exact else resamples, alternative="two-sided",
+                                 batch=max(1, _BATCH_CELLS // n), random_state=np.random.default_rng(seed))
+    return float(res.pvalue)
 
 
 def is_binary(values: np.ndarray) -> bool:

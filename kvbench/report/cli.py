@@ -17,28 +17,34 @@ from kvbench.report.tables import ALWAYS_SHOWN, SPEED_HEAD, Report, build_report
 from kvbench.run.labels import fmt
 
 
-def report(root: Path, plots: bool = True, quiet: bool = False, paired: str | None = None) -> Report:
-    """Collect every run below `root`, write table.md, table.csv, runs.csv, paired.csv (and plots) into `root`.
-    `paired`: only the pairs with an entry of that policy (as policy_b) in paired.csv and table.md."""
+def report(root: Path, plots: bool = True, quiet: bool = False, paired: str | None = None,
+           out: Path | None = None) -> Report:
+    """Collect every run below `root`, write table.md, table.csv, runs.csv, paired.csv (and plots) into `out`
+    (default: `root`). `paired`: only the pairs with an entry of that policy (as policy_b) in paired.csv and
+    table.md."""
     root = Path(root)
     if not root.is_dir():
         raise ReportError(f"not a directory: {root}")
+    out = Path(out) if out is not None else root
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out is not a directory: {out}")
     entries, notes = collect_entries(root)
     if not entries:
         raise ReportError(f"no finished runs (metrics.json) below {root}")
     rep = build_report(entries, notes)
     check_policy(rep, paired)  # before anything is written
     found = pairs(rep, paired)
+    out.mkdir(parents=True, exist_ok=True)
     if plots:
-        written = plot_heatmaps(rep, root)
-        curve = plot_score_vs_budget(rep, root)
+        written = plot_heatmaps(rep, out)
+        curve = plot_score_vs_budget(rep, out)
         written += [curve] if curve else []
         rep.notes += [f"plot: {p.name}" for p in written]
     text = render_markdown(rep, root, found, paired)
-    (root / "table.md").write_text(text, encoding="utf-8")
-    write_csv(rep, root / "table.csv")
-    write_runs_csv(rep, root / "runs.csv", root)
-    write_paired_csv(found, root / "paired.csv")
+    (out / "table.md").write_text(text, encoding="utf-8")
+    write_csv(rep, out / "table.csv")
+    write_runs_csv(rep, out / "runs.csv", root)
+    write_paired_csv(found, out / "paired.csv")
     if not quiet:
         print(text)
     return rep
@@ -47,7 +53,7 @@ def report(root: Path, plots: bool = True, quiet: bool = False, paired: str | No
 def _entries_from_metrics(results: Iterable[dict[str, Any]]) -> list[Entry]:
     out = []
     for k, m in enumerate(results):
-        run = Run(Path("."), m, {}, (0, float(k)))
+        run = Run(Path("."), m, {}, (0, f"{k:09d}"))  # in the order the runs were given
         e = entry_from_run(run, read=False)  # no run directory here: metrics only
         e.settings = {k: v for k, v in e.settings.items() if k in ("budget", *ALWAYS_SHOWN)}
         out.append(e)
@@ -74,16 +80,18 @@ def print_metrics_table(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvbench-report", description="Paper-shaped tables from kvbench runs: "
-                                     "writes DIR/table.md, DIR/table.csv, DIR/runs.csv, DIR/paired.csv and plots.")
+                                     "writes table.md, table.csv, runs.csv, paired.csv and plots into DIR (or --out).")
     parser.add_argument("dir", type=Path, help="a run, sweep or results directory (searched recursively)")
     parser.add_argument("--no-plots", action="store_true", help="skip the heatmap and score-vs-budget PNGs")
     parser.add_argument("-q", "--quiet", action="store_true", help="do not print the markdown")
     parser.add_argument("--paired", metavar="POLICY", default=None,
                         help="paired comparisons only against this policy (it is policy_b: diff = other - POLICY); "
                              "default: every pair of runs on the same samples")
+    parser.add_argument("--out", type=Path, default=None, metavar="OUT",
+                        help="write the tables and plots into OUT instead of DIR (e.g. committed runs, read-only)")
     args = parser.parse_args(argv)
     try:
-        report(args.dir, plots=not args.no_plots, quiet=args.quiet, paired=args.paired)
+        report(args.dir, plots=not args.no_plots, quiet=args.quiet, paired=args.paired, out=args.out)
     except ReportError as e:
         print(f"kvbench-report: error: {e}", file=sys.stderr)
         sys.exit(2)

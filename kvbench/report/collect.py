@@ -1,7 +1,7 @@
 """Runs and entries: every directory below a root that holds a `metrics.json` is one run; runs whose configurations
 differ only in `shard` are merged into one entry (predictions back in sample order, scores recomputed from the
 merged records by the recipe of metrics.json `layout` through kvbench.metrics.aggregate, the function the run's
-task aggregated with, so they equal the unsharded run's; speed and memory by `run.loop.summarize`). No task is
+task aggregated with, so they equal the unsharded run's; speed and memory by `run.records.summarize`). No task is
 ever built here. An entry carries its records, composition and layout, so every score has its n and standard error
 (report.samples) and its place in the tables (report.layout).
 """
@@ -18,8 +18,7 @@ from kvbench.errors import error_line
 from kvbench.metrics.aggregate import RecipeError, aggregate_scores, average_of
 from kvbench.metrics.stats import MeanSE
 from kvbench.report.layout import Layout, stored_layout
-from kvbench.report.samples import Agreement, Composition, Records, cells, degenerate_count, logprob_cell, \
-    merge_compositions
+from kvbench.report.samples import Agreement, Composition, Records, cells, logprob_cell, merge_compositions
 from kvbench.run.labels import NA
 
 # Settings that never change results; runs differing only in these (and in `shard`) are the same entry.
@@ -38,7 +37,9 @@ class Run:
     path: Path
     metrics: dict[str, Any]
     config: dict[str, Any]  # the run's resolved config.yaml ({} when absent)
-    order: tuple[int, float]  # (Hydra job number, metrics.json mtime): the order the sweep ran them in
+    # (Hydra job number, path below the report's root): the sweep's order where Hydra recorded it, else the path's.
+    # Nothing time-dependent, so a report of committed runs (which keep no .hydra/) is the same on every checkout.
+    order: tuple[int, str]
 
 
 @dataclass
@@ -56,16 +57,17 @@ class Entry:
     provenance: dict[str, Any]
     notes: list[str]
     paths: list[Path]
-    order: tuple[int, float]
+    order: tuple[int, str]
+    reference: bool  # the run a comparison is made against (metrics.json `reference`: the full cache)
     label: str = ""  # "(1/2 shards)" for an incomplete merge
-    composition: Composition = field(default_factory=dict)  # metrics.json `composition` ({} for older runs)
+    composition: Composition = field(default_factory=dict)  # metrics.json `composition`
     records: Records = field(default_factory=dict)  # sample id -> record of predictions.jsonl (all shards)
     cells: dict[str, MeanSE] = field(default_factory=dict)  # score -> mean, se, n (scores in the composition)
-    average_key: str | None = None  # the score `average` is (None: unknown, or the mean of all scores)
+    average_key: str | None = None  # the score `average` is (None: the mean of all scores)
     logprob: MeanSE | None = None  # mean answer_logprob over the samples that have one
     vs_full: Agreement | None = None  # token agreement with the full cache's entry (set by tables.build_report)
     dlogprob: Any = None  # stats.PairedResult: answer_logprob of this entry - the full cache's (build_report)
-    layout: Layout | None = None  # metrics.json `layout` (report.layout.stored_layout; None for older runs)
+    layout: Layout = field(default_factory=dict)  # metrics.json `layout` (report.layout.stored_layout)
 
 
 def is_num(v: Any) -> bool:
@@ -92,17 +94,27 @@ def _job_num(run_dir: Path) -> int:
     return 0
 
 
+# What every run's metrics.json carries since kvbench writes it this way; a run without them was written by an
+# older kvbench and is listed in the notes instead of read another way.
+REQUIRED = ("applies", "reference", "composition", "layout", "scores", "stats")
+
+
 def find_runs(root: Path) -> tuple[list[Run], list[str]]:
     """Every finished run below `root` (a directory with metrics.json), and notes on what was skipped."""
     runs, notes = [], []
     for mp in sorted(root.rglob("metrics.json")):
+        where = rel_path(mp.parent, root)
         try:
             metrics = json.loads(mp.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
-            notes.append(f"{rel_path(mp.parent, root)}: unreadable metrics.json, skipped")
+            notes.append(f"{where}: unreadable metrics.json, skipped")
             continue
-        runs.append(Run(mp.parent, metrics, _load_yaml(mp.parent / "config.yaml"),
-                        (_job_num(mp.parent), mp.stat().st_mtime)))
+        missing = [k for k in REQUIRED if k not in metrics]
+        if missing or stored_layout(metrics) is None:
+            notes.append(f"{where}: written by an older kvbench (no {', '.join(missing) or 'valid layout'} in "
+                         f"metrics.json), skipped; scripts/migrate_runs.py brings it up to date")
+            continue
+        runs.append(Run(mp.parent, metrics, _load_yaml(mp.parent / "config.yaml"), (_job_num(mp.parent), where)))
     for pp in sorted(root.rglob("predictions.jsonl")):
         if not (pp.parent / "metrics.json").is_file():
             notes.append(f"{rel_path(pp.parent, root)}: unfinished (no metrics.json), not in the tables")
@@ -133,23 +145,15 @@ def _settings(run: Run) -> dict[str, Any]:
     cfg = run.config or {"budget": m.get("budget"), "block": m.get("block"), "protocol": m.get("protocol"),
                          "scenario": m.get("scenario")}
     flat = {k: v for k, v in _flatten(cfg).items() if k.split(".")[0] not in IGNORED_SETTINGS}
-    try:  # runs from before the protocol setting were blockwise; a block the protocol ignores does not apply
-        flat["protocol"], block = resolve_protocol(str(cfg.get("protocol") or "blockwise"), cfg.get("block"))
+    try:  # a block the protocol ignores does not apply
+        flat["protocol"], block = resolve_protocol(str(cfg.get("protocol")), cfg.get("block"))
         flat["block"] = NA if block is None else block
     except ValueError:
         pass
-    for k, used in applies(m).items():
+    for k, used in m["applies"].items():
         if not used:
             flat[k] = NA
     return flat
-
-
-def applies(metrics: dict[str, Any]) -> dict[str, bool]:
-    """Which of budget, protocol and block the run's policy uses, as the run recorded it (metrics.json `applies`);
-    runs from before that field: the full cache (the one policy that never evicts and reads the prompt in one
-    forward) uses none, every other policy all three."""
-    uses = metrics.get("policy") != "full"
-    return {"budget": uses, "protocol": uses, "block": uses, **(metrics.get("applies") or {})}
 
 
 def _merge_key(run: Run) -> str:
@@ -164,56 +168,32 @@ def _composition(metrics: dict[str, Any]) -> Composition:
 
 
 def _read(path: Path) -> Records:
-    from kvbench.run.loop import read_records
+    from kvbench.run.records import read_records
 
     return {str(r["id"]): r for r in read_records(path / "predictions.jsonl", repair=False)}
 
 
-def _average_key(scores: dict[str, Any], average: Any, composition: Composition, found: dict[str, MeanSE],
-                 composed_only: bool = True) -> str | None:
-    """Which score the run's `average` is (tasks name it by `average_key`, which metrics.json does not record):
-    a score equal to it, composed ones first and among those the widest (a cell can equal the overall mean);
-    `composed_only`: only scores of the composition."""
-    if not is_num(average):
-        return None
-    names = list(composition) + ([] if composed_only else [k for k in scores if k not in composition])
-    same = [k for k in names if is_num(scores.get(k)) and abs(scores[k] - average) <= 1e-9]
-    return max(same, key=lambda k: found[k].n if k in found else -1) if same else None
-
-
 def with_samples(entry: Entry, composition: Composition, records: Records) -> Entry:
-    """Attach the per-sample data: composition, records, each composed score's n and se, the graded score, the
-    degenerate count when the stats lack it."""
+    """Attach the per-sample data: composition, records, each composed score's n and se, the graded score."""
     entry.composition, entry.records = composition, records
     entry.cells = cells(composition, records) if records else {}
     entry.logprob = logprob_cell(records)
-    if "degenerate" not in entry.stats and records:
-        k = degenerate_count(records)
-        if k is not None:
-            entry.stats["degenerate"] = k
     return entry
 
 
 def entry_from_run(run: Run, label: str = "", read: bool = True) -> Entry:
-    """One run as an entry; `read`: load its predictions.jsonl (runs with a composition only: older runs are
-    shown as stored)."""
+    """One run as an entry; `read`: load its predictions.jsonl."""
     m = run.metrics
     s = _settings(run)
     e = Entry(model=str(m.get("model")), policy=str(m.get("policy")), task=str(m.get("task")),
-              budget=s.get("budget", m.get("budget")), settings=s, scores=dict(m.get("scores") or {}),
-              average=m.get("average"), stats=dict(m.get("stats") or {}), provenance=dict(m.get("provenance") or {}),
-              notes=list(m.get("notes") or []), paths=[run.path], order=run.order, label=label)
-    comp = _composition(m)
-    # Records only for runs that write a composition (possibly empty): older runs carry no per-sample fields.
-    with_samples(e, comp, _read(run.path) if read and isinstance(m.get("composition"), dict) else {})
-    e.layout = stored_layout(m)
-    e.average_key = _layout_average(e.layout) or _average_key(e.scores, e.average, comp, e.cells)
+              budget=s.get("budget", m.get("budget")), settings=s, scores=dict(m["scores"]),
+              average=m.get("average"), stats=dict(m["stats"]), provenance=dict(m.get("provenance") or {}),
+              notes=list(m.get("notes") or []), paths=[run.path], order=run.order, reference=bool(m["reference"]),
+              label=label)
+    with_samples(e, _composition(m), _read(run.path) if read else {})
+    e.layout = stored_layout(m)  # type: ignore[assignment]  (find_runs keeps only runs whose layout reads)
+    e.average_key = e.layout["average"]
     return e
-
-
-def _layout_average(layout: Layout | None) -> str | None:
-    """The score the run's `average` is, as its layout names it (None: none named, or no layout)."""
-    return layout["average"] if layout is not None else None
 
 
 def pair_key(e: Entry) -> str:
@@ -233,7 +213,7 @@ def _shard_of(run: Run) -> tuple[int, int] | None:
 
 def merge_shards(runs: Sequence[Run], root: Path, notes: list[str]) -> Entry:
     """One entry from runs that differ only in `shard` (an unsharded run among them wins)."""
-    from kvbench.run.loop import read_records
+    from kvbench.run.records import read_records
 
     runs = sorted(runs, key=lambda r: r.order)
     whole = [r for r in runs if _shard_of(r) is None]
@@ -271,73 +251,37 @@ def merge_shards(runs: Sequence[Run], root: Path, notes: list[str]) -> Entry:
     composition, differ = merge_compositions(comps, (str(r["id"]) for r in records))
     if differ:
         notes.append(f"{what}: shards compose {', '.join(differ)} differently; the first shard's is used")
-    new_format = any(isinstance(r.metrics.get("composition"), dict) for r in shards)
-    with_samples(entry, composition, {str(r["id"]): r for r in records} if new_format else {})
+    with_samples(entry, composition, {str(r["id"]): r for r in records})
     budget = shards[0].config.get("budget", shards[0].metrics.get("budget"))
     try:
-        from kvbench.run.loop import summarize
+        from kvbench.run.records import summarize
 
-        entry.stats = summarize(records, budget, applies(shards[0].metrics)["budget"])  # evicts iff it has a budget
+        entry.stats = summarize(records, budget, shards[0].metrics["applies"]["budget"])  # evicts iff it has a budget
     except Exception as e:  # noqa: BLE001 - records without timings: keep the first shard's, with the merged count
         entry.stats = {**entry.stats, "samples": len(records)}
         notes.append(f"{what}: speed and memory are the first shard's ({_why(e)})")
-    k = degenerate_count(entry.records) if entry.records else None
-    if k is not None:
-        entry.stats["degenerate"] = k
-    elif any("degenerate" in (r.metrics.get("stats") or {}) for r in shards):
-        entry.stats["degenerate"] = sum(int((r.metrics.get("stats") or {}).get("degenerate") or 0) for r in shards)
     layouts = {json.dumps(r.metrics.get("layout"), sort_keys=True) for r in shards}
     if len(layouts) > 1:
         notes.append(f"{what}: shards write different layouts; the first shard's is used")
-    recipe = entry.layout["recipe"] if entry.layout is not None else None
-    why, scores = "no recipe in the runs' metrics.json layout", None
-    if recipe is not None:
+    recipe = entry.layout["recipe"]
+    if recipe is None:  # a task that aggregates in its own code: the composed scores are the merged samples' means
+        entry.scores = {k: entry.cells[k].mean if k in entry.cells else v for k, v in entry.scores.items()}
+        rest = [k for k in entry.scores if k not in entry.cells]
+        if rest:
+            notes.append(f"{what}: {', '.join(rest)} are the first shard's (the task writes no recipe)")
+    else:
         try:
             # The run's own aggregation (the task aggregated through the same function and recipe): the merged
             # records, back in sample order, give the unsharded run's scores.
-            scores = aggregate_scores(records, recipe)
+            entry.scores = aggregate_scores(records, recipe)
         except RecipeError as e:
-            why = f"the layout's recipe does not apply: {_why(e)}"
-    if scores is not None:
-        entry.scores, entry.average = scores, average_of(scores, _layout_average(entry.layout))
-    else:
-        _merge_without_recipe(entry, shards, comps, composition, notes, why)
-    entry.average_key = _layout_average(entry.layout) or \
-        _average_key(entry.scores, entry.average, composition, entry.cells)
+            notes.append(f"{what}: the shards' scores could not be recomputed ({_why(e)}); the first shard's are shown")
+    entry.average = average_of(entry.scores, entry.layout["average"])
     return entry
 
 
 def _why(e: Exception) -> str:
     return error_line(e, with_type=True)
-
-
-def _merge_without_recipe(entry: Entry, shards: list[Run], comps: list[Composition], composition: Composition,
-                          notes: list[str], why: str) -> None:
-    """Scores of shards whose runs give no recipe (runs from before metrics.json `layout`, tasks that aggregate in
-    their own code): the scores the composition traces to samples are the merged records' means; any other is the
-    sample-weighted mean of the shards' values, and a note says so."""
-    order = list(dict.fromkeys(k for r in shards for k in (r.metrics.get("scores") or {})))
-    composed = {k: entry.cells[k].mean for k in order if k in entry.cells} if all(comps) else {}
-    rest = [k for k in order if k not in composed]
-    weights = [float((r.metrics.get("stats") or {}).get("samples") or 0) for r in shards]
-    wsum = sum(weights) or 1.0
-    weighted = {k: sum(w * (r.metrics.get("scores") or {}).get(k, 0.0) for w, r in zip(weights, shards)) / wsum
-                for k in rest}
-    if rest:
-        which = "" if set(rest) >= set(order) else f" {', '.join(rest)}"
-        notes.append(f"{entry.model} {entry.policy} {entry.task}: shard scores{which} are sample-weighted means, "
-                     f"not recomputed ({why})")
-    entry.scores = {k: composed[k] if k in composed else weighted[k] for k in order}
-    first = shards[0].metrics
-    key = _layout_average(entry.layout) or \
-        _average_key(first.get("scores") or {}, first.get("average"), composition, entry.cells, composed_only=False)
-    if key is not None:
-        entry.average = entry.scores.get(key)
-    elif not rest:  # a task without an average_key averages all its scores (metrics.aggregate.average_of)
-        entry.average = average_of({k: v for k, v in entry.scores.items() if is_num(v)}, None)
-    else:  # the sample-weighted mean of the shards' averages
-        avgs = [(w, r.metrics.get("average")) for w, r in zip(weights, shards) if is_num(r.metrics.get("average"))]
-        entry.average = sum(w * a for w, a in avgs) / (sum(w for w, _ in avgs) or 1.0) if avgs else None
 
 
 def collect_entries(root: Path) -> tuple[list[Entry], list[str]]:

@@ -1,26 +1,19 @@
 """How a task's scores are laid out, read from metrics.json `layout` (written by the task: kvbench.tasks.base
 Task.layout), so the report knows nothing of any task: the score columns in order with their category headers and
 sort keys, the summary scores, the length x depth cells of heatmaps, the average's score, and the recipe a shard
-merge recomputes the scores with (kvbench.metrics.aggregate).
-
-Runs written before `layout` existed have none: for them alone `legacy_layout` derives the same layout from the
-score names as the report always did (the LongBench datasets and categories, NIAH/probe cell names `L<n>_D<d>`,
-summary names `cat:*`, `cat_zh:*`, `avg*`, `L<n>`), so their tables render as before.
+merge recomputes the scores with (kvbench.metrics.aggregate). Runs written before metrics.json carried `layout`
+are brought up to date once by scripts/migrate_runs.py (their tasks write it from their records).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 Layout = dict[str, Any]
 
-# -- runs with a layout ------------------------------------------------------------------------------------------
-
-
 def stored_layout(metrics: dict[str, Any]) -> Layout | None:
     """metrics.json `layout` with its parts checked for shape (anything malformed is dropped, not trusted), or None
-    for runs from before the field."""
+    when it is missing or not an object."""
     lay = metrics.get("layout")
     if not isinstance(lay, dict):
         return None
@@ -38,44 +31,6 @@ def stored_layout(metrics: dict[str, Any]) -> Layout | None:
 
 def _num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-# -- runs from before the layout (older kvbench): derived from the score names -----------------------------------
-
-LEGACY_CELL = re.compile(r"^L(\d+)_D(\d+(?:\.\d+)?)$")  # NIAH / probe cell scores
-_LEGACY_LONGBENCH = ("longbench", "longbench_e")
-
-
-def _legacy_summary(name: str) -> bool:
-    return name.startswith(("cat:", "cat_zh:", "avg")) or re.fullmatch(r"L\d+", name) is not None
-
-
-def _longbench_datasets() -> dict[str, str]:
-    """Every LongBench dataset in the official order (kvbench.metrics.longbench.DATASET2METRIC, the order of the
-    task's own data file) with its category header."""
-    from kvbench.metrics.longbench import CATEGORY_TITLES, DATASET2METRIC, EN_CATEGORIES, ZH_CATEGORIES
-
-    category = {d: c for cats in (ZH_CATEGORIES, EN_CATEGORIES) for c, members in cats.items() for d in members}
-    return {d: CATEGORY_TITLES.get(category[d], category[d]) for d in DATASET2METRIC}
-
-
-def legacy_layout(task: str, names: list[str]) -> Layout:
-    """The layout of a run from before metrics.json `layout`, from its task and score names alone (what the report
-    inferred before tasks wrote their layout): detail columns and summary scores, LongBench datasets in the
-    official order under their categories, NIAH/probe cells by length and depth under `<task> L<length>`."""
-    details = [n for n in names if not _legacy_summary(n)]
-    summary = [n for n in names if _legacy_summary(n)]
-    cells = {n: tuple(float(x) for x in m.groups()) for n in names if (m := LEGACY_CELL.match(n))}
-    columns: list[dict[str, Any]] = [{"score": n, "category": task} for n in details]
-    if task in _LEGACY_LONGBENCH and all(n.split(":")[0] in _longbench_datasets() for n in details):
-        datasets = _longbench_datasets()
-        order = list(datasets)
-        columns = [{"score": n, "category": datasets[n.split(":")[0]], "sort": [order.index(n.split(":")[0]), n]}
-                   for n in details]
-    elif details and all(n in cells for n in details):
-        columns = [{"score": n, "category": f"{task} L{LEGACY_CELL.match(n).group(1)}",  # type: ignore[union-attr]
-                    "sort": list(cells[n])} for n in details]
-    return {"columns": columns, "summary": summary, "cells": cells, "average": None, "recipe": None}
 
 
 # -- the columns of several runs of one task ---------------------------------------------------------------------

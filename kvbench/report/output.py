@@ -52,10 +52,6 @@ def _se_lines(rep: Report) -> list[str]:
         return []
     lines = ["", "mean ± standard error of the mean (sample sd with n - 1 over sqrt(n); a mean of scores: "
              "sqrt(sum se²) / k); n: samples per cell, `(n=k)` where a cell's differs from its row's."]
-    old = [e for e in rep.entries if not e.cells]
-    if old:
-        lines.append(f"{len(old)} run(s) without per-sample composition (older kvbench): plain means as stored, "
-                     "no se, not paired.")
     return lines
 
 

@@ -64,8 +64,9 @@ def check_policy(rep: Report, policy: str | None) -> None:
 
 
 def pairs(rep: Report, policy: str | None = None) -> list[Pair]:
-    """All pairs of entries on the same samples, a = the earlier in table order except that the full cache is
-    always b; with `policy`, only pairs with an entry of that policy, which is then b (diff = other - policy)."""
+    """All pairs of entries on the same samples, a = the earlier in table order except that the reference run (the
+    full cache: metrics.json `reference`) is always b; with `policy`, only pairs with an entry of that policy, which
+    is then b (diff = other - policy)."""
     items = [(r, e) for r in rep.rows for e in r.entries.values() if e.records]
     out = []
     for i, first in enumerate(items):
@@ -78,7 +79,7 @@ def pairs(rep: Report, policy: str | None = None) -> list[Pair]:
                     (ra, a), (rb, b) = second, first
                 elif b.policy != policy:
                     continue
-            elif a.policy == "full" and b.policy != "full":
+            elif a.reference and not b.reference:
                 (ra, a), (rb, b) = second, first  # against the full cache: diff = policy - full, a loss reads < 0
             for score in _scores(rep, a, b):
                 res = compare(a.composition, a.records, b.composition, b.records, score)
@@ -116,10 +117,11 @@ def write_paired_csv(found: list[Pair], path: Path) -> None:
 
 
 def markdown_pairs(rep: Report, found: list[Pair], policy: str | None) -> tuple[list[Pair], str]:
-    """The pairs table.md shows, and the sentence above them. Against `--paired POLICY` or else the full cache
-    (when there is one): every such pair, but only the summary scores where the task has some (its detail
+    """The pairs table.md shows, and the sentence above them. Against `--paired POLICY` or else the reference run,
+    the full cache (when there is one): every such pair, but only the summary scores where the task has some (its detail
     scores are in paired.csv); without either, every pair."""
-    anchor = policy or ("full" if any(p.a.policy == "full" or p.b.policy == "full" for p in found) else None)
+    reference = next((e.policy for p in found for e in (p.b, p.a) if e.reference), None)
+    anchor = policy or reference
     shown = [p for p in found if anchor is None or anchor in (p.a.policy, p.b.policy)]
     summary = {(c.task, c.score) for c in rep.summary_columns}
     tasks_with_summary = {t for t, _ in summary}

@@ -4,7 +4,7 @@ token agreement with the full cache, the graded score (`answer_logprob`).
 
 composition: {score: {"samples": [ids]}} = the plain mean of those samples' `score`;
              {score: {"mean_of": [scores]}} = the plain mean of other scores (LongBench category averages).
-Runs from before that field have none: their scores show as stored, without se, and are never paired.
+A score outside the composition (a leaderboard average of rounded dataset scores) shows as stored, without se.
 """
 
 from __future__ import annotations
@@ -172,9 +172,3 @@ def agreement(records: Records, full: Records) -> Agreement:
     if n == 0:
         return Agreement(None, 0, None)
     return Agreement(100.0 * (n - len(diffs)) / n, n, sum(diffs) / len(diffs) if diffs else None)
-
-
-def degenerate_count(records: Records) -> int | None:
-    """Degenerate outputs among the records (None when no record says: runs from before the field)."""
-    flags = [r["degenerate"] for r in records.values() if isinstance(r.get("degenerate"), bool)]
-    return sum(flags) if flags else None

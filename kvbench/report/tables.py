@@ -1,6 +1,6 @@
 """Table layout: rows = (model, policy, budget, block, protocol, any other varying setting), grouped by model with
 the full cache first; columns = scores in the order and under the categories the tasks' metrics.json `layout`
-gives (LongBench categories, NIAH context lengths, else the task; report.layout derives it for older runs), then
+gives (LongBench categories, NIAH context lengths, else the task), then
 Avg; the summary and speed tables.
 """
 
@@ -12,16 +12,11 @@ from typing import Any
 
 from kvbench.metrics.stats import MeanSE, mean_of
 from kvbench.report.collect import IDENTITY, Entry, is_num, pair_key
-from kvbench.report.layout import LEGACY_CELL, Layout, cells_of, legacy_layout, merge_layouts
+from kvbench.report.layout import cells_of, merge_layouts
 from kvbench.report.samples import LOGPROB, agreement, compare
 from kvbench.run.labels import NA, fmt, setting_name
 
 ALWAYS_SHOWN = ("block", "protocol")  # settings shown as columns even when every row has the same value
-
-# The NIAH/probe cell-name pattern, still imported by scripts/claims_table.py and scripts/niah_heatmaps.py; the
-# report itself places cells by the tasks' layouts (Column.cell) and uses the pattern only for older runs.
-CELL = LEGACY_CELL
-
 
 SPEED_HEAD = ["samples", "prefill tok/s", "decode tok/s", "evict s", "peak KV tok", "KV MiB", "compression"]
 
@@ -64,16 +59,6 @@ class Report:
     notes: list[str]
 
 
-def _task_layouts(task: str, entries: list[Entry]) -> list[Layout]:
-    """The layouts of one task's runs: each run's metrics.json `layout`; the runs from before that field share one
-    layout derived from their score names (report.layout.legacy_layout), as the report always laid them out."""
-    layouts = [e.layout for e in entries if e.layout is not None]
-    old_names = list(dict.fromkeys(k for e in entries if e.layout is None for k in e.scores))
-    if any(e.layout is None for e in entries):
-        layouts.append(legacy_layout(task, old_names))
-    return layouts
-
-
 def _columns(entries: list[Entry]) -> tuple[list[Column], list[Column]]:
     tasks: list[str] = []
     names: dict[str, list[str]] = {}
@@ -91,7 +76,7 @@ def _columns(entries: list[Entry]) -> tuple[list[Column], list[Column]]:
     detail: list[Column] = []
     summary: list[Column] = []
     for t in tasks:
-        layouts = _task_layouts(t, [e for e in entries if e.task == t])
+        layouts = [e.layout for e in entries if e.task == t]
         cols, summ = merge_layouts(layouts, names[t], t)
         cells = cells_of(layouts)
         detail += [col(t, c["score"], c["category"], cells.get(c["score"])) for c in cols]
@@ -169,12 +154,12 @@ def _against_full(rows: list[Row]) -> None:
     fulls: dict[str, Entry] = {}
     for r in rows:
         for e in r.entries.values():
-            if e.policy == "full" and e.records:
+            if e.reference and e.records:
                 fulls.setdefault(pair_key(e), e)
     for r in rows:
         for e in r.entries.values():
             f = fulls.get(pair_key(e))
-            if e.policy == "full" or f is None or not e.records:
+            if e.reference or f is None or not e.records:
                 continue
             a = agreement(e.records, f.records)
             e.vs_full = a if a.n else None
@@ -217,8 +202,8 @@ def degenerate_text(row: Row) -> str | None:
 
 
 def stat_text(value: Any, st: MeanSE | None, row_n: int | None = None) -> str:
-    """`mean ± se` (one decimal), `mean` alone when n = 1, `(n=k)` after it when its n is not the row's; a value
-    without per-sample data (older runs) as stored."""
+    """`mean ± se` (one decimal), `mean` alone when n = 1, `(n=k)` after it when its n is not the row's; a score
+    outside the composition (a leaderboard average) as stored."""
     if st is None or not is_num(value):
         return fmt(value)
     text = f"{value:.1f}" + (f" ± {st.se:.1f}" if st.se is not None else "")

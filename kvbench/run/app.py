@@ -26,8 +26,10 @@ from kvbench.models.loading import LoadedModel, load_model
 from kvbench.policies.base import Policy
 from kvbench.run.config import load_group
 from kvbench.run.labels import describe_run
-from kvbench.run.loop import batching_note, run_task, summarize
+from kvbench.run.loop import batching_note, run_task
+from kvbench.run.records import summarize
 from kvbench.run.settings import ConfigError, RunSettings, build_policy, build_task, user_errors
+from kvbench.run.threads import current_threads
 from kvbench.tasks.base import Task, TaskEnv
 
 def _git_commit() -> str | None:
@@ -93,12 +95,13 @@ def _busy(run_dir: Path) -> RunBusy:
 
 @contextlib.contextmanager
 def run_lock(run_dir: Path, create: bool = True) -> Iterator[HeldLock]:
-    """Exclusive lock on a run directory (its `.lock` file), taken before anything is written into it or removed
-    from it: a second process on the same directory (the same command started twice, a sweep launched twice) would
-    append duplicate predictions or delete the first one's files, so it fails at once (`RunBusy`) and touches
-    nothing. `create`: make the directory (and its parents) if missing; otherwise a missing directory is RunBusy
-    (another process removed it). The kernel drops the lock when its process dies, SIGKILL included."""
-    import fcntl
+    """Exclusive lock on a run directory (its `.lock` file, a filelock.FileLock: flock on Unix), taken before
+    anything is written into it or removed from it: a second process on the same directory (the same command
+    started twice, a sweep launched twice) would append duplicate predictions or delete the first one's files, so it
+    fails at once (`RunBusy`) and touches nothing. `create`: make the directory (and its parents) if missing;
+    otherwise a missing directory is RunBusy (another process removed it). The kernel drops the lock when its process
+    dies, SIGKILL included."""
+    from filelock import FileLock, Timeout
 
     for _ in range(3):
         created_dir = False
@@ -108,33 +111,30 @@ def run_lock(run_dir: Path, create: bool = True) -> Iterator[HeldLock]:
                 created_dir = True
             except FileExistsError:
                 pass  # made by another process just now
+        if not run_dir.is_dir():
+            if create:
+                continue  # removed by another process between our mkdir and now: make it again
+            raise _busy(run_dir)
         lock_path = run_dir / ".lock"
+        lock_existed = lock_path.exists()
+        lock = FileLock(str(lock_path), timeout=0)
         try:
-            try:
-                fd, created_lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
-            except FileExistsError:
-                fd, created_lock = os.open(lock_path, os.O_RDWR), False
+            lock.acquire()
+        except Timeout:
+            raise _busy(run_dir) from None
         except FileNotFoundError:
             if create:
-                continue  # removed, with its directory, between our mkdir and open: make it again
+                continue  # removed, with its directory, between our mkdir and the lock: make it again
             raise _busy(run_dir) from None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise _busy(run_dir) from None
-            try:
-                # The holder before us may have removed the directory (a new run that failed on bad input) between
-                # our open and our flock: a lock on a removed file guards nothing, so start again.
-                same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
-            except FileNotFoundError:
-                same = False
-            if not same:
+            # The holder before us may have removed the directory (a new run that failed on bad input) between our
+            # open and our lock: a lock on a removed file guards nothing, so start again.
+            if not lock_path.exists():
                 continue
-            yield HeldLock(run_dir, created_dir, created_lock)
+            yield HeldLock(run_dir, created_dir, not lock_existed)
             return
         finally:
-            os.close(fd)  # (releases the lock)
+            lock.release()
     raise _busy(run_dir)
 
 
@@ -260,12 +260,16 @@ def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session:
         # protocol, and no block when it reads the prompt in one forward.
         "applies": {"budget": policy.evicts, "protocol": policy.evicts,
                     "block": policy.evicts or not policy.single_pass_prefill},
+        # The run the others are compared against (the report pairs every policy with it): a policy that never
+        # evicts, the full cache.
+        "reference": not policy.evicts,
         "scores": scores, "average": task_average(task, scores),
         # How each score is built from the samples (kvbench-report's standard errors and paired tests read it).
         "composition": task.composition(records), "graded": settings.graded,
         # The report's columns and the recipe a shard merge recomputes the scores with (it never builds a Task).
         "layout": task.layout(records, scores),
         "stats": summarize(records, settings.budget, policy.evicts),
+        "threads": current_threads(),  # torch intra-op threads (a SLURM job: its CPUs; kvbench.run.threads)
         **({"batch": {"size": settings.batch_size, "note": note}} if settings.batch_size > 1 else {}),
         "provenance": provenance(loaded, task),
     }

@@ -111,7 +111,7 @@ def rescore_run(run_dir: Path, fuzz_backend: str | None = None) -> dict[str, Any
     (`fuzz_backend`, when given, replaces a LongBench task's backend), `Task.score` per record, `Task.aggregate` over
     them and the run's average. Returns {"task", "samples", "scores", "average", "changed"}."""
     from kvbench.run.app import task_average
-    from kvbench.run.loop import read_records
+    from kvbench.run.records import read_records
     from kvbench.run.settings import build_task
     from kvbench.tasks.base import Sample
 

@@ -6,7 +6,6 @@ objects a config's `_target_` entries describe (policy, task).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
@@ -143,13 +142,26 @@ def _flag(name: str, value: Any) -> bool:
 
 
 def instantiate(spec: Mapping[str, Any], **extra: Any) -> Any:
-    """Build the object a group YAML describes: `_target_` is "module.Class", the other keys its arguments."""
-    spec = dict(spec)
-    target = spec.pop("_target_", None)
+    """Build the object a group YAML describes with Hydra's `instantiate`: `_target_` is "module.Class", the other
+    keys its arguments (plain lists and dicts: `_convert_="all"`). Hydra wraps whatever the constructor (or the
+    import of the target's module) raises in an InstantiationException whose message spans lines; that first error is
+    raised instead, so bad input keeps its one-line error (PolicyError, TaskError, a TypeError for an unknown option,
+    the ImportError of a module not on the path)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    target = spec.get("_target_")
     if not target:
-        raise ConfigError(f"config entry has no _target_: {spec}")
-    module, _, cls = target.rpartition(".")
-    return getattr(importlib.import_module(module), cls)(**spec, **extra)
+        raise ConfigError(f"config entry has no _target_: {dict(spec)}")
+    try:
+        return hydra_instantiate(dict(spec), **extra, _convert_="all")
+    except InstantiationException as e:
+        cause: BaseException | None = e
+        while cause.__cause__ is not None:  # the first error: the constructor's own, or the import of the target's
+            cause = cause.__cause__  # module (Hydra wraps that one twice)
+        if cause is e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+        raise cause from None
 
 
 def build_policy(policy_cfg: Mapping[str, Any], settings: RunSettings) -> Policy:

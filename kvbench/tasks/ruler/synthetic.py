@@ -5,7 +5,6 @@ official haystack-size search: how many haystack units fit the length, probed in
 from __future__ import annotations
 
 import logging
-import math
 import random
 import string
 import uuid
@@ -264,15 +263,10 @@ def gen_cwe(c: GenContext, args: dict[str, Any], num_samples: int, extra_words: 
 
 
 def _zeta(s: float) -> float:
-    """Riemann zeta for s > 1 (scipy.special.zeta in the official code); exact closed form at s = 2."""
-    if s == 2.0:
-        return math.pi ** 2 / 6
-    try:
-        from scipy.special import zeta
+    """Riemann zeta for s > 1, scipy.special.zeta as in the official code (at s = 2 it equals pi^2 / 6 bit for bit)."""
+    from scipy.special import zeta
 
-        return float(zeta(s))
-    except ImportError:
-        raise TaskError(f"ruler fwe: alpha={s} needs scipy (alpha=2.0 does not)") from None
+    return float(zeta(s))
 
 
 def gen_fwe(c: GenContext, args: dict[str, Any], num_samples: int) -> list[Generated]:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The tables and plots of a results folder, drawn from its committed runs alone (OUT/runs: each run's config.yaml,
+# metrics.json and predictions.jsonl): no model, nothing recomputed, and nothing read from a scratch directory, so
+# anyone with a checkout gets the committed files byte for byte (tests/test_results_tables.py checks the tables).
+#
+#   bash scripts/tables.sh                      every committed folder below
+#   bash scripts/tables.sh NAME [OUT]           one kind of folder (default OUT: results/NAME); the result scripts
+#                                               call it on their own output after finish_run
+#
+# NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b. The claims tables also read the NIAH grid's and the RULER
+# runs (NIAH_RUNS, RULER_RUNS; default: the committed ones).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPORT=${REPORT:-python -m kvbench.report}
+NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
+RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
+FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b)
+
+tables() {
+    local name=$1 out=$2
+    if [[ ! -d "$out/runs" ]]; then
+        echo "tables.sh: error: $out/runs does not exist" >&2
+        exit 2
+    fi
+    $REPORT "$out/runs" --out "$out" -q
+    case $name in
+        niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
+        ruler_4k) ;;
+        claims) python scripts/claims_table.py "$out/runs" "$NIAH_RUNS" "$RULER_RUNS" "$out" ;;
+        qwen2.5-coder-1.5b)
+            python scripts/claims_table.py "$out/runs" "$out/runs/niah" - "$out"
+            # Each claim's verdicts on SmolLM2 (results/claims) and on this model, side by side.
+            python scripts/claims_side_by_side.py results/claims/claims.csv "$out/claims.csv" \
+                --names SmolLM2-135M Qwen2.5-Coder-1.5B --out "$out/side_by_side.md" ;;
+    esac
+}
+
+if [[ $# == 0 ]]; then
+    for name in "${FOLDERS[@]}"; do tables "$name" "results/$name"; done
+elif [[ " ${FOLDERS[*]} " == *" $1 "* ]]; then
+    tables "$1" "${2:-results/$1}"
+else
+    echo "tables.sh: error: unknown results folder '$1'; choose one of: ${FOLDERS[*]}" >&2
+    exit 2
+fi

@@ -1,0 +1,91 @@
+"""Declared dependencies and imports agree: every third-party package kvbench, its tests and scripts import is
+declared in pyproject.toml (a dependency or an optional extra), and every declared package is used."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Imported module name -> distribution name, where the two differ.
+DISTRIBUTION_OF = {"yaml": "pyyaml", "hydra": "hydra-core", "Levenshtein": "python-levenshtein",
+                   "pytest": "pytest"}
+# Declared but never imported, each with the reason it is needed.
+USED_WITHOUT_IMPORT = {
+    "accelerate": "transformers refuses to load a GGUF file without it (model=smollm2-135m)",
+    "hydra-joblib-launcher": "Hydra finds it as hydra/launcher=joblib (conf/hydra/launcher/parallel.yaml)",
+    "hydra-submitit-launcher": "Hydra finds it as hydra/launcher=submitit_slurm (conf/hydra/launcher/slurm*.yaml)",
+}
+# Imported but not a dependency of kvbench: the peer a comparison script measures kvbench against.
+NOT_A_DEPENDENCY = {"kvpress": "scripts/peer_kvpress.py compares kvbench with it; its README says how to install"}
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[ ;]", requirement, maxsplit=1)[0].strip().lower().replace("_", "-")
+
+
+def declared() -> dict[str, str]:
+    """Distribution name -> where pyproject.toml declares it ("dependencies" or "extra:<name>")."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    out = {_name(r): "dependencies" for r in project["dependencies"]}
+    for extra, reqs in project.get("optional-dependencies", {}).items():
+        for r in reqs:
+            out.setdefault(_name(r), f"extra:{extra}")
+    return out
+
+
+def imported(folders: tuple[str, ...]) -> dict[str, str]:
+    """Third-party distribution name -> one file importing it, over the .py files below `folders`."""
+    local = {"kvbench"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+    out: dict[str, str] = {}
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top in sys.stdlib_module_names or top in local or top == "__future__":
+                        continue
+                    dist = DISTRIBUTION_OF.get(top, top).lower().replace("_", "-")
+                    out.setdefault(dist, path.relative_to(ROOT).as_posix())
+    return out
+
+
+def test_every_import_is_declared() -> None:
+    decl = declared()
+    undeclared = {d: f for d, f in imported(("kvbench", "tests", "scripts")).items()
+                  if d not in decl and d not in NOT_A_DEPENDENCY}
+    assert undeclared == {}
+
+
+def test_the_package_imports_only_its_required_dependencies_at_top_level() -> None:
+    # Optional extras (python-Levenshtein, nltk, the launchers) are imported only where an option asks for them,
+    # inside a function, so `import kvbench...` never needs them.
+    decl = declared()
+    for path in sorted((ROOT / "kvbench").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "level", 0) == 0:
+                mod = node.names[0].name if isinstance(node, ast.Import) else node.module
+                top = (mod or "").split(".")[0]
+                dist = DISTRIBUTION_OF.get(top, top).lower().replace("_", "-")
+                if dist in decl:
+                    assert decl[dist] == "dependencies", f"{path.relative_to(ROOT)} imports {mod} at top level"
+
+
+def test_every_declared_dependency_is_used() -> None:
+    used = set(imported(("kvbench", "tests", "scripts"))) | set(USED_WITHOUT_IMPORT)
+    assert {d: where for d, where in declared().items() if d not in used} == {}
+
+
+def test_the_launchers_said_to_be_used_are_named_by_the_launcher_presets() -> None:
+    presets = "".join(p.read_text() for p in (ROOT / "conf" / "hydra" / "launcher").glob("*.yaml"))
+    assert "- joblib" in presets and "- submitit_slurm" in presets
