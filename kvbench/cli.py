@@ -1,8 +1,8 @@
 """`kvbench`: the Hydra entry point. Composes the config, builds model/policy/task, runs, writes the run directory.
 
-Only this module and kvbench.run.config import Hydra. Bad input ends in one line on stderr and exit code 2, and a
-run directory that holds no results is removed again, unless another kvbench process holds it (kvbench.run.app's
-run lock).
+Only this module, kvbench.run.config and kvbench.run.settings (Hydra's instantiate) import Hydra. Bad input ends in
+one line on stderr and exit code 2, and a run directory that holds no results is removed again, unless another
+kvbench process holds it (kvbench.run.app's run lock).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ def _job(cfg: Any) -> None:
 
     from kvbench.report.cli import print_metrics_table
     from kvbench.run.app import RunBusy, run_configured
+    from kvbench.run.threads import use_allocation
 
+    use_allocation()  # in a SLURM job: torch's threads = the CPUs it was given, unless the user chose
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     choices = dict(HydraConfig.get().runtime.choices)
     try:
@@ -45,6 +47,19 @@ def _job(cfg: Any) -> None:
         _fail(error_line(e), run_dir)
 
 
+def _register_slurm_launcher() -> None:
+    # kvbench's SLURM launcher (conf/hydra/launcher/slurm*.yaml) extends hydra-submitit-launcher, an optional
+    # dependency, so Hydra's plugin scan does not import it (hydra_plugins/kvbench_slurm_launcher says why): it is
+    # registered here, through Hydra's public Plugins.register, when the launchers extra is installed.
+    try:
+        from hydra_plugins.kvbench_slurm_launcher._launcher import KvbenchSlurmLauncher
+    except ImportError:
+        return  # (choosing a SLURM preset then fails before this, with one line: kvbench.run.config)
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance().register(KvbenchSlurmLauncher)
+
+
 def main() -> None:
     # conf/config.yaml lists `experiment: null`, so Hydra wants `experiment=NAME`; the common `+experiment=NAME`
     # (appending a group absent from the defaults) is accepted as the same thing.
@@ -56,6 +71,7 @@ def main() -> None:
         _fail(err)
     import hydra
 
+    _register_slurm_launcher()
     wrapped = hydra.main(version_base=None, config_path=str(kconfig.conf_dir()), config_name="config")(_job)
     wrapped()
 

@@ -14,6 +14,13 @@ from kvbench.models.tiny import build_tiny_tokenizer
 from helpers import installed_model
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here rather than in pyproject.toml's markers (same effect): the tests that need a SLURM cluster
+    # (tests/test_slurm.py starts one with scripts/slurm_cluster.sh, or skips with the reason when it cannot).
+    config.addinivalue_line("markers", "slurm: needs a SLURM cluster (a one-node one from scripts/slurm_cluster.sh); "
+                                       "part of the default run, skipped where none can be started unless CI is set")
+
+
 @pytest.fixture(scope="session")
 def tok() -> Any:
     """The tiny byte-level tokenizer the built-in models use."""

@@ -13,14 +13,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Imported module name -> distribution name, where the two differ.
 DISTRIBUTION_OF = {"yaml": "pyyaml", "hydra": "hydra-core", "Levenshtein": "python-levenshtein",
-                   "pytest": "pytest"}
+                   "hydra_plugins.hydra_submitit_launcher": "hydra-submitit-launcher",
+                   "hydra_plugins.hydra_joblib_launcher": "hydra-joblib-launcher"}
 # Declared but never imported, each with the reason it is needed.
 USED_WITHOUT_IMPORT = {
     "accelerate": "transformers refuses to load a GGUF file without it (model=smollm2-135m)",
     "hydra-joblib-launcher": "Hydra finds it as hydra/launcher=joblib (conf/hydra/launcher/parallel.yaml)",
-    "hydra-submitit-launcher": "Hydra finds it as hydra/launcher=submitit_slurm (conf/hydra/launcher/slurm*.yaml)",
 }
 # Imported but not a dependency of kvbench: the peer a comparison script measures kvbench against.
+SOURCES = ("kvbench", "hydra_plugins", "tests", "scripts")
 NOT_A_DEPENDENCY = {"kvpress": "scripts/peer_kvpress.py compares kvbench with it; its README says how to install"}
 
 
@@ -40,7 +41,7 @@ def declared() -> dict[str, str]:
 
 def imported(folders: tuple[str, ...]) -> dict[str, str]:
     """Third-party distribution name -> one file importing it, over the .py files below `folders`."""
-    local = {"kvbench"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+    local = {"kvbench", "hydra_plugins.kvbench_slurm_launcher"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
     out: dict[str, str] = {}
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -52,7 +53,9 @@ def imported(folders: tuple[str, ...]) -> dict[str, str]:
                 else:
                     continue
                 for name in names:
-                    top = name.split(".")[0]
+                    parts = name.split(".")
+                    # hydra_plugins is Hydra's namespace package: its second part names the distribution.
+                    top = ".".join(parts[:2]) if parts[0] == "hydra_plugins" and len(parts) > 1 else parts[0]
                     if top in sys.stdlib_module_names or top in local or top == "__future__":
                         continue
                     dist = DISTRIBUTION_OF.get(top, top).lower().replace("_", "-")
@@ -62,7 +65,7 @@ def imported(folders: tuple[str, ...]) -> dict[str, str]:
 
 def test_every_import_is_declared() -> None:
     decl = declared()
-    undeclared = {d: f for d, f in imported(("kvbench", "tests", "scripts")).items()
+    undeclared = {d: f for d, f in imported(SOURCES).items()
                   if d not in decl and d not in NOT_A_DEPENDENCY}
     assert undeclared == {}
 
@@ -82,10 +85,10 @@ def test_the_package_imports_only_its_required_dependencies_at_top_level() -> No
 
 
 def test_every_declared_dependency_is_used() -> None:
-    used = set(imported(("kvbench", "tests", "scripts"))) | set(USED_WITHOUT_IMPORT)
+    used = set(imported(SOURCES)) | set(USED_WITHOUT_IMPORT)
     assert {d: where for d, where in declared().items() if d not in used} == {}
 
 
-def test_the_launchers_said_to_be_used_are_named_by_the_launcher_presets() -> None:
+def test_the_joblib_launcher_said_to_be_used_is_named_by_a_launcher_preset() -> None:
     presets = "".join(p.read_text() for p in (ROOT / "conf" / "hydra" / "launcher").glob("*.yaml"))
-    assert "- joblib" in presets and "- submitit_slurm" in presets
+    assert "- joblib" in presets

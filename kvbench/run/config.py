@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -117,8 +118,8 @@ def validate_overrides(argv: list[str]) -> str | None:
             for v in values:
                 if v not in group_choices(key, dirs):
                     return f"unknown {key} '{v}'; choose one of: {', '.join(group_choices(key, dirs))}"
-        if key.startswith("hydra.") or key == "hydra":
-            continue
+        if (key.startswith("hydra.") and not key.startswith("hydra.launcher.")) or key == "hydra":
+            continue  # (the launcher's keys are composed: a SLURM launcher's resources are checked below)
         prefix = "+" if o.is_add() else ("~" if o.is_delete() else ("++" if o.is_force_add() else ""))
         plain.append(f"{prefix}{key}={values[0]}" if not o.is_delete() else f"~{key}")
     from hydra import compose, initialize_config_dir
@@ -128,13 +129,52 @@ def validate_overrides(argv: list[str]) -> str | None:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = compose(config_name="config", overrides=plain, return_hydra_config=True)
             if "-m" in argv or "--multirun" in argv:
+                launcher_error = _slurm_launcher_error(cfg)
+                if launcher_error:
+                    return launcher_error
                 return _preflight(compose, cfg, [o for o in overrides if not o.lstrip("+~").startswith("hydra")], dirs,
                                   searchpath_lines)
     except Exception as e:  # noqa: BLE001 - any compose failure is reported as one line
+        if re.search(r"Could not (load|find) 'hydra/launcher/", str(e)):  # a launcher preset without its plugin
+            return f"{error_line(e)}: install the launchers with `pip install -e .[launchers]`"
         return error_line(e)
     finally:
         GlobalHydra.instance().clear()
     return None
+
+
+# kvbench's SLURM launcher (conf/hydra/launcher/slurm*.yaml), and the hydra.launcher keys that say what one job asks
+# SLURM for.
+KVBENCH_SLURM_LAUNCHER = "hydra_plugins.kvbench_slurm_launcher._launcher.KvbenchSlurmLauncher"
+_SLURM_RESOURCES = ("partition", "gpus_per_node", "gpus_per_task", "gres", "cpus_per_task", "tasks_per_node",
+                    "mem_gb", "timeout_min")
+
+
+def _slurm_launcher_error(cfg: Any) -> str | None:
+    """For a sweep launched on SLURM (kvbench's launcher or hydra-submitit-launcher's): one line when the launcher
+    cannot be loaded or one job cannot run on its partition (kvbench.run.slurm.check_resources), before anything is
+    written; else None."""
+    import importlib.util
+
+    from omegaconf import OmegaConf
+
+    from kvbench.run.slurm import check_resources
+
+    target = OmegaConf.select(cfg, "hydra.launcher._target_", default=None)
+    if not (isinstance(target, str) and target.endswith("SlurmLauncher")):
+        return None
+    choice = OmegaConf.select(cfg, "hydra.runtime.choices", default={}).get("hydra/launcher", target)
+    if target == KVBENCH_SLURM_LAUNCHER:
+        module = target.rpartition(".")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            return (f"hydra/launcher={choice} needs kvbench's launcher plugin ({module}), which this installation "
+                    f"lacks: reinstall kvbench (pip install -e .[launchers])")
+    launcher = cfg.hydra.launcher
+    return check_resources({k: OmegaConf.select(launcher, k, default=None) for k in _SLURM_RESOURCES}, str(choice))
 
 
 MAX_PREFLIGHT_JOBS = 256
