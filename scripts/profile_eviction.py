@@ -22,7 +22,7 @@ from kvbench.bench.setup import load_real_model, make_policy, prompt_ids
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 
 FUNCS = ("evict", "_evict", "select", "score", "window_scores", "query_attention", "ranked_scores", "top_slots",
-         "rank_mask", "adaptive_counts", "head_counts", "compact", "two_stage", "keep", "unpack", "pack", "on_append",
+         "rank_mask", "adaptive_counts", "head_counts", "compact", "stage2_scores", "keep", "unpack", "pack", "on_append",
          "on_attention", "explicit_attention", "ragged_attention", "wrapped", "window_attention", "_query_rows",
          "_window_rows")
 

@@ -73,10 +73,15 @@ ADA_QUERIES = [[[1.0]], [[1.0]]]
 ])
 def test_adakv_per_head_budgets(allocation: str, alpha: float, expected: list[list[int]]) -> None:
     policy = AdaKV(budget=4, window=1, kernel=1, alpha_safeguard=alpha, allocation=allocation)
-    idx, valid = policy.select(make_layer(ADA_KEYS, ADA_QUERIES))
+    layer = make_layer(ADA_KEYS, ADA_QUERIES)
+    idx, valid = policy.select(layer)
     assert kept_lists(idx, valid) == expected
-    if alpha == 1.0:
-        assert valid is None  # equal counts: no padding
+    # the selection is padded to the view's width (8), never asking the device for the longest head; storing it
+    # drops the padding: equal counts (alpha 1) are stored uniform again, the others flat per head
+    assert idx.shape[-1] == 8
+    layer.keep(idx, valid)
+    assert layer.ragged == (alpha != 1.0)
+    assert layer.head_lengths() == [len(row) for row in expected]
 
 
 def test_adakv_defaults_are_adakv_code_allocation_with_a_fifth_safeguard() -> None:
@@ -134,9 +139,11 @@ def test_ragged_layer_is_stored_flat_per_head() -> None:
 
 def test_compact_pads_with_a_kept_slot() -> None:
     keep = torch.tensor([[[True, False, True, True], [False, True, False, False]]])
-    idx, valid = compact(keep)
-    assert idx[0].tolist() == [[0, 2, 3], [1, 1, 1]]
-    assert valid[0].tolist() == [[True, True, True], [True, False, False]]
+    idx, valid = compact(keep)  # padded to the view's width (4): no read of the longest head's count
+    assert idx[0].tolist() == [[0, 2, 3, 0], [1, 1, 1, 1]]
+    assert valid[0].tolist() == [[True, True, True, False], [True, False, False, False]]
+    idx, valid = compact(keep[:, :1], 3)  # a count the caller knows: that many per head, no padding
+    assert idx[0].tolist() == [[0, 2, 3]] and valid is None
 
 
 # CriticalKV --------------------------------------------------------------------------------------------------------

@@ -35,7 +35,9 @@ class EvictingLayer(DynamicLayer):
     layers the flat (S, d) tensors, which only the kvbench attention wrapper reads, head by head).
     Policies always score a padded (b, h_kv, L) view: `unpack` builds it for a ragged layer at eviction time
     (each head's tokens first, then padding: `valid` False, position -1, zero K/V) and `keep`/`pack` turn the
-    result back into storage, so the view is never held across steps (`Policy.evict` does both).
+    result back into storage (`Policy.evict` does both), so the view is never held across a forward. Storing a
+    selection that changes head sizes needs them on the host: a layer of an engine-run cache (`defer_pack`) leaves
+    it pending and the engine reads every layer's sizes with the step's token, one host read (`EvictingCache.settle`).
 
     `window_attention` (SnapKV's observation window: the stashed queries' mean attention over the slots) is kept
     incrementally once a policy has asked for it: per token, the attention probability each of the w stashed queries
@@ -90,7 +92,12 @@ class EvictingLayer(DynamicLayer):
         # so a prompt block whose queries replace every row never copies the old ones. None: window_probs as it is.
         self._wp_sel: torch.Tensor | None = None
         self._wp_sel_zeros = False  # _wp_sel may hold -1 (tokens appended, then kept, before any scoring)
-        self._wp_keep_rows: torch.Tensor | None = None  # set by `keep` in the padded view, applied by its `pack`
+        # A selection of `keep` stored by `pack`: rows (flattened) of the padded arrays it keeps, padding included
+        self._keep_rows: torch.Tensor | None = None
+        self._view_sizes: list[int] | None = None  # the head sizes of the padded view `unpack` built (host)
+        # Set by the engine: a selection that changes head sizes waits in the padded view until the engine reads the
+        # sizes of every such layer in one host read (with the decoded token) and calls `pack(sizes)`.
+        self.defer_pack = False
 
     @property
     def ragged(self) -> bool:
@@ -207,25 +214,34 @@ class EvictingLayer(DynamicLayer):
             self.window_probs = self.window_probs.view(b, h, length, -1)
         self.positions = self.positions.view(b, h, length)
         self.state = {k: s.view(b, h, length) for k, s in self.state.items()}
-        self.valid, self.lengths, self.head_sizes = valid, None, None
+        self.valid, self.lengths, self.head_sizes, self._view_sizes = valid, None, None, sizes
 
-    def pack(self) -> None:
-        """Store the padded view's real slots: uniform layout if every head holds as many tokens, else flat."""
+    def pack(self, sizes: list[int] | None = None) -> None:
+        """Store the padded view's real slots (after `keep`: the kept ones): uniform layout if every head holds as
+        many tokens, else flat. `sizes`: each (batch, KV head)'s count, row-major, read by the caller (the engine
+        reads every pending layer's with the decoded token, `EvictingCache.settle`); None: the view's own sizes
+        when nothing was kept since `unpack` (known on the host), else read here (one host sync). With
+        `defer_pack` set, a selection of `keep` waits for the engine: a call without sizes leaves it pending."""
         if self.valid is None:
             return
+        if sizes is None:
+            if self._keep_rows is None and self._view_sizes is not None:
+                sizes = self._view_sizes  # nothing kept since unpack: the flat storage as it was
+            elif self.defer_pack:
+                return  # pending: settled by the engine with the sizes it reads together with the token
         valid, self.valid = self.valid, None
         counts = valid.sum(dim=-1)  # (b, h_kv)
-        sizes = counts.flatten().tolist()  # the one host read of a selection: the layout and the split sizes
+        if sizes is None:
+            sizes = counts.flatten().tolist()  # the one host read of a selection: the layout and the split sizes
         rows = _slots(valid, sum(sizes))  # (S,): the real slots, as valid's boolean mask takes them
+        if self._keep_rows is not None:  # `keep`'s selection and the real slots of it: one copy of every tensor
+            rows, self._keep_rows = self._keep_rows.index_select(0, rows), None
+        self._view_sizes = None
         d = self.keys.shape[-1]
         self.keys = self.keys.reshape(-1, d).index_select(0, rows)
         self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows)
         if self.window_probs is not None:
-            if self._wp_keep_rows is not None:  # `keep` just ran: its selection and this one in a single copy
-                rows_wp, self._wp_keep_rows = self._wp_keep_rows.index_select(0, rows), None
-            else:
-                rows_wp = rows
-            self.window_probs = self.window_probs.reshape(-1, self.window_probs.shape[-1]).index_select(0, rows_wp)
+            self.window_probs = self.window_probs.reshape(-1, self.window_probs.shape[-1]).index_select(0, rows)
         self.positions = self.positions.reshape(-1).index_select(0, rows)
         self.state = {k: s.reshape(-1).index_select(0, rows) for k, s in self.state.items()}
         if min(sizes) == max(sizes):  # the fast uniform path again
@@ -237,11 +253,34 @@ class EvictingLayer(DynamicLayer):
             self.positions = self.positions.view(b, h, n)
             self.state = {k: s.view(b, h, n) for k, s in self.state.items()}
         else:
-            self.lengths, self.head_sizes = counts, sizes
+            self.lengths, self.head_sizes = counts, list(sizes)
+
+    def pending(self) -> bool:
+        """True while a selection of `keep` waits for its head sizes (`defer_pack`; see pack)."""
+        return self.valid is not None and self._keep_rows is not None
+
+    def kept_counts(self) -> torch.Tensor:
+        """(b * h_kv,) tokens each head of the pending selection keeps, row-major (what `pack` takes as sizes)."""
+        return self.valid.sum(dim=-1).flatten()
+
+    def head_lengths(self) -> list[int]:
+        """Real tokens each (batch, KV head) holds, row-major, on the host (no read of the device)."""
+        if self.pending():
+            raise RuntimeError("the layer's head sizes are not known until its pending selection is packed")
+        if self.ragged:
+            return list(self.head_sizes)
+        if self.valid is not None:  # the padded view of a ragged layer
+            return list(self._view_sizes)
+        if self.keys is None or self.keys.numel() == 0:
+            return []
+        b, h, n = self.keys.shape[:3]
+        return [n] * (b * h)
 
     def keep(self, idx: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Keep only the slots `idx` (b, h_kv, k) of the (padded) layout, in chronological order; `valid` (b, h_kv, k)
-        marks padding. The result is stored uniform or flat (`pack`)."""
+        marks padding. A uniform result of a uniform layer is stored at once; a selection with padding, or of a
+        padded view, is stored by `pack` (uniform or flat), which needs the new head sizes on the host: with
+        `defer_pack` it waits for the engine to read them (with the decoded token), else it reads them itself."""
         if self.ragged:
             raise RuntimeError("keep() indexes the padded view; unpack() the ragged layer first")
         b, h, kept = idx.shape
@@ -249,23 +288,26 @@ class EvictingLayer(DynamicLayer):
         # K and V are copied row by row (index_select over the flattened (b*h*n, d) rows): one memcpy per kept token,
         # ~15x cheaper on CPU than gather with an index expanded over head_dim, which visits every element.
         rows = (idx + torch.arange(0, b * h * n, n, device=idx.device).view(b, h, 1)).view(-1)  # (b*h*kept,)
-        self.keys = self.keys.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
-        self.values = self.values.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
-        if self.window_probs is not None:  # per-token rows like K/V; every row computed so far loses slots
-            if self.valid is None and valid is None:  # uniform before and after: pruned lazily (`_wp_sel`)
+        if self.valid is None and valid is None:  # uniform before and after
+            self.keys = self.keys.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
+            self.values = self.values.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
+            if self.window_probs is not None:  # per-token rows like K/V, pruned lazily (`_wp_sel`)
                 self._wp_sel_zeros |= self.seen > self._wp_cols
                 self._wp_sel = self._window_sel().gather(2, idx)  # (b, h, kept)
                 self._wp_cols = self.seen
-            else:  # a padded view, or a uniform layer that turns ragged: `pack` (below) copies the rows once
-                self._window_rows()
-                self._wp_keep_rows = rows  # (b*h*kept,) rows of window_probs (flattened) of the kept slots
+                self._wp_exact = self._wp_rows
+            self.positions = self.positions.gather(2, idx)
+            self.state = {k: v.gather(2, idx) for k, v in self.state.items()}
+            return
+        # A padded view, or a uniform layer that turns ragged: `pack` copies K/V, positions, state and window rows
+        # once, at `rows` restricted to the real kept slots.
+        if self.window_probs is not None:  # every row computed so far loses slots
+            self._window_rows()
             self._wp_exact = self._wp_rows
-        self.positions = self.positions.gather(2, idx)
-        self.state = {k: v.gather(2, idx) for k, v in self.state.items()}
         if self.valid is not None:
             base = self.valid.gather(2, idx)
             valid = base if valid is None else base & valid
-        self.valid = valid
+        self.valid, self._keep_rows = valid, rows  # (b, h_kv, kept), (b*h_kv*kept,)
         self.pack()
 
     def fork(self) -> EvictingLayer:
@@ -536,6 +578,30 @@ class EvictingCache(Cache):
     def start_decoding(self) -> None:
         for layer in self.evicting_layers():
             layer.decoding = True
+
+    def defer_packing(self) -> None:
+        """Let selections that change head sizes wait for `settle` (see EvictingLayer.pack): the engine then reads
+        every layer's new sizes at once instead of one host read per layer."""
+        for layer in self.evicting_layers():
+            layer.defer_pack = True
+
+    def pending_layers(self) -> list[EvictingLayer]:
+        """The layers whose selection waits for its head sizes (in layer order)."""
+        return [layer for layer in self.evicting_layers() if layer.pending()]
+
+    def settle(self, layers: list[EvictingLayer] | None = None, sizes: list[int] | None = None) -> None:
+        """Store the pending selections of `layers` (default: every pending layer), given their head sizes `sizes`
+        (each layer's `kept_counts`, concatenated in order) or reading them here in one host read."""
+        layers = self.pending_layers() if layers is None else layers
+        if not layers:
+            return
+        if sizes is None:
+            sizes = torch.cat([layer.kept_counts() for layer in layers]).tolist()  # one host read for all
+        at = 0
+        for layer in layers:
+            n = layer.valid.shape[0] * layer.valid.shape[1]
+            layer.pack(sizes[at:at + n])
+            at += n
 
     def evicting_layers(self) -> list[EvictingLayer]:
         return [layer for layer in self.layers if isinstance(layer, EvictingLayer)]

@@ -194,6 +194,8 @@ def _evict(r: _Run, phase: str, device: torch.device) -> float:
     spent = diag.elapsed if diag is not None else 0.0
     for layer in cache.evicting_layers():
         cache.policy.evict(layer, diag.observe if diag is not None else None)
+    if phase == "prefill":
+        cache.settle()  # new head sizes of every layer in one host read; decoding reads them with its token
     sync(device)
     took = r.obs.clock() - t0
     r.evict_s[phase] += took - ((diag.elapsed - spent) if diag is not None else 0.0)
@@ -261,7 +263,8 @@ def _prefill(model: Any, runs: list[_Run]) -> None:
 def _decode(model: Any, runs: list[_Run], limits: list[int]) -> None:
     """Greedy decoding of every run together from its prompt's last logits, up to limits[j] new tokens; a sample
     leaves the batch when it emits a stop token or reaches its limit. `forced` tokens are fed instead of the argmax
-    (teacher forcing; the stop tokens do not end it). One host sync per step: the batch's tokens."""
+    (teacher forcing; the stop tokens do not end it). One host sync per step: the batch's tokens, with the new head
+    sizes of the layers whose previous eviction changed them (`_read`)."""
     T = [r.ids.shape[1] for r in runs]
     # Each sample's prompt and answer so far in one buffer written in place: the processors read a view of it and
     # each step's input is a one-token view, so a step does no O(T) host work (no list copied into a new tensor).
@@ -278,7 +281,9 @@ def _decode(model: Any, runs: list[_Run], limits: list[int]) -> None:
             # what generate(do_sample=False) does to the logits (min_new_tokens included)
             picked.append(r.processors(seqs[j][:, :T[j] + len(r.new)], r.logits) if r.processors else r.logits)
         greedy = any(runs[j].forced is None for j in active)
-        tokens = (picked[0] if len(picked) == 1 else torch.cat(picked)).argmax(dim=-1).tolist() if greedy else None
+        best = (picked[0] if len(picked) == 1 else torch.cat(picked)).argmax(dim=-1) if greedy else None  # (k,)
+        tokens, settled = _read(best, [runs[j] for j in active])
+        t0 += settled  # the packing is the previous step's eviction, charged to it (see _read)
         going = []
         for k, j in enumerate(active):
             r = runs[j]
@@ -296,6 +301,32 @@ def _decode(model: Any, runs: list[_Run], limits: list[int]) -> None:
         for j in going:
             runs[j].steps += 1
         active = going
+
+
+def _read(tokens: torch.Tensor | None, runs: list[_Run]) -> tuple[list[int] | None, float]:
+    """A decoding step's one host read: the greedy tokens (k,) and the new head sizes of every layer whose
+    selection of the previous step waits for them (EvictingLayer.pack), in one `tolist`; then those layers are
+    stored. Returns the tokens (None without `tokens`) and the seconds the storing took, which are added to each
+    run's decode and eviction time."""
+    pending = [(r, r.cache.pending_layers()) for r in runs]
+    counts = [layer.kept_counts() for _, layers in pending for layer in layers]  # (b*h_kv,) each
+    if not counts:
+        return (tokens.tolist() if tokens is not None else None), 0.0
+    k = 0 if tokens is None else tokens.numel()
+    values = torch.cat(([tokens] if tokens is not None else []) + counts).tolist()
+    at, spent = k, 0.0
+    for r, layers in pending:
+        if not layers:
+            continue
+        t0 = r.obs.clock()
+        n = sum(layer.valid.shape[0] * layer.valid.shape[1] for layer in layers)
+        r.cache.settle(layers, values[at:at + n])
+        at += n
+        took = r.obs.clock() - t0
+        r.evict_s["decode"] += took
+        r.time_s["decode"] += took
+        spent += took
+    return (values[:k] if tokens is not None else None), spent
 
 
 @torch.inference_mode()
@@ -316,6 +347,7 @@ def generate_batch(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
         ids = torch.tensor([list(job.input_ids)], device=device)  # (1, T)
         s = job.settings
         cache = EvictingCache(model.config, job.policy)
+        cache.defer_packing()  # one host read per step for every layer's new head sizes (see _read)
         diag = Diagnostics(tuple(s.diagnostics)) if s.diagnostics else None
         if diag is not None and not cache.query_window:
             cache.query_window = diag.query_window
@@ -335,6 +367,8 @@ def generate_batch(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
     _decode(model, runs, limits)
     if branches:
         _decode(model, branches, [len(b.forced) for b in branches])
+    for r in runs + branches:
+        r.cache.settle()  # nothing is left pending by _decode (each step's selection is read with the next token)
     return [GenerationResult(tokens=r.new, prompt_tokens=r.ids.shape[1], prefill_s=r.time_s["prefill"],
                              decode_s=r.time_s["decode"], decode_steps=r.steps,
                              evict_s=r.evict_s["prefill"] + r.evict_s["decode"], evict_prefill_s=r.evict_s["prefill"],

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvbench.policies.base import (ALLOCATIONS, PolicyError, adaptive_counts, compact, latest_mask, rank_mask,
-                                   valid_counts)
+from kvbench.policies.base import (ALLOCATIONS, PolicyError, adaptive_counts, adaptive_total, compact, latest_mask,
+                                   rank_mask)
 from kvbench.policies.snapkv import SnapKV
 
 if TYPE_CHECKING:
@@ -70,14 +70,21 @@ class AdaKV(SnapKV):
     def over_budget(self, layer: CacheLayer) -> int | None:
         """N when the layer's heads hold more than h_kv * N tokens in all (heads share the layer's budget)."""
         budget = super().over_budget(layer)
-        if budget is None or int(valid_counts(layer).sum(dim=-1).max()) <= budget * layer.keys.shape[1]:
+        if budget is None:
+            return None
+        h = layer.keys.shape[1]
+        sizes = layer.head_lengths()  # on the host: no read of the device
+        if max(sum(sizes[i:i + h]) for i in range(0, len(sizes), h)) <= budget * h:
             return None
         return budget
 
     def head_counts(self, layer: CacheLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        """(b, h_kv) tokens each head keeps (AdaKV allocation)."""
+        """(b, h_kv) tokens each head keeps (AdaKV allocation). The pooled top-k's size is counted on the host from
+        the head sizes and protected counts the layer and the policy know (no device read)."""
         n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
-        return adaptive_counts(scores, budget, n_prot, self.alpha_safeguard, self.allocation)
+        total = adaptive_total(layer.head_lengths(), self.protected_sizes(layer), scores.shape[1], budget,
+                               self.allocation)
+        return adaptive_counts(scores, budget, n_prot, self.alpha_safeguard, self.allocation, total)
 
     def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         budget = self.over_budget(layer)

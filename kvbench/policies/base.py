@@ -16,7 +16,9 @@ What the engine provides, only when a policy asks for it:
 
 Scoring always sees a layer in the (b, h_kv, n) layout: `evict` asks a ragged layer (flat per-head storage, see
 engine/cache.py) for its transient padded view first and stores the selection back flat, so nothing padded outlives
-the eviction.
+the eviction (in a run, the storing waits for the engine's one host read of the new head sizes, with the next token).
+Selections never read counts back from the device: what they need on the host (head sizes, protected counts) the
+layer and the policy know (`CacheLayer.head_lengths`, `Policy.protected_sizes`).
 """
 
 from __future__ import annotations
@@ -107,6 +109,14 @@ class Policy:
         if self.n_recent > 0:
             prot |= latest_mask(layer, self.n_recent)
         return prot
+
+    def protected_sizes(self, layer: CacheLayer) -> list[int]:
+        """How many slots `protected(layer)` marks in each (batch, KV head), row-major, counted on the host (no
+        device read): min(held, min(n_sink, seen) + n_recent). The sinks are the lowest positions and never
+        evicted (every head holds all of them), the latest tokens the highest, so the two sets overlap only when
+        they cover the head."""
+        sinks = min(self.n_sink, layer.seen)
+        return [min(n, sinks + self.n_recent) for n in layer.head_lengths()]
 
     def _edge_mask(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """`protected` for chronological slots, shared (read-only) per shape: the sinks are the first slots (tokens
@@ -235,14 +245,6 @@ def query_attention(layer: CacheLayer) -> torch.Tensor:
 # come first, in chronological order, then padding (`valid` False, position -1). The helpers only assume that a
 # head's real slots are chronological, not that the latest tokens are the last slots.
 
-def valid_counts(layer: CacheLayer) -> torch.Tensor:
-    """(b, h_kv) number of real tokens each head holds."""
-    if layer.valid is None:
-        b, h, n = layer.positions.shape
-        return torch.full((b, h), n, dtype=torch.long, device=layer.positions.device)
-    return layer.valid.sum(dim=-1)
-
-
 def latest_mask(layer: CacheLayer, count: int | torch.Tensor) -> torch.Tensor:
     """(b, h_kv, n) bool: each head's `count` latest real tokens (by position; padding never)."""
     return rank_mask(layer.positions.float().masked_fill(layer.positions < 0, -math.inf), count)
@@ -265,21 +267,18 @@ def rank_mask(scores: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
 def compact(keep: torch.Tensor, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Slot indices (b, h, L) and validity (b, h, L) that keep the `keep` (b, h, n) slots of each head.
 
-    Kept slots come first in slot order (chronological, see above), then padding up to the longest head
-    (L = max count); padding re-uses the head's first kept slot and is dropped when the layer stores the
-    selection (flat per head). Heads that all keep the same count need no padding: validity None.
-    `count`: the caller knows every head keeps exactly that many (then nothing is read back from the device).
+    Kept slots come first in slot order (chronological, see above), then padding: L = n, the view's own width, so
+    the selection never asks the device how many a head keeps (a host sync on a GPU); padding re-uses the head's
+    first kept slot and is dropped when the layer stores the selection (flat per head, `CacheLayer.keep`: the one
+    read of the new head sizes, which the engine takes together with the decoded token).
+    `count`: the caller knows every head keeps exactly that many: (b, h, count) indices, validity None.
     """
     n = keep.shape[-1]
     key = (~keep).long() * n + torch.arange(n, device=keep.device)  # kept slots first, each group in slot order
+    idx = key.argsort(dim=-1)  # (b, h, n)
     if count is not None:
-        return key.argsort(dim=-1)[..., :count], None
-    counts = keep.sum(dim=-1)  # (b, h)
-    low, length = torch.stack(torch.aminmax(counts)).tolist()  # one host read (a GPU sync) for both
-    idx = key.argsort(dim=-1)[..., :length]  # (b, h, L)
-    if low == length:
-        return idx, None
-    valid = torch.arange(length, device=keep.device) < counts.unsqueeze(-1)  # (b, h, L)
+        return idx[..., :count], None
+    valid = torch.arange(n, device=keep.device) < keep.sum(dim=-1, keepdim=True)  # (b, h, n)
     return torch.where(valid, idx, idx[..., :1]), valid
 
 
@@ -287,7 +286,7 @@ ALLOCATIONS = ("adakv", "kvpress")
 
 
 def adaptive_counts(scores: torch.Tensor, budget: int, n_protected: torch.Tensor, alpha_safeguard: float,
-                    rule: str = "adakv") -> torch.Tensor:
+                    rule: str = "adakv", total: int | None = None) -> torch.Tensor:
     """AdaKV budget allocation (CriticalKV Alg. 2 line 1): tokens each head keeps, (b, h), protected ones included.
 
     `scores` (b, h, n): protected slots +inf, padding -inf; `n_protected` (b, h); a = `alpha_safeguard`.
@@ -301,13 +300,16 @@ def adaptive_counts(scores: torch.Tensor, budget: int, n_protected: torch.Tensor
       its protected ones (the window has the highest scores there), at least its protected tokens; the rest of
       the h * budget slots go to the best remaining scores over all heads.
     A head with fewer tokens than its count keeps them all (`rank_mask`).
+    `total`: the size of the pooled top-k (`adaptive_total`), when the caller knows it on the host; None reads it
+    from the device (one host sync).
     """
     b, h, n = scores.shape
     if rule == "kvpress":
         safe_count = n_protected.clamp_min(math.floor(alpha_safeguard * budget))
         safe = rank_mask(scores, safe_count)
         pooled = scores.masked_fill(safe, math.inf).reshape(b, h * n)  # (b, h*n)
-        total = min(h * budget, int((pooled > -math.inf).sum(dim=-1).min()))
+        if total is None:
+            total = min(h * budget, int((pooled > -math.inf).sum(dim=-1).min()))
         top = pooled.topk(total, dim=-1).indices // n  # (b, total): head of each kept token
         return torch.zeros(b, h, dtype=torch.long, device=scores.device).scatter_add_(1, top, torch.ones_like(top))
     if rule != "adakv":
@@ -315,7 +317,8 @@ def adaptive_counts(scores: torch.Tensor, budget: int, n_protected: torch.Tensor
     free = budget - n_protected  # (b, h) F per head
     floor_cap = (free.double() * alpha_safeguard).floor()  # (b, h) int(a * F) in double, as Python computes it
     unprot = scores.masked_fill(scores == math.inf, -math.inf).reshape(b, h * n)  # (b, h*n)
-    total = min(torch.stack([free.sum(dim=-1).min(), (unprot > -math.inf).sum(dim=-1).min()]).tolist())  # 1 read
+    if total is None:
+        total = min(torch.stack([free.sum(dim=-1).min(), (unprot > -math.inf).sum(dim=-1).min()]).tolist())  # 1 read
     top = unprot.topk(total, dim=-1).indices // n  # (b, total)
     c = torch.zeros(b, h, dtype=torch.long, device=scores.device).scatter_add_(1, top, torch.ones_like(top))
     exact = c * (1 - alpha_safeguard) + floor_cap.float()  # (b, h) float32, as AdaKV's code computes it
@@ -325,3 +328,17 @@ def adaptive_counts(scores: torch.Tensor, budget: int, n_protected: torch.Tensor
     # on the device (a loop over rows would read `excess` back to the host).
     k = k - rank_mask((k - exact).unsqueeze(0), excess.unsqueeze(0))[0].long()
     return n_protected + k
+
+
+def adaptive_total(sizes: Sequence[int], protected: Sequence[int], heads: int, budget: int, rule: str) -> int:
+    """`adaptive_counts`' pooled top-k size from host counts: `sizes` and `protected` the real and the protected
+    tokens of each (batch, head), row-major, `heads` per batch row. What adaptive_counts reads from the device:
+    - `adakv`: the fewest over batch rows of min(sum of F = budget - protected, unprotected real tokens);
+    - `kvpress`: min(heads * budget, the fewest real tokens of a batch row).
+    """
+    rows = range(0, len(sizes), heads)
+    real = [sum(sizes[i:i + heads]) for i in rows]
+    if rule == "kvpress":
+        return min(heads * budget, min(real))
+    prot = [sum(protected[i:i + heads]) for i in rows]
+    return min(min(heads * budget - p for p in prot), min(r - p for r, p in zip(real, prot)))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import Policy, PolicyError, compact, rank_mask
+from kvbench.policies.base import Policy, PolicyError, compact, rank_mask, top_slots
 from kvbench.policies.snapkv import SnapKV
 
 if TYPE_CHECKING:
@@ -105,17 +105,21 @@ class CriticalKV(Policy):
         scores = self.base.ranked_scores(layer)  # (b, h_kv, n): protected +inf, padding -inf
         n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
         counts = self.base.head_counts(layer, scores, budget)  # (b, h_kv)
-        keep = two_stage(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps, self.stage1_window)
-        # SnapKV's budget on a layer without padding (no -inf score): every head keeps exactly `budget`, known here,
-        # so nothing is read back from the device.
-        uniform = budget if layer.valid is None and not isinstance(self.base, AdaKV) else None
-        return compact(keep, uniform)
+        stage2 = stage2_scores(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps,
+                               self.stage1_window)
+        if layer.valid is None and not isinstance(self.base, AdaKV):
+            # SnapKV's budget on a layer without padding (no -inf score): every head keeps exactly `budget`, the
+            # top of stage2 (a decoding step: all but its lowest, one argmin instead of a sort); nothing is read
+            # back from the device
+            return top_slots(stage2, budget), None
+        return compact(rank_mask(stage2, counts))
 
 
-def two_stage(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor, n_prot: torch.Tensor,
-              alpha: float, eps: float, stage1_window: str = "outside") -> torch.Tensor:
-    """CriticalKV Alg. 1 per head: (b, h, n) keep mask of `counts` tokens: the stage-1 count by score (protected
-    first), then the rest by (score + eps) * vnorm. `scores`: protected +inf, padding -inf.
+def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor, n_prot: torch.Tensor,
+                  alpha: float, eps: float, stage1_window: str = "outside") -> torch.Tensor:
+    """CriticalKV Alg. 1 per head as one ranking (b, h, n): the stage-1 tokens (`counts` of them by score, protected
+    first) at +inf, the others by (score + eps) * vnorm, padding -inf; the head keeps its top `counts` of it.
+    `scores`: protected +inf, padding -inf.
 
     Stage-1 count: n_prot + floor(alpha * (counts - n_prot)) (`outside`) or max(n_prot, floor(alpha * counts))
     (`inside`), floors of the double products as Python's int() takes them.
@@ -125,5 +129,5 @@ def two_stage(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor, n
     else:
         first = torch.maximum(n_prot, (counts.double() * alpha).floor().long())
     stage1 = rank_mask(scores, first)
-    stage2 = ((scores + eps) * vnorm).masked_fill(stage1, math.inf).masked_fill(scores == -math.inf, -math.inf)
-    return rank_mask(stage2, counts)
+    return ((scores + eps) * vnorm).masked_fill(stage1, math.inf).masked_fill(scores == -math.inf, -math.inf)
+

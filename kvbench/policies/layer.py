@@ -50,12 +50,17 @@ class CacheLayer(Protocol):
         """Slots of the longest head (a uniform layer: every head's length)."""
         ...
 
+    def head_lengths(self) -> list[int]:
+        """Real tokens each (batch, KV head) holds, row-major, known on the host (no read of the device)."""
+        ...
+
     def unpack(self) -> None:
         """A ragged layer: replace its flat storage by the padded scoring view (no-op for a uniform layer)."""
         ...
 
-    def pack(self) -> None:
-        """Store the padded view's real slots again (no-op when not in the padded view)."""
+    def pack(self, sizes: list[int] | None = None) -> None:
+        """Store the padded view's real slots again (no-op when not in the padded view); `sizes`: the new head sizes
+        when the caller read them (the engine), else the layer knows or reads them, or leaves them to the engine."""
         ...
 
     def window_attention(self) -> torch.Tensor:
@@ -67,6 +72,7 @@ class CacheLayer(Protocol):
 
     def keep(self, idx: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Keep only the slots `idx` (b, h_kv, k), chronological, of the padded view; `valid` (b, h_kv, k) marks
-        padding. K/V, positions and every state tensor are pruned together."""
+        padding. K/V, positions and every state tensor are pruned together (a selection with padding may be stored
+        later, when the engine reads the new head sizes together with the decoded token)."""
         ...
 

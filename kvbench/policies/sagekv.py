@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvbench.policies.base import Policy, PolicyError, compact, latest_mask, query_attention, rank_mask, valid_counts
+from kvbench.policies.base import Policy, PolicyError, compact, latest_mask, query_attention, rank_mask
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
@@ -61,10 +61,14 @@ class SageKV(Policy):
         sink, k, recent = self.sizes(g)
         real = layer.positions >= 0  # (b, h_kv, n)
         pinned = (layer.state["pinned"] > 0) & real
-        if layer.decoding and bool(pinned.any()):  # slide: pinned + the latest recent + 1 other tokens
+        # Whether a selection was made (some token pinned), known on the host: a selection is the only eviction
+        # SAGE-KV makes, it pins at least one token (it runs only when a head holds more than the budget, so that
+        # head has candidates beyond its sinks and recent tokens), and pinned tokens stay; so the layer holds fewer
+        # tokens than it has seen exactly when tokens are pinned.
+        if layer.decoding and layer.physical() < layer.seen:  # slide: pinned + the latest recent + 1 other tokens
             rest = layer.positions.float().masked_fill(pinned | ~real, -math.inf)
             return compact(pinned | rank_mask(rest, recent + 1))
-        if int(valid_counts(layer).max()) <= budget:
+        if layer.physical() <= budget:  # the longest head (physical: on the host, no read)
             return None
         sinks = real & (layer.positions < sink)
         latest = latest_mask(layer, recent + 1)
