@@ -19,12 +19,19 @@ set -euo pipefail
 CONF=/etc/slurm/slurm.conf
 MARK="# Written by kvbench scripts/slurm_cluster.sh"
 PARTITION=debug
-STATE=/var/spool/slurmctld
-SPOOL=/var/spool/slurmd
-LOGS=/var/log/slurm
-CTLD_PID=/run/slurmctld.pid
-SLURMD_PID=/run/slurmd.pid
-MUNGE_PID=/run/munge/munged.pid
+# The cluster's state, spool, logs and pid files live in one directory of the checkout's git-ignored scratch space
+# (or KVBENCH_SLURM_DIR), so `stop` and a fresh start find them and nothing is spread over the system's own folders.
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BASE=${KVBENCH_SLURM_DIR:-$ROOT/results/runs/slurm_cluster}
+STATE=$BASE/slurmctld
+SPOOL=$BASE/slurmd
+LOGS=$BASE/log
+CTLD_PID=$BASE/slurmctld.pid
+SLURMD_PID=$BASE/slurmd.pid
+# munged keeps its own folder (it refuses files others can write into); its socket stays where munge's clients,
+# slurm's auth plugin included, look for it: munged's compiled-in default, read from `munged --help`.
+MUNGE_DIR=$BASE/munge
+MUNGE_PID=$MUNGE_DIR/munged.pid
 PACKAGES=(slurmctld slurmd slurm-client munge)
 
 say() { echo "slurm_cluster: $*"; }
@@ -113,9 +120,14 @@ start_munge() {
         mungekey --create --keyfile /etc/munge/munge.key
     fi
     chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
-    mkdir -p /run/munge /var/lib/munge /var/log/munge
-    chown munge:munge /run/munge /var/lib/munge /var/log/munge
-    runuser -u munge -- munged --pid-file="$MUNGE_PID" || fail "munged did not start (see /var/log/munge/munged.log)"
+    local socket
+    socket=$(munged --help 2>&1 | sed -n 's/.*--socket=PATH.*\[\(.*\)\]/\1/p')
+    [[ -n "$socket" ]] || fail "cannot read munged's default socket from munged --help"
+    mkdir -p "$(dirname "$socket")" "$MUNGE_DIR"
+    chmod 755 "$BASE" && chmod 700 "$MUNGE_DIR"
+    chown munge:munge "$(dirname "$socket")" "$MUNGE_DIR"
+    runuser -u munge -- munged --pid-file="$MUNGE_PID" --log-file="$MUNGE_DIR/munged.log" \
+        --seed-file="$MUNGE_DIR/munged.seed" || fail "munged did not start (see $MUNGE_DIR/munged.log)"
 }
 
 wait_for_node() {
