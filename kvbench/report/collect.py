@@ -20,6 +20,7 @@ from kvbench.metrics.stats import MeanSE
 from kvbench.report.layout import Layout, stored_layout
 from kvbench.report.samples import Agreement, Composition, Records, cells, logprob_cell, merge_compositions
 from kvbench.run.labels import NA
+from kvbench.run.records import read_records, summarize
 
 # Settings that never change results; runs differing only in these (and in `shard`) are the same entry.
 IGNORED_SETTINGS = ("shard", "progress", "overwrite", "device", "save_prompts", "compare")
@@ -63,11 +64,15 @@ class Entry:
     composition: Composition = field(default_factory=dict)  # metrics.json `composition`
     records: Records = field(default_factory=dict)  # sample id -> record of predictions.jsonl (all shards)
     cells: dict[str, MeanSE] = field(default_factory=dict)  # score -> mean, se, n (scores in the composition)
-    average_key: str | None = None  # the score `average` is (None: the mean of all scores)
     logprob: MeanSE | None = None  # mean answer_logprob over the samples that have one
     vs_full: Agreement | None = None  # token agreement with the full cache's entry (set by tables.build_report)
     dlogprob: Any = None  # stats.PairedResult: answer_logprob of this entry - the full cache's (build_report)
     layout: Layout = field(default_factory=dict)  # metrics.json `layout` (report.layout.stored_layout)
+
+    @property
+    def average_key(self) -> str | None:
+        """The score `average` is, as the run's layout names it (None: the mean of all scores)."""
+        return self.layout.get("average")
 
 
 def is_num(v: Any) -> bool:
@@ -168,8 +173,6 @@ def _composition(metrics: dict[str, Any]) -> Composition:
 
 
 def _read(path: Path) -> Records:
-    from kvbench.run.records import read_records
-
     return {str(r["id"]): r for r in read_records(path / "predictions.jsonl", repair=False)}
 
 
@@ -192,7 +195,6 @@ def entry_from_run(run: Run, label: str = "", read: bool = True) -> Entry:
               label=label)
     with_samples(e, _composition(m), _read(run.path) if read else {})
     e.layout = stored_layout(m)  # type: ignore[assignment]  (find_runs keeps only runs whose layout reads)
-    e.average_key = e.layout["average"]
     return e
 
 
@@ -213,8 +215,6 @@ def _shard_of(run: Run) -> tuple[int, int] | None:
 
 def merge_shards(runs: Sequence[Run], root: Path, notes: list[str]) -> Entry:
     """One entry from runs that differ only in `shard` (an unsharded run among them wins)."""
-    from kvbench.run.records import read_records
-
     runs = sorted(runs, key=lambda r: r.order)
     whole = [r for r in runs if _shard_of(r) is None]
     if whole:
@@ -254,8 +254,6 @@ def merge_shards(runs: Sequence[Run], root: Path, notes: list[str]) -> Entry:
     with_samples(entry, composition, {str(r["id"]): r for r in records})
     budget = shards[0].config.get("budget", shards[0].metrics.get("budget"))
     try:
-        from kvbench.run.records import summarize
-
         entry.stats = summarize(records, budget, shards[0].metrics["applies"]["budget"])  # evicts iff it has a budget
     except Exception as e:  # noqa: BLE001 - records without timings: keep the first shard's, with the merged count
         entry.stats = {**entry.stats, "samples": len(records)}
