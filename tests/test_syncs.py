@@ -46,6 +46,18 @@ def test_counter_counts_each_kind_of_host_sync_once() -> None:
     assert c2.total == 0 and c.total == 10
 
 
+def test_a_tolist_that_reads_through_an_aten_op_is_one_sync(monkeypatch) -> None:
+    # On a GPU, Tensor.tolist copies to the host through an aten op (seen on an H100: the counter read 2 per step
+    # where the engine made one tolist). Stand in for that on the CPU: a tolist that reads a value through an op.
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: [t.sum().item()] and original(t))
+    x = torch.tensor([1.0, 2.0])
+    with torch.inference_mode(), SyncCounter() as c:
+        assert x.tolist() == [1.0, 2.0]
+        x.max().item()  # a read outside a tolist still counts
+    assert [op for _, op, _ in c.events] == ["tolist", "item"]
+
+
 def test_device_to_host_copies_count_and_host_copies_do_not() -> None:
     """A copy to the host waits for the device. No GPU here: a `meta` tensor stands in for one (the rule only asks
     whether the source is off the CPU and the destination on it)."""

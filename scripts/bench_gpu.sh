@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# kvbench's engine on a GPU, side by side with HF's own loop: `kvbench-bench` on CUDA, bfloat16, wall clock (each
+# timer synchronises the device), every policy in conf/policy/, >= 3 interleaved rounds (medians).
+#
+#   bash scripts/bench_gpu.sh OUT CONFIG_DIR [part ...]
+#
+# CONFIG_DIR: a directory holding SmolLM2-135M-Instruct's config.json (the converted model's, e.g. the kvbench model
+# cache's entry for smollm2-135m): its geometry (30 layers, 9/3 heads, head_dim 64) with random weights, since a GPU
+# machine without the package registry cannot convert the GGUF. Speed and memory do not depend on what the weights
+# know (docs/bench.md); greedy tokens of random weights are meaningless, so no prediction is compared here.
+# Parts (default: all three). A 4k-token part of every policy took ~4 min on an H100, and block-wise prefill time
+# grows with the number of blocks, so the long parts time a subset of policies (one of each kind of score:
+# key-only, attention window, accumulated attention, per-head budgets) to end inside one 10-minute device call.
+#   smollm2-4k   issue 29's setting: 4k-token prompt, N = 1024, B = 128, 32 new tokens, every policy
+#   smollm2-16k  a long prompt: 16k tokens, N = 4096, B = 128; keydiff, snapkv, h2o, adakv
+#   llama3b-16k  Llama-3.2-3B's geometry (tiny-llama3 at its full 28 layers, 24/8 heads, head_dim 128): 16k, N = 4096
+# Each part writes OUT/<part>.json and OUT/<part>.md (the table, the command, the goal lines).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -lt 2 ]; then
+    echo "usage: bash scripts/bench_gpu.sh OUT CONFIG_DIR [smollm2-4k|smollm2-16k|llama3b-16k ...]" >&2
+    exit 2
+fi
+out=$1 config=$2
+shift 2
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(smollm2-4k smollm2-16k llama3b-16k)
+for part in "${parts[@]}"; do  # every part checked before anything is written
+    case $part in
+        smollm2-4k|smollm2-16k|llama3b-16k) ;;
+        *) echo "bench_gpu.sh: unknown part '$part' (smollm2-4k, smollm2-16k, llama3b-16k)" >&2; exit 2 ;;
+    esac
+done
+mkdir -p "$out"
+common=(--device cuda --dtype bfloat16 --clock wall --block 128 --new-tokens 32 --repeats 3
+        --baselines full,hf,streamingllm)
+few=keydiff,snapkv,h2o,adakv
+for part in "${parts[@]}"; do
+    case $part in
+        smollm2-4k) args=(--config "$config" --lengths 4k --budgets 1024 --policies all) ;;
+        smollm2-16k) args=(--config "$config" --lengths 16k --budgets 4096 --policies $few) ;;
+        llama3b-16k) args=(--arch tiny-llama3 --layers 28 --lengths 16k --budgets 4096 --policies $few) ;;
+    esac
+    python3 -m kvbench.bench "${args[@]}" "${common[@]}" --out "$out/$part.json" --quiet
+done
