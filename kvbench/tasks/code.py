@@ -215,31 +215,25 @@ class CodeCompletion(Task):
 
     # -- data ----------------------------------------------------------------------------------------------------
 
-    def files(self) -> Iterator[tuple[Pin, str, bytes, str]]:
-        """(pin, path in the wheel, bytes, sha256) of every candidate file: the packages in turn, one file each
-        (round robin, so a `limit` spreads over them); each wheel's `.py` files in the order of the sha256 of their
-        path, a fixed shuffle, so that `per_package` and `limit` spread over a package's sub-packages rather than
-        take its alphabetically first folder."""
-        self._wheels = []
-        per_wheel = []
+    def wheels(self) -> list[tuple[Pin, zipfile.ZipFile, dict[str, str], str]]:
+        """(pin, the open wheel, its RECORD hashes, its file name) of every package, each wheel checked against its
+        pin first, so that a missing or different wheel stops the run before any sample."""
+        self._wheels, out = [], []
         for pin in self.pins:
             data, path = read_wheel(pin, self.wheel_dir)
             zf = zipfile.ZipFile(io.BytesIO(data))
-            record = record_hashes(zf, path.name)
-            names = sorted((n for n in zf.namelist() if n.endswith(".py") and n.rsplit("/", 1)[-1] not in SKIPPED_NAMES),
-                           key=lambda n: hashlib.sha256(n.encode("utf-8")).hexdigest())
+            out.append((pin, zf, record_hashes(zf, path.name), path.name))
             self._wheels.append({"name": pin.name, "version": pin.version, "wheel": path.name,
-                                 "wheel_sha256": pin.sha256, "py_files": len(names)})
-            per_wheel.append((pin, zf, record, path.name, iter(names)))
-        while per_wheel:
-            for item in list(per_wheel):
-                pin, zf, record, where, names = item
-                name = next(names, None)
-                if name is None:
-                    per_wheel.remove(item)
-                    continue
-                data, digest = read_member(zf, name, record, where)
-                yield pin, name, data, digest
+                                 "wheel_sha256": pin.sha256})
+        return out
+
+    def files(self, zf: zipfile.ZipFile, record: dict[str, str], where: str) -> Iterator[tuple[str, bytes, str]]:
+        """(path in the wheel, bytes, sha256) of the wheel's candidate `.py` files, in the order of the sha256 of their
+        path: a fixed shuffle, so that `per_package` and `limit` spread over a package's folders rather than take its
+        alphabetically first one."""
+        names = [n for n in zf.namelist() if n.endswith(".py") and n.rsplit("/", 1)[-1] not in SKIPPED_NAMES]
+        for name in sorted(names, key=lambda n: hashlib.sha256(n.encode("utf-8")).hexdigest()):
+            yield (name, *read_member(zf, name, record, where))
 
     # -- samples -------------------------------------------------------------------------------------------------
 
@@ -286,21 +280,34 @@ class CodeCompletion(Task):
                           prompt=prompt, meta=meta)
         return "no drawn cut fits exactly"
 
-    def samples(self, env: TaskEnv) -> Iterator[Sample]:
-        self._skipped, self._count = {}, 0
-        per: dict[str, int] = {}
-        for pin, path, data, digest in self.files():
-            if self.limit is not None and self._count >= self.limit:
+    def package_samples(self, env: TaskEnv, pin: Pin, zf: zipfile.ZipFile, record: dict[str, str],
+                        where: str) -> Iterator[Sample]:
+        """One package's samples, at most `per_package`; files without one are counted by reason."""
+        n = 0
+        for path, data, digest in self.files(zf, record, where):
+            if self.per_package is not None and n >= self.per_package:
                 return
-            if self.per_package is not None and per.get(pin.name, 0) >= self.per_package:
-                continue  # this package is full; the others go on
             out = self.build_sample(env, pin, path, data, digest)
             if isinstance(out, str):
                 self._skipped[out] = self._skipped.get(out, 0) + 1
                 continue
-            per[pin.name] = per.get(pin.name, 0) + 1
-            self._count += 1
+            n += 1
             yield out
+
+    def samples(self, env: TaskEnv) -> Iterator[Sample]:
+        """The packages' samples in turn, one each (round robin), so that a `limit` spreads over the packages."""
+        self._skipped, self._count = {}, 0
+        streams = [self.package_samples(env, *w) for w in self.wheels()]
+        while streams:
+            for stream in list(streams):
+                if self.limit is not None and self._count >= self.limit:
+                    return
+                sample = next(stream, None)
+                if sample is None:
+                    streams.remove(stream)
+                    continue
+                self._count += 1
+                yield sample
 
     # -- scoring -------------------------------------------------------------------------------------------------
 
