@@ -239,6 +239,13 @@ def test_aggregate_is_eval_py_lcc_score(wheel: tuple[Path, str]) -> None:
     assert t.composition(recs) == {"code": {"samples": ["a", "b"]}, "code:fakepkg": {"samples": ["a", "b"]}}
 
 
+def test_a_slow_tokenizer_is_refused(wheel: tuple[Path, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    d, sha = wheel
+    monkeypatch.setattr(CharTokenizer, "is_fast", False)
+    with pytest.raises(TaskError, match="needs a fast tokenizer"):
+        list(task(d, sha).samples(env()))
+
+
 def test_bad_settings_are_one_line() -> None:
     for kw, match in [({"packages": []}, "no packages"), ({"min_tokens": 0}, "min_tokens"),
                       ({"limit": 0}, "limit"), ({"fuzz_backend": "x"}, "fuzz_backend"),

@@ -296,6 +296,8 @@ class CodeCompletion(Task):
 
     def samples(self, env: TaskEnv) -> Iterator[Sample]:
         """The packages' samples in turn, one each (round robin), so that a `limit` spreads over the packages."""
+        if not getattr(env.tokenizer, "is_fast", False):  # the cuts are placed with the offsets of the file's tokens
+            raise TaskError(f"task=code needs a fast tokenizer (token offsets); {env.model_name}'s is not")
         self._skipped, self._count = {}, 0
         streams = [self.package_samples(env, *w) for w in self.wheels()]
         while streams:
