@@ -96,7 +96,8 @@ def _vs_full_section(rep: Report) -> list[str]:
             "agree: % of samples whose generated tokens equal the full cache's (agree_n samples both ran); "
             "first_diff: mean index of the first differing token over the samples that differ (- when all agree); "
             "logprob: mean log-probability per token (nats) of the gold answer teacher-forced through the cache, "
-            "± se; Δlogprob: paired difference to the full cache with its 95 % bootstrap interval.", "",
+            "± se (task=lm: of the text's own scored tokens, the LM score; a sample's perplexity is exp(-logprob)); "
+            "Δlogprob: paired difference to the full cache with its 95 % bootstrap interval.", "",
             _markdown(head, body)]
 
 
