@@ -217,6 +217,7 @@ def test_run_records_and_report(tmp_path: Path) -> None:
         assert rec["answer_logprob"] == pytest.approx(sum(want) / 47, abs=2e-6)
         assert rec["lm"]["perplexity"] == pytest.approx(math.exp(-sum(want) / 47), rel=1e-5)
         assert 0 <= rec["score"] <= 100 and rec["new_tokens"] == 0 and rec["degenerate"] is False
+        assert rec["tokens"] is None and rec["score"] == pytest.approx(rec["lm"]["accuracy"], abs=1e-6)
     assert [r["id"] for r in evicted] == ["t0", "t1"] and all(r["lm"]["tokens"] == 47 for r in evicted)
     assert any(abs(a["answer_logprob"] - b["answer_logprob"]) > 1e-4 for a, b in zip(evicted, full))
     metrics = json.loads((tmp_path / "runs" / "full" / "metrics.json").read_text())
@@ -227,6 +228,7 @@ def test_run_records_and_report(tmp_path: Path) -> None:
     table = (tmp_path / "runs" / "table.md").read_text() if (tmp_path / "runs" / "table.md").is_file() else out.stdout
     line = [x for x in table.splitlines() if x.startswith("|") and "streamingllm" in x and "(n=2)" in x]
     assert line, table  # the LM score with its n, and the paired difference to the full cache
+    assert "| 100.0 |" not in table  # no token agreement counted where nothing was generated
 
 
 def test_lm_needs_blockwise_one_line_exit_2(tmp_path: Path) -> None:

@@ -228,10 +228,17 @@ def _score_rows(runs: list[_Run], t: int, logits: torch.Tensor) -> None:
         if hi <= lo:
             continue
         first = r.pos + t - keep  # the position of row 0
-        rows = logits[j, lo - first:hi - first].float()  # (n, vocab)
-        target = r.ids[0, lo + 1:hi + 1]  # (n,) the tokens those positions predict
-        r.lm_logps.append(torch.log_softmax(rows, dim=-1).gather(1, target[:, None])[:, 0])
-        r.lm_hits.append(rows.argmax(dim=-1) == target)
+        # In slices of _SCORE_ROWS positions: the full cache reads the whole prompt in one forward, and its float32
+        # copies (n, vocab) would otherwise double the logits' memory at once (T = 4096, a 128k vocabulary: GBs).
+        for a in range(lo, hi, _SCORE_ROWS):
+            b = min(hi, a + _SCORE_ROWS)
+            rows = logits[j, a - first:b - first].float()  # (n, vocab)
+            target = r.ids[0, a + 1:b + 1]  # (n,) the tokens those positions predict
+            r.lm_logps.append(torch.log_softmax(rows, dim=-1).gather(1, target[:, None])[:, 0])
+            r.lm_hits.append(rows.argmax(dim=-1) == target)
+
+
+_SCORE_ROWS = 512  # positions per float32 log_softmax of the LM score (_score_rows)
 
 
 def _lm_result(r: _Run) -> tuple[list[float] | None, list[bool] | None]:

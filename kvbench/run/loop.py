@@ -160,7 +160,9 @@ def lm_record(sample: Sample, prediction: str, res: GenerationResult, task: Task
     summary = lm_summary(res.lm_logprobs or [], res.lm_correct or [])
     rec = make_record(sample, prediction, res, task.score_lm(sample, summary), settings)
     rec["answer_logprob"] = None if summary["logprob"] is None else round(summary["logprob"], 6)
-    rec["degenerate"] = False  # nothing is generated: no output to collapse
+    # Nothing is generated: no output to collapse, and no tokens to agree with the full cache's (null, not an empty
+    # list, which the report would count as agreeing)
+    rec["degenerate"], rec["tokens"] = False, None
     rec["lm"] = {"tokens": summary["tokens"], "start": start, "setting": task.lm_tokens,
                  **{k: None if summary[k] is None else round(summary[k], 6)
                     for k in ("logprob", "perplexity", "accuracy")}}
