@@ -220,6 +220,10 @@ def test_run_records_and_report(tmp_path: Path) -> None:
         assert rec["tokens"] is None and rec["score"] == pytest.approx(rec["lm"]["accuracy"], abs=1e-6)
     assert [r["id"] for r in evicted] == ["t0", "t1"] and all(r["lm"]["tokens"] == 47 for r in evicted)
     assert any(abs(a["answer_logprob"] - b["answer_logprob"]) > 1e-4 for a, b in zip(evicted, full))
+    from kvbench.run.score import rescore_run
+
+    again = rescore_run(tmp_path / "runs" / "streamingllm")  # kvbench-score: the same scores from the records
+    assert again["changed"] == [] and again["samples"] == 2
     metrics = json.loads((tmp_path / "runs" / "full" / "metrics.json").read_text())
     assert set(metrics["scores"]) == {"token_acc"} and metrics["lm"]["tokens"] == 94
     out = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "runs")], cwd=tmp_path,
