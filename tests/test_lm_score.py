@@ -67,6 +67,22 @@ def test_unevicted_scores_equal_one_plain_forward(policy) -> None:
     assert res.lm_correct == [argmax[t].item() == ids[t + 1] for t in range(40, 99)]
 
 
+def test_batched_samples_score_as_alone() -> None:
+    # generate_batch: two samples through the same forwards (prompt blocks of 16 rows: bit-identical caches), with
+    # different prompt lengths and scoring starts; each scores what it scores alone
+    from kvbench.engine.generate import Job, generate_batch
+
+    model, _ = _model()
+    a, b = _prompt(100, seed=1), _prompt(90, seed=2)
+    alone = [generate(model, StreamingLLM(budget=24), ids, GenerationSettings(block=16, score_from=s))
+             for ids, s in ((a, 32), (b, 48))]
+    together = generate_batch(model, [Job(a, StreamingLLM(budget=24), GenerationSettings(block=16, score_from=32)),
+                                      Job(b, StreamingLLM(budget=24), GenerationSettings(block=16, score_from=48))])
+    for one, both, n in zip(alone, together, (100 - 1 - 32, 90 - 1 - 48)):
+        assert len(both.lm_logprobs) == n and both.lm_correct == one.lm_correct
+        assert max(abs(x - y) for x, y in zip(one.lm_logprobs, both.lm_logprobs)) < 1e-5
+
+
 # 2. With eviction: the explicit float64 forward over exactly the positions the trace says each head held ------------
 @pytest.mark.parametrize("policy_factory,layers", [
     (lambda: StreamingLLM(budget=24), 2),
