@@ -24,9 +24,11 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def reference_logits(model, chunks: list[list[int]], trace: list[list[torch.Tensor | None]]) -> list[torch.Tensor]:
+def reference_logits(model, chunks: list[list[int]], trace: list[list[torch.Tensor | None]],
+                     all_rows: bool = False) -> list[torch.Tensor]:
     """Llama forward in float64; chunk s attends, per layer and KV head, to exactly the positions that head held
-    before it (`trace[s]`, padding -1 skipped), plus the chunk itself causally."""
+    before it (`trace[s]`, padding -1 skipped), plus the chunk itself causally. Each chunk's last-position logits
+    (vocab,), or with `all_rows` every position's (len(chunk), vocab)."""
     cfg = model.config
     sd = {k: v.double() for k, v in model.state_dict().items()}
     h_q, h_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -59,6 +61,7 @@ def reference_logits(model, chunks: list[list[int]], trace: list[list[torch.Tens
             h = _rms(x, sd[p + "post_attention_layernorm.weight"], eps)
             mlp = torch.nn.functional.silu(h @ sd[p + "mlp.gate_proj.weight"].T) * (h @ sd[p + "mlp.up_proj.weight"].T)
             x = x + mlp @ sd[p + "mlp.down_proj.weight"].T
-        out.append(_rms(x, sd["model.norm.weight"], eps)[-1] @ sd["lm_head.weight"].T)
+        final = _rms(x, sd["model.norm.weight"], eps)  # (q, hidden)
+        out.append((final if all_rows else final[-1]) @ sd["lm_head.weight"].T)
         seen += len(chunk)
     return out

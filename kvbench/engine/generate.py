@@ -32,7 +32,10 @@ class GenerationSettings:
     decoding steps evict. `stop_ids` end the answer (not emitted); `min_new_tokens` holds them off as generate's
     min_new_tokens does. `scenario="context_only"` with `context_tokens`: only the prompt's first `context_tokens`
     tokens are ever evicted (the question after them is not). `diagnostics` names kvbench.engine.diagnostics
-    measures taken at every eviction.
+    measures taken at every eviction. `score_from`: the language-modelling score (None: not measured, and every
+    forward keeps only its last position's logits as before): the log-probability of each prompt token t + 1 given
+    what the cache holds when position t goes in, for every prompt position t >= score_from (GenerationResult
+    lm_logprobs; the task decides where scoring starts, kvbench.run.loop.lm_score_start).
     """
 
     block: int | None = None
@@ -43,6 +46,7 @@ class GenerationSettings:
     scenario: str = "question_aware"
     context_tokens: int | None = None
     diagnostics: tuple[str, ...] = ()
+    score_from: int | None = None
 
 
 @dataclass
@@ -63,6 +67,10 @@ class GenerationResult:
     graded_s: float = 0.0  # time of that teacher-forced branch (not in prefill_s nor decode_s)
     batch_size: int = 1  # the most samples one forward of this sample held (generate_batch)
     batch_kv_bytes_peak: int = 0  # max over those forwards of the K+V bytes of all the batch's caches together
+    # The language-modelling score (settings.score_from): log p(token t + 1 | cache at t) in nats, float32
+    # log_softmax, for t = score_from .. prompt_tokens - 2 in order, and whether the argmax was that token.
+    lm_logprobs: list[float] | None = None
+    lm_correct: list[bool] | None = None
 
 
 def greedy_processors(model: Any, prompt: torch.Tensor, stop_ids: Iterable[int] = (), min_new_tokens: int = 0,
@@ -152,6 +160,9 @@ class _Run:
         self.traces: list[list[torch.Tensor | None]] = []
         self.new: list[int] = []
         self.steps = 0  # one-token forwards while decoding
+        # The LM score's per-block pieces, on the device until the one host read at the end (_lm_result)
+        self.lm_logps: list[torch.Tensor] = []  # (n,) float32 each
+        self.lm_hits: list[torch.Tensor] = []  # (n,) bool each
 
 
 # Fewer rows than this go through the model alone: on this machine's CPU BLAS a product of 1-3 rows takes another kernel
@@ -172,8 +183,13 @@ def _forward(model: Any, runs: list[_Run], chunk: torch.Tensor) -> torch.Tensor:
         cache = BatchCache([r.cache for r in runs])
         first = torch.tensor([r.pos for r in runs], device=chunk.device).unsqueeze(1)  # (k, 1)
         extra = {"position_ids": first + torch.arange(chunk.shape[1], device=chunk.device)}  # (k, t) each its own
+    keep = max(_scored_rows(r, chunk.shape[1]) for r in runs)
     with attention.active(cache):
-        out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+        # Only a forward that scores prompt tokens keeps more than the last position's logits (the lm_head over
+        # the block's rows); every other forward is the one it always was.
+        out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=max(keep, 1), **extra)
+    if keep:
+        _score_rows(runs, chunk.shape[1], out.logits)
     total = 0
     for r in runs:
         r.pos += chunk.shape[1]
@@ -184,6 +200,57 @@ def _forward(model: Any, runs: list[_Run], chunk: torch.Tensor) -> torch.Tensor:
         r.batch_peak_bytes = max(r.batch_peak_bytes, total)
         r.batch_size = max(r.batch_size, len(runs))
     return out.logits[:, -1].float()
+
+
+def _scored_span(r: _Run, t: int) -> tuple[int, int]:
+    """The prompt positions [lo, hi) of r's next forward (t tokens from r.pos) whose next-token prediction the LM
+    score takes: from settings.score_from on, up to the prompt's second-to-last token (the last one predicts a token
+    the prompt does not hold); lo >= hi when none. Decoding steps (past the prompt) score nothing."""
+    start = r.settings.score_from
+    if start is None:
+        return 0, 0
+    return max(r.pos, start), min(r.pos + t, r.ids.shape[1] - 1)
+
+
+def _scored_rows(r: _Run, t: int) -> int:
+    """How many of the forward's last rows r's LM score needs (0: none)."""
+    lo, hi = _scored_span(r, t)
+    return r.pos + t - lo if hi > lo else 0
+
+
+def _score_rows(runs: list[_Run], t: int, logits: torch.Tensor) -> None:
+    """Each run's LM-score pieces from one forward's logits (k, keep, vocab), whose rows are the chunk's last keep
+    positions: float32 log_softmax gathered at the next prompt token, and whether the argmax is that token. Kept on
+    the device (read once at the end)."""
+    keep = logits.shape[1]
+    for j, r in enumerate(runs):
+        lo, hi = _scored_span(r, t)
+        if hi <= lo:
+            continue
+        first = r.pos + t - keep  # the position of row 0
+        # In slices of _SCORE_ROWS positions: the full cache reads the whole prompt in one forward, and its float32
+        # copies (n, vocab) would otherwise double the logits' memory at once (T = 4096, a 128k vocabulary: GBs).
+        for a in range(lo, hi, _SCORE_ROWS):
+            b = min(hi, a + _SCORE_ROWS)
+            rows = logits[j, a - first:b - first].float()  # (n, vocab)
+            target = r.ids[0, a + 1:b + 1]  # (n,) the tokens those positions predict
+            r.lm_logps.append(torch.log_softmax(rows, dim=-1).gather(1, target[:, None])[:, 0])
+            r.lm_hits.append(rows.argmax(dim=-1) == target)
+
+
+_SCORE_ROWS = 512  # positions per float32 log_softmax of the LM score (_score_rows)
+
+
+def _lm_result(r: _Run) -> tuple[list[float] | None, list[bool] | None]:
+    """r's LM score as host lists, in one read (None when it was not asked for)."""
+    if r.settings.score_from is None:
+        return None, None
+    if not r.lm_logps:
+        return [], []
+    logps = torch.cat(r.lm_logps)  # (n,)
+    values = torch.cat([logps, torch.cat(r.lm_hits).to(logps.dtype)]).tolist()  # one host read
+    n = logps.numel()
+    return values[:n], [v > 0.5 for v in values[n:]]
 
 
 def _evict(r: _Run, phase: str, device: torch.device) -> float:
@@ -369,6 +436,7 @@ def generate_batch(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
         _decode(model, branches, [len(b.forced) for b in branches])
     for r in runs + branches:
         r.cache.settle()  # nothing is left pending by _decode (each step's selection is read with the next token)
+    lm = [_lm_result(r) for r in runs]
     return [GenerationResult(tokens=r.new, prompt_tokens=r.ids.shape[1], prefill_s=r.time_s["prefill"],
                              decode_s=r.time_s["decode"], decode_steps=r.steps,
                              evict_s=r.evict_s["prefill"] + r.evict_s["decode"], evict_prefill_s=r.evict_s["prefill"],
@@ -377,8 +445,9 @@ def generate_batch(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
                              diagnostics=r.diag.summary() if r.diag is not None else None,
                              answer_logprob=None if g is None else float(torch.stack(g[1]).mean()),
                              graded_s=0.0 if g is None else g[0].time_s["decode"],
-                             batch_size=r.batch_size, batch_kv_bytes_peak=r.batch_peak_bytes)
-            for r, g in zip(runs, graded)]
+                             batch_size=r.batch_size, batch_kv_bytes_peak=r.batch_peak_bytes,
+                             lm_logprobs=m[0], lm_correct=m[1])
+            for r, g, m in zip(runs, graded, lm)]
 
 
 def _graded_branch(r: _Run, answer_ids: Sequence[int]) -> tuple[_Run, list[torch.Tensor]]:

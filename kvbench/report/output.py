@@ -78,6 +78,14 @@ def _logprob_text(st: MeanSE | None) -> str:
     return f"{st.mean:.3f}" + (f" ± {st.se:.3f}" if st.se is not None else "") + f" (n={st.n})"
 
 
+# Runs whose records carry an LM summary (task=lm, docs/protocols.md): their logprob is the LM score
+_LM_CLAUSE = " (LM-scored runs: of the text's own scored tokens; a sample's perplexity is exp(-logprob))"
+
+
+def _has_lm(items: list[Any]) -> bool:
+    return any(isinstance(rec.get("lm"), dict) for _, _, e in items for rec in e.records.values())
+
+
 def _vs_full_section(rep: Report) -> list[str]:
     """Token agreement and the graded score against the full cache, one line per entry that has either."""
     items = [(r, t, e) for r in rep.rows for t, e in r.entries.items()
@@ -96,7 +104,8 @@ def _vs_full_section(rep: Report) -> list[str]:
             "agree: % of samples whose generated tokens equal the full cache's (agree_n samples both ran); "
             "first_diff: mean index of the first differing token over the samples that differ (- when all agree); "
             "logprob: mean log-probability per token (nats) of the gold answer teacher-forced through the cache, "
-            "± se; Δlogprob: paired difference to the full cache with its 95 % bootstrap interval.", "",
+            f"± se{_LM_CLAUSE if _has_lm(items) else ''}; Δlogprob: paired difference to the full cache with its 95 % "
+            "bootstrap interval.", "",
             _markdown(head, body)]
 
 

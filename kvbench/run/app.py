@@ -26,7 +26,7 @@ from kvbench.models.loading import LoadedModel, load_model
 from kvbench.policies.base import Policy
 from kvbench.run.config import load_group
 from kvbench.run.labels import describe_run
-from kvbench.run.loop import batching_note, run_task
+from kvbench.run.loop import batching_note, check_lm_settings, run_task
 from kvbench.run.records import summarize
 from kvbench.run.settings import ConfigError, RunSettings, build_policy, build_task, user_errors
 from kvbench.run.threads import current_threads
@@ -206,6 +206,8 @@ def run_one(cfg: Mapping[str, Any] | RunSettings, policy_name: str, run_dir: Pat
         raise ConfigError("no policy chosen (policy=NAME)")
     policy = build_policy(settings.policy, settings)
     task = build_task(settings.task)
+    if task.lm_tokens is not None:
+        check_lm_settings(task.lm_tokens, settings)
     if not run_dir.exists():  # a model that cannot load is bad input: fail before creating the run directory
         session.model(settings)  # (an existing directory may be a finished run, which needs no model)
     with run_lock(run_dir) as lock:

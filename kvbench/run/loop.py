@@ -16,11 +16,12 @@ import torch
 from kvbench.engine.cache import EvictingCache, batchable
 from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate_batch
 from kvbench.metrics.degenerate import is_degenerate
+from kvbench.metrics.lm import lm_summary
 from kvbench.policies.base import Policy
 from kvbench.policies.full import Full
 from kvbench.run.records import append_record, read_records
-from kvbench.run.settings import RunSettings
-from kvbench.tasks.base import Sample, Task, TaskEnv
+from kvbench.run.settings import ConfigError, RunSettings
+from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError
 
 
 def sample_seed(sample_id: str) -> int:
@@ -51,6 +52,9 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
         samples = [s for k, s in enumerate(samples) if k % n == i]
     default_stop = eos_ids(model, tokenizer)
     todo = [s for s in samples if s.id not in done]
+    if task.lm_tokens is not None:  # bad settings or too short a text: one line before any sample runs
+        for s in todo:
+            lm_score_start(len(s.input_ids), task.lm_tokens, settings)
     size = settings.batch_size  # generate_batch itself runs a model it cannot batch one sample at a time
     # Batches of similar prompt lengths (equal-length prompt blocks go through the model together; the records are
     # appended as each batch ends, so a kill loses at most the batch under way and resumes at sample granularity)
@@ -88,15 +92,81 @@ def _generate_samples(model: Any, tokenizer: Any, policy: Policy, task: Task, ba
     """Records of `batch`'s samples, generated together (one sample: exactly the batch-1 run). Each sample has its
     own copy of the policy, started with the sample's own seed as a batch-1 run starts it."""
     jobs = []
+    lm = task.lm_tokens is not None
     for sample, own in zip(batch, _sample_policies(policy, batch)):
         stop = sample.stop_token_ids if sample.stop_token_ids is not None else default_stop
-        jobs.append(Job(sample.input_ids, own, generation_settings(settings, sample, stop),
-                        answer_ids=answer_token_ids(tokenizer, sample, task) if settings.graded else None))
+        gen = generation_settings(settings, sample, stop)
+        if lm:
+            gen = dataclasses.replace(gen, score_from=lm_score_start(len(sample.input_ids), task.lm_tokens, settings))
+        graded = settings.graded and not lm  # an LM task's graded score is its LM score (lm_record)
+        jobs.append(Job(sample.input_ids, own, gen, answer_ids=answer_token_ids(tokenizer, sample, task)
+                        if graded else None))
     records = []
-    for sample, res in zip(batch, generate_batch(model, jobs)):
+    for sample, job, res in zip(batch, jobs, generate_batch(model, jobs)):
         prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
-        records.append(make_record(sample, prediction, res, task.score(sample, prediction), settings))
+        if lm:
+            records.append(lm_record(sample, prediction, res, task, settings, job.settings.score_from or 0))
+        else:
+            records.append(make_record(sample, prediction, res, task.score(sample, prediction), settings))
     return records
+
+
+LM_TOKENS_AFTER_EVICTION = "after_eviction"
+
+
+def check_lm_settings(lm_tokens: int | str, settings: RunSettings) -> None:
+    """ConfigError (one line) for run settings under which an LM score means nothing: a protocol other than
+    blockwise with a block (it sees the whole prompt before it evicts: every prompt prediction would be the full
+    cache's), or lm_tokens=after_eviction without a budget (the boundary is N's)."""
+    if settings.protocol != "blockwise" or settings.block is None:
+        raise ConfigError(f"the LM score needs protocol=blockwise and a block (B), got protocol={settings.protocol} "
+                          f"block={settings.block}: other protocols evict only after the whole prompt is in")
+    if lm_tokens == LM_TOKENS_AFTER_EVICTION and settings.budget is None:
+        raise ConfigError("the LM score with lm_tokens=after_eviction needs budget=N (where the first eviction "
+                          "happens), also for policy=full")
+
+
+def lm_score_start(prompt_tokens: int, lm_tokens: int | str, settings: RunSettings) -> int:
+    """The first prompt position t whose next-token prediction (of token t + 1) the LM score takes.
+
+    "after_eviction": the first position fed after the first eviction. Blocks of B tokens go in at 0, B, 2B, ...;
+    the cache first exceeds N (and is cut back to N) after the block that ends past N, the k-th with k = N // B + 1
+    (a block ending exactly at N leaves N tokens: nothing to evict), so the first prediction made from a pruned cache
+    is at position (N // B + 1) * B, when the cache holds N + (its place in the block) <= N + B tokens. The full cache
+    scores the same positions (from the same N and B), with nothing evicted. An int M: the prompt's last M tokens
+    (positions T - 1 - M .. T - 2). ConfigError as check_lm_settings; TaskError when nothing is left to score."""
+    check_lm_settings(lm_tokens, settings)
+    if lm_tokens == LM_TOKENS_AFTER_EVICTION:
+        assert settings.budget is not None and settings.block is not None  # check_lm_settings
+        start = (settings.budget // settings.block + 1) * settings.block
+        if start >= prompt_tokens - 1:
+            raise TaskError(f"a sample of {prompt_tokens} tokens has no token to score after the first eviction at "
+                            f"position {start} (N={settings.budget}, B={settings.block}): use longer samples or a "
+                            f"smaller budget")
+        return start
+    if isinstance(lm_tokens, bool) or not isinstance(lm_tokens, int) or lm_tokens < 1:
+        raise TaskError(f"lm_tokens must be '{LM_TOKENS_AFTER_EVICTION}' or a positive integer, got {lm_tokens!r}")
+    if lm_tokens > prompt_tokens - 1:
+        raise TaskError(f"lm_tokens={lm_tokens} exceeds the {prompt_tokens - 1} predictable tokens of a "
+                        f"{prompt_tokens}-token sample")
+    return prompt_tokens - 1 - lm_tokens
+
+
+def lm_record(sample: Sample, prediction: str, res: GenerationResult, task: Task, settings: RunSettings,
+              start: int) -> dict[str, Any]:
+    """The record of an LM-scored sample: `lm` (tokens scored, the first scored position, mean log-probability,
+    perplexity, next-token accuracy), `answer_logprob` = that mean log-probability (so the report's graded-score
+    columns and paired tests carry it), `score` = task.score_lm (0-100)."""
+    summary = lm_summary(res.lm_logprobs or [], res.lm_correct or [])
+    rec = make_record(sample, prediction, res, task.score_lm(sample, summary), settings)
+    rec["answer_logprob"] = None if summary["logprob"] is None else round(summary["logprob"], 6)
+    # Nothing is generated: no output to collapse, and no tokens to agree with the full cache's (null, not an empty
+    # list, which the report would count as agreeing)
+    rec["degenerate"], rec["tokens"] = False, None
+    rec["lm"] = {"tokens": summary["tokens"], "start": start, "setting": task.lm_tokens,
+                 **{k: None if summary[k] is None else round(summary[k], 6)
+                    for k in ("logprob", "perplexity", "accuracy")}}
+    return rec
 
 
 def _sample_policies(policy: Policy, batch: list[Sample]) -> list[Policy]:

@@ -6,7 +6,8 @@ scores it, or a directory of official-format LongBench predictions, as LongBench
 A run directory (what `kvbench` writes: `config.yaml` and `predictions.jsonl`): the task is built from config.yaml as
 the run built it (a task that reads its data when built, such as jsonl, needs that file where the run read it), every
 record's `prediction` is scored again by the task's own `score` (from the record's `id`, `answers` and `meta`, what a
-record keeps of its sample: scores never need the prompt), and the task aggregates the new scores as the run does.
+record keeps of its sample: scores never need the prompt; an LM-scored task's from the record's `lm` summary), and
+the task aggregates the new scores as the run does.
 Writes DIR/rescored.json ({"task", "samples", "scores", "average", "changed": the ids whose score differs from the
 recorded one}) and prints the scores. `--fuzz-backend` switches a LongBench run's code_sim_score backend. The
 fidelity task is the exception: it compares the full cache's log-probabilities, which predictions.jsonl does not keep,
@@ -140,8 +141,9 @@ def rescore_run(run_dir: Path, fuzz_backend: str | None = None) -> dict[str, Any
         sample = Sample(id=str(r["id"]), input_ids=[], answers=list(r["answers"]),
                         max_new_tokens=int(r.get("new_tokens") or 0), meta=dict(r.get("meta") or {}))
         try:
-            score = task.score(sample, r["prediction"])
-        except (TaskError, KeyError) as e:  # a record of another task (no meta.dataset, ...)
+            # an LM-scored task (task=lm) scores the record's LM summary, as the run does (kvbench.run.loop.lm_record)
+            score = task.score(sample, r["prediction"]) if task.lm_tokens is None else task.score_lm(sample, r["lm"])
+        except (TaskError, KeyError, TypeError) as e:  # a record of another task (no meta.dataset, ...)
             raise ScoreError(f"{path}: record {r['id']!r}: cannot score it as task '{task.name}' "
                              f"({error_line(e, with_type=True)})") from None
         rescored.append({**r, "score": score})

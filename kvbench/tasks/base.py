@@ -56,6 +56,10 @@ class Task(ABC):
     needs_reference: bool = False
     # The score name reported as `average` in metrics.json; None = the mean of all scores.
     average_key: str | None = None
+    # The language-modelling score (docs/protocols.md): None = not measured (every task but lm); "after_eviction" =
+    # the prompt's own tokens whose prediction is made after the first eviction (at N = budget, B = block); an int M =
+    # the prompt's last M tokens. The run loop then records `lm` and `answer_logprob` from it, and `score_lm`.
+    lm_tokens: int | str | None = None
 
     @abstractmethod
     def samples(self, env: TaskEnv) -> Iterator[Sample]:
@@ -115,6 +119,11 @@ class Task(ABC):
         """For `needs_reference` tasks: compare the policy's teacher-forced next-token log-probabilities
         (new, vocab) with the full cache's. Returns {"score": 0-100, ...extra record fields}."""
         raise NotImplementedError(f"task '{self.name}' does not compare against a reference")
+
+    def score_lm(self, sample: Sample, lm: dict[str, Any]) -> float:
+        """For tasks with `lm_tokens`: the record's 0-100 score from the sample's LM summary
+        (kvbench.metrics.lm.lm_summary); by default next-token accuracy in %."""
+        return float(lm["accuracy"]) if lm["accuracy"] is not None else 0.0
 
     def provenance(self) -> dict[str, Any]:
         """Where the data came from (source, revision, checksum, generator settings) for metrics.json."""
