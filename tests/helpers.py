@@ -5,9 +5,13 @@ conf/config.yaml. Fixtures live in conftest.py, which pytest finds by itself.
 
 from __future__ import annotations
 
+import base64
 import copy
 import functools
+import hashlib
 import importlib.util
+import io
+import zipfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
@@ -81,3 +85,43 @@ def load_script(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# Wheels and a tokenizer for tasks that read source files out of pinned wheels (task=code, task=lm source=code).
+
+class CharTokenizer:
+    """One token per character (id = code point), BOS id 1 added by default, offsets per character: a fast
+    tokenizer's interface as the task uses it."""
+
+    is_fast = True
+
+    def __call__(self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False,
+                 truncation: bool = False) -> dict[str, list]:
+        ids, offsets = [ord(c) for c in text], [(i, i + 1) for i in range(len(text))]
+        if add_special_tokens:
+            ids, offsets = [1, *ids], [(0, 0), *offsets]
+        return {"input_ids": ids, **({"offset_mapping": offsets} if return_offsets_mapping else {})}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 1))
+
+
+def b64_sha256(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def make_wheel(directory: Path, files: dict[str, str], name: str = "fakepkg", version: str = "1.0",
+               bad_record: str | None = None) -> tuple[Path, str]:
+    """A wheel as pip would download it, and its sha256; `bad_record` names a file whose RECORD hash is wrong."""
+    record = [f"{path},sha256={b64_sha256(b'tampered' if path == bad_record else text.encode())},{len(text)}"
+              for path, text in files.items()]
+    record.append(f"{name}-{version}.dist-info/RECORD,,")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+        z.writestr(f"{name}-{version}.dist-info/RECORD", "\n".join(record) + "\n")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}-{version}-py3-none-any.whl"
+    path.write_bytes(buf.getvalue())
+    return path, hashlib.sha256(buf.getvalue()).hexdigest()

