@@ -7,14 +7,14 @@
 #   bash scripts/tables.sh NAME [OUT]           one kind of folder (default OUT: results/NAME); the result scripts
 #                                               call it on their own output after finish_run
 #
-# NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b. The claims tables also read the NIAH grid's and the RULER
+# NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence. The claims tables also read the NIAH grid's and the RULER
 # runs (NIAH_RUNS, RULER_RUNS; default: the committed ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPORT=${REPORT:-python -m kvbench.report}
 NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
-FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b)
+FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence)
 
 tables() {
     local name=$1 out=$2
@@ -25,7 +25,7 @@ tables() {
     $REPORT "$out/runs" --out "$out" -q
     case $name in
         niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
-        ruler_4k) ;;
+        ruler_4k|pilot_evidence) ;;
         claims) python scripts/claims_table.py "$out/runs" "$NIAH_RUNS" "$RULER_RUNS" "$out" ;;
         qwen2.5-coder-1.5b)
             python scripts/claims_table.py "$out/runs" "$out/runs/niah" - "$out"

@@ -41,7 +41,8 @@ class Row:
 
     @property
     def label(self) -> str:
-        return " ".join(e.label for e in self.entries.values() if e.label)
+        # Each task's entry carries its own label; equal ones (every task sharded alike) are said once.
+        return " ".join(dict.fromkeys(e.label for e in self.entries.values() if e.label))
 
     @property
     def avg(self) -> float | None:
