@@ -19,6 +19,9 @@ PROTOCOLS: dict[str, tuple[bool, bool]] = {
 # Which prompt tokens eviction applies to: all of them, or the context only (the question after it is never
 # evicted: CriticalKV App. H).
 SCENARIOS = ("question_aware", "context_only")
+# The LM score's default token set (task=lm `lm_tokens`): the prompt tokens predicted after the first eviction at
+# N = budget, B = block; the run loop places it, and the report pairs runs only at equal N and B under it.
+LM_TOKENS_AFTER_EVICTION = "after_eviction"
 
 
 def positive_int(what: str, value: Any, allow_none: bool = False) -> int | None:

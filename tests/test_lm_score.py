@@ -287,3 +287,32 @@ def test_code_source_reads_the_pinned_wheels_in_turn(tmp_path: Path, monkeypatch
     with pytest.raises(TaskError, match="sha256"):
         list(LMTask(source="code", path=str(tmp_path), tokens=9).samples(
             TaskEnv(tokenizer=CharTokenizer(), model_name="char", max_prompt_tokens=100)))
+
+
+def test_the_full_cache_pairs_at_its_own_budget(tmp_path: Path) -> None:
+    # after_eviction: N and B say which tokens are scored, for the full cache too. Its runs at N = 32 and N = 48 score
+    # tokens 48.. and 64.. (other samples, in effect): two rows, and StreamingLLM at N = 48 is compared with the full
+    # cache at N = 48 alone.
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"id": f"t{i}", "text": f"Sentence {i} of a text. " * 40})
+                                                  + "\n" for i in range(3)))
+    for run, args in {"full32": ("policy=full", "budget=32"), "full48": ("policy=full", "budget=48"),
+                      "stream48": ("policy=streamingllm", "budget=48")}.items():
+        r = _kvbench(tmp_path, run, *args)
+        assert r.returncode == 0, r.stderr[-2000:]
+
+    def logprobs(run: str) -> list[float]:
+        recs = [json.loads(x) for x in (tmp_path / "runs" / run / "predictions.jsonl").read_text().splitlines()]
+        assert all(rec["lm"]["tokens"] == (47 if run == "full32" else 31) for rec in recs)
+        return [rec["answer_logprob"] for rec in recs]
+
+    want = sum(a - b for a, b in zip(logprobs("stream48"), logprobs("full48"))) / 3
+    assert abs(want - sum(a - b for a, b in zip(logprobs("stream48"), logprobs("full32"))) / 3) > 1e-3
+    from kvbench.report.collect import collect_entries, pair_key
+    from kvbench.report.tables import build_report
+
+    report = build_report(*collect_entries(tmp_path / "runs"))
+    fulls = [r for r in report.rows if r.policy == "full"]
+    assert sorted(r.budget for r in fulls) == [32, 48]
+    stream = next(e for r in report.rows if r.policy == "streamingllm" for e in r.entries.values())
+    assert pair_key(stream) == pair_key(next(e for r in fulls if r.budget == 48 for e in r.entries.values()))
+    assert stream.dlogprob is not None and stream.dlogprob.diff == pytest.approx(want, abs=1e-6)

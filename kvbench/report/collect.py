@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from kvbench.errors import error_line
 from kvbench.metrics.aggregate import RecipeError, aggregate_scores, average_of
 from kvbench.metrics.stats import MeanSE
+from kvbench.options import LM_TOKENS_AFTER_EVICTION
 from kvbench.report.layout import Layout, stored_layout
 from kvbench.report.samples import Agreement, Composition, Records, cells, logprob_cell, merge_compositions
 from kvbench.run.labels import NA
@@ -202,6 +203,9 @@ def pair_key(e: Entry) -> str:
     """Entries with equal keys ran the same model on the same samples (task and model settings identical: the
     same sample ids under another haystack or length are other samples), so their scores can be paired."""
     same = sorted((k, repr(v)) for k, v in e.settings.items() if k.split(".")[0] in ("task", "model"))
+    if e.settings.get("task.lm_tokens") == LM_TOKENS_AFTER_EVICTION:
+        # The LM score counts the tokens predicted after N's first eviction: another N or B scores other tokens
+        same += [("budget", repr(e.settings.get("budget"))), ("block", repr(e.settings.get("block")))]
     return json.dumps([e.model, e.task, same])
 
 

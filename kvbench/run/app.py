@@ -23,6 +23,7 @@ from kvbench.engine.generate import generation_provenance
 from kvbench.metrics.aggregate import average_of
 from kvbench.models.common import portable_path
 from kvbench.models.loading import LoadedModel, load_model
+from kvbench.options import LM_TOKENS_AFTER_EVICTION
 from kvbench.policies.base import Policy
 from kvbench.run.config import load_group
 from kvbench.run.labels import describe_run
@@ -31,6 +32,7 @@ from kvbench.run.records import summarize
 from kvbench.run.settings import ConfigError, RunSettings, build_policy, build_task, user_errors
 from kvbench.run.threads import current_threads
 from kvbench.tasks.base import Task, TaskEnv
+
 
 def _git_commit() -> str | None:
     try:
@@ -254,14 +256,18 @@ def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session:
     records = run_task(loaded.model, loaded.tokenizer, policy, task, env, settings, run_dir,
                        references=session.references)
     scores = task.aggregate(records)
+    scores_by_budget = task.lm_tokens == LM_TOKENS_AFTER_EVICTION
     metrics: dict[str, Any] = {
         "task": task.name, "model": loaded.name, "policy": policy_name, "budget": settings.budget,
         "block": settings.block, "protocol": settings.protocol, "scenario": settings.scenario,
         "shard": settings.recorded()["shard"],
         # Which settings this policy uses (the report shows "-" for the others): the full cache has no budget nor
         # protocol, and no block when it reads the prompt in one forward.
-        "applies": {"budget": policy.evicts, "protocol": policy.evicts,
-                    "block": policy.evicts or not policy.single_pass_prefill},
+        # Under the LM score's after_eviction setting the budget and block say which tokens are scored, for the full
+        # cache too (its N = 256 and N = 512 runs score different tokens: two rows, each the reference of its N).
+        "applies": {"budget": policy.evicts or scores_by_budget,
+                    "protocol": policy.evicts or scores_by_budget,
+                    "block": policy.evicts or not policy.single_pass_prefill or scores_by_budget},
         # The run the others are compared against (the report pairs every policy with it): a policy that never
         # evicts, the full cache.
         "reference": not policy.evicts,

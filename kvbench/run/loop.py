@@ -17,6 +17,7 @@ from kvbench.engine.cache import EvictingCache, batchable
 from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate_batch
 from kvbench.metrics.degenerate import is_degenerate
 from kvbench.metrics.lm import lm_summary
+from kvbench.options import LM_TOKENS_AFTER_EVICTION
 from kvbench.policies.base import Policy
 from kvbench.policies.full import Full
 from kvbench.run.records import append_record, read_records
@@ -109,9 +110,6 @@ def _generate_samples(model: Any, tokenizer: Any, policy: Policy, task: Task, ba
         else:
             records.append(make_record(sample, prediction, res, task.score(sample, prediction), settings))
     return records
-
-
-LM_TOKENS_AFTER_EVICTION = "after_eviction"
 
 
 def check_lm_settings(lm_tokens: int | str, settings: RunSettings) -> None:

