@@ -135,7 +135,10 @@ def test_required_n_mcnemar_by_hand() -> None:
     # = 21.02 -> 22 samples.
     r = _r(15, -33.3, "mcnemar", n10=0, n01=5)
     assert mcnemar_n(0.0, 1 / 3) == pytest.approx(21.022, abs=1e-3)
-    assert required_n(r) == 22
+    assert required_n(r) == 22  # above the exact test's floor: 6 discordant pairs at psi = 1/3 -> 18 samples
+    # 5 of 5 discordant one way: Connor gives 1.959964^2 = 3.84 -> 4, but the exact test needs 6 discordant
+    # pairs (p = 0.031; 5 give 0.0625): 6 / psi = 6 samples.
+    assert required_n(_r(5, -100.0, "mcnemar", n01=5)) == 6
     # Even all 5 one way at n = 15 is below the 21 needed: no difference n = 15 can resolve at that discordance.
     assert min_detectable_diff(r) is None
     # No discordant pairs, or as many each way: nothing observed, no finite n.
@@ -161,6 +164,9 @@ def test_required_n_graded_by_hand() -> None:
     r = paired_compare(_one([0, 1, 2, 5], [0, 0, 0, 0]))
     assert r.test == "sign-flip" and r.sd_d == pytest.approx(math.sqrt(14 / 3))
     assert required_n(r) == 10
+    # Differences 1, 1.1, 0.9: sd 0.1, mean 1: the approximation needs (2.801585 * 0.1)^2 = 0.08 -> the exact
+    # sign-flip floor, 6 samples (2 / 2^6 = 0.031 < 0.05; 2 / 2^5 = 0.0625 is not).
+    assert required_n(paired_compare(_one([1, 1.1, 0.9], [0, 0, 0]))) == 6
     assert min_detectable_diff(r) == pytest.approx(3.0261, abs=1e-4)
     assert required_n(paired_compare(_one([1.0, 2.0], [1.0, 2.0]))) is None  # zero difference
     # 0/100 scores go to McNemar with their discordant counts: 3 right only in a, 1 only in b.

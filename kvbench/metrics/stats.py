@@ -234,29 +234,36 @@ def mcnemar_n(p10: float, p01: float, alpha: float = ALPHA, power: float = POWER
 def required_n(r: PairedResult, alpha: float = ALPHA, power: float = POWER) -> int | None:
     """The samples the observed difference would need to be resolved at `alpha` (two-sided) with `power`: McNemar
     (Connor 1987) from the observed discordant shares for "mcnemar" comparisons, else the paired normal
-    approximation n = ((z_{a/2} + z_b) sd_d / mean_d)^2. None where no difference was observed (infinite);
-    rounded up, at least 2 (one pair has no variance)."""
+    approximation n = ((z_{a/2} + z_b) sd_d / mean_d)^2. None where no difference was observed (infinite).
+    Rounded up, and never below what the exact tests can resolve at all (the normal approximation ignores it at
+    small n): k = 6 samples for the sign flips (2 / 2^6 = 0.031), and for McNemar k / psi samples, so that k
+    discordant pairs are expected (k = `mcnemar_min_discordant`)."""
+    k = mcnemar_min_discordant(alpha)
     if r.test == "mcnemar":
         need = mcnemar_n(r.n10 / r.n, r.n01 / r.n, alpha, power)
+        if not math.isinf(need):
+            need = max(need, k * r.n / (r.n10 + r.n01))
     else:
         if r.diff == 0:
             return None
         za, zb = _z(alpha, power)
-        need = ((za + zb) * r.sd_d / r.diff) ** 2
-    return None if math.isinf(need) else max(2, math.ceil(need - 1e-9))
+        need = max(k, ((za + zb) * r.sd_d / r.diff) ** 2)
+    return None if math.isinf(need) else math.ceil(need - 1e-9)
 
 
 def min_detectable_diff(r: PairedResult, alpha: float = ALPHA, power: float = POWER) -> float | None:
     """The smallest |difference| (score units; 0/100 scores in points) the comparison's n resolves at `alpha` with
     `power`: for "sign-flip", (z_{a/2} + z_b) sd_d / sqrt(n); for "mcnemar", the delta that solves Connor's formula
     for n at the observed discordant share psi (100 * delta points, by bisection: the required n falls as delta
-    grows). None where it is undefined: no
-    discordant pairs (psi = 0), or even every discordant pair one way (delta = psi) is too few."""
+    grows), and never below 100 * k / n, k = 6 discordant pairs all one way being the fewest the exact test
+    resolves. None where it is undefined: no discordant pairs (psi = 0), fewer than k, or even every discordant
+    pair one way (delta = psi) is too few."""
     za, zb = _z(alpha, power)
     if r.test != "mcnemar":
         return (za + zb) * r.sd_d / math.sqrt(r.n)
     psi = (r.n10 + r.n01) / r.n
-    if psi == 0 or mcnemar_n(psi, 0.0, alpha, power) > r.n:
+    k = mcnemar_min_discordant(alpha)
+    if r.n10 + r.n01 < k or mcnemar_n(psi, 0.0, alpha, power) > r.n:
         return None
     lo, hi = 0.0, psi  # mcnemar_n falls as delta grows: bisect for mcnemar_n(delta) = n
     for _ in range(100):
@@ -265,4 +272,4 @@ def min_detectable_diff(r: PairedResult, alpha: float = ALPHA, power: float = PO
             lo = mid
         else:
             hi = mid
-    return 100 * hi
+    return max(100 * hi, 100 * k / r.n)
