@@ -5,12 +5,17 @@ it holds on the runs at hand.
 
 CLAIM_RUNS is scripts/claims.sh's scratch directory (one sub-directory per claim); NIAH_GRID_RUNS and RULER_RUNS
 hold the runs of scripts/niah_grid.sh and scripts/ruler_4k.sh (scratch or the committed results/*/runs/). A
-claim whose runs are missing is listed as "not run". Writes OUT_DIR/claims.md and OUT_DIR/claims.csv.
+claim whose runs are missing is listed as "not run". Writes OUT_DIR/claims.md, OUT_DIR/claims.csv and
+OUT_DIR/claims_tests.csv (every paired test with its raw and Holm-adjusted p).
 
 Verdicts of "A beats B" claims come from paired comparisons at equal budget: the two runs' average score (NIAH:
 the mean over all cells; RULER: the mean of the per-length task means) over the samples both ran, its 95 % paired
 bootstrap interval and the paired test (exact McNemar for 0/100 scores, else sign flips; kvbench.metrics.stats).
-A comparison is resolved when the interval excludes 0 and p < 0.05. "holds": resolved in the claimed direction at
+A comparison is resolved when the interval excludes 0 and its Holm-adjusted p < 0.05. The Holm family (Holm 1979,
+kvbench.metrics.stats.holm) is every paired test that enters a verdict of the one claims.md: each claim's
+comparisons at every budget and against every rival, on the 0/100 score and on the graded score (the threshold
+claim has no paired test); claims.md shows the raw and the adjusted p of each, and claims_tests.csv lists the
+family, one row per test. "holds": resolved in the claimed direction at
 every budget (and against every named rival); "reversed": resolved the other way at some budget; otherwise
 "not resolved (n = ...)". The last column gives the smallest difference those n could resolve: with 0/100 scores
 the exact McNemar test needs at least 6 discordant pairs all one way (2 * 0.5^6 = 0.031 < 0.05), so 100 * 6 / n
@@ -26,7 +31,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbench.metrics.stats import PairedResult, mcnemar_min_discordant, resolved
+from dataclasses import replace
+from typing import Callable
+
+from kvbench.metrics.stats import PairedResult, holm, mcnemar_min_discordant, resolved
 from kvbench.report.collect import Entry, collect_entries
 from kvbench.report.paired import compare_entries
 from kvbench.report.samples import LOGPROB
@@ -35,9 +43,45 @@ from kvbench.run.labels import NA
 # The model's name as its card spells it, for the title (a preset not listed here shows its preset name).
 MODEL_TITLES = {"smollm2-135m": "SmolLM2-135M-Instruct", "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct"}
 HEAD = ["claim", "paper", "setting", "numbers", "holds?", "smallest resolvable difference", "graded score"]
+TESTS_HEAD = ["claim", "score", "budget", "winner", "rival", "n", "diff", "ci_low", "ci_high", "p_value", "p_holm",
+              "resolved"]
+_MEMO: dict[tuple[int, int, str | None], tuple[PairedResult, bool] | None] = {}
+# Adjusted p of a result (Holm over the family); the identity until main() has seen the whole family.
+Adjust = Callable[[PairedResult], float]
+
+
+def _raw(r: PairedResult) -> float:
+    return r.p_value
+
+
+def compare(a: Entry, b: Entry, score: str | None = None) -> tuple[PairedResult, bool] | None:
+    """compare_entries, once per pair and score (main() builds the table twice: to gather the Holm family, then
+    with the adjusted p values)."""
+    key = (id(a), id(b), score)
+    if key not in _MEMO:
+        _MEMO[key] = compare_entries(a, b, score=score)
+    return _MEMO[key]
+
+
+def adjusted(r: PairedResult, adjust: Adjust) -> PairedResult:
+    return replace(r, p_value=adjust(r))
+
+
+def p_text(r: PairedResult, adjust: Adjust) -> str:
+    return f"p = {r.p_value:.2g}, Holm p = {adjust(r):.2g}"
+
+
+_ENTRIES: dict[str, list[Entry]] = {}
 
 
 def entries(root: Path) -> list[Entry]:
+    """The entries below `root`, read once (the same objects on both passes of main, so the memo of compare holds)."""
+    if str(root) not in _ENTRIES:
+        _ENTRIES[str(root)] = _read_entries(root)
+    return _ENTRIES[str(root)]
+
+
+def _read_entries(root: Path) -> list[Entry]:
     if not root.is_dir():
         return []
     try:
@@ -72,12 +116,13 @@ def verdict(wins: list[int]) -> str:
     return "does not hold"
 
 
-def paired_verdict(results: list[PairedResult | None]) -> str:
-    """results: winner - rival per (budget, rival); None where the two runs cannot be paired."""
+def paired_verdict(results: list[PairedResult | None], adjust: Adjust = _raw) -> str:
+    """results: winner - rival per (budget, rival); None where the two runs cannot be paired. Resolved on the
+    adjusted p (`adjust`)."""
     found = [r for r in results if r is not None]
     if not found:
         return "no paired runs found"
-    signs = [resolved(r) for r in found]
+    signs = [resolved(adjusted(r, adjust)) for r in found]
     if any(s < 0 for s in signs):
         return "reversed"
     if len(found) == len(results) and all(s > 0 for s in signs):
@@ -128,7 +173,17 @@ def grid_text(e: Entry) -> str:
 
 
 def pairwise(name: str, paper: str, what: str, winner: dict[Any, Entry], others: dict[str, dict[Any, Entry]],
-             extra: str = "", full: Entry | None = None) -> dict[str, str]:
+             extra: str = "", full: Entry | None = None, adjust: Adjust | None = None,
+             tests: list[dict[str, Any]] | None = None) -> dict[str, str]:
+    """One claim's row. `adjust`: the Holm-adjusted p of each result (default: Holm over this claim's own tests);
+    `tests`: where each paired test is appended (one claims_tests.csv row, p_holm and resolved filled by main)."""
+    if adjust is None:
+        own: list[dict[str, Any]] = []
+        pairwise(name, paper, what, winner, others, extra, full, _raw, own)
+        ps = holm([t["result"].p_value for t in own])
+        table = {id(t["result"]): q for t, q in zip(own, ps)}
+        adjust = lambda r: table[id(r)]  # noqa: E731
+    tests = [] if tests is None else tests
     budgets = sorted(b for b in winner if all(b in o for o in others.values()))
     if not budgets:
         return {"claim": name, "paper": paper, "setting": what, "numbers": "-", "holds?": "not run",
@@ -138,12 +193,14 @@ def pairwise(name: str, paper: str, what: str, winner: dict[Any, Entry], others:
         w = winner[b]
         line = [f"N={b}: {w.policy} {fmt(w.average)}"]
         for label, o in others.items():
-            r = compare_entries(w, o[b])  # the average score, over the samples both ran
+            r = compare(w, o[b])  # the average score, over the samples both ran
             results.append(r)
             text = f"{label} {fmt(o[b].average)}"
             if r is not None:
                 p = r[0]
-                text += f" (diff {p.diff:+.1f} [{p.ci_low:+.1f}, {p.ci_high:+.1f}], p = {p.p_value:.2g}, n = {p.n})"
+                tests.append({"claim": name, "score": w.average_key, "budget": b, "winner": w.policy, "rival": label,
+                              "result": p})
+                text += f" (diff {p.diff:+.1f} [{p.ci_low:+.1f}, {p.ci_high:+.1f}], {p_text(p, adjust)}, n = {p.n})"
             line.append(text)
         parts.append(", ".join(line))
     setting = f"{grid_text(winner[budgets[0]]) or what}; {setting_text(winner[budgets[0]])}"
@@ -153,9 +210,9 @@ def pairwise(name: str, paper: str, what: str, winner: dict[Any, Entry], others:
     if extra:
         numbers += f"; {extra}"
     return {"claim": name, "paper": paper, "setting": setting, "numbers": numbers or "-",
-            "holds?": paired_verdict([None if r is None else r[0] for r in results]),
+            "holds?": paired_verdict([None if r is None else r[0] for r in results], adjust),
             "smallest resolvable difference": resolvable(results),
-            "graded score": graded(winner, others, budgets)}
+            "graded score": graded(name, winner, others, budgets, adjust, tests)}
 
 
 def full_on_same(full: Entry, w: Entry) -> str:
@@ -174,20 +231,34 @@ def signed(x: float) -> str:
     return f"{x:+.2f}" if x == 0 or abs(x) >= 0.005 else f"{x:+.1e}"
 
 
-def graded(winner: dict[Any, Entry], others: dict[str, dict[Any, Entry]], budgets: list[Any]) -> str:
+def graded(name: str, winner: dict[Any, Entry], others: dict[str, dict[Any, Entry]], budgets: list[Any],
+           adjust: Adjust, tests: list[dict[str, Any]]) -> str:
     """The same claim on the graded score (mean log-probability of the gold answer, nats): the paired difference
     winner - rival per budget and its verdict. It moves where the 0/100 score sits at a floor or a ceiling."""
     parts, results = [], []
     for b in budgets:
         for label, o in others.items():
-            r = compare_entries(winner[b], o[b], score=LOGPROB)
+            r = compare(winner[b], o[b], score=LOGPROB)
             results.append(None if r is None else r[0])
             if r is not None:
                 p = r[0]
-                parts.append(f"N={b} vs {label}: {signed(p.diff)} [{signed(p.ci_low)}, {signed(p.ci_high)}]")
+                tests.append({"claim": name, "score": LOGPROB, "budget": b, "winner": winner[b].policy,
+                              "rival": label, "result": p})
+                parts.append(f"N={b} vs {label}: {signed(p.diff)} [{signed(p.ci_low)}, {signed(p.ci_high)}], "
+                             f"{p_text(p, adjust)}")
     if not any(r is not None for r in results):
         return "-"
-    return f"{paired_verdict(results)}: " + "; ".join(parts)
+    return f"{paired_verdict(results, adjust)}: " + "; ".join(parts)
+
+
+def per_token(label: str, e: Entry) -> str:
+    """Eviction time per processed token (prompt + decoded: block-wise eviction runs after every prompt block and
+    decoding step), so runs that decode different numbers of tokens compare; the totals beside it."""
+    st = e.stats
+    tokens = int(st.get("prompt_tokens", 0)) + int(st.get("new_tokens", 0))
+    per = 1000 * float(st.get("evict_s", 0)) / tokens if tokens else 0.0
+    return (f"{label} {per:.2f} ms per token ({st.get('evict_s', 0):.1f} s over {st.get('prompt_tokens')} prompt + "
+            f"{st.get('new_tokens')} decoded tokens)")
 
 
 def prompt_tokens(e: Entry) -> dict[str, int]:
@@ -236,17 +307,33 @@ def streaming_mid_context(grid: list[Entry]) -> dict[str, str]:
 
 
 def main(claim_runs: Path, niah_runs: Path, ruler_runs: Path, out: Path) -> list[dict[str, str]]:
+    """Build the rows twice: first to gather the family (every paired test a verdict reads), then with each
+    test's Holm-adjusted p."""
+    family: list[dict[str, Any]] = []
+    build(claim_runs, niah_runs, ruler_runs, _raw, family)
+    ps = holm([t["result"].p_value for t in family])
+    table = {id(t["result"]): q for t, q in zip(family, ps)}
+    tests: list[dict[str, Any]] = []
+    rows, model = build(claim_runs, niah_runs, ruler_runs, lambda r: table[id(r)], tests)
+    return write(rows, tests, table, model, out)
+
+
+def build(claim_runs: Path, niah_runs: Path, ruler_runs: Path, adjust: Adjust,
+          tests: list[dict[str, Any]]) -> tuple[list[dict[str, str]], Entry | None]:
+    def pw(*args: Any, **kw: Any) -> dict[str, str]:
+        return pairwise(*args, adjust=adjust, tests=tests, **kw)
+
     grid = entries(niah_runs)
     ruler = entries(ruler_runs)
     rows = []
     # KeyDiff: block-wise processing, equal budget, vs TOVA / SnapKV / H2O.
     kd = pick(grid, "keydiff", "niah")
-    rows.append(pairwise(
+    rows.append(pw(
         "KeyDiff beats TOVA, SnapKV and H2O at equal budget under block-wise prompt processing", "KeyDiff",
         "NIAH grid, average over all samples", kd,
         {p: pick(grid, p, "niah") for p in ("tova", "snapkv", "h2o")}, full=next(iter(pick(grid, "full").values()), None)))
     if ruler:
-        rows.append(pairwise(
+        rows.append(pw(
             "KeyDiff beats TOVA, SnapKV and H2O at equal budget under block-wise prompt processing (RULER)", "KeyDiff",
             "RULER 4K, average", pick(ruler, "keydiff"),
             {p: pick(ruler, p) for p in ("tova", "snapkv", "h2o")}, full=next(iter(pick(ruler, "full").values()), None)))
@@ -254,43 +341,56 @@ def main(claim_runs: Path, niah_runs: Path, ruler_runs: Path, out: Path) -> list
     grid_full = next(iter(pick(grid, "full", "niah").values()), None)
     # K-norm vs random.
     kr = entries(claim_runs / "knorm_random")
-    rows.append(pairwise(
+    rows.append(pw(
         "Keeping the keys with the lowest L2 norm preserves retrieval better than random eviction at equal "
         "compression", "K-norm", "NIAH 2000 tokens, layers 0-1 not compressed for either policy",
         pick(kr, "knorm"), {"random": pick(kr, "random")}, full=grid_full))
     # CriticalKV on SnapKV and AdaKV.
     cs = entries(claim_runs / "criticalkv_snapkv")
     ca = entries(claim_runs / "criticalkv_adakv")
-    rows.append(pairwise(
+    rows.append(pw(
         "CriticalKV's selection (attention x ||v W_O||) improves SnapKV at equal budget", "CriticalKV",
         "NIAH 2000 tokens, max pooling, window 32", pick(cs, "criticalkv"), {"snapkv": pick(cs, "snapkv")},
         full=grid_full))
-    rows.append(pairwise(
+    rows.append(pw(
         "CriticalKV's selection improves AdaKV (per-head budgets) at equal budget", "CriticalKV",
         "NIAH 2000 tokens, max pooling, window 32", pick(ca, "criticalkv"), {"adakv": pick(ca, "adakv")},
         full=grid_full))
     # SAGE-KV vs StreamingLLM.
     ss = entries(claim_runs / "sagekv_streamingllm")
-    rows.append(pairwise(
+    rows.append(pw(
         "SAGE-KV (one attention-guided top-k selection per head group after the prompt) beats StreamingLLM at "
         "equal budget", "SAGE-KV", "NIAH 2000 tokens", pick(ss, "sagekv"),
         {"streamingllm": pick(ss, "streamingllm")}, full=grid_full))
     # HashEvict vs H2O (+ its eviction cost).
     hh = entries(claim_runs / "hashevict_h2o")
     he, h2 = pick(hh, "hashevict"), pick(hh, "h2o")
-    cost = "; ".join(f"eviction time at N={b}: hashevict {he[b].stats.get('evict_s', 0):.1f} s, "
-                     f"h2o {h2[b].stats.get('evict_s', 0):.1f} s" for b in sorted(he) if b in h2)
-    rows.append(pairwise(
+    cost = "; ".join(f"eviction time at N={b}: {per_token('hashevict', he[b])}, {per_token('h2o', h2[b])} "
+                     f"(one run each, no test)" for b in sorted(he) if b in h2)
+    rows.append(pw(
         "HashEvict (SimHash of keys vs the query's code) beats H2O at equal budget", "HashEvict",
         "RULER 4K niah_multikey_1 (a Figure 5 task of the paper); first 4 + latest 10 tokens protected for both",
         he, {"h2o": h2}, extra=cost, full=next(iter(pick(hh, "full").values()), None)))
+    model = next((e for es in (grid, ruler, kr, cs) for e in es), None)
+    return rows, model
+
+
+def write(rows: list[dict[str, str]], tests: list[dict[str, Any]], table: dict[int, float], model: Entry | None,
+          out: Path) -> list[dict[str, str]]:
     out.mkdir(parents=True, exist_ok=True)
     head = HEAD
     with (out / "claims.csv").open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=head)
         w.writeheader()
         w.writerows(rows)
-    model = next((e for es in (grid, ruler, kr, cs) for e in es), None)
+    with (out / "claims_tests.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(TESTS_HEAD)
+        for t in tests:
+            r, q = t["result"], table[id(t["result"])]
+            w.writerow([t["claim"], t["score"], t["budget"], t["winner"], t["rival"], r.n, round(r.diff, 6),
+                        round(r.ci_low, 6), round(r.ci_high, 6), round(r.p_value, 6), round(q, 6),
+                        resolved(replace(r, p_value=q))])
     src = ((model.provenance or {}).get("model_source") or {}) if model else {}
     lines = [f"# The seed papers' claims on {MODEL_TITLES.get(model.model, model.model) if model else '?'}", "",
              f"Model: {model.model if model else '?'} ({src.get('package')} {src.get('package_version')}, "
@@ -298,16 +398,19 @@ def main(claim_runs: Path, niah_runs: Path, ruler_runs: Path, out: Path) -> list
              f"(NIAH: substring recall; RULER: string_match). N = budget in tokens per layer and KV head.", "",
              "Verdicts: paired comparisons at equal budget over the samples both runs hold (diff = claimed winner - "
              "rival, 95 % paired bootstrap interval, p from the exact McNemar test for 0/100 scores, else sign "
-             "flips); resolved = the interval excludes 0 and p < 0.05. holds = resolved for the claim at every "
-             "budget; reversed = resolved against it at some budget; otherwise not resolved. The graded score "
-             "column puts the same claim to the paired test on each sample's answer_logprob (mean log-probability "
-             "per token of the gold answer, nats; higher is better).", "",
+             "flips); resolved = the interval excludes 0 and the Holm-adjusted p < 0.05. holds = resolved for the "
+             "claim at every budget; reversed = resolved against it at some budget; otherwise not resolved. The "
+             "graded score column puts the same claim to the paired test on each sample's answer_logprob (mean "
+             "log-probability per token of the gold answer, nats; higher is better).", "",
+             f"Holm family: all {len(tests)} paired tests that enter a verdict of this table (every claim's "
+             "comparisons at every budget and against every rival, on the 0/100 score and on the graded score; "
+             "the threshold claim has none). Each shows its raw p and its Holm-adjusted p (Holm 1979); "
+             "claims_tests.csv lists them one per row.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r[h].replace("|", "/") for h in head) + " |" for r in rows]
     (out / "claims.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     return rows
-
 
 if __name__ == "__main__":
     if len(sys.argv) != 5:

@@ -3,7 +3,8 @@
 # metrics.json and predictions.jsonl): no model, nothing recomputed, and nothing read from a scratch directory, so
 # anyone with a checkout gets the committed files byte for byte (tests/test_results_tables.py checks the tables).
 #
-#   bash scripts/tables.sh                      every committed folder below
+#   bash scripts/tables.sh                      every committed folder below, then results/README.md's verdicts
+#                                               (scripts/verdicts.py)
 #   bash scripts/tables.sh NAME [OUT]           one kind of folder (default OUT: results/NAME); the result scripts
 #                                               call it on their own output after finish_run
 #
@@ -37,6 +38,8 @@ tables() {
 
 if [[ $# == 0 ]]; then
     for name in "${FOLDERS[@]}"; do tables "$name" "results/$name"; done
+    # results/README.md's verdict blocks, from the CSVs just written (tests/test_verdicts.py checks them).
+    python scripts/verdicts.py
 elif [[ " ${FOLDERS[*]} " == *" $1 "* ]]; then
     tables "$1" "${2:-results/$1}"
 else

@@ -174,7 +174,7 @@ def test_paired_csv_by_hand(runs: Path) -> None:
     rows = _csv(runs / "paired.csv")
     assert list(rows[0]) == PAIRED_HEAD == ["model", "task", "score", "policy_a", "settings_a", "policy_b",
                                             "settings_b", "n", "mean_a", "mean_b", "diff", "ci_low", "ci_high",
-                                            "p_value"]
+                                            "p_value", "n_required", "min_detectable_diff"]
     # Pairs among full, keydiff, h2o 0.5, h2o 0.3 (context 1000): 6, each with easy, hard, all, avg and
     # answer_logprob; the full cache is always b (diff = policy - full). The keydiff run at context 2000 holds the
     # same ids but other samples: in no pair.
@@ -193,10 +193,17 @@ def test_paired_csv_by_hand(runs: Path) -> None:
     assert (a["model"], a["task"], a["n"], a["mean_a"], a["mean_b"], a["diff"], a["p_value"]) == (
         "m", "qa", "8", "12.5", "87.5", "-75.0", "0.03125")
     assert float(a["ci_low"]) == -100.0 and -75 < float(a["ci_high"]) < 0  # 6 of 8 differences are -100, 2 are 0
+    # Resolved; at psi = 6/8 even delta = psi needs only (1.959964 * sqrt(.75) + 0.841621 * sqrt(.75 - .5625))^2
+    # / .5625 = 2.061813^2 / .5625 = 7.56 <= 8 samples, so n = 8 resolves a difference between 100 * 6/8 = 75
+    # points (the exact floor) and 75.
+    assert a["n_required"] == "resolved" and float(a["min_detectable_diff"]) == pytest.approx(75.0)
     # easy: 5 discordant, one way: p = 2 * 0.5^5 = 0.0625; all five differences are -100: the interval is [-100, -100].
     e = got["easy"]
     assert (e["n"], e["diff"], e["ci_low"], e["ci_high"], e["p_value"]) == ("5", "-100.0", "-100.0", "-100.0",
                                                                             "0.0625")
+    # Not resolved; psi = delta = 1: Connor 1.959964^2 = 3.8 -> 4, below the 6 discordant pairs the exact test
+    # needs: 6 samples. n = 5 holds 5 discordant pairs, fewer than 6: no difference it could resolve.
+    assert (e["n_required"], e["min_detectable_diff"]) == ("6", "none: too few discordant pairs for this n")
     # hard: differences [0, -100, 0], 1 discordant: p = min(1, 2 * 0.5) = 1. A resample's mean is 0 with
     # probability (2/3)^3 = 0.30 and -100 with (1/3)^3 = 0.037, both above 2.5 %: the interval is [-100, 0].
     h = got["hard"]
@@ -214,10 +221,13 @@ def test_paired_csv_by_hand(runs: Path) -> None:
     # of 7 equal terms: p = 2 / 2^7 = 0.015625.
     g = got["answer_logprob"]
     assert (g["n"], g["diff"], g["ci_low"], g["ci_high"], g["p_value"]) == ("7", "-0.5", "-0.5", "-0.5", "0.015625")
+    # Resolved; the differences have no spread (sd 0): the normal approximation resolves any difference at n = 7.
+    assert (g["n_required"], g["min_detectable_diff"]) == ("resolved", "0.0")
     # h2o 0.5 answered exactly as the full cache: no discordant pair, p = 1, diff 0.
     same = next(r for r in rows if r["score"] == "all" and r["settings_a"].endswith("recent_ratio=0.5")
                 and r["policy_b"] == "full")
     assert (same["diff"], same["p_value"], same["ci_low"], same["ci_high"]) == ("0.0", "1.0", "0.0", "0.0")
+    assert (same["n_required"], same["min_detectable_diff"]) == ("no difference observed", "no discordant pairs")
 
     md = (runs / "table.md").read_text()
     assert "## Paired comparisons" in md and "paired.csv" in md
@@ -225,7 +235,7 @@ def test_paired_csv_by_hand(runs: Path) -> None:
     # Against the full cache, summary scores (avg) and the graded score only: 3 pairs x 2 rows.
     assert len(shown) == 2 + 3 * 2
     assert ["qa", "avg", "keydiff", "N=256 B=128 blockwise", "full", "-", "8", "16.67", "83.33", "-66.67",
-            "[-100.00, -50.00]", "0.0312"] in shown
+            "[-100.00, -50.00]", "0.0312", "resolved"] == shown[[r[:2] for r in shown].index(["qa", "avg"])][:13]
 
 
 def test_paired_against_one_policy(runs: Path) -> None:
@@ -320,7 +330,11 @@ def test_claim_verdicts_come_from_the_paired_test(runs: Path) -> None:
     # test_paired_csv_by_hand): resolved for full; against keydiff's claim, reversed.
     row = claims.pairwise("full beats keydiff", "p", "w", {256: full}, {"keydiff": {256: kd}})
     assert row["holds?"] == "holds"
-    assert row["numbers"] == "N=256: full 83, keydiff 17 (diff +66.7 [+50.0, +100.0], p = 0.031, n = 8)"
+    # One claim alone is a family of two tests (avg and the graded score): Holm gives the smaller p x 2 = 0.031 x 2 =
+    # 0.0625 unless the graded p is the smaller; here the graded differences are all -0.5 over 7 samples (p = 2 / 2^7
+    # = 0.0156, x 2 = 0.031), so avg's 0.031 x 1 = 0.031 stays (running max with 0.031): resolved.
+    assert row["numbers"] == ("N=256: full 83, keydiff 17 (diff +66.7 [+50.0, +100.0], p = 0.031, Holm p = 0.031, "
+                              "n = 8)")
     # 0/100 scores, n = 8: 6 discordant pairs one way are the fewest McNemar can call: 100 * 6 / 8 = 75 points.
     assert row["smallest resolvable difference"] == "75 points (6 of n = 8 samples one way)"
     assert claims.pairwise("keydiff beats full", "p", "w", {256: kd}, {"full": {256: full}})["holds?"] == "reversed"

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from kvbench.metrics.stats import (MeanSE, Stratum, bootstrap_ci, mcnemar_exact, mcnemar_min_discordant, mean_of,
+from kvbench.metrics.stats import (MeanSE, PairedResult, Stratum, bootstrap_ci, holm, mcnemar_exact,
+                                   mcnemar_min_discordant, mcnemar_n, mean_of, min_detectable_diff, required_n,
                                    mean_se, paired_compare, resolved, sign_flip_p)
 
 
@@ -113,3 +114,61 @@ def test_paired_compare_picks_mcnemar_for_0_100_scores() -> None:
     assert paired_compare(st).test == "sign-flip"
     with pytest.raises(ValueError, match="no paired samples"):
         paired_compare(_one([], []))
+
+
+def test_holm_by_hand() -> None:
+    # p = 0.01, 0.04, 0.03, 0.005 (m = 4). Sorted: 0.005 * 4 = 0.02, 0.01 * 3 = 0.03, 0.03 * 2 = 0.06,
+    # 0.04 * 1 = 0.04 -> running maximum 0.02, 0.03, 0.06, 0.06; back in input order: 0.03, 0.06, 0.06, 0.02.
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    # Capped at 1: 0.5 * 2 = 1.0, 0.6 * 1 = 0.6 -> max(1.0, 0.6) = 1.0 for both.
+    assert holm([0.5, 0.6]) == [1.0, 1.0]
+    assert holm([]) == [] and holm([0.2]) == [0.2]
+
+
+def _r(n: int, diff: float, test: str, n10: int = 0, n01: int = 0, sd_d: float = 0.0) -> PairedResult:
+    return PairedResult(n, 0.0, 0.0, diff, 0.0, 0.0, 1.0, test, n10=n10, n01=n01, sd_d=sd_d)
+
+
+def test_required_n_mcnemar_by_hand() -> None:
+    # 5 of 15 discordant, all one way: p10 = 1/3, p01 = 0, psi = delta = 1/3. z_.975 = 1.959964, z_.8 = 0.841621:
+    # 1.959964 * sqrt(1/3) = 1.131586, 0.841621 * sqrt(1/3 - 1/9) = 0.396743, (1.528329)^2 = 2.335790, / (1/9)
+    # = 21.02 -> 22 samples.
+    r = _r(15, -33.3, "mcnemar", n10=0, n01=5)
+    assert mcnemar_n(0.0, 1 / 3) == pytest.approx(21.022, abs=1e-3)
+    assert required_n(r) == 22  # above the exact test's floor: 6 discordant pairs at psi = 1/3 -> 18 samples
+    # 5 of 5 discordant one way: Connor gives 1.959964^2 = 3.84 -> 4, but the exact test needs 6 discordant
+    # pairs (p = 0.031; 5 give 0.0625): 6 / psi = 6 samples.
+    assert required_n(_r(5, -100.0, "mcnemar", n01=5)) == 6
+    # Even all 5 one way at n = 15 is below the 21 needed: no difference n = 15 can resolve at that discordance.
+    assert min_detectable_diff(r) is None
+    # No discordant pairs, or as many each way: nothing observed, no finite n.
+    assert required_n(_r(15, 0.0, "mcnemar")) is None
+    assert required_n(_r(15, 0.0, "mcnemar", n10=2, n01=2)) is None
+    assert min_detectable_diff(_r(15, 0.0, "mcnemar")) is None
+
+
+def test_min_detectable_diff_mcnemar_by_hand() -> None:
+    # n = 20, 10 discordant (psi = 0.5). Connor's n at delta: (1.959964 sqrt(.5) + 0.841621 sqrt(.5 - d^2))^2 / d^2;
+    # d = 0.415: (1.385904 + 0.841621 * 0.572517)^2 / 0.172225 = 3.488460 / 0.172225 = 20.26 > 20;
+    # d = 0.42: (1.385904 + 0.841621 * 0.568859)^2 / 0.1764 = 3.476968 / 0.1764 = 19.71 < 20: 41.5 < mdd < 42 points.
+    r = _r(20, 10.0, "mcnemar", n10=6, n01=4)
+    d = min_detectable_diff(r)
+    assert d is not None and 41.5 < d < 42.0
+    assert mcnemar_n((0.5 + d / 100) / 2, (0.5 - d / 100) / 2) == pytest.approx(20.0, abs=1e-6)
+
+
+def test_required_n_graded_by_hand() -> None:
+    # Differences 0, 1, 2, 5: mean 2, sample variance (4 + 1 + 0 + 9) / 3 = 14/3, sd 2.160247;
+    # n = ((1.959964 + 0.841621) * 2.160247 / 2)^2 = 3.026123^2 = 9.158 -> 10 samples;
+    # minimum detectable difference at n = 4: 2.801585 * 2.160247 / 2 = 3.026.
+    r = paired_compare(_one([0, 1, 2, 5], [0, 0, 0, 0]))
+    assert r.test == "sign-flip" and r.sd_d == pytest.approx(math.sqrt(14 / 3))
+    assert required_n(r) == 10
+    # Differences 1, 1.1, 0.9: sd 0.1, mean 1: the approximation needs (2.801585 * 0.1)^2 = 0.08 -> the exact
+    # sign-flip floor, 6 samples (2 / 2^6 = 0.031 < 0.05; 2 / 2^5 = 0.0625 is not).
+    assert required_n(paired_compare(_one([1, 1.1, 0.9], [0, 0, 0]))) == 6
+    assert min_detectable_diff(r) == pytest.approx(3.0261, abs=1e-4)
+    assert required_n(paired_compare(_one([1.0, 2.0], [1.0, 2.0]))) is None  # zero difference
+    # 0/100 scores go to McNemar with their discordant counts: 3 right only in a, 1 only in b.
+    m = paired_compare(_one([100, 100, 100, 0, 0], [0, 0, 0, 100, 0]))
+    assert (m.test, m.n10, m.n01) == ("mcnemar", 3, 1)

@@ -6,7 +6,9 @@ Conventions (what lm-evaluation-harness and the usual paired analyses do):
 - a mean of other means ("mean_of": LongBench category averages) is stratified: each component keeps its own
   samples, the components weigh equally, se = sqrt(sum se_c^2) / k;
 - paired statistics work on per-sample differences, grouped in strata with weights that sum to 1 (one stratum of
-  weight 1 for a plain mean): the difference is sum_s w_s * mean(d_s).
+  weight 1 for a plain mean): the difference is sum_s w_s * mean(d_s);
+- a family of tests is corrected by Holm's step-down method (`holm`); the power of a paired comparison
+  (`required_n`, `min_detectable_diff`) is the usual normal approximation at alpha = 0.05 (two-sided), 80 % power.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ RESAMPLES = 10_000  # bootstrap resamples and random sign flips
 SEED = 0  # fixed, so a report is reproducible run to run
 EXACT_FLIPS_UP_TO = 16  # 2^16 = 65,536 sign patterns: cheap to enumerate exactly
 ALPHA = 0.05
+POWER = 0.80  # the power `required_n` and `min_detectable_diff` plan for
+NO_DIFFERENCE = "no difference observed"  # said in words where a sample size would be infinite
 _BATCH_CELLS = 2_000_000  # resamples x samples per scipy batch (bounds the memory of one step to ~16 MB)
 
 
@@ -51,6 +55,12 @@ class PairedResult:
     ci_high: float
     p_value: float
     test: str  # "mcnemar" or "sign-flip"
+    # What the power of the comparison needs (see `required_n`): for "mcnemar", the discordant pairs (a right and b
+    # wrong, a wrong and b right); for "sign-flip", sd_d = sqrt(n) * the standard error of the (weighted)
+    # difference, the per-sample standard deviation of the differences for one stratum.
+    n10: int = 0
+    n01: int = 0
+    sd_d: float = 0.0
 
 
 def mean_se(values: Sequence[float]) -> MeanSE:
@@ -168,10 +178,19 @@ def paired_compare(strata: Sequence[Stratum], resamples: int = RESAMPLES, seed: 
     lo, hi = bootstrap_ci(kept, resamples, seed)
     if len(kept) == 1 and is_binary(kept[0].a) and is_binary(kept[0].b):
         a, b = kept[0].a, kept[0].b
-        p, test = mcnemar_exact(int(np.sum((a == 100) & (b == 0))), int(np.sum((a == 0) & (b == 100)))), "mcnemar"
-    else:
-        p, test = sign_flip_p(kept, resamples, seed), "sign-flip"
-    return PairedResult(n, mean_a, mean_b, weighted_diff(kept), lo, hi, p, test)
+        n10, n01 = int(np.sum((a == 100) & (b == 0))), int(np.sum((a == 0) & (b == 100)))
+        return PairedResult(n, mean_a, mean_b, weighted_diff(kept), lo, hi, mcnemar_exact(n10, n01), "mcnemar",
+                            n10=n10, n01=n01)
+    return PairedResult(n, mean_a, mean_b, weighted_diff(kept), lo, hi, sign_flip_p(kept, resamples, seed),
+                        "sign-flip", sd_d=_sd_of_difference(kept))
+
+
+def _sd_of_difference(kept: list[Stratum]) -> float:
+    """sqrt(n) * se of sum_s w_s mean(d_s), se^2 = sum_s w_s^2 var(d_s) / n_s (sample variances, n - 1): for one
+    stratum the standard deviation of the differences. 0 where a stratum has a single sample (no variance)."""
+    n = sum(len(s.a) for s in kept)
+    var = sum(s.weight ** 2 * float(np.var(s.a - s.b, ddof=1)) / len(s.a) for s in kept if len(s.a) > 1)
+    return math.sqrt(n * var)
 
 
 def resolved(r: PairedResult, alpha: float = ALPHA) -> int:
@@ -181,3 +200,76 @@ def resolved(r: PairedResult, alpha: float = ALPHA) -> int:
     if r.p_value >= alpha:
         return 0
     return 1 if r.ci_low > 0 else -1 if r.ci_high < 0 else 0
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p values (Holm 1979, "A simple sequentially rejective multiple test procedure",
+    Scand. J. Statist. 6: 65-70), in the input order: sort p ascending, p_(i) * (m - i + 1) for rank i = 1..m, a
+    running maximum so the adjusted values keep the order of the raw ones, capped at 1. Rejecting where adjusted
+    p < alpha controls the family-wise error rate at alpha for any dependence between the tests."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    out = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * float(p_values[i])))
+        out[i] = running
+    return out
+
+
+def _z(alpha: float, power: float) -> tuple[float, float]:
+    return float(stats.norm.ppf(1 - alpha / 2)), float(stats.norm.ppf(power))
+
+
+def mcnemar_n(p10: float, p01: float, alpha: float = ALPHA, power: float = POWER) -> float:
+    """Connor (1987)'s sample size for McNemar's test: n = (z_{a/2} sqrt(psi) + z_b sqrt(psi - delta^2))^2 /
+    delta^2, psi = p10 + p01 (discordant share), delta = p10 - p01; inf when delta = 0."""
+    psi, delta = p10 + p01, p10 - p01
+    if delta == 0:
+        return math.inf
+    za, zb = _z(alpha, power)
+    return (za * math.sqrt(psi) + zb * math.sqrt(max(0.0, psi - delta * delta))) ** 2 / delta ** 2
+
+
+def required_n(r: PairedResult, alpha: float = ALPHA, power: float = POWER) -> int | None:
+    """The samples the observed difference would need to be resolved at `alpha` (two-sided) with `power`: McNemar
+    (Connor 1987) from the observed discordant shares for "mcnemar" comparisons, else the paired normal
+    approximation n = ((z_{a/2} + z_b) sd_d / mean_d)^2. None where no difference was observed (infinite).
+    Rounded up, and never below what the exact tests can resolve at all (the normal approximation ignores it at
+    small n): k = 6 samples for the sign flips (2 / 2^6 = 0.031), and for McNemar k / psi samples, so that k
+    discordant pairs are expected (k = `mcnemar_min_discordant`)."""
+    k = mcnemar_min_discordant(alpha)
+    if r.test == "mcnemar":
+        need = mcnemar_n(r.n10 / r.n, r.n01 / r.n, alpha, power)
+        if not math.isinf(need):
+            need = max(need, k * r.n / (r.n10 + r.n01))
+    else:
+        if r.diff == 0:
+            return None
+        za, zb = _z(alpha, power)
+        need = max(k, ((za + zb) * r.sd_d / r.diff) ** 2)
+    return None if math.isinf(need) else math.ceil(need - 1e-9)
+
+
+def min_detectable_diff(r: PairedResult, alpha: float = ALPHA, power: float = POWER) -> float | None:
+    """The smallest |difference| (score units; 0/100 scores in points) the comparison's n resolves at `alpha` with
+    `power`: for "sign-flip", (z_{a/2} + z_b) sd_d / sqrt(n); for "mcnemar", the delta that solves Connor's formula
+    for n at the observed discordant share psi (100 * delta points, by bisection: the required n falls as delta
+    grows), and never below 100 * k / n, k = 6 discordant pairs all one way being the fewest the exact test
+    resolves. None where it is undefined: no discordant pairs (psi = 0), fewer than k, or even every discordant
+    pair one way (delta = psi) is too few."""
+    za, zb = _z(alpha, power)
+    if r.test != "mcnemar":
+        return (za + zb) * r.sd_d / math.sqrt(r.n)
+    psi = (r.n10 + r.n01) / r.n
+    k = mcnemar_min_discordant(alpha)
+    if r.n10 + r.n01 < k or mcnemar_n(psi, 0.0, alpha, power) > r.n:
+        return None
+    lo, hi = 0.0, psi  # mcnemar_n falls as delta grows: bisect for mcnemar_n(delta) = n
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if mcnemar_n((psi + mid) / 2, (psi - mid) / 2, alpha, power) > r.n:
+            lo = mid
+        else:
+            hi = mid
+    return max(100 * hi, 100 * k / r.n)

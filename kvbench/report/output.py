@@ -118,9 +118,11 @@ def _paired_section(rep: Report, found: list[Pair] | None, policy: str | None) -
         v = dict(zip(PAIRED_HEAD, row_values(p)))
         body.append([v["task"], v["score"], v["policy_a"], v["settings_a"], v["policy_b"], v["settings_b"], v["n"],
                      f"{v['mean_a']:.2f}", f"{v['mean_b']:.2f}", f"{v['diff']:+.2f}",
-                     f"[{v['ci_low']:+.2f}, {v['ci_high']:+.2f}]", f"{v['p_value']:.3g}"])
+                     f"[{v['ci_low']:+.2f}, {v['ci_high']:+.2f}]", f"{v['p_value']:.3g}", v["n_required"],
+                     f"{v['min_detectable_diff']:.3g}" if isinstance(v["min_detectable_diff"], float)
+                     else v["min_detectable_diff"]])
     head = ["task", "score", "policy_a", "settings_a", "policy_b", "settings_b", "n", "mean_a", "mean_b", "diff",
-            "95 % CI", "p"]
+            "95 % CI", "p", "n needed", "min. diff"]
     return ["", "## Paired comparisons", "", sentence, "", _markdown(head, body)]
 
 

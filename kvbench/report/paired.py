@@ -1,7 +1,12 @@
 """Paired comparisons (paired.csv and the table.md section): every two entries of the same model and task that ran
 the same samples (identical task.* and model.* settings), per score over the samples both hold: the difference of
 means, its 95 % paired bootstrap interval and a p value (exact McNemar for 0/100 scores, else a sign-flip
-permutation test; "mean_of" scores stratified by component), plus the graded score `answer_logprob`.
+permutation test; "mean_of" scores stratified by component), plus the graded score `answer_logprob`; and what the
+comparison's power needs (alpha 0.05 two-sided, 80 % power): for an unresolved pair the samples the observed
+difference would need (`n_required`: McNemar sample size from the discordant shares, Connor 1987, for 0/100 scores;
+else the paired normal approximation), and for every pair the smallest difference its n resolves
+(`min_detectable_diff`, score units). A pair is resolved as `kvbench.metrics.stats.resolved` says, on its own p
+(paired.csv corrects for no family; the claims tables apply Holm across theirs).
 """
 
 from __future__ import annotations
@@ -11,14 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbench.metrics.stats import PairedResult, is_binary, paired_compare
+from kvbench.metrics.stats import (NO_DIFFERENCE, PairedResult, is_binary, min_detectable_diff, paired_compare,
+                                   required_n, resolved)
 from kvbench.report.collect import Entry, ReportError, pair_key
 from kvbench.report.samples import LOGPROB, compare, strata
 from kvbench.report.tables import Report, Row
 from kvbench.run.labels import NA, setting_name
 
 PAIRED_HEAD = ["model", "task", "score", "policy_a", "settings_a", "policy_b", "settings_b", "n", "mean_a", "mean_b",
-               "diff", "ci_low", "ci_high", "p_value"]
+               "diff", "ci_low", "ci_high", "p_value", "n_required", "min_detectable_diff"]
 
 
 @dataclass
@@ -102,10 +108,29 @@ def compare_entries(a: Entry, b: Entry, score: str | None = None) -> tuple[Paire
     return paired_compare(st), binary
 
 
+def n_required_text(r: PairedResult) -> str:
+    """"resolved", the samples an unresolved difference would need (alpha 0.05, 80 % power), or "no difference
+    observed" where that n is infinite."""
+    if resolved(r):
+        return "resolved"
+    need = required_n(r)
+    return NO_DIFFERENCE if need is None else str(need)
+
+
+def min_detectable(r: PairedResult) -> float | str:
+    """The smallest difference the pair's n resolves at 80 % power (score units), or why there is none in words."""
+    d = min_detectable_diff(r)
+    if d is not None:
+        return d
+    if r.n10 + r.n01 == 0:
+        return "no discordant pairs"
+    return "none: too few discordant pairs for this n"
+
+
 def row_values(p: Pair) -> list[Any]:
     r = p.result
     return [p.a.model, p.task, p.score, p.a.policy, settings_text(p.row_a), p.b.policy, settings_text(p.row_b),
-            r.n, r.mean_a, r.mean_b, r.diff, r.ci_low, r.ci_high, r.p_value]
+            r.n, r.mean_a, r.mean_b, r.diff, r.ci_low, r.ci_high, r.p_value, n_required_text(r), min_detectable(r)]
 
 
 def write_paired_csv(found: list[Pair], path: Path) -> None:
@@ -130,6 +155,9 @@ def markdown_pairs(rep: Report, found: list[Pair], policy: str | None) -> tuple[
     what = f"pairs against `{anchor}`" if anchor else "all pairs"
     return shown, (f"diff = mean_a - mean_b over the samples both runs hold (n), with its 95 % paired bootstrap "
                    f"interval; p: exact McNemar test for 0/100 scores, else a paired sign-flip permutation test "
-                   f"(stratified by component for means of scores). Shown: {what}"
+                   f"(stratified by component for means of scores). n needed: for an unresolved pair, the samples the observed "
+                   f"difference would need to be resolved at alpha 0.05 with 80 % power (McNemar sample size from the "
+                   f"discordant shares for 0/100 scores, else the paired normal approximation); min. diff: the smallest "
+                   f"difference this n resolves at 80 % power. Shown: {what}"
                    f"{', summary scores' if tasks_with_summary else ''} ({len(shown)} of {len(found)} rows); "
                    f"every pair and score: paired.csv.")

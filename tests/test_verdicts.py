@@ -1,0 +1,94 @@
+"""results/README.md states no hand-typed verdict: every block between `<!-- verdicts:NAME:begin/end -->` is what
+scripts/verdicts.py writes from the committed CSVs, and every row's verdict, numbers and Holm p are its test's.
+A planted wrong row in a hand-made table is caught."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def v() -> Any:
+    # Registered in sys.modules before it runs: its dataclass resolves its annotations through its module.
+    spec = importlib.util.spec_from_file_location("verdicts", ROOT / "scripts" / "verdicts.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["verdicts"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_blocks_are_generated_and_agree_with_their_tests(v: Any) -> None:
+    assert v.check_readme(ROOT / "results" / "README.md") == []
+
+
+def test_an_edited_block_differs_from_the_generated_one(v: Any, tmp_path: Path) -> None:
+    text = (ROOT / "results" / "README.md").read_text(encoding="utf-8")
+    # Drop one generated row (a hand edit that leaves every other row true): (a) catches it.
+    row = next(ln for ln in text.splitlines() if ln.startswith("| keydiff | tova | 1024 | answer_logprob"))
+    (tmp_path / "README.md").write_text(text.replace(row + "\n", "", 1), encoding="utf-8")
+    errors = v.check_readme(tmp_path / "README.md")
+    assert errors == ["niah_grid:keydiff: differs from what scripts/verdicts.py writes from the committed CSVs"]
+
+
+HEAD = ["model", "task", "score", "policy_a", "settings_a", "policy_b", "settings_b", "n", "mean_a", "mean_b", "diff",
+        "ci_low", "ci_high", "p_value", "n_required", "min_detectable_diff"]
+
+
+def test_a_planted_wrong_row_is_caught(v: Any, tmp_path: Path) -> None:
+    path = tmp_path / "paired.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(HEAD)
+        w.writerow(["m", "niah", "avg", "tova", "N=512 B=128", "full", "-", 15, 20, 60, -40, -66.7, -13.3, 0.01,
+                    "resolved", 40.0])
+        w.writerow(["m", "niah", "avg", "snapkv", "N=512 B=128", "full", "-", 15, 50, 60, -10, -30, 10, 0.5, "116",
+                    40.0])
+    tests = v.paired_tests(path, v.vs_full(("avg",)))
+    # Holm over the two rows: sorted 0.01 * 2 = 0.02, 0.5 * 1 = 0.5 (running max 0.5): q = 0.02 and 0.5.
+    assert [(t.a, t.q) for t in tests] == [("tova", 0.02), ("snapkv", 0.5)]
+    body = "\n".join(v.table(v.TEST_HEAD, [v.test_row(t) for t in tests])) + "\n"
+    assert "| tova | full | 512 | avg | 15 | -40.00 [-66.70, -13.30] | 0.01 | 0.02 | **resolved: full higher** | - |" \
+        in body
+    assert "| snapkv | full | 512 | avg | 15 | -10.00 [-30.00, +10.00] | 0.5 | 0.5 | **not resolved** | 116 |" in body
+    assert v.check("t", body, tests=tests) == []
+    # A verdict the test does not give: snapkv's interval holds 0 and its Holm p is 0.5.
+    planted = body.replace("| 0.5 | 0.5 | **not resolved** | 116 |", "| 0.5 | 0.5 | **resolved: full higher** | 116 |")
+    assert len(v.check("t", planted, tests=tests)) == 1
+    # The raw p stated as the Holm p (0.01 for 0.02), and a number that is not the row's.
+    assert len(v.check("t", body.replace("| 0.01 | 0.02 |", "| 0.01 | 0.01 |"), tests=tests)) == 1
+    assert len(v.check("t", body.replace("-40.00 [", "-45.00 ["), tests=tests)) == 1
+    # The same row with its sides swapped is the same test (diff and interval negated): no error.
+    swapped = body.replace("| tova | full | 512 | avg | 15 | -40.00 [-66.70, -13.30] | 0.01 | 0.02 | "
+                           "**resolved: full higher** |",
+                           "| full | tova | 512 | avg | 15 | +40.00 [+13.30, +66.70] | 0.01 | 0.02 | "
+                           "**resolved: full higher** |")
+    assert v.check("t", swapped, tests=tests) == []
+    # A row naming no test of the source.
+    assert len(v.check("t", body.replace("| snapkv | full |", "| adakv | full |"), tests=tests)) == 1
+
+
+def test_a_planted_claim_verdict_is_caught(v: Any) -> None:
+    # Claim 1, two tests on the 0/100 score: one resolved for the claim (Holm p 0.01, interval above 0), one not
+    # (p 0.3): "not resolved (n = 15)", not "holds".
+    tests = [v.Test("keydiff", "tova", "512", "avg", 15, 40.0, 13.3, 66.7, 0.005, 0.01, claim="1"),
+             v.Test("keydiff", "h2o", "512", "avg", 15, 10.0, -5.0, 25.0, 0.3, 0.3, claim="1")]
+    claims = [("1", "KeyDiff beats TOVA and H2O", "holds", "not run")]  # claims.csv says holds: the tests win
+    rows = [["1", "KeyDiff beats TOVA and H2O", "not resolved (n = 15)", "not run"]]
+    body = "\n".join([*v.table(v.CLAIM_HEAD, rows), "", *v.table(v.CLAIM_TEST_HEAD, [v.test_row(t) for t in tests])])
+    assert v.check("c", body, tests=tests, claims=claims) == []
+    wrong = body.replace("| not resolved (n = 15) | not run |", "| holds | not run |")
+    assert v.check("c", wrong, tests=tests, claims=claims) == [
+        "c: claim 1: stated ['holds', 'not run'], its tests give ['not resolved (n = 15)', 'not run']"]
+    # The claim verdict rule: every test resolved for the claim -> holds; one resolved against -> reversed.
+    assert v.claim_verdict(tests[:1], "x") == "holds"
+    against = v.Test("keydiff", "h2o", "512", "avg", 15, -30.0, -50.0, -10.0, 0.001, 0.002, claim="1")
+    assert v.claim_verdict([tests[0], against], "x") == "reversed"
