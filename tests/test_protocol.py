@@ -162,7 +162,11 @@ def test_run_directories_metrics_and_report_rows_carry_the_protocol(tmp_path: Pa
     metrics = json.loads((once / "metrics.json").read_text())
     assert (metrics["protocol"], metrics["block"], metrics["model"]) == ("prefill_once", None, "Tiny-Chat-7")
     assert "block: null" in (once / "config.yaml").read_text()
-    assert metrics["provenance"]["generation"] == {"decoding": "greedy", "processors": []}
+    assert metrics["provenance"]["generation"] == {
+        "decoding": "greedy", "processors": [],
+        "config_source": "none: the model has no generation settings of its own (transformers' defaults from the "
+                         "model config)"}
+    assert metrics["provenance"]["dirty"] in (True, False, None)  # None only outside a git checkout
     report(runs, plots=False, quiet=True)
     rows = [line.split(",") for line in (runs / "table.csv").read_text().splitlines()]
     assert rows[0][:5] == ["model", "policy", "budget", "block", "protocol"]
