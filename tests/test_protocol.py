@@ -162,7 +162,11 @@ def test_run_directories_metrics_and_report_rows_carry_the_protocol(tmp_path: Pa
     metrics = json.loads((once / "metrics.json").read_text())
     assert (metrics["protocol"], metrics["block"], metrics["model"]) == ("prefill_once", None, "Tiny-Chat-7")
     assert "block: null" in (once / "config.yaml").read_text()
-    assert metrics["provenance"]["generation"] == {"decoding": "greedy", "processors": []}
+    assert metrics["provenance"]["generation"] == {
+        "decoding": "greedy", "processors": [],
+        "config_source": "none: the model has no generation settings of its own (transformers' defaults from the "
+                         "model config)"}
+    assert metrics["provenance"]["dirty"] in (True, False, None)  # None only outside a git checkout
     report(runs, plots=False, quiet=True)
     rows = [line.split(",") for line in (runs / "table.csv").read_text().splitlines()]
     assert rows[0][:5] == ["model", "policy", "budget", "block", "protocol"]
@@ -207,6 +211,21 @@ def test_generation_provenance_names_the_processors() -> None:
     model.generation_config.update(repetition_penalty=1.05, do_sample=True, temperature=0.7)
     assert generation_provenance(model) == {
         "decoding": "greedy", "processors": [{"name": "RepetitionPenaltyLogitsProcessor", "penalty": 1.05}]}
+
+
+def test_generation_config_source_says_where_the_settings_came_from(tmp_path: Path) -> None:
+    from kvbench.engine.generate import generation_provenance
+    from kvbench.models.loading import GGUF_GENERATION, generation_config_source
+
+    model, _ = build_tiny_model("tiny-llama")
+    # A GGUF has no generation_config whatever the model object holds: the Qwen runs' empty list is this case.
+    assert generation_config_source(model, gguf=True) == GGUF_GENERATION
+    assert generation_provenance(model, GGUF_GENERATION) == {
+        "decoding": "greedy", "processors": [], "config_source": GGUF_GENERATION}
+    model.generation_config._from_model_config = True  # derived from config.json (what save_pretrained writes)
+    assert generation_config_source(model, gguf=False).startswith("none: ")
+    model.generation_config._from_model_config = False  # a generation_config.json of the model's own
+    assert generation_config_source(model, gguf=False) == "file: the model's generation_config.json"
 
 
 def test_report_never_mixes_protocols_unlabelled(tmp_path: Path) -> None:

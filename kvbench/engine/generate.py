@@ -101,11 +101,16 @@ def describe_processors(processors: Iterable[Any]) -> list[dict[str, Any]]:
             for p in processors]
 
 
-def generation_provenance(model: Any) -> dict[str, Any]:
+def generation_provenance(model: Any, config_source: str | None = None) -> dict[str, Any]:
     """metrics.json's record of how tokens are picked: greedy, with the generation_config's processors (each
-    sample adds min_new_tokens and its stop tokens as eos, as a generate call with those arguments would)."""
+    sample adds min_new_tokens and its stop tokens as eos, as a generate call with those arguments would), and
+    `config_source`, where that generation_config came from (kvbench.models.loading.generation_config_source), so
+    an empty processor list reads as "the model's files ask for none", not as a setting someone dropped."""
     prompt = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # (1, 1): the processors' settings only
-    return {"decoding": "greedy", "processors": describe_processors(greedy_processors(model, prompt))}
+    out: dict[str, Any] = {"decoding": "greedy", "processors": describe_processors(greedy_processors(model, prompt))}
+    if config_source is not None:
+        out["config_source"] = config_source
+    return out
 
 
 def sync(device: torch.device) -> None:

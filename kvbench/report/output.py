@@ -24,6 +24,14 @@ def _markdown(head: list[str], body: list[list[Any]]) -> str:
                     disable_numparse=True)
 
 
+def _tree_note(dirty: Any) -> str:
+    """How the commit's working tree was: runs written before kvbench recorded it have no `dirty` (unknown: no note,
+    so their tables read as before)."""
+    if dirty is True:
+        return " + uncommitted changes"
+    return " (clean tree)" if dirty is False else ""
+
+
 def _provenance_lines(rep: Report) -> list[str]:
     code = Counter()
     libs = Counter()
@@ -31,7 +39,7 @@ def _provenance_lines(rep: Report) -> list[str]:
     tasks: dict[str, set[str]] = {}
     for e in rep.entries:
         p = e.provenance
-        code[f"kvbench {p.get('kvbench')} @ {str(p.get('commit'))[:12]}"] += 1
+        code[f"kvbench {p.get('kvbench')} @ {str(p.get('commit'))[:12]}{_tree_note(p.get('dirty'))}"] += 1
         libs[f"transformers {p.get('transformers')}, torch {p.get('torch')}, python {p.get('python')}"] += 1
         models.setdefault(e.model, set()).add(f"{p.get('model_path')} (revision {p.get('model_revision')}, "
                                               f"{p.get('dtype')}, {p.get('device')})")

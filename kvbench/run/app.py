@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from kvbench.models.common import portable_path
 from kvbench.models.loading import LoadedModel, load_model
 from kvbench.options import LM_TOKENS_AFTER_EVICTION
 from kvbench.policies.base import Policy
+from kvbench.run import gitstate
 from kvbench.run.config import load_group
 from kvbench.run.labels import describe_run
 from kvbench.run.loop import batching_note, check_lm_settings, run_task
@@ -35,23 +35,19 @@ from kvbench.tasks.base import Task, TaskEnv
 
 
 def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return gitstate.commit()
 
 
 def provenance(loaded: LoadedModel, task: Task) -> dict[str, Any]:
     import torch
     import transformers
 
-    return {"kvbench": __version__, "commit": _git_commit(), "transformers": transformers.__version__,
-            "torch": torch.__version__, "python": platform.python_version(), "model_path": portable_path(loaded.path),
+    # `dirty`: whether kvbench's checkout had uncommitted changes (None: not a git checkout, e.g. a wheel).
+    return {"kvbench": __version__, "commit": _git_commit(), "dirty": gitstate.dirty(),
+            "transformers": transformers.__version__, "torch": torch.__version__, "python": platform.python_version(), "model_path": portable_path(loaded.path),
             "model_revision": loaded.revision, "model_source": loaded.source, "device": str(loaded.model.device),
             "dtype": str(loaded.model.dtype).replace("torch.", ""), "task": task.provenance(),
-            "generation": generation_provenance(loaded.model)}
+            "generation": generation_provenance(loaded.model, loaded.generation_config_source)}
 
 
 def task_average(task: Task, scores: dict[str, float]) -> float | None:

@@ -20,6 +20,7 @@ the same shape: CITIES x ACTIVITIES below); aggregate scores hold one entry per 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -38,6 +39,10 @@ DEFAULT_TEMPLATE = ("You are a helpful AI bot that answers questions for a user.
                     "{question} Don't give information outside the document or repeat your findings")
 DEFAULT_ANSWER_PREFIX = "Here is the most relevant sentence in the context:"
 SCORERS = ("substring", "rouge1x10")
+# Where each sample's haystack comes from: `shared`, every sample cut from the start of the same haystack (the official
+# tester's construction: samples of a run differ only in needle, length and depth); `per_sample`, each sample cut
+# from its own window of the essays, so samples share no haystack text (docs/niah.md, "Independent samples").
+WINDOWS = ("shared", "per_sample")
 
 # More needles of the classic needle's shape, for cells of several samples (`samples_per_cell`): sample 0 of a cell
 # is the configured needle, sample j >= 1 pairs a city with an activity drawn (seeded by `needle_seed`) from these
@@ -88,6 +93,54 @@ def build_context(tokenizer: Any, haystack_ids: Sequence[int], needle: str, cont
     return tokenizer.decode(insert_needle_tokens(tc, tn, depth, enc(".")))
 
 
+@dataclass(frozen=True)
+class WindowPlan:
+    """windows=per_sample: sample k's haystack is tokens [starts[k], starts[k] + its length) of the haystack repeated
+    (one pass = `period` tokens). Slots are windows of `width` tokens (the longest context length); slots
+    0..disjoint-1 lie inside one pass and never overlap, so samples on distinct such slots share no text."""
+
+    period: int
+    width: int
+    disjoint: int
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+
+    @property
+    def shared_samples(self) -> int:
+        """Samples whose window overlaps another's (the haystack is too short for one window each)."""
+        return sum(s >= self.disjoint for s in self.slots)
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": "per_sample", "window_tokens": self.width, "haystack_tokens": self.period,
+                "disjoint_windows": self.disjoint, "samples": len(self.slots), "wrapped_samples": self.shared_samples}
+
+    def note(self) -> str:
+        n = len(self.slots)
+        text = (f"per_sample, {n} samples in {min(n, self.disjoint)} disjoint windows of {self.width} tokens "
+                f"({self.period} haystack tokens hold {self.disjoint})")
+        if self.shared_samples:
+            text += f"; {self.shared_samples} samples wrap and overlap other samples' windows"
+        return text
+
+
+def plan_windows(period: int, width: int, count: int, seed: int) -> WindowPlan:
+    """The windows of `count` samples over a haystack of `period` tokens per pass, `width` tokens each.
+
+    The pass holds disjoint = period // width non-overlapping slots (slot s = tokens [s * width, (s + 1) * width)).
+    Samples take distinct slots drawn without replacement by a seeded draw (so a cell's samples are spread over the
+    essays, and depth is not tied to a part of them); samples beyond `disjoint` take slots disjoint, disjoint + 1, ...
+    whose starts wrap (start = slot * width mod period): they overlap earlier windows, which `describe` reports.
+    Deterministic in (period, width, count, seed)."""
+    import random
+
+    if period < 1 or width < 1:
+        raise TaskError(f"niah: windows=per_sample needs a non-empty haystack (got {period} tokens per pass)")
+    disjoint = period // width
+    rng = random.Random(f"kvbench-niah-windows-{seed}")
+    slots = rng.sample(range(disjoint), min(count, disjoint)) + list(range(disjoint, count))
+    return WindowPlan(period, width, disjoint, tuple(slots), tuple(s * width % period for s in slots))
+
+
 def cell_key(length: int, depth: float) -> str:
     return f"L{int(length)}_D{depth:g}"
 
@@ -108,7 +161,7 @@ class NIAH(Task):
                  haystack_dir: str | None = None, scorer: str = "substring", buffer: int = 200,
                  prompt_template: str = DEFAULT_TEMPLATE, answer_prefix: str = DEFAULT_ANSWER_PREFIX,
                  max_new_tokens: int = 64, filler_seed: int = 0, samples_per_cell: int = 1, needle_seed: int = 0,
-                 heatmap: bool = True) -> None:
+                 heatmap: bool = True, windows: str = "shared") -> None:
         if scorer not in SCORERS:
             raise TaskError(f"unknown niah scorer '{scorer}'; choose one of: {', '.join(SCORERS)}")
         if haystack not in HAYSTACKS:
@@ -122,9 +175,16 @@ class NIAH(Task):
             raise TaskError("niah: prompt_template must contain {context} (and usually {question})")
         if scorer == "substring" and not answer.strip():
             raise TaskError("niah: scorer=substring needs a non-empty task.answer (the span to find)")
-        if not isinstance(samples_per_cell, int) or not 1 <= samples_per_cell <= len(ACTIVITIES) + 1:
-            raise TaskError(f"niah: samples_per_cell must be an integer from 1 to {len(ACTIVITIES) + 1}, "
-                            f"got {samples_per_cell!r}")
+        if windows not in WINDOWS:
+            raise TaskError(f"niah: unknown windows '{windows}'; choose one of: {', '.join(WINDOWS)}")
+        if windows == "per_sample":
+            # Needles cycle past the 13 distinct ones: each repeat sits in its own haystack window, so it is another
+            # sample, not a copy.
+            if not isinstance(samples_per_cell, int) or isinstance(samples_per_cell, bool) or samples_per_cell < 1:
+                raise TaskError(f"niah: samples_per_cell must be a positive integer, got {samples_per_cell!r}")
+        elif not isinstance(samples_per_cell, int) or not 1 <= samples_per_cell <= len(ACTIVITIES) + 1:
+            raise TaskError(f"niah: samples_per_cell must be an integer from 1 to {len(ACTIVITIES) + 1} (more with "
+                            f"windows=per_sample), got {samples_per_cell!r}")
         self.context_lengths = [int(x) for x in context_lengths]
         self.depths = [float(d) for d in depths]
         self.needle, self.question, self.answer = needle, question, answer
@@ -133,7 +193,9 @@ class NIAH(Task):
         self.prompt_template, self.answer_prefix = prompt_template, answer_prefix
         self.max_new_tokens, self.filler_seed, self.heatmap = int(max_new_tokens), int(filler_seed), heatmap
         self.samples_per_cell, self.needle_seed = samples_per_cell, int(needle_seed)
+        self.windows = windows
         self._haystack: Haystack | None = None
+        self._plan: WindowPlan | None = None  # per_sample: the windows of the last samples() call
 
     # -- inputs ---------------------------------------------------------------------------------------------------
     def source(self) -> Haystack:
@@ -166,14 +228,15 @@ class NIAH(Task):
         """(needle, question, answer) of each sample of a cell: the configured one first, then generated ones."""
         import random
 
+        distinct = min(self.samples_per_cell, len(ACTIVITIES) + 1)  # more (windows=per_sample) cycle through these
         rng = random.Random(f"kvbench-niah-needles-{self.needle_seed}")
-        cities = rng.sample(CITIES, self.samples_per_cell - 1)
-        activities = rng.sample(ACTIVITIES, self.samples_per_cell - 1)
+        cities = rng.sample(CITIES, distinct - 1)
+        activities = rng.sample(ACTIVITIES, distinct - 1)
         out = [(self.needle, self.question, self.answer)]
         for city, act in zip(cities, activities):
             out.append((f"\nThe best thing to do in {city} is {act}.\n", f"What is the best thing to do in {city}?",
                         act))
-        return out
+        return [out[j % distinct] for j in range(self.samples_per_cell)]
 
     def build_prompt(self, tokenizer: Any, context: str, chat: bool, question: str | None = None) -> tuple[str, int]:
         """(prompt text, index of the character just after the context)."""
@@ -188,16 +251,46 @@ class NIAH(Task):
             text = head + context + tail + ("\n\n" + self.answer_prefix if self.answer_prefix else "")
         return text, len(head) + len(context)
 
+    def window_plan(self, tokenizer: Any) -> WindowPlan:
+        """windows=per_sample: where each sample's haystack starts (kvbench.tasks.niah.plan_windows), over one pass of
+        the haystack text in this tokenizer's tokens."""
+        count = len(self.context_lengths) * len(self.depths) * self.samples_per_cell
+        period = len(tokenizer.encode(self._pass_text(tokenizer, count), add_special_tokens=False))
+        return plan_windows(period, max(self.context_lengths), count, self.needle_seed)
+
+    def _pass_text(self, tokenizer: Any, count: int) -> str:
+        """One pass of the haystack: the essays' (or haystack_dir's) text; the filler, which has no end, long enough
+        for a window per sample."""
+        if self.haystack_dir or self.haystack == "essays":
+            return self.source().text
+        return tokenizer.decode(self.haystack_ids(tokenizer, count * max(self.context_lengths)))
+
     def samples(self, env: TaskEnv) -> Iterator[Sample]:
         tok = env.tokenizer
-        hay = self.haystack_ids(tok, max(self.context_lengths))
+        plan = None
+        if self.windows == "per_sample":
+            plan = self._plan = self.window_plan(tok)
+            # Long enough that every window [start, start + width) lies inside (starts are < one pass).
+            hay = self.haystack_ids(tok, plan.period + plan.width)
+        else:
+            hay = self.haystack_ids(tok, max(self.context_lengths))
         chat = bool(env.chat_template) and bool(getattr(tok, "chat_template", None))
         label = self.source().label
+        k = 0  # the sample's index in the run (lengths, then depths, then needles): its window
         for length in self.context_lengths:
             for depth in self.depths:
                 for j, (needle, question, answer) in enumerate(self.needles()):
                     answers = [answer] if self.scorer == "substring" else [needle.strip()]
-                    context = build_context(tok, hay, needle, length, depth, self.buffer)
+                    meta_window: dict[str, Any] = {}
+                    if plan is None:
+                        window = hay
+                    else:
+                        start = plan.starts[k]
+                        window = hay[start:start + length]
+                        meta_window = {"window": {"start": start, "slot": plan.slots[k],
+                                                  "wrapped": plan.slots[k] >= plan.disjoint}}
+                    k += 1
+                    context = build_context(tok, window, needle, length, depth, self.buffer)
                     text, ctx_end = self.build_prompt(tok, context, chat, question)
                     ids = encode_prompt(tok, text, chat)
                     # Sample 0 keeps the cell key as its id (runs with one sample per cell stay comparable).
@@ -206,10 +299,14 @@ class NIAH(Task):
                         max_new_tokens=self.max_new_tokens,
                         context_tokens=prefix_token_count(tok, text, chat, ctx_end, ids), prompt=text,
                         meta={"context_length": length, "depth": depth, "scorer": self.scorer, "haystack": label,
-                              "needle": j, "graded_answer": answer})
+                              "needle": j % (len(ACTIVITIES) + 1), "graded_answer": answer, **meta_window})
 
     def provenance(self) -> dict[str, Any]:
-        return {"haystack": self.source().provenance, "samples_per_cell": self.samples_per_cell, "needle_seed": self.needle_seed}
+        out = {"haystack": self.source().provenance, "samples_per_cell": self.samples_per_cell,
+               "needle_seed": self.needle_seed}
+        if self.windows != "shared":  # (a shared run's provenance stays as runs before the option wrote it)
+            out["windows"] = self._plan.describe() if self._plan is not None else {"mode": self.windows}
+        return out
 
     # -- scoring --------------------------------------------------------------------------------------------------
     def score(self, sample: Sample, prediction: str) -> float:
@@ -272,6 +369,8 @@ class NIAH(Task):
         scale = "recall, 0/100" if self.scorer == "substring" else "ROUGE-1 F x 100, no stemmer"
         notes = [f"niah scorer: {self.scorer} ({scale})", f"niah haystack: {self.source().label}",
                  f"niah samples per cell: {self.samples_per_cell}"]
+        if self._plan is not None:
+            notes.append(f"niah windows: {self._plan.note()}")
         if not self.heatmap or not records:
             return {"notes": notes}
         path = plot_heatmap(self._cells(records), Path(run_dir) / "niah_heatmap.png",
