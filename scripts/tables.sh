@@ -26,7 +26,14 @@ tables() {
     $REPORT "$out/runs" --out "$out" -q
     case $name in
         niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
-        ruler_4k|pilot_evidence) ;;
+        ruler_4k) ;;
+        pilot_evidence)
+            # The final runs' n from the pilot's paired differences (Holm's strictest level over each plan's m)
+            python scripts/power_plan.py "$out/runs/lm" --out "$out/plan_lm.md" --score answer_logprob --cap 383 \
+                --compare knorm:random knorm:full streamingllm:full keydiff:tova keydiff:snapkv keydiff:h2o \
+                --budgets 256,512 > /dev/null
+            python scripts/power_plan.py "$out/runs/code" --out "$out/plan_code.md" --score answer_logprob --cap 205 \
+                --compare keydiff:tova keydiff:snapkv keydiff:full streamingllm:full --budgets 512 > /dev/null ;;
         claims) python scripts/claims_table.py "$out/runs" "$NIAH_RUNS" "$RULER_RUNS" "$out" ;;
         qwen2.5-coder-1.5b)
             python scripts/claims_table.py "$out/runs" "$out/runs/niah" - "$out"
