@@ -165,3 +165,24 @@ def test_jobs_of_different_prompts_do_not_share(model32) -> None:
                        observer=Observer(trace=True)) for n, j in zip((40, 64), fresh)]
     for a, s in zip(_separate(model32, [fresh[0], fresh_other[0], fresh[1], fresh_other[1]]), shared):
         _same(a, s)
+
+
+def test_bench_sweep_measures_both_ways(tmp_path) -> None:
+    """kvbench-bench --sweep on a scaled-down prefill_once design: one row, both ways timed, every prediction equal."""
+    import json
+
+    from kvbench.bench import cli as bench
+    from kvbench.bench.sweep import sweep_goal_lines
+
+    out = tmp_path / "sweep.json"
+    rc = bench.main(["--arch", "tiny-llama", "--sweep", "prefill_once", "--policies", "keydiff,tova,random",
+                     "--budgets", "40,64", "--lengths", "101", "--new-tokens", "4", "--samples", "2", "--threads", "1",
+                     "--clock", "cpu", "--out", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert (row["design"], row["configurations"], row["samples"], row["pairs"]) == ("prefill_once", 6, 2, 12)
+    assert row["identical"] == 12 and row["first_difference"] is None
+    assert row["shared_s"] > 0 and row["separate_s"] > 0 and row["shared_forward_s"] > 0
+    assert data["goals"] == sweep_goal_lines(data["rows"])
+    assert "identical predictions" in (tmp_path / "sweep.md").read_text()
