@@ -6,6 +6,8 @@ evicts after every step. The protocol (PROTOCOLS) can instead feed the prompt in
 cache to grow while decoding. The loop never looks at a policy's class: it only reads its declared needs.
 `generate_batch` runs several samples through the same steps together (each with its own cache and policy: the
 model's projections see the batch, attention and eviction stay per sample); `generate` is its one-sample case.
+`generate_shared` runs a sweep's configurations of one sample, sharing the prompt forwards that are bit-for-bit the
+same between them (a trunk, until each run's first eviction), each result the one `generate` gives it alone.
 """
 
 from __future__ import annotations
