@@ -18,6 +18,7 @@ from kvbench.bench.batch import (BATCH_POLICIES, WORKLOADS, batch_goal_lines, ba
                                  run_batch_bench)
 from kvbench.bench.goals import goal_lines, goals, markdown_table
 from kvbench.bench.measure import CLOCKS, configurations, run_bench
+from kvbench.bench.sweep import DESIGNS, designs_from, run_sweep_bench, sweep_goal_lines, sweep_markdown
 from kvbench.bench.setup import (BASELINES, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies, build_model,
                                  load_real_model, make_policy, prompt_ids)
 
@@ -85,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"with --batch: comma-separated from {', '.join(WORKLOADS)}")
     p.add_argument("--samples", type=int, default=None, help="with --batch: samples per workload (default: largest K)")
+    p.add_argument("--sweep", default=None,
+                   help=f"sweep designs, comma-separated from {', '.join(DESIGNS)}: configurations x samples per hour "
+                        "with the prompt forwards shared between a sample's runs (engine.generate.generate_shared) vs "
+                        "run separately, interleaved (kvbench.bench.sweep); --policies, --budgets, --block, "
+                        "--lengths (the first) and --new-tokens override the design's, --samples its samples "
+                        "(default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json", help="rows and goals as JSON")
     p.add_argument("--markdown", default=None, help="markdown table file (default: --out with .md)")
@@ -109,6 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(w not in WORKLOADS for w in workloads) or not workloads:
         p.error(f"--workloads takes {', '.join(WORKLOADS)} (comma-separated), got '{a.workloads}'")
     a.workloads = workloads
+    if a.sweep is not None:
+        a.sweep = [d.strip() for d in a.sweep.split(",") if d.strip()]
+        if not a.sweep or any(d not in DESIGNS for d in a.sweep):
+            p.error(f"--sweep takes {', '.join(DESIGNS)} (comma-separated)")
+        if a.batch:
+            p.error("--sweep and --batch are separate measurements; give one")
     if a.samples is not None and a.samples < 1:
         p.error("--samples must be positive")
     if a.model is not None and a.config is not None:
@@ -137,6 +150,8 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
     device = resolve_device(a.device)
     log = None if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     try:
+        if a.sweep:
+            return _sweep(a, log)
         if policies == ["all"]:
             policies = all_policies()
         for name in policies:  # fail on bad names and budgets before anything is built
@@ -166,6 +181,36 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
            f"medians of {repeats} interleaved rounds, {new_tokens} new tokens")
     if log:
         log(f"kvbench-bench: {len(rows)} configurations in {time.perf_counter() - t0:.0f} s -> {a.out}")
+    return 0
+
+
+def _sweep(a: argparse.Namespace, log) -> int:
+    """--sweep: the designs both ways on the model asked for; bench.json (rows and goal lines) and the table."""
+    from kvbench.models.loading import resolve_device
+
+    device = resolve_device(a.device)
+    policies = [s.strip() for s in a.policies.split(",") if s.strip()] if a.policies else None
+    designs = designs_from(a.sweep, policies, a.budgets, a.block, a.lengths[0] if a.lengths else None,
+                           a.new_tokens)
+    for d in designs:  # bad names and budgets fail before anything is built
+        for name in d.policies:
+            for b in d.budgets:
+                make_policy(name, b, a.seed)
+    tokenizer = None
+    if a.model is not None:
+        model, tokenizer, desc = load_real_model(a.model, a.dtype, str(device))
+    else:
+        dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        model, desc = build_model(a.arch, a.config, a.layers, dtype, str(device), a.seed)
+    if log:
+        log(f"kvbench-bench --sweep: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    t0 = time.perf_counter()
+    rows = run_sweep_bench(model, tokenizer, designs, a.samples or 2, a.seed, CLOCKS[a.clock], log)
+    lines = sweep_goal_lines(rows)
+    _write(a, {"rows": rows, "goals": lines}, sweep_markdown(rows), lines, desc, device,
+           "shared and separate interleaved sample by sample; every configuration decodes exactly its new tokens")
+    if log:
+        log(f"kvbench-bench: {len(rows)} sweep rows in {time.perf_counter() - t0:.0f} s -> {a.out}")
     return 0
 
 

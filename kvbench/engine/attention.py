@@ -31,14 +31,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from kvbench.engine.cache import BatchCache, EvictingCache, EvictingLayer
+from kvbench.engine.cache import BatchCache, EvictingCache, EvictingLayer, TrunkCache
 
-_ACTIVE: contextvars.ContextVar[EvictingCache | BatchCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
+_ACTIVE: contextvars.ContextVar[EvictingCache | BatchCache | TrunkCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
 QUERY_CHUNK = 256  # queries per chunk when computing attention probabilities explicitly
 
 
 @contextlib.contextmanager
-def active(cache: EvictingCache | BatchCache) -> Iterator[None]:
+def active(cache: EvictingCache | BatchCache | TrunkCache) -> Iterator[None]:
     """Route attention of forwards inside this block through `cache`'s policy (a BatchCache: each sample's)."""
     token = _ACTIVE.set(cache)
     try:
@@ -176,6 +176,24 @@ def ragged_attention(query: torch.Tensor, layer: EvictingLayer, scaling: float, 
     return out
 
 
+def _hooks(module: Any, cache: EvictingCache, layer: EvictingLayer, query: torch.Tensor, scaling: float,
+           softcap: float | None) -> bool:
+    """The policy's work on `layer` of `cache` before attention: stashed queries and the new tokens' per-token state.
+    Returns whether the policy is active on this layer (then a `needs_attention` policy gets explicit attention)."""
+    layer.scaling, layer.softcap, layer.module = scaling, softcap, module
+    policy = cache.policy
+    # Layers the policy never evicts (K-norm's first two) cost no policy work: no queries, state or attention.
+    if policy is None or cache.frozen or layer.layer_idx not in cache.evicted:
+        return False
+    if cache.query_window:
+        layer.stash_queries(query, cache.query_window)
+    if policy.state_names:
+        new = policy.on_append(layer, module, *layer.block_kv(query.shape[-2]), query)
+        for name in policy.state_names:
+            layer.set_block_state(name, new[name])
+    return True
+
+
 def _attend(module: Any, cache: EvictingCache, layer: EvictingLayer, query: torch.Tensor, key: torch.Tensor,
             value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None, base: str,
             base_fn: Callable[..., Any], **kwargs: Any) -> torch.Tensor:
@@ -184,25 +202,47 @@ def _attend(module: Any, cache: EvictingCache, layer: EvictingLayer, query: torc
     if scaling is None:
         scaling = module.head_dim ** -0.5
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    layer.scaling, layer.softcap, layer.module = scaling, kwargs.get("softcap"), module
     policy = cache.policy
-    # Layers the policy never evicts (K-norm's first two) cost no policy work: no queries, state or attention.
-    if policy is not None and not cache.frozen and layer.layer_idx in cache.evicted:
-        if cache.query_window:
-            layer.stash_queries(query, cache.query_window)
-        if policy.state_names:
-            new = policy.on_append(layer, module, *layer.block_kv(q_len), query)
-            for name in policy.state_names:
-                layer.set_block_state(name, new[name])
-        if policy.needs_attention:
-            if layer.ragged:
-                raise NotImplementedError(f"policy '{policy.name}' needs attention probabilities, which "
-                                          "kvbench does not compute on ragged per-head layers")
-            return explicit_attention(query, key, value, scaling, layer.softcap,
-                                      lambda p: policy.on_attention(layer, p))
+    if _hooks(module, cache, layer, query, scaling, kwargs.get("softcap")) and policy.needs_attention:
+        if layer.ragged:
+            raise NotImplementedError(f"policy '{policy.name}' needs attention probabilities, which "
+                                      "kvbench does not compute on ragged per-head layers")
+        return explicit_attention(query, key, value, scaling, layer.softcap,
+                                  lambda p: policy.on_attention(layer, p))
     if layer.ragged:  # per-head budgets: `key`/`value` are the flat storage; each head over its own keys
         return ragged_attention(query, layer, scaling, layer.softcap)
     mask = _fit_mask(attention_mask, q_len, kv_len, base, query.dtype, query.device, cache.masks)
+    return base_fn(module, query, key, value, mask, scaling=scaling, **kwargs)[0]
+
+
+def _attend_trunk(module: Any, trunk: TrunkCache, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None, base: str,
+                  base_fn: Callable[..., Any], **kwargs: Any) -> torch.Tensor:
+    """A shared forward's attention: every member's hooks on its own layer (each timed on the trunk's clock, its own
+    work), then the output once, as each member's solo forward computes it (their K/V are the same tensors, and the
+    trunk's members take the same path: explicit attention, with every member's `on_attention` fed the same
+    probabilities, or the base implementation). Returns (1, q, h_q, d_v)."""
+    if scaling is None:
+        scaling = module.head_dim ** -0.5
+    clock = trunk.clock
+    explicit: list[tuple[Any, EvictingLayer]] = []  # (policy, layer) of the members that take the probabilities
+    for j, member in enumerate(trunk.caches):
+        layer = member.layers[module.layer_idx]
+        t0 = clock() if clock is not None else 0.0
+        if _hooks(module, member, layer, query, scaling, kwargs.get("softcap")) and member.policy.needs_attention:
+            explicit.append((member.policy, layer))
+        if clock is not None:
+            trunk.hook_s[j] += clock() - t0
+    if explicit and len(explicit) != len(trunk.caches):
+        raise RuntimeError("a trunk's members take different attention paths (explicit vs base); group them apart")
+    if explicit:
+        def on_probs(p: torch.Tensor) -> None:  # p (1, h_kv, c, kv): read by every member, written by none
+            for policy, layer in explicit:
+                policy.on_attention(layer, p)
+
+        return explicit_attention(query, key, value, scaling, kwargs.get("softcap"), on_probs)
+    lead = trunk.caches[0]
+    mask = _fit_mask(attention_mask, query.shape[-2], key.shape[-2], base, query.dtype, query.device, lead.masks)
     return base_fn(module, query, key, value, mask, scaling=scaling, **kwargs)[0]
 
 
@@ -212,6 +252,9 @@ def _make_wrapper(base: str) -> Callable[..., Any]:
                           **kwargs: Any):
         base_fn = _base_function(module, base)
         cache = _ACTIVE.get()
+        if isinstance(cache, TrunkCache):  # one forward shared by several runs' caches (every layer evicting)
+            return _attend_trunk(module, cache, query, key, value, attention_mask, scaling, base, base_fn,
+                                 dropout=dropout, **kwargs), None
         if isinstance(cache, BatchCache):
             # Each sample over its own layer, with its own mask (HF's was built for no cache: see BatchCache); the
             # batch's rows are then concatenated for o_proj. Every layer of a BatchCache is an EvictingLayer.

@@ -321,6 +321,28 @@ class EvictingLayer(DynamicLayer):
         new.scratch = dict(self.scratch)
         return new
 
+    def follow(self, lead: EvictingLayer) -> None:
+        """Append the block `lead` has just appended (`update`), holding lead's very K/V and positions instead of a
+        copy: a member of a shared trunk (TrunkCache), whose layer held exactly what lead's did before the block.
+        Safe to share because K/V and positions are only ever replaced, never written in place (as `fork` relies on);
+        per-token state is this layer's own, extended with zeros as `update` extends it."""
+        if self.ragged or lead.ragged or self.valid is not None or lead.valid is not None:
+            raise RuntimeError("only uniform layers in chronological order follow a trunk (nothing evicted yet)")
+        q = lead.seen - self.seen
+        if not self.is_initialized:
+            self.lazy_initialization(lead.keys, lead.values)
+        self.keys, self.values, self.positions = lead.keys, lead.values, lead.positions
+        b, h = self.keys.shape[:2]
+        self.state = {k: torch.cat([s, s.new_zeros(b, h, q)], dim=-1) for k, s in self.state.items()}
+        self.seen = lead.seen
+        self.peak_tokens = max(self.peak_tokens, self.tokens_per_head())
+
+    def evicted_any(self) -> bool:
+        """Whether the layer ever dropped a token: it holds fewer than it has seen (or per-head counts)."""
+        if self.ragged or self.valid is not None:
+            return True
+        return self.keys is not None and self.keys.numel() > 0 and self.keys.shape[-2] != self.seen
+
     def kv_bytes(self) -> int:
         """Bytes of K and V held (exact: ragged layers hold no padding)."""
         if self.keys is None:
@@ -664,6 +686,53 @@ class BatchCache(Cache):
             raise ValueError("only caches of full-attention layers batch (a sliding layer's length is per sample)")
         super().__init__(layers=[_BatchLayer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))])
         self.caches = caches
+
+
+class _TrunkLayer(DynamicLayer):
+    """One model layer of a `TrunkCache`: the block's K/V go into the lead member's layer (`update`), and every other
+    member's layer follows it (the same tensors, its own per-token state)."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, members: list[EvictingLayer]) -> None:
+        super().__init__()
+        self.members = members
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        # key_states (1, h_kv, q, d): the one sample's block, the same for every member
+        lead = self.members[0]
+        keys, values = lead.update(key_states, value_states)
+        for layer in self.members[1:]:
+            layer.follow(lead)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.members[0].get_seq_length()  # every member has seen as many tokens: the solo positions
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.members[0].get_mask_sizes(query_length)  # every member holds the same slots: the solo mask
+
+
+class TrunkCache(Cache):
+    """The caches of several runs of one prompt (a sweep's policies and budgets) while none of them has evicted: they
+    hold identical K/V, so one batch-1 forward serves them all (`generate.generate_shared`).
+
+    Each run keeps its own `EvictingCache` (own policy copy, own per-token state, stashed queries, attention
+    statistics); the K/V tensors are held once, by reference (`EvictingLayer.follow`). The kvbench attention wrapper
+    runs every member's hooks on its own layer and computes the attention output once: every member must take the same
+    attention path (explicit attention on the same layers, or none), which `generate` groups by. A member leaves the
+    trunk as soon as its eviction drops anything; the forward is then exactly its solo forward. `hook_s` collects
+    each member's seconds inside the wrapper (its own work), with `clock`.
+    """
+
+    def __init__(self, caches: list[EvictingCache], clock: Any = None) -> None:
+        if not caches or not all(batchable(c) for c in caches):
+            raise ValueError("only caches of full-attention layers share a trunk")
+        super().__init__(layers=[_TrunkLayer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))])
+        self.caches = caches
+        self.clock = clock
+        self.hook_s = [0.0] * len(caches)
 
 
 def kv_bytes(cache: Cache) -> int:

@@ -6,6 +6,8 @@ evicts after every step. The protocol (PROTOCOLS) can instead feed the prompt in
 cache to grow while decoding. The loop never looks at a policy's class: it only reads its declared needs.
 `generate_batch` runs several samples through the same steps together (each with its own cache and policy: the
 model's projections see the batch, attention and eviction stay per sample); `generate` is its one-sample case.
+`generate_shared` runs a sweep's configurations of one sample, sharing the prompt forwards that are bit-for-bit the
+same between them (a trunk, until each run's first eviction), each result the one `generate` gives it alone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from kvbench.engine import attention
-from kvbench.engine.cache import BatchCache, EvictingCache, batchable
+from kvbench.engine.cache import BatchCache, EvictingCache, TrunkCache, batchable
 from kvbench.engine.diagnostics import Diagnostics
 from kvbench.options import PROTOCOLS
 from kvbench.policies.base import Policy
@@ -71,6 +73,10 @@ class GenerationResult:
     # log_softmax, for t = score_from .. prompt_tokens - 2 in order, and whether the argmax was that token.
     lm_logprobs: list[float] | None = None
     lm_correct: list[bool] | None = None
+    # generate_shared: the prompt forwards this run shared with other runs of the same prompt (a sweep's trunk)
+    shared_with: int = 1  # the most runs one of its forwards served (1: none shared)
+    shared_s: float = 0.0  # its equal share of those forwards' shared seconds (inside prefill_s)
+    shared_forward_s: float = 0.0  # those forwards' shared seconds in full (what every member's share adds up to)
 
 
 def greedy_processors(model: Any, prompt: torch.Tensor, stop_ids: Iterable[int] = (), min_new_tokens: int = 0,
@@ -168,6 +174,9 @@ class _Run:
         # The LM score's per-block pieces, on the device until the one host read at the end (_lm_result)
         self.lm_logps: list[torch.Tensor] = []  # (n,) float32 each
         self.lm_hits: list[torch.Tensor] = []  # (n,) bool each
+        self.shared_with = 1  # generate_shared: the most runs one of its forwards served
+        self.shared_s = 0.0  # its share of the shared forwards' seconds
+        self.shared_forward_s = 0.0  # those seconds in full
 
 
 # Fewer rows than this go through the model alone: on this machine's CPU BLAS a product of 1-3 rows takes another kernel
@@ -401,6 +410,19 @@ def _read(tokens: torch.Tensor | None, runs: list[_Run]) -> tuple[list[int] | No
     return (values[:k] if tokens is not None else None), spent
 
 
+def _new_run(model: Any, job: Job) -> _Run:
+    """A job's run state: its cache (with the job's own policy), diagnostics and logits processors."""
+    ids = torch.tensor([list(job.input_ids)], device=model.device)  # (1, T)
+    s = job.settings
+    cache = EvictingCache(model.config, job.policy)
+    cache.defer_packing()  # one host read per step for every layer's new head sizes (see _read)
+    diag = Diagnostics(tuple(s.diagnostics)) if s.diagnostics else None
+    if diag is not None and not cache.query_window:
+        cache.query_window = diag.query_window
+    processors = greedy_processors(model, ids, sorted(set(s.stop_ids)), s.min_new_tokens, s.max_new_tokens)
+    return _Run(ids, cache, s, job.observer or Observer(), diag, job.forced, processors, PROTOCOLS[s.protocol][1])
+
+
 @torch.inference_mode()
 def generate_batch(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
     """`generate` for several samples at once: they go through the model together, each with its own
@@ -413,22 +435,15 @@ def generate_batch(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
     evictions plus an equal share of each batched step. Models with sliding-window layers run one job at a time."""
     if not jobs:
         return []
-    device = model.device
-    runs: list[_Run] = []
-    for job in jobs:
-        ids = torch.tensor([list(job.input_ids)], device=device)  # (1, T)
-        s = job.settings
-        cache = EvictingCache(model.config, job.policy)
-        cache.defer_packing()  # one host read per step for every layer's new head sizes (see _read)
-        diag = Diagnostics(tuple(s.diagnostics)) if s.diagnostics else None
-        if diag is not None and not cache.query_window:
-            cache.query_window = diag.query_window
-        processors = greedy_processors(model, ids, sorted(set(s.stop_ids)), s.min_new_tokens, s.max_new_tokens)
-        runs.append(_Run(ids, cache, s, job.observer or Observer(), diag, job.forced, processors,
-                         PROTOCOLS[s.protocol][1]))
+    runs = [_new_run(model, job) for job in jobs]
     if len(runs) > 1 and not batchable(runs[0].cache):
         return [generate_batch(model, [job])[0] for job in jobs]
     _prefill(model, runs)
+    return _finish(model, runs, jobs)
+
+
+def _finish(model: Any, runs: list[_Run], jobs: Sequence[Job]) -> list[GenerationResult]:
+    """After the prompt: the graded branches, greedy decoding (the runs together), and the results."""
     for r in runs:
         r.cache.start_decoding()
     # the graded score's teacher-forced branch of each job with an answer: a fork after the prompt
@@ -451,7 +466,8 @@ def generate_batch(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
                              answer_logprob=None if g is None else float(torch.stack(g[1]).mean()),
                              graded_s=0.0 if g is None else g[0].time_s["decode"],
                              batch_size=r.batch_size, batch_kv_bytes_peak=r.batch_peak_bytes,
-                             lm_logprobs=m[0], lm_correct=m[1])
+                             lm_logprobs=m[0], lm_correct=m[1], shared_with=r.shared_with, shared_s=r.shared_s,
+                             shared_forward_s=r.shared_forward_s)
             for r, g, m in zip(runs, graded, lm)]
 
 
@@ -483,3 +499,107 @@ def generate(model: Any, policy: Policy, input_ids: list[int], settings: Generat
     in a teacher-forced forward of prompt + answer.
     """
     return generate_batch(model, [Job(input_ids, policy, settings, forced, answer_ids, observer)])[0]
+
+
+def _trunk_key(r: _Run, job: Job) -> tuple[Any, ...]:
+    """Runs with equal keys can share their prompt forwards while none of them has evicted: the same prompt, the same
+    plan of forwards (protocol, block or one pass, scenario and context: `_chunks`), the same logits kept (the LM
+    score's rows: a product over more rows can round the last one differently), and the same attention path (a
+    `needs_attention` policy computes attention explicitly on the layers it evicts, the others through the base
+    implementation: the two round differently, so they never share an output)."""
+    policy = r.cache.policy
+    path = tuple(sorted(r.cache.evicted)) if policy is not None and policy.needs_attention else None
+    return (tuple(int(t) for t in job.input_ids), tuple(_chunks(r)), r.settings.score_from, path)
+
+
+def _diverged(r: _Run) -> bool:
+    """Whether r's cache dropped anything: its K/V then differ from the trunk's and it goes on alone."""
+    return any(layer.evicted_any() for layer in r.cache.evicting_layers())
+
+
+def _trunk_step(model: Any, runs: list[_Run], chunk: torch.Tensor) -> None:
+    """One prompt forward shared by `runs` (whose caches hold identical K/V): the model runs once, batch 1, exactly
+    each run's solo forward; each run's hooks run on its own cache inside it (TrunkCache), then each run evicts with
+    its own policy. Each run is charged its own hook seconds and eviction plus an equal share of the rest (the shared
+    seconds, also recorded in shared_s / shared_forward_s). chunk (1, t); the first run's clock times the forward."""
+    device, clock, k, t = chunk.device, runs[0].obs.clock, len(runs), chunk.shape[1]
+    t0 = clock()
+    for r in runs:
+        if r.obs.trace:
+            r.traces.append(r.cache.head_positions())
+    cache = TrunkCache([r.cache for r in runs], clock)
+    keep = _scored_rows(runs[0], t)  # the same for every run (same prompt, position and score_from)
+    with attention.active(cache):
+        out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=max(keep, 1))
+    if keep:
+        _score_rows(runs, t, out.logits.expand(k, -1, -1))  # (k, keep, vocab): the one row, read by each run
+    logits = out.logits[:, -1].float()  # (1, vocab)
+    for r in runs:
+        r.pos += t
+        held = r.cache.kv_bytes()  # what it holds (the trunk's tensors, by reference): its solo number
+        r.peak_bytes = max(r.peak_bytes, held)
+        r.batch_peak_bytes = max(r.batch_peak_bytes, held)
+        r.batch_size = max(r.batch_size, 1)
+    evicting = [_evicts(r, "prefill") for r in runs]
+    if any(evicting):
+        sync(device)
+    shared = max(clock() - t0 - sum(cache.hook_s), 0.0)
+    for j, r in enumerate(runs):
+        r.logits = logits
+        if evicting[j]:
+            r.time_s["prefill"] += _evict(r, "prefill", device)
+        r.time_s["prefill"] += cache.hook_s[j] + shared / k
+        r.shared_s += shared / k
+        r.shared_forward_s += shared
+        r.shared_with = max(r.shared_with, k)
+
+
+def _alone(model: Any, r: _Run, plan: list[tuple[int, int, bool]]) -> None:
+    """The rest of r's prompt forwards (`plan`), alone, exactly as `_prefill` runs a single sample."""
+    for start, end, evicted in plan:
+        r.cache.frozen = not evicted
+        _step(model, [r], r.ids[:, start:end].clone(), "prefill")
+
+
+@torch.inference_mode()
+def generate_shared(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
+    """`generate` for every job (several policies and budgets on one prompt: a sweep's runs of one sample), sharing
+    the prompt forwards that are bit-for-bit the same between them; each result equals the job's `generate` result.
+
+    Jobs of the same prompt, plan of forwards and attention path (`_trunk_key`) form a trunk: while none of its
+    members has evicted, they hold identical K/V, so each prompt forward runs once for all of them (`_trunk_step`:
+    every member's own hooks inside it, then every member's own eviction). A member whose eviction dropped anything
+    leaves the trunk and runs the rest of its prompt, its decoding and its graded branch alone, to the end, before the
+    trunk's next forward (so at most one run beyond the trunk holds its own K/V); the last prompt forward ends the
+    trunk (prefill_once: the whole prompt once for all). A budget above the prompt never evicts and shares every
+    prompt forward. Decoding is never shared (each run's steps differ once it has evicted, and batching them would
+    round differently). Each job needs its own policy instance (a stochastic policy's generator included). Timing
+    per run: its own hooks, evictions and decoding plus an equal share of each shared forward (shared_s), on the
+    first trunk member's clock. Models with sliding-window layers run every job alone."""
+    runs: list[_Run | None] = [_new_run(model, job) for job in jobs]
+    results: list[GenerationResult | None] = [None] * len(jobs)
+    groups: dict[Any, list[int]] = {}
+    for j, (r, job) in enumerate(zip(runs, jobs)):
+        groups.setdefault(_trunk_key(r, job) if batchable(r.cache) else ("alone", j), []).append(j)
+    for members in groups.values():
+        plan = _chunks(runs[members[0]])
+        trunk, done = list(members), 0  # done: the plan's forwards the trunk has taken
+        while len(trunk) > 1 and done < len(plan):
+            start, end, evicted = plan[done]
+            for j in trunk:
+                runs[j].cache.frozen = not evicted  # stays as the last chunk left it (context_only decoding)
+            _trunk_step(model, [runs[j] for j in trunk], runs[trunk[0]].ids[:, start:end].clone())
+            done += 1
+            stay = [j for j in trunk if done < len(plan) and not _diverged(runs[j])]
+            for j in trunk:
+                if j not in stay:
+                    _alone(model, runs[j], plan[done:])
+                    results[j] = _finish(model, [runs[j]], [jobs[j]])[0]
+                    runs[j] = None  # its cache is released before the trunk goes on
+            trunk = stay
+        for j in trunk:  # alone from the start, or the trunk's last member: the rest of its prompt alone
+            _alone(model, runs[j], plan[done:])
+            results[j] = _finish(model, [runs[j]], [jobs[j]])[0]
+            runs[j] = None
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
