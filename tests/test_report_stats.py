@@ -172,3 +172,17 @@ def test_required_n_graded_by_hand() -> None:
     # 0/100 scores go to McNemar with their discordant counts: 3 right only in a, 1 only in b.
     m = paired_compare(_one([100, 100, 100, 0, 0], [0, 0, 0, 100, 0]))
     assert (m.test, m.n10, m.n01) == ("mcnemar", 3, 1)
+
+
+def test_a_single_pair_in_a_stratum_by_hand() -> None:
+    # A pilot's shard can leave one sample in a component (code:click with n = 1). One pair alone: both sign
+    # patterns give |stat| = 0.5, p = 1, and every resample is that pair: the interval is the difference itself.
+    one = paired_compare([Stratum(np.array([1.0]), np.array([0.5]), 1.0)])
+    assert (one.n, one.diff, one.ci_low, one.ci_high, one.p_value) == (1, 0.5, 0.5, 0.5, 1.0)
+    # Two components of weight 1/2: one pair (d = 2) and two pairs (d = 1, 3). stat = 1 s1 + 0.25 s2 + 0.75 s3 over
+    # the 8 sign patterns: |stat| >= 2 for (+,+,+) and (-,-,-) only, p = 2/8. The bootstrap resamples only the
+    # second component: its mean difference is 1, 2 or 3 (1/4, 1/2, 1/4), so the sum is 1.5, 2 or 2.5 and the 95 %
+    # percentile interval [1.5, 2.5].
+    two = paired_compare([Stratum(np.array([2.0]), np.array([0.0]), 0.5),
+                          Stratum(np.array([1.0, 3.0]), np.array([0.0, 0.0]), 0.5)])
+    assert two.diff == 2.0 and two.p_value == 0.25 and (two.ci_low, two.ci_high) == (1.5, 2.5)

@@ -115,6 +115,9 @@ def bootstrap_ci(strata: Sequence[Stratum], resamples: int = RESAMPLES, seed: in
     rng = np.random.default_rng(seed)
     total = np.zeros(resamples)
     for s in kept:
+        if len(s.a) == 1:  # one pair: every resample is that pair (scipy refuses a one-observation sample)
+            total += s.weight * float(s.a[0] - s.b[0])
+            continue
         res = stats.bootstrap((s.a, s.b), _mean_difference, paired=True, vectorized=True, n_resamples=resamples,
                               batch=max(1, _BATCH_CELLS // len(s.a)), method="percentile", random_state=rng)
         total += s.weight * res.bootstrap_distribution
@@ -156,6 +159,8 @@ def sign_flip_p(strata: Sequence[Stratum], resamples: int = RESAMPLES, seed: int
     def statistic(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
         return np.sum(w * (x - y), axis=axis)
 
+    if n == 1:  # both sign patterns give the observed |stat| (scipy refuses a one-observation sample)
+        return 1.0
     exact = n <= exact_up_to
     res = stats.permutation_test((a, b), statistic, permutation_type="samples", vectorized=True,
                                  n_resamples=np.inf if exact else resamples, alternative="two-sided",
