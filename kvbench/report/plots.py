@@ -125,11 +125,18 @@ def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
         ax.set_xticks(budgets, [str(b) for b in budgets], rotation=45 if close else 0)
         ax.set_xlabel("budget N (tokens)")
         bars = any(h for pts in series[m, task].values() for _, _, h in pts)
-        ax.set_ylabel(f"{task} average" + (" (bars: 95 % interval)" if bars else ""))
+        # Name the score the average is where the task says so and it is not a plain "avg" (lm: next-token accuracy)
+        keys = {e.average_key for r in rep.rows if r.model == m for t, e in r.entries.items() if t == task}
+        key = next(iter(keys)) if len(keys) == 1 else None
+        what = f"{task} average" + (f" ({key})" if key and key not in ("avg", task) else "")
+        ax.set_ylabel(what + (" (bars: 95 % interval)" if bars else ""))
         ns = sorted(sizes[m, task])
         n_text = "" if not ns else f" (n = {ns[0]} samples per point)" if len(ns) == 1 else \
             f" (n = {ns[0]}-{ns[-1]} samples per point)"
-        ax.set_title(f"{m}: {task} average vs budget{n_text}", fontsize=9)
+        title = f"{m}: {what} vs budget{n_text}"
+        if len(title) > 60:  # past the axes' width: the n on a second line
+            title = f"{m}: {what} vs budget\n{n_text.strip(' ()')}"
+        ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # beside the lines
     path = out_dir / "score_vs_budget.png"
     fig.savefig(path, dpi=110)
