@@ -67,6 +67,7 @@ def test_run_directory_and_bound(model_dir: Path, data_file: Path, tmp_path: Pat
     assert m["provenance"]["model_path"] == str(model_dir)
 
 
+@pytest.mark.slow  # 37 s: two whole runs compared byte for byte (CI time; make test-all runs it)
 def test_determinism_and_block_null_under_full(model_dir: Path, data_file: Path, tmp_path: Path) -> None:
     base = ["model=hf", f"model.path={model_dir}", "task=jsonl", f"task.path={data_file}", "budget=128"]
     for name, extra in (("a", ["policy=h2o", "block=32"]), ("b", ["policy=h2o", "block=32"]),

@@ -213,6 +213,7 @@ def _kvbench(tmp_path: Path, run: str, *args: str) -> subprocess.CompletedProces
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # 22 s of CLI runs; test_the_full_cache_pairs_at_its_own_budget covers the CLI-to-report path in CI
 def test_run_records_and_report(tmp_path: Path) -> None:
     _, tok = build_tiny_model("tiny-llama")
     texts = ["The quick brown fox jumps over the lazy dog. " * 30, "Memory is the budget; attention is the "

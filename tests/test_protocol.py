@@ -137,6 +137,7 @@ def test_model_label_names_the_hf_model() -> None:
     assert model_label("hf", None) == "hf"
 
 
+@pytest.mark.slow  # 23 s of CLI runs (CI time; make test-all runs it)
 def test_run_directories_metrics_and_report_rows_carry_the_protocol(tmp_path: Path) -> None:
     from kvbench.report.cli import report
 

@@ -286,6 +286,7 @@ def documented_commands() -> list[str]:
     return [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
 
 
+@pytest.mark.slow  # 50 s: the walk-through end to end; the other SLURM tests cover its steps in CI
 @pytest.mark.slurm
 def test_the_documented_walk_through_runs_as_written(cluster: None, tmp_path: Path) -> None:
     commands = documented_commands()
