@@ -10,7 +10,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -157,13 +157,8 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
         for name in policies:  # fail on bad names and budgets before anything is built
             for b in budgets:
                 make_policy(name, b, a.seed)
-        prompt, tokenizer = None, None
-        if a.model is not None:
-            model, tokenizer, desc = load_real_model(a.model, a.dtype, str(device))
-            prompt = prompt_ids(max(lengths + budgets), 0, tokenizer, a.seed)
-        else:
-            dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-            model, desc = build_model(a.arch, a.config, a.layers, dtype, str(device), a.seed)
+        model, tokenizer, desc = _model(a, device)
+        prompt = prompt_ids(max(lengths + budgets), 0, tokenizer, a.seed) if tokenizer is not None else None
         if log:
             log(f"kvbench-bench: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
         t0 = time.perf_counter()
@@ -184,6 +179,16 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
     return 0
 
 
+def _model(a: argparse.Namespace, device: torch.device) -> tuple[Any, Any, str]:
+    """(model, tokenizer or None, description): --model's real weights, else a random-weight --arch/--config model
+    (bfloat16 on CUDA, float32 elsewhere, unless --dtype)."""
+    if a.model is not None:
+        return load_real_model(a.model, a.dtype, str(device))
+    dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    model, desc = build_model(a.arch, a.config, a.layers, dtype, str(device), a.seed)
+    return model, None, desc
+
+
 def _sweep(a: argparse.Namespace, log) -> int:
     """--sweep: the designs both ways on the model asked for; bench.json (rows and goal lines) and the table."""
     from kvbench.models.loading import resolve_device
@@ -196,31 +201,28 @@ def _sweep(a: argparse.Namespace, log) -> int:
         for name in d.policies:
             for b in d.budgets:
                 make_policy(name, b, a.seed)
-    tokenizer = None
-    if a.model is not None:
-        model, tokenizer, desc = load_real_model(a.model, a.dtype, str(device))
-    else:
-        dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-        model, desc = build_model(a.arch, a.config, a.layers, dtype, str(device), a.seed)
+    model, tokenizer, desc = _model(a, device)
     if log:
         log(f"kvbench-bench --sweep: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     t0 = time.perf_counter()
     rows = run_sweep_bench(model, tokenizer, designs, a.samples or 2, a.seed, CLOCKS[a.clock], log)
-    lines = sweep_goal_lines(rows)
-    _write(a, {"rows": rows, "goals": lines}, sweep_markdown(rows), lines, desc, device,
-           "shared and separate interleaved sample by sample; every configuration decodes exactly its new tokens")
-    if log:
-        log(f"kvbench-bench: {len(rows)} sweep rows in {time.perf_counter() - t0:.0f} s -> {a.out}")
-    return 0
+    return _write_rows(a, rows, sweep_goal_lines(rows), sweep_markdown(rows), desc, device, log, t0, "sweep",
+                       "shared and separate interleaved sample by sample; every configuration decodes exactly its new "
+                       "tokens")
 
 
 def _write_batch(a: argparse.Namespace, rows: list[dict], desc: str, device: torch.device, log, t0: float) -> int:
     """--batch: bench.json (rows and goal lines) and the markdown table."""
-    lines = batch_goal_lines(rows)
-    _write(a, {"rows": rows, "goals": lines}, batch_markdown(rows), lines, desc, device,
-           "one round; samples decode exactly their new tokens")
+    return _write_rows(a, rows, batch_goal_lines(rows), batch_markdown(rows), desc, device, log, t0, "batch",
+                       "one round; samples decode exactly their new tokens")
+
+
+def _write_rows(a: argparse.Namespace, rows: list[dict], lines: list[str], table: str, desc: str,
+                device: torch.device, log, t0: float, kind: str, about: str) -> int:
+    """--batch / --sweep output: bench.json (rows and goal lines), the table, and the closing log line."""
+    _write(a, {"rows": rows, "goals": lines}, table, lines, desc, device, about)
     if log:
-        log(f"kvbench-bench: {len(rows)} batch rows in {time.perf_counter() - t0:.0f} s -> {a.out}")
+        log(f"kvbench-bench: {len(rows)} {kind} rows in {time.perf_counter() - t0:.0f} s -> {a.out}")
     return 0
 
 

@@ -646,8 +646,9 @@ class EvictingCache(Cache):
         return [layer.head_positions() if isinstance(layer, EvictingLayer) else None for layer in self.layers]
 
 
-class _BatchLayer(DynamicLayer):
-    """One model layer of a `BatchCache`: hands each sample's rows of the new keys/values to that sample's own layer."""
+class _MembersLayer(DynamicLayer):
+    """One model layer of a cache made of several runs' caches (`BatchCache`, `TrunkCache`): the members' own layers
+    at this depth, which hold the K/V; this layer only routes a forward's block to them."""
 
     is_sliding = False
     is_compileable = False
@@ -655,6 +656,10 @@ class _BatchLayer(DynamicLayer):
     def __init__(self, members: list[EvictingLayer]) -> None:
         super().__init__()
         self.members = members
+
+
+class _BatchLayer(_MembersLayer):
+    """One model layer of a `BatchCache`: hands each sample's rows of the new keys/values to that sample's own layer."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         # key_states (k, h_kv, q, d): row j is sample j's block
@@ -688,16 +693,9 @@ class BatchCache(Cache):
         self.caches = caches
 
 
-class _TrunkLayer(DynamicLayer):
+class _TrunkLayer(_MembersLayer):
     """One model layer of a `TrunkCache`: the block's K/V go into the lead member's layer (`update`), and every other
     member's layer follows it (the same tensors, its own per-token state)."""
-
-    is_sliding = False
-    is_compileable = False
-
-    def __init__(self, members: list[EvictingLayer]) -> None:
-        super().__init__()
-        self.members = members
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         # key_states (1, h_kv, q, d): the one sample's block, the same for every member
