@@ -16,6 +16,8 @@ REPORT=${REPORT:-python -m kvbench.report}
 NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
 FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence)
+# The runs with 0/100 scores and graded scores, for results/graded_validity.md
+VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs)
 
 tables() {
     local name=$1 out=$2
@@ -47,6 +49,8 @@ if [[ $# == 0 ]]; then
     for name in "${FOLDERS[@]}"; do tables "$name" "results/$name"; done
     # results/README.md's verdict blocks, from the CSVs just written (tests/test_verdicts.py checks them).
     python scripts/verdicts.py
+    # Whether the graded score separates hits from misses, per model (tests/test_graded_validity.py checks it)
+    python scripts/graded_validity.py --runs "${VALIDITY_RUNS[@]}" --out results/graded_validity.md > /dev/null
 elif [[ " ${FOLDERS[*]} " == *" $1 "* ]]; then
     tables "$1" "${2:-results/$1}"
 else

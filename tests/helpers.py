@@ -11,6 +11,7 @@ import functools
 import hashlib
 import importlib.util
 import io
+import sys
 import zipfile
 from pathlib import Path
 from types import ModuleType
@@ -83,6 +84,7 @@ def load_script(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there while the class is made
     spec.loader.exec_module(module)
     return module
 
