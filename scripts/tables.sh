@@ -8,14 +8,14 @@
 #   bash scripts/tables.sh NAME [OUT]           one kind of folder (default OUT: results/NAME); the result scripts
 #                                               call it on their own output after finish_run
 #
-# NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence. The claims tables also read the NIAH grid's and the RULER
+# NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm. The claims tables also read the NIAH grid's and the RULER
 # runs (NIAH_RUNS, RULER_RUNS; default: the committed ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPORT=${REPORT:-python -m kvbench.report}
 NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
-FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence)
+FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs)
 
@@ -28,7 +28,7 @@ tables() {
     $REPORT "$out/runs" --out "$out" -q
     case $name in
         niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
-        ruler_4k) ;;
+        ruler_4k|evidence_lm) ;;
         pilot_evidence)
             # The final runs' n from the pilot's paired differences (Holm's strictest level over each plan's m)
             python scripts/power_plan.py "$out/runs/lm" --out "$out/plan_lm.md" --score answer_logprob --cap 383 \
