@@ -28,7 +28,11 @@ tables() {
     $REPORT "$out/runs" --out "$out" -q
     case $name in
         niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
-        ruler_4k|evidence_lm) ;;
+        ruler_4k) ;;
+        evidence_lm)
+            # The planned comparisons' tests, Holm over the table (the LM score: answer_logprob, nats per token)
+            python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --score answer_logprob --tests \
+                --compare knorm:random knorm:full streamingllm:full knorm:streamingllm --budgets 1024 > /dev/null ;;
         pilot_evidence)
             # The final runs' n from the pilot's paired differences (Holm's strictest level over each plan's m)
             python scripts/power_plan.py "$out/runs/lm" --out "$out/plan_lm.md" --score answer_logprob --cap 383 \

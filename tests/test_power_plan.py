@@ -1,0 +1,35 @@
+"""scripts/power_plan.py's generated verdicts and plan sentences, on hand-made rows."""
+
+from __future__ import annotations
+
+from helpers import load_script
+
+pp = load_script("power_plan")
+
+
+def _row(a: str, b: str, p: float, diff: float, lo: float, hi: float) -> dict:
+    return {"a": a, "b": b, "budget": 512, "m": 4, "n": 100, "p": p, "diff": diff, "lo": lo, "hi": hi, "need": 9,
+            "mdd": 0.05, "plan": 9}
+
+
+def test_holm_and_the_verdict_words_by_hand() -> None:
+    # p = 0.01, 0.04, 0.03, 0.002 (m = 4): sorted 0.002 x 4 = 0.008, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 ->
+    # running max 0.06. The last row passes Holm but its interval holds 0: not resolved.
+    rows = pp.with_holm([_row("x", "y", 0.01, +0.3, 0.1, 0.5), _row("x", "z", 0.04, -0.2, -0.4, -0.01),
+                         _row("y", "z", 0.03, -0.1, -0.3, -0.02), _row("w", "z", 0.002, 0.1, -0.01, 0.2),
+                         {"a": "v", "b": "z", "budget": 512, "note": "no paired runs in the pilot"}])
+    assert [round(r.get("holm", -1), 6) for r in rows] == [0.03, 0.06, 0.06, 0.008, -1]
+    assert [r.get("verdict") for r in rows] == ["resolved: x higher", "not resolved", "not resolved", "not resolved",
+                                                None]
+    text = pp.tests_markdown(rows, "answer_logprob", "runs")
+    assert "| x | y | 512 | 100 | +0.300 [+0.100, +0.500] | 0.01 | 0.03 | **resolved: x higher** | - |" in text
+    assert "| x | z | 512 | 100 | -0.200 [-0.400, -0.010] | 0.04 | 0.06 | **not resolved** | 0.050 |" in text
+    assert "4 comparisons of this table" in text
+
+
+def test_plan_sentences() -> None:
+    row = _row("x", "y", 0.2, 0.1, -0.1, 0.3)
+    assert pp.sentence(row, "answer_logprob", None) == \
+        "9 samples resolve the pilot's difference at alpha 0.05/4 with 80 % power"
+    assert pp.sentence({**row, "need": 500}, "answer_logprob", 383).startswith("needs 500 samples, more than the cap")
+    assert pp.sentence({**row, "need": None}, "answer_logprob", None).startswith("the pilot shows no difference")
