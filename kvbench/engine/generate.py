@@ -284,12 +284,13 @@ def _chunks(r: _Run) -> list[tuple[int, int, bool]]:
     return out
 
 
-def _prefill(model: Any, runs: list[_Run]) -> None:
+def _prefill(model: Any, runs: list[_Run], first: int = 0) -> None:
     """Every prompt through its cache, evicting after each forward; leaves each run's last-position logits. Round i
     is every sample's i-th forward; the samples whose i-th forward has the same length go through the model
-    together (blocks of B tokens, mostly), the others alone."""
+    together (blocks of B tokens, mostly), the others alone. `first`: the rounds before it are done already (a run
+    leaving a generate_shared trunk)."""
     plans = [_chunks(r) for r in runs]
-    for i in range(max(len(p) for p in plans)):
+    for i in range(first, max(len(p) for p in plans)):
         groups: dict[Any, list[int]] = {}
         for j, plan in enumerate(plans):
             if i < len(plan):
@@ -515,13 +516,6 @@ def _trunk_step(model: Any, runs: list[_Run], chunk: torch.Tensor) -> None:
         r.shared_with = max(r.shared_with, k)
 
 
-def _alone(model: Any, r: _Run, plan: list[tuple[int, int, bool]]) -> None:
-    """The rest of r's prompt forwards (`plan`), alone, exactly as `_prefill` runs a single sample."""
-    for start, end, evicted in plan:
-        r.cache.frozen = not evicted
-        _step(model, [r], r.ids[:, start:end].clone(), "prefill")
-
-
 @torch.inference_mode()
 def generate_shared(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
     """`generate` for every job (several policies and budgets on one prompt: a sweep's runs of one sample), sharing
@@ -554,12 +548,12 @@ def generate_shared(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
             stay = [j for j in trunk if done < len(plan) and not _diverged(runs[j])]
             for j in trunk:
                 if j not in stay:
-                    _alone(model, runs[j], plan[done:])
+                    _prefill(model, [runs[j]], done)
                     results[j] = _finish(model, [runs[j]], [jobs[j]])[0]
                     runs[j] = None  # its cache is released before the trunk goes on
             trunk = stay
         for j in trunk:  # alone from the start, or the trunk's last member: the rest of its prompt alone
-            _alone(model, runs[j], plan[done:])
+            _prefill(model, [runs[j]], done)
             results[j] = _finish(model, [runs[j]], [jobs[j]])[0]
             runs[j] = None
     assert all(r is not None for r in results)

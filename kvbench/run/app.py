@@ -34,17 +34,14 @@ from kvbench.run.threads import current_threads
 from kvbench.tasks.base import Task, TaskEnv
 
 
-def _git_commit() -> str | None:
-    return gitstate.commit()
-
-
 def provenance(loaded: LoadedModel, task: Task) -> dict[str, Any]:
     import torch
     import transformers
 
     # `dirty`: whether kvbench's checkout had uncommitted changes (None: not a git checkout, e.g. a wheel).
-    return {"kvbench": __version__, "commit": _git_commit(), "dirty": gitstate.dirty(),
-            "transformers": transformers.__version__, "torch": torch.__version__, "python": platform.python_version(), "model_path": portable_path(loaded.path),
+    return {"kvbench": __version__, "commit": gitstate.commit(), "dirty": gitstate.dirty(),
+            "transformers": transformers.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "model_path": portable_path(loaded.path),
             "model_revision": loaded.revision, "model_source": loaded.source, "device": str(loaded.model.device),
             "dtype": str(loaded.model.dtype).replace("torch.", ""), "task": task.provenance(),
             "generation": generation_provenance(loaded.model, loaded.generation_config_source)}
@@ -234,9 +231,9 @@ def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session:
         if metrics_path.is_file():
             print(f"kvbench: {run_dir} is finished (overwrite=true recomputes it)")
             return json.loads(metrics_path.read_text())
-        if old.get("commit") != _git_commit():
+        if old.get("commit") != gitstate.commit():
             print(f"kvbench: warning: resuming {run_dir}, started at commit {old.get('commit')}, with commit "
-                  f"{_git_commit()}", file=sys.stderr)
+                  f"{gitstate.commit()}", file=sys.stderr)
     elif pred_path.is_file():
         raise ConfigError(f"{pred_path} exists without run.json (its configuration is unknown); use "
                           f"overwrite=true or another hydra.run.dir")
@@ -245,7 +242,7 @@ def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session:
                   chat_template=loaded.chat_template, seed=settings.seed)
     _write_config(run_dir, settings.recorded())
     if not meta_path.is_file():
-        write_json(meta_path, {"key": key, "policy": policy_name, "kvbench": __version__, "commit": _git_commit()})
+        write_json(meta_path, {"key": key, "policy": policy_name, "kvbench": __version__, "commit": gitstate.commit()})
     note = batching_note(loaded.model, settings)
     if note:
         print(f"kvbench: {note}", file=sys.stderr)
