@@ -122,6 +122,32 @@ def test_prefill_once_reads_the_prompt_once_for_all(model32) -> None:
         _same(a, s)
 
 
+def test_forks_leaving_together_go_through_the_model_together(model32) -> None:
+    """batch=4: the members leaving the trunk at one forward run the rest of their prompt and their decoding together
+    (keydiff, tova at N = 40: one batched forward per remaining block, 4 instead of 2 x 4). The prompt blocks stay
+    bit-identical (>= 4 rows, see _MIN_BATCH_ROWS), so every kept position equals the separate run's; the decoding
+    steps multiply k rows and may round another way, so tokens are compared in float64, where they must be equal."""
+    count, handle = _count_prompt_forwards(model32)
+    try:
+        shared = generate_shared(model32, _jobs(["keydiff", "tova"], "blockwise"), batch=4)
+    finally:
+        handle.remove()
+    assert count[0] == 3 + 4 + 2 + 2 + 2  # blocks 1-3 shared, N = 40 pair batched, 4-5 shared, N = 64 pair, N = 200 pair
+    assert [s.batch_size for s in shared] == [2, 2, 2] * 2
+    for a, s in zip(_separate(model32, _jobs(["keydiff", "tova"], "blockwise")), shared):
+        for step_a, step_s in zip(a.trace[:7], s.trace[:7]):  # the kept positions before each prompt forward
+            assert all((pa is None and ps is None) or torch.equal(pa, ps) for pa, ps in zip(step_a, step_s))
+    model64 = model32.to(torch.float64)
+    try:
+        jobs = _jobs(POLICIES, "blockwise")
+        alone = _separate(model64, _jobs(POLICIES, "blockwise"))
+        for a, s in zip(alone, generate_shared(model64, jobs, batch=3)):
+            assert (s.tokens, s.decode_steps, s.peak_kv_tokens) == (a.tokens, a.decode_steps, a.peak_kv_tokens)
+            assert s.answer_logprob == pytest.approx(a.answer_logprob, abs=1e-9)
+    finally:
+        model32.to(torch.float32)
+
+
 def test_context_only(model32) -> None:
     """The question after context_tokens goes in unevicted (frozen): the same in a trunk as alone."""
     names = ["keydiff", "snapkv", "h2o", "adakv", "full"]
@@ -168,7 +194,8 @@ def test_jobs_of_different_prompts_do_not_share(model32) -> None:
 
 
 def test_bench_sweep_measures_both_ways(tmp_path) -> None:
-    """kvbench-bench --sweep on a scaled-down prefill_once design: one row, both ways timed, every prediction equal."""
+    """kvbench-bench --sweep on a scaled-down prefill_once design, shared one fork at a time and three at a time: one
+    row per way, every way timed, every prediction of the exact way equal."""
     import json
 
     from kvbench.bench import cli as bench
@@ -177,10 +204,12 @@ def test_bench_sweep_measures_both_ways(tmp_path) -> None:
     out = tmp_path / "sweep.json"
     rc = bench.main(["--arch", "tiny-llama", "--sweep", "prefill_once", "--policies", "keydiff,tova,random",
                      "--budgets", "40,64", "--lengths", "101", "--new-tokens", "4", "--samples", "2", "--threads", "1",
-                     "--clock", "cpu", "--out", str(out), "--quiet"])
+                     "--clock", "cpu", "--fork-batch", "1,3", "--out", str(out), "--quiet"])
     assert rc == 0
     data = json.loads(out.read_text())
-    (row,) = data["rows"]
+    row, batched = data["rows"]
+    assert (row["fork_batch"], batched["fork_batch"]) == (1, 3) and batched["separate_s"] == row["separate_s"]
+    assert batched["pairs"] == 12 and batched["shared_s"] > 0
     assert (row["design"], row["configurations"], row["samples"], row["pairs"]) == ("prefill_once", 6, 2, 12)
     assert row["identical"] == 12 and row["first_difference"] is None
     assert row["shared_s"] > 0 and row["separate_s"] > 0 and row["shared_forward_s"] > 0

@@ -1,4 +1,9 @@
-"""`KvbenchSlurmLauncher`: hydra-submitit-launcher's SlurmLauncher with two changes.
+"""`KvbenchSlurmLauncher`: hydra-submitit-launcher's SlurmLauncher with three changes.
+
+- One array task per shared-work group: the sweep jobs whose runs differ only in policy and budget
+  (kvbench.run.settings.RunSettings.group_key) go to one task, which plans and runs them as kvbench's in-process
+  launcher does (hydra_plugins.kvbench_launcher.launcher.plan_and_run), their common prompt forwards done once;
+  share=false gives each job its own task. A shard sweep (shard=0/4,...) makes one group per shard.
 
 - Submitting and waiting (`launch`): submitit waits for each job in turn and learns a job's state from sacct only;
   without an accounting daemon sacct answers nothing, so a cancelled or killed job made `kvbench -m` wait forever.
@@ -30,20 +35,30 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
 class KvbenchSlurmLauncher(SlurmLauncher):
     """hydra-submitit-launcher's SLURM launcher that cannot hang on a failed job and requeues preempted ones."""
 
-    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
-                 singleton_state: dict[type, Singleton]) -> JobReturn:
+    def __call__(self, group_overrides: list[list[str]], job_dir_key: str, job_nums: list[int], job_id: str,
+                 singleton_state: dict[type, Singleton]) -> list[JobReturn]:
+        """One array task: the sweep jobs of one shared-work group (kvbench.run.app.run_group), planned and run in
+        this process as kvbench's in-process launcher runs them (hydra_plugins.kvbench_launcher.plan_and_run)."""
         # Runs inside the SLURM job, after submitit installed its own signal handlers (which ours wrap).
+        import submitit
+        from hydra.core.utils import setup_globals
+        from hydra_plugins.kvbench_launcher.launcher import plan_and_run
+
         from kvbench.run.slurm import install_stop_handlers
 
         install_stop_handlers(int(self.params.get("max_num_timeout") or 0))
-        return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
+        assert self.hydra_context is not None and self.config is not None
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        task_id = submitit.JobEnvironment().job_id
+        return plan_and_run(self.hydra_context, self.config, group_overrides, job_nums, [task_id] * len(job_nums))
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
@@ -66,12 +81,20 @@ class KvbenchSlurmLauncher(SlurmLauncher):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         if "mode" in self.config.hydra.sweep:
             sweep_dir.chmod(int(str(self.config.hydra.sweep.mode), 8))
-        labels = _labels([filter_overrides(overrides) for overrides in job_overrides])
+        job_labels = _labels([filter_overrides(overrides) for overrides in job_overrides])
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
-        job_params = [(list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state())
-                      for idx, overrides in enumerate(job_overrides, start=initial_job_idx)]
+        # One array task per shared-work group (the jobs whose runs differ only in policy and budget): its runs share
+        # their prompt forwards in that task; share=false gives every job a task of its own, as before.
+        groups = self._groups(job_overrides)
+        labels = [" + ".join(job_labels[k] for k in group) for group in groups]
+        job_params = [([list(job_overrides[k]) for k in group], "hydra.sweep.dir",
+                       [initial_job_idx + k for k in group], f"job_id_for_{initial_job_idx + group[0]}",
+                       Singleton.get_state()) for group in groups]
+        if len(groups) < len(job_overrides):
+            print(f"kvbench: {len(job_overrides)} sweep jobs in {_jobs(len(groups))} (runs that differ only in "
+                  f"policy and budget share work in one job; share=false: one job each)", flush=True)
 
         folder_root = _id_free_folder(str(params["submitit_folder"]))
         before = _tree(folder_root)
@@ -104,7 +127,26 @@ class KvbenchSlurmLauncher(SlurmLauncher):
         print(f"kvbench: {'the ' + _jobs(len(jobs)) if len(jobs) > 1 else 'the job'} of SLURM job {array} finished; "
               f"tables: kvbench-report {sweep_dir}",
               flush=True)
-        return [job.results()[0] for job in jobs]
+        return [ret for job in jobs for ret in job.results()[0]]
+
+    def _groups(self, job_overrides: Sequence[Sequence[str]]) -> list[list[int]]:
+        """The sweep's jobs (indices) grouped by kvbench's RunSettings.group_key, in sweep order. A job whose config
+        does not parse goes alone (its array task then fails with its one-line error, as any bad job does)."""
+        from kvbench.run.settings import RunSettings, user_errors
+
+        assert self.hydra_context is not None and self.config is not None
+        groups: dict[Any, list[int]] = {}
+        for k, overrides in enumerate(job_overrides):
+            key: Any = None
+            try:
+                cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                with open_dict(cfg):
+                    del cfg["hydra"]  # (its interpolations need a running job; the runs' settings do not)
+                key = RunSettings.from_config(OmegaConf.to_container(cfg, resolve=True)).group_key()
+            except user_errors():
+                pass
+            groups.setdefault(("alone", k) if key is None else key, []).append(k)
+        return list(groups.values())
 
 
 def _jobs(n: int) -> str:
@@ -131,11 +173,13 @@ def _result_error(job: Any) -> str | None:
     from kvbench.run.slurm import error_in
 
     try:
-        ret = job.results()[0]
+        returns = job.results()[0]  # one array task: its group's JobReturns
     except Exception as e:  # noqa: BLE001 - submitit's error outcome, whose message holds the job's traceback
         return error_in(str(e)) or error_line(e, with_type=True)
-    if ret.status != JobStatus.FAILED:
+    failed = [ret for ret in returns if ret.status == JobStatus.FAILED]
+    if not failed:
         return None
+    ret = failed[0]
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # (return_value prints Hydra's "Error executing job" line)
             _ = ret.return_value

@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
                         "run separately, interleaved (kvbench.bench.sweep); --policies, --budgets, --block, "
                         "--lengths (the first) and --new-tokens override the design's, --samples its samples "
                         "(default 2)")
+    p.add_argument("--fork-batch", type=_int_list, default=None,
+                   help="with --sweep: how many runs leaving the shared forwards together go through the model "
+                        "together, one shared way per value, e.g. 1,12 (default 1: exact)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json", help="rows and goals as JSON")
     p.add_argument("--markdown", default=None, help="markdown table file (default: --out with .md)")
@@ -122,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--sweep takes {', '.join(DESIGNS)} (comma-separated)")
         if a.batch:
             p.error("--sweep and --batch are separate measurements; give one")
+    if a.fork_batch is not None and (a.sweep is None or any(k < 1 for k in a.fork_batch)):
+        p.error("--fork-batch takes positive integers and goes with --sweep")
     if a.samples is not None and a.samples < 1:
         p.error("--samples must be positive")
     if a.model is not None and a.config is not None:
@@ -205,7 +210,8 @@ def _sweep(a: argparse.Namespace, log) -> int:
     if log:
         log(f"kvbench-bench --sweep: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     t0 = time.perf_counter()
-    rows = run_sweep_bench(model, tokenizer, designs, a.samples or 2, a.seed, CLOCKS[a.clock], log)
+    rows = run_sweep_bench(model, tokenizer, designs, a.samples or 2, a.seed, CLOCKS[a.clock], log,
+                           fork_batches=a.fork_batch or (1,))
     return _write_rows(a, rows, sweep_goal_lines(rows), sweep_markdown(rows), desc, device, log, t0, "sweep",
                        "shared and separate interleaved sample by sample; every configuration decodes exactly its new "
                        "tokens")

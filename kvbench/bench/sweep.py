@@ -3,19 +3,21 @@ shared prompt forwards (`engine.generate.generate_shared`, one call per sample f
 separately (`engine.generate.generate` per configuration and sample), in one interleaved run.
 
 A design is a set of configurations (policies x budgets under one protocol and block) over S samples (distinct
-prompts of one length, as a task's samples). Per sample the two ways run back to back, alternating which goes first
-(machine drift hits both alike), each timed with the chosen clock (cpu: the process's CPU time, robust to other
+prompts of one length, as a task's samples). Per sample the ways run back to back, the order rotating from sample to
+sample (machine drift hits all alike), each timed with the chosen clock (cpu: the process's CPU time, robust to other
 processes on one thread). Every configuration decodes exactly its new tokens (no stop token). The number is
 configurations x samples / seconds x 3600; `identical` counts the (configuration, sample) pairs whose greedy tokens
-are equal both ways (sharing is exact by construction, so it should be all of them).
+are equal shared and separate. `--fork-batch 1,12` measures the shared way once per K: K = 1 runs the runs leaving
+the shared forwards one at a time (exact by construction: every pair should be identical); K > 1 decodes them K at a
+time (batch_size's batching: a token may differ where a k-row product rounds a near-tie the other way).
 
 The designs (issue 28): `niah_grid`, scripts/niah_grid.sh's policies without the h2o_original variant (12) at
 N = 512, 1024, blockwise B = 128, 2000-token prompts, 32 new tokens; `prefill_once`, 10 policies at N = 512 under
-prefill_once. The goals (>= 1.6x and >= 3.5x) are SmolLM2's on a CPU clock (docs/sweeps.md).
-"""
+prefill_once. The goals (>= 1.6x and >= 3.5x) are SmolLM2's on a CPU clock (docs/sweeps.md)."""
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -68,48 +70,61 @@ def _timed(model: Any, clock: Callable[[], float], run: Callable[[], list[Any]])
 
 
 def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], samples: int, seed: int,
-                    clock: Callable[[], float], log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """One row per design: both ways over the same samples, interleaved sample by sample."""
+                    clock: Callable[[], float], log: Callable[[str], None] | None = None,
+                    fork_batches: Sequence[int] = (1,)) -> list[dict[str, Any]]:
+    """One row per design and fork batch K: the design run shared (generate_shared with batch=K: the runs leaving
+    the shared forwards together decode K at a time) and separately, over the same samples; every way of a design
+    runs each sample back to back with the others, the order rotating from sample to sample."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     rows = []
     for design in designs:
         configs = len(design.policies) * len(design.budgets)
-        seconds = {"shared": 0.0, "separate": 0.0}
-        shared_forward_s, identical, first_difference = 0.0, 0, None
+        ways: list[int | None] = [None, *fork_batches]  # None: separate
+        seconds = {w: 0.0 for w in ways}
+        shared_forward_s = {k: 0.0 for k in fork_batches}
+        identical = {k: 0 for k in fork_batches}
+        first_difference: dict[int, Any] = {k: None for k in fork_batches}
         for s in range(samples):
             ids = prompt_ids(design.length, vocab, tokenizer, seed + s)
-            ways = ["shared", "separate"] if s % 2 == 0 else ["separate", "shared"]
-            tokens: dict[str, list[list[int]]] = {}
-            for way in ways:
+            order = ways[s % len(ways):] + ways[:s % len(ways)]
+            tokens: dict[int | None, list[list[int]]] = {}
+            for way in order:
                 jobs = _jobs(design, ids, clock, seed, s)
-                if way == "shared":
-                    took, results = _timed(model, clock, lambda: generate_shared(model, jobs))
-                    shared_forward_s += sum(r.shared_s for r in results)
+                if way is not None:
+                    took, results = _timed(model, clock, lambda: generate_shared(model, jobs, batch=way))
+                    shared_forward_s[way] += sum(r.shared_s for r in results)
                 else:
                     took, results = _timed(model, clock, lambda: [
                         generate(model, j.policy, list(j.input_ids), j.settings, observer=j.observer) for j in jobs])
                 seconds[way] += took
                 tokens[way] = [r.tokens for r in results]
-            same = [a == b for a, b in zip(tokens["shared"], tokens["separate"])]
-            identical += sum(same)
-            if first_difference is None and not all(same):
-                j = same.index(False)
-                first_difference = {"sample": s, "configuration": _label(design, j)}
+            for k in fork_batches:
+                same = [a == b for a, b in zip(tokens[k], tokens[None])]
+                identical[k] += sum(same)
+                if first_difference[k] is None and not all(same):
+                    j = same.index(False)
+                    first_difference[k] = {"sample": s, "configuration": _label(design, j)}
             if log:
-                log(f"  {design.name} sample {s + 1}/{samples}: shared {seconds['shared']:.1f} s, separate "
-                    f"{seconds['separate']:.1f} s so far; identical {identical}/{configs * (s + 1)}")
+                shared = ", ".join(f"shared K={k} {seconds[k]:.1f} s (identical {identical[k]}/"
+                                   f"{configs * (s + 1)})" for k in fork_batches)
+                log(f"  {design.name} sample {s + 1}/{samples}: separate {seconds[None]:.1f} s, {shared} so far")
         work = configs * samples
-        rows.append({
-            "design": design.name, "protocol": design.protocol, "block": design.block,
-            "policies": list(design.policies), "budgets": list(design.budgets), "configurations": configs,
-            "samples": samples, "prompt_tokens": design.length, "new_tokens": design.new_tokens,
-            "shared_s": round(seconds["shared"], 3), "separate_s": round(seconds["separate"], 3),
-            "shared_forward_s": round(shared_forward_s, 3),
-            "shared_per_hour": round(work / seconds["shared"] * 3600, 1),
-            "separate_per_hour": round(work / seconds["separate"] * 3600, 1),
-            "speedup": round(seconds["separate"] / seconds["shared"], 3),
-            "identical": identical, "pairs": work, "first_difference": first_difference, "goal": design.goal,
-        })
+        for k in fork_batches:
+            rows.append({
+                "design": design.name, "protocol": design.protocol, "block": design.block,
+                "policies": list(design.policies), "budgets": list(design.budgets), "configurations": configs,
+                "samples": samples, "prompt_tokens": design.length, "new_tokens": design.new_tokens,
+                "fork_batch": k,
+                "shared_s": round(seconds[k], 3), "separate_s": round(seconds[None], 3),
+                "shared_forward_s": round(shared_forward_s[k], 3),
+                "shared_per_hour": round(work / seconds[k] * 3600, 1),
+                "separate_per_hour": round(work / seconds[None] * 3600, 1),
+                "speedup": round(seconds[None] / seconds[k], 3),
+                "identical": identical[k], "pairs": work, "first_difference": first_difference[k],
+                "goal": design.goal,
+                # the process's peak RSS when the design ended: the largest of its ways (one process runs them all)
+                "process_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            })
     return rows
 
 
@@ -134,20 +149,23 @@ def designs_from(names: Sequence[str], policies: Sequence[str] | None, budgets: 
 def sweep_goal_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Per design: the speed-up against its goal (a goal for SmolLM2 at the design's own sizes) and the identity
     count."""
-    return [f"{r['design']}: shared vs separate {r['speedup']:.2f}x configurations x samples per hour "
+    return [f"{r['design']} (forks decoded {r.get('fork_batch', 1)} at a time): shared vs separate "
+            f"{r['speedup']:.2f}x configurations x samples per hour "
             f"({'PASS' if r['speedup'] >= r['goal'] else 'MISS'} against the goal >= {r['goal']}x for SmolLM2 at "
             f"the design's sizes); identical predictions {r['identical']}/{r['pairs']}" for r in rows]
 
 
 def sweep_markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| design | protocol | B | configurations | samples | prompt / new tokens | shared (s) | separate (s) | "
+    head = ("| design | protocol | B | configurations | samples | prompt / new tokens | forks decoded together | "
+            "shared (s) | separate (s) | "
             "shared forwards (s) | shared cfg x samples / h | separate cfg x samples / h | speed-up | "
             "identical predictions |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         out.append(f"| {r['design']} | {r['protocol']} | {r['block'] or '-'} | {r['configurations']} "
                    f"({len(r['policies'])} x N={','.join(map(str, r['budgets']))}) | {r['samples']} | "
-                   f"{r['prompt_tokens']} / {r['new_tokens']} | {r['shared_s']:.1f} | {r['separate_s']:.1f} | "
+                   f"{r['prompt_tokens']} / {r['new_tokens']} | {r.get('fork_batch', 1)} | "
+                   f"{r['shared_s']:.1f} | {r['separate_s']:.1f} | "
                    f"{r['shared_forward_s']:.1f} | {r['shared_per_hour']:.0f} | {r['separate_per_hour']:.0f} | "
                    f"{r['speedup']:.2f} | {r['identical']}/{r['pairs']} |")
     return "\n".join(out)

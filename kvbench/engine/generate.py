@@ -517,26 +517,41 @@ def _trunk_step(model: Any, runs: list[_Run], chunk: torch.Tensor) -> None:
 
 
 @torch.inference_mode()
-def generate_shared(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
+def generate_shared(model: Any, jobs: Sequence[Job], batch: int = 1) -> list[GenerationResult]:
     """`generate` for every job (several policies and budgets on one prompt: a sweep's runs of one sample), sharing
-    the prompt forwards that are bit-for-bit the same between them; each result equals the job's `generate` result.
+    the prompt forwards that are bit-for-bit the same between them; with batch=1 each result equals the job's
+    `generate` result.
 
     Jobs of the same prompt, plan of forwards and attention path (`_trunk_key`) form a trunk: while none of its
     members has evicted, they hold identical K/V, so each prompt forward runs once for all of them (`_trunk_step`:
-    every member's own hooks inside it, then every member's own eviction). A member whose eviction dropped anything
-    leaves the trunk and runs the rest of its prompt, its decoding and its graded branch alone, to the end, before the
-    trunk's next forward (so at most one run beyond the trunk holds its own K/V); the last prompt forward ends the
-    trunk (prefill_once: the whole prompt once for all). A budget above the prompt never evicts and shares every
-    prompt forward. Decoding is never shared (each run's steps differ once it has evicted, and batching them would
-    round differently). Each job needs its own policy instance (a stochastic policy's generator included). Timing
-    per run: its own hooks, evictions and decoding plus an equal share of each shared forward (shared_s), on the
-    first trunk member's clock. Models with sliding-window layers run every job alone."""
+    every member's own hooks inside it, then every member's own eviction). The members whose eviction dropped
+    anything leave the trunk together and run the rest of their prompt, their decoding and their graded branches to
+    the end, before the trunk's next forward; the last prompt forward ends the trunk (prefill_once: the whole prompt
+    once for all). A budget above the prompt never evicts and shares every prompt forward. `batch`: how many of the
+    members leaving at one forward go through the model together, each with its own cache (generate_batch's
+    batching: their prompt blocks stay bit-identical, their decoding steps multiply k rows instead of one and may
+    round a near-tie the other way, as batch_size does); at most `batch` runs beyond the trunk hold their own K/V at
+    once. Each job needs its own policy instance (a stochastic policy's generator included). Timing per run: its own
+    hooks, evictions and decoding plus an equal share of each shared or batched forward (shared_s: the trunk's), on
+    the first trunk member's clock. Models with sliding-window layers run every job alone."""
     runs: list[_Run | None] = [_new_run(model, job) for job in jobs]
     results: list[GenerationResult | None] = [None] * len(jobs)
+
+    def finish(members: list[int], done: int) -> None:
+        """Run `members` (at the same prompt forward `done`) to the end, `batch` at a time; release their caches."""
+        for at in range(0, len(members), batch):
+            part = members[at:at + batch]
+            _prefill(model, [runs[j] for j in part], done)
+            for j, res in zip(part, _finish(model, [runs[j] for j in part], [jobs[j] for j in part])):
+                results[j], runs[j] = res, None  # its cache is released before the trunk goes on
+
     groups: dict[Any, list[int]] = {}
     for j, (r, job) in enumerate(zip(runs, jobs)):
         groups.setdefault(_trunk_key(r, job) if batchable(r.cache) else ("alone", j), []).append(j)
-    for members in groups.values():
+    for key, members in groups.items():
+        if key[0] == "alone":
+            finish(members, 0)
+            continue
         plan = _chunks(runs[members[0]])
         trunk, done = list(members), 0  # done: the plan's forwards the trunk has taken
         while len(trunk) > 1 and done < len(plan):
@@ -546,15 +561,8 @@ def generate_shared(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
             _trunk_step(model, [runs[j] for j in trunk], runs[trunk[0]].ids[:, start:end].clone())
             done += 1
             stay = [j for j in trunk if done < len(plan) and not _diverged(runs[j])]
-            for j in trunk:
-                if j not in stay:
-                    _prefill(model, [runs[j]], done)
-                    results[j] = _finish(model, [runs[j]], [jobs[j]])[0]
-                    runs[j] = None  # its cache is released before the trunk goes on
+            finish([j for j in trunk if j not in stay], done)
             trunk = stay
-        for j in trunk:  # alone from the start, or the trunk's last member: the rest of its prompt alone
-            _prefill(model, [runs[j]], done)
-            results[j] = _finish(model, [runs[j]], [jobs[j]])[0]
-            runs[j] = None
+        finish(trunk, done)  # the trunk's last member(s): the rest of the prompt
     assert all(r is not None for r in results)
     return results  # type: ignore[return-value]

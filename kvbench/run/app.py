@@ -27,7 +27,7 @@ from kvbench.policies.base import Policy
 from kvbench.run import gitstate
 from kvbench.run.config import load_group
 from kvbench.run.labels import describe_run
-from kvbench.run.loop import batching_note, check_lm_settings, run_task
+from kvbench.run.loop import SharedRun, batching_note, check_lm_settings, run_shared, run_task
 from kvbench.run.records import summarize
 from kvbench.run.settings import ConfigError, RunSettings, build_policy, build_task, user_errors
 from kvbench.run.threads import current_threads
@@ -216,8 +216,9 @@ def run_one(cfg: Mapping[str, Any] | RunSettings, policy_name: str, run_dir: Pat
             raise
 
 
-def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session: Session, policy: Policy,
-                task: Task) -> dict[str, Any]:
+def _open_run(settings: RunSettings, policy_name: str, run_dir: Path, session: Session) -> dict[str, Any] | None:
+    """Under the run lock: check the directory against this configuration (resume, finished, refused) and record the
+    run (config.yaml, run.json); a finished run's metrics, or None when samples are left to run."""
     metrics_path, pred_path, meta_path = run_dir / "metrics.json", run_dir / "predictions.jsonl", run_dir / "run.json"
     key = settings.key(policy_name)
     if settings.overwrite:
@@ -237,17 +238,35 @@ def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session:
     elif pred_path.is_file():
         raise ConfigError(f"{pred_path} exists without run.json (its configuration is unknown); use "
                           f"overwrite=true or another hydra.run.dir")
-    loaded = session.model(settings)
-    env = TaskEnv(tokenizer=loaded.tokenizer, model_name=loaded.name, max_prompt_tokens=loaded.max_prompt_tokens,
-                  chat_template=loaded.chat_template, seed=settings.seed)
+    session.model(settings)  # a model that cannot load fails before anything is written
     _write_config(run_dir, settings.recorded())
     if not meta_path.is_file():
         write_json(meta_path, {"key": key, "policy": policy_name, "kvbench": __version__, "commit": gitstate.commit()})
+    return None
+
+
+def task_env(loaded: LoadedModel, settings: RunSettings) -> TaskEnv:
+    return TaskEnv(tokenizer=loaded.tokenizer, model_name=loaded.name, max_prompt_tokens=loaded.max_prompt_tokens,
+                   chat_template=loaded.chat_template, seed=settings.seed)
+
+
+def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session: Session, policy: Policy,
+                task: Task) -> dict[str, Any]:
+    finished = _open_run(settings, policy_name, run_dir, session)
+    if finished is not None:
+        return finished
+    loaded = session.model(settings)
     note = batching_note(loaded.model, settings)
     if note:
         print(f"kvbench: {note}", file=sys.stderr)
-    records = run_task(loaded.model, loaded.tokenizer, policy, task, env, settings, run_dir,
+    records = run_task(loaded.model, loaded.tokenizer, policy, task, task_env(loaded, settings), settings, run_dir,
                        references=session.references)
+    return _close_run(settings, policy_name, run_dir, loaded, policy, task, records, note)
+
+
+def _close_run(settings: RunSettings, policy_name: str, run_dir: Path, loaded: LoadedModel, policy: Policy,
+               task: Task, records: list[dict[str, Any]], note: str | None = None) -> dict[str, Any]:
+    """The run's metrics.json from its records (written last: a run with metrics.json is finished)."""
     scores = task.aggregate(records)
     scores_by_budget = task.lm_tokens == LM_TOKENS_AFTER_EVICTION
     metrics: dict[str, Any] = {
@@ -278,8 +297,79 @@ def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session:
         metrics["diagnostics"] = aggregate_diagnostics(records)
     label = describe_run(loaded.name, policy_name, settings.budget, settings.block, settings.protocol, policy.evicts)
     metrics.update(task.finalize(run_dir, records, scores, label=label) or {})
-    write_json(metrics_path, metrics)
+    write_json(run_dir / "metrics.json", metrics)
     return metrics
+
+
+@dataclass(frozen=True)
+class Member:
+    """One run of a sweep: its settings (a policy chosen), its policy's name and its directory."""
+
+    settings: RunSettings
+    name: str
+    run_dir: Path
+
+
+def run_members(members: Sequence[Member], session: Session) -> list[dict[str, Any]]:
+    """Run a sweep's runs, each group of equal `RunSettings.group_key` sample-major through `run_group` (one run:
+    `run_one`, as alone), in the order given; returns their metrics in that order."""
+    groups: dict[Any, list[int]] = {}
+    for j, m in enumerate(members):
+        key = m.settings.group_key()
+        groups.setdefault(("alone", j) if key is None else key, []).append(j)
+    out: list[dict[str, Any] | None] = [None] * len(members)
+    for idx in groups.values():
+        for j, metrics in zip(idx, run_group([members[j] for j in idx], session)):
+            out[j] = metrics
+    return out  # type: ignore[return-value]
+
+
+def run_group(members: Sequence[Member], session: Session) -> list[dict[str, Any]]:
+    """The runs of one shared-work group (equal `RunSettings.group_key`), sample-major: each sample's missing runs go
+    through the engine together (kvbench.run.loop.run_shared), each run into its own directory with the files and
+    numbers it has when it runs alone (the timings: its own work plus its share of the shared forwards, `shared_s`).
+    Every run's lock is held for the group's time; a relaunch resumes per (run, sample). A task scored against the
+    full cache's own continuation (fidelity) runs its members one after another (it shares through the session's
+    references)."""
+    if len(members) == 1:
+        m = members[0]
+        return [run_one(m.settings, m.name, m.run_dir, session)]
+    built = []
+    for m in members:
+        if m.settings.policy is None:
+            raise ConfigError("no policy chosen (policy=NAME)")
+        built.append((build_policy(m.settings.policy, m.settings), build_task(m.settings.task)))
+    task = built[0][1]
+    if task.needs_reference:
+        return [run_one(m.settings, m.name, m.run_dir, session) for m in members]
+    if task.lm_tokens is not None:
+        for m in members:
+            check_lm_settings(task.lm_tokens, m.settings)
+    if any(not m.run_dir.exists() for m in members):  # a model that cannot load fails before any directory is made
+        session.model(members[0].settings)
+    out: list[dict[str, Any] | None] = [None] * len(members)
+    with contextlib.ExitStack() as stack:
+        locks = [stack.enter_context(run_lock(m.run_dir)) for m in members]
+        existed = [{name for name in _RUN_FILES if (m.run_dir / name).exists()} for m in members]
+        try:
+            todo = []
+            for j, m in enumerate(members):
+                out[j] = _open_run(m.settings, m.name, m.run_dir, session)
+                if out[j] is None:
+                    todo.append(j)
+            if todo:
+                loaded = session.model(members[0].settings)
+                runs = [SharedRun(built[j][0], members[j].settings, members[j].run_dir / "predictions.jsonl")
+                        for j in todo]
+                records = run_shared(loaded.model, loaded.tokenizer, runs, task, task_env(loaded, members[0].settings))
+                for j, recs in zip(todo, records):
+                    m = members[j]
+                    out[j] = _close_run(m.settings, m.name, m.run_dir, loaded, built[j][0], task, recs)
+        except user_errors():
+            for lock, had in zip(locks, existed):
+                _discard_new_run(lock, had)
+            raise
+    return out  # type: ignore[return-value]
 
 
 def _write_config(run_dir: Path, cfg: Mapping[str, Any]) -> None:
@@ -295,14 +385,21 @@ def run_configured(cfg: Mapping[str, Any], choices: Mapping[str, Any], run_dir: 
     returns their metrics."""
     settings = RunSettings.from_config(cfg)
     session = Session()
+    return run_members(plan_members(settings, choices, run_dir, conf_dirs), session)
+
+
+def plan_members(settings: RunSettings, choices: Mapping[str, Any], run_dir: Path,
+                 conf_dirs: Sequence[Path] | None = None) -> list[Member]:
+    """A job's runs: the chosen policy's, or with no policy chosen one per policy of the `compare` option (each in
+    run_dir/<policy>); a shard's runs go below run_dir/shard<i>of<n>. A bad policy name fails before any run."""
     if settings.shard is not None:
         # Each shard gets its own directory below the run's (shards of one sweep share the Hydra subdir);
         # kvbench-report merges the shards back into one row.
         index, count = settings.shard
         run_dir = run_dir / f"shard{index}of{count}"
     if settings.policy is not None:
-        return [run_one(settings, str(choices.get("policy") or "policy"), run_dir, session)]
+        return [Member(settings, str(choices.get("policy") or "policy"), run_dir)]
     if not settings.compare:
         raise ConfigError("no policy to run: choose one (policy=NAME) or list several (compare=[NAME,...])")
-    policies = {n: load_group("policy", n, conf_dirs) for n in settings.compare}  # a bad name fails before any run
-    return [run_one(settings.with_policy(policies[n]), n, run_dir / n, session) for n in settings.compare]
+    policies = {n: load_group("policy", n, conf_dirs) for n in settings.compare}
+    return [Member(settings.with_policy(policies[n]), n, run_dir / n) for n in settings.compare]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvbench.engine.cache import EvictingCache, batchable
-from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate_batch
+from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate_batch, generate_shared
 from kvbench.metrics.degenerate import is_degenerate
 from kvbench.metrics.lm import lm_summary
 from kvbench.options import LM_TOKENS_AFTER_EVICTION
@@ -47,10 +47,7 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
     pred_path = out_dir / "predictions.jsonl"
     records = read_records(pred_path)
     done = {r["id"] for r in records}
-    samples = list(task.samples(env))
-    if settings.shard is not None:
-        i, n = settings.shard
-        samples = [s for k, s in enumerate(samples) if k % n == i]
+    samples = run_samples(task, env, settings)
     default_stop = eos_ids(model, tokenizer)
     todo = [s for s in samples if s.id not in done]
     if task.lm_tokens is not None:  # bad settings or too short a text: one line before any sample runs
@@ -77,6 +74,15 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
     return sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]])
 
 
+def run_samples(task: Task, env: TaskEnv, settings: RunSettings) -> list[Sample]:
+    """The run's samples in task order: all of them, or its shard's (index % n == i)."""
+    samples = list(task.samples(env))
+    if settings.shard is not None:
+        i, n = settings.shard
+        samples = [s for k, s in enumerate(samples) if k % n == i]
+    return samples
+
+
 def batching_note(model: Any, settings: RunSettings) -> str | None:
     """Why a run with batch_size > 1 runs its samples one by one (one line, for metrics.json and the log), or None
     when it batches (or batch_size is 1)."""
@@ -92,24 +98,88 @@ def _generate_samples(model: Any, tokenizer: Any, policy: Policy, task: Task, ba
                       settings: RunSettings, default_stop: list[int]) -> list[dict[str, Any]]:
     """Records of `batch`'s samples, generated together (one sample: exactly the batch-1 run). Each sample has its
     own copy of the policy, started with the sample's own seed as a batch-1 run starts it."""
-    jobs = []
+    jobs = [sample_job(tokenizer, own, task, sample, settings, default_stop)
+            for sample, own in zip(batch, _sample_policies(policy, batch))]
+    return [sample_record(tokenizer, task, sample, job, res, settings)
+            for sample, job, res in zip(batch, jobs, generate_batch(model, jobs))]
+
+
+def sample_job(tokenizer: Any, policy: Policy, task: Task, sample: Sample, settings: RunSettings,
+               default_stop: list[int]) -> Job:
+    """The engine job of one sample under one run's settings (`policy`: the sample's own, already started)."""
+    stop = sample.stop_token_ids if sample.stop_token_ids is not None else default_stop
+    gen = generation_settings(settings, sample, stop)
     lm = task.lm_tokens is not None
-    for sample, own in zip(batch, _sample_policies(policy, batch)):
-        stop = sample.stop_token_ids if sample.stop_token_ids is not None else default_stop
-        gen = generation_settings(settings, sample, stop)
-        if lm:
-            gen = dataclasses.replace(gen, score_from=lm_score_start(len(sample.input_ids), task.lm_tokens, settings))
-        graded = settings.graded and not lm  # an LM task's graded score is its LM score (lm_record)
-        jobs.append(Job(sample.input_ids, own, gen, answer_ids=answer_token_ids(tokenizer, sample, task)
-                        if graded else None))
-    records = []
-    for sample, job, res in zip(batch, jobs, generate_batch(model, jobs)):
-        prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
-        if lm:
-            records.append(lm_record(sample, prediction, res, task, settings, job.settings.score_from or 0))
-        else:
-            records.append(make_record(sample, prediction, res, task.score(sample, prediction), settings))
-    return records
+    if lm:
+        gen = dataclasses.replace(gen, score_from=lm_score_start(len(sample.input_ids), task.lm_tokens, settings))
+    graded = settings.graded and not lm  # an LM task's graded score is its LM score (lm_record)
+    return Job(sample.input_ids, policy, gen, answer_ids=answer_token_ids(tokenizer, sample, task) if graded else None)
+
+
+def sample_record(tokenizer: Any, task: Task, sample: Sample, job: Job, res: GenerationResult,
+                  settings: RunSettings) -> dict[str, Any]:
+    """The predictions.jsonl record of one sample's generation."""
+    prediction = tokenizer.decode(res.tokens, skip_special_tokens=True)
+    if task.lm_tokens is not None:
+        return lm_record(sample, prediction, res, task, settings, job.settings.score_from or 0)
+    return make_record(sample, prediction, res, task.score(sample, prediction), settings)
+
+
+@dataclasses.dataclass
+class SharedRun:
+    """One run of a shared-work group (kvbench.run.app.run_group): its policy (one instance, restarted per sample as a
+    batch-1 run restarts it), its settings and its predictions file. The group's runs share model, task and every
+    setting but the policy and the budget."""
+
+    policy: Policy
+    settings: RunSettings
+    pred_path: Path
+
+
+def run_shared(model: Any, tokenizer: Any, runs: list[SharedRun], task: Task,
+               env: TaskEnv) -> list[list[dict[str, Any]]]:
+    """Every run's missing samples, sample-major: for each sample, the runs that lack it go through
+    `engine.generate.generate_shared` together (the prompt forwards that are bit-for-bit the same between them run
+    once), and each run's record is appended to its own predictions.jsonl as soon as the sample ends, so a kill loses
+    at most the sample under way and a relaunch resumes per (run, sample). Each record equals the run's batch-1
+    record but for the timings (and `shared`: the shared seconds, when a forward was shared). batch_size > 1: the
+    runs leaving the shared forwards together decode together, that many at a time (generate_shared's `batch`: a
+    token may differ where batch_size's rounding decides a near-tie, as with batched samples). Returns each run's
+    records in the task's sample order."""
+    from tqdm import tqdm
+
+    settings = runs[0].settings  # the group's common settings (samples, shard, progress)
+    have = [read_records(r.pred_path) for r in runs]
+    done = [{rec["id"] for rec in records} for records in have]
+    samples = run_samples(task, env, settings)
+    default_stop = eos_ids(model, tokenizer)
+    todo = [s for s in samples if any(s.id not in d for d in done)]
+    if task.lm_tokens is not None:  # bad settings or too short a text: one line before any sample runs
+        for s in todo:
+            for r in runs:
+                lm_score_start(len(s.input_ids), task.lm_tokens, r.settings)
+    bar = tqdm(total=len(todo), desc=f"{task.name} x {len(runs)} runs", unit="sample", disable=not settings.progress,
+               dynamic_ncols=True)
+    for sample in todo:
+        members = [j for j, d in enumerate(done) if sample.id not in d]
+        jobs = []
+        for j in members:
+            runs[j].policy.start_sample(sample_seed(sample.id))
+            jobs.append(sample_job(tokenizer, runs[j].policy, task, sample, runs[j].settings, default_stop))
+        for j, job, res in zip(members, jobs, generate_shared(model, jobs, batch=settings.batch_size)):
+            record = sample_record(tokenizer, task, sample, job, res, runs[j].settings)
+            if res.shared_with > 1:
+                # The shared forwards: how many runs one of them served, this run's equal share of their seconds
+                # (inside prefill_s), and their seconds in full (what the group's shares add up to)
+                record["shared"] = {"with": res.shared_with, "s": round(res.shared_s, 6),
+                                    "forward_s": round(res.shared_forward_s, 6)}
+            append_record(runs[j].pred_path, record)
+            have[j].append(record)
+            done[j].add(sample.id)
+        bar.update(1)
+    bar.close()
+    order = {s.id: k for k, s in enumerate(samples)}
+    return [sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]]) for records in have]
 
 
 def check_lm_settings(lm_tokens: int | str, settings: RunSettings) -> None:

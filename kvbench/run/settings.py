@@ -63,6 +63,10 @@ class RunSettings:
     # tokens but where the k-row products round a near-tie differently (kvbench-bench --batch counts them), so a
     # batched run may resume a batch-1 one and the key leaves it out; every record says its batch.
     batch_size: int = _setting(1, changes_results=False)
+    # Runs of a sweep (or of `compare`) that differ only in policy and budget run sample-major in one process, their
+    # common prompt forwards done once (kvbench.run.app.run_group); false runs each alone. Results are identical
+    # either way, so the key leaves it out.
+    share: bool = _setting(True, changes_results=False)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RunSettings:
@@ -104,7 +108,8 @@ class RunSettings:
                    overwrite=_flag("overwrite", cfg.get("overwrite", False)), device=str(cfg.get("device", "auto")),
                    shard=shard, diagnostics=tuple(cfg.get("diagnostics") or ()),
                    graded=_flag("graded", cfg.get("graded", True)),
-                   progress=_flag("progress", cfg.get("progress", True)), batch_size=batch_size)
+                   progress=_flag("progress", cfg.get("progress", True)), batch_size=batch_size,
+                   share=_flag("share", cfg.get("share", True)))
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the run records them (config.yaml; the resume key; metrics): plain values in the
@@ -129,6 +134,18 @@ class RunSettings:
         if policy_name is not None:
             stable["policy_name"] = policy_name
         return hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def group_key(self) -> str | None:
+        """Which runs may share work (kvbench.run.app.run_group): equal keys share model, task, protocol, block,
+        scenario, shard and every other setting but the policy and the budget, so they run the same samples and
+        engine.generate.generate_shared finds what their prompt forwards have in common (batch_size: how many of a
+        sample's runs leaving the shared forwards together then go through the model together). None: the run goes
+        alone (share=false)."""
+        if not self.share:
+            return None
+        common = {k: v for k, v in self.recorded().items()
+                  if k not in {"policy", "budget", "compare", "overwrite", "progress", "share"}}
+        return json.dumps(common, sort_keys=True, default=str)
 
     def with_policy(self, policy: Mapping[str, Any]) -> RunSettings:
         """These settings with one policy chosen (a `compare` list runs each of its policies so)."""

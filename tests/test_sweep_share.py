@@ -1,0 +1,221 @@
+"""Shared-work sweeps in the run layer (kvbench.run.app.run_members / run_group, kvbench.run.loop.run_shared, the
+in-process launcher): a sweep's runs that differ only in policy and budget run sample-major with their common prompt
+forwards done once, each into its own run directory with the records it has alone (timings aside); share=false and
+batch_size > 1 run alone; a kill mid-group resumes per (run, sample) to the same records; the CLI's sweep and a
+`compare` job share."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbench.run.app import Member, Session, run_members
+from kvbench.run.settings import RunSettings
+
+from helpers import run_config
+
+ROOT = Path(__file__).resolve().parent.parent
+# What differs between a shared and a separate run of the same job: the clocks, and the shared forwards' record.
+TIMED = {"prefill_s", "decode_s", "evict_s", "graded_s", "shared"}
+N_SAMPLES = 4
+
+
+def _data(tmp_path: Path) -> Path:
+    """Four prompts of ~200-300 tiny-tokenizer tokens: longer than N = 64 + B (evicting), shorter than N = 4096."""
+    path = tmp_path / "data.jsonl"
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    with path.open("w") as f:
+        for i in range(N_SAMPLES):
+            text = " ".join(words[(i * 5 + k * (i + 1)) % len(words)] for k in range(40 + 8 * i))
+            f.write(json.dumps({"id": f"s{i}", "prompt": f"{text} question {i}?", "answers": [words[i]],
+                                "max_new_tokens": 6}) + "\n")
+    return path
+
+
+# Every kind of member a group can hold: attention-free and attention-scoring policies, a stochastic one (random: its
+# generator restarted per sample), the full cache; a budget below the prompts (evicts) and one above (never evicts).
+POLICIES = ("full", "keydiff", "snapkv", "random", "sagekv")
+BUDGETS = (64, 4096)
+
+
+def _members(data: Path, out: Path, *extra: str, policies=POLICIES, budgets=BUDGETS) -> list[Member]:
+    members = []
+    for name in policies:
+        for budget in budgets:
+            cfg = run_config("model=tiny-llama", "task=jsonl", f"policy={name}", f"budget={budget}", "block=16",
+                             "progress=false", *extra, values={"task.path": str(data)})
+            members.append(Member(RunSettings.from_config(cfg), name, out / f"{name}_N{budget}"))
+    return members
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _untimed(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMED} for r in _lines(run_dir / "predictions.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The reference: every job of the sweep (two protocols) run alone (share=false)."""
+    tmp = tmp_path_factory.mktemp("separate")
+    data = _data(tmp)
+    session = Session()
+    for protocol in ("blockwise", "prefill_once"):
+        run_members(_members(data, tmp / protocol, f"protocol={protocol}", "share=false"), session)
+    return data, tmp
+
+
+def test_a_shared_sweep_writes_what_separate_runs_write(separate: tuple[Path, Path], tmp_path: Path) -> None:
+    data, alone = separate
+    members = [m for protocol in ("blockwise", "prefill_once")
+               for m in _members(data, tmp_path / protocol, f"protocol={protocol}")]
+    metrics = run_members(members, Session())
+    assert [m["policy"] for m in metrics] == [m.name for m in members]  # in the order given
+    for m in members:
+        protocol = m.run_dir.parent.name
+        assert _untimed(m.run_dir) == _untimed(alone / protocol / m.run_dir.name), m.run_dir
+        mine = json.loads((m.run_dir / "metrics.json").read_text())
+        theirs = json.loads((alone / protocol / m.run_dir.name / "metrics.json").read_text())
+        assert mine["scores"] == theirs["scores"] and mine["average"] == theirs["average"]
+        assert {p.name for p in m.run_dir.iterdir()} == {p.name for p in (alone / protocol / m.run_dir.name).iterdir()}
+    # What was shared. Block-wise (B = 16): the first block goes through the model once for the eight evicting runs
+    # (four policies x two budgets: no run has evicted yet); the full cache reads its prompt in one forward, shared by
+    # its two runs. prefill_once: every run reads the prompt in one forward, before any eviction: one for all ten.
+    shared = {(m.run_dir.parent.name, m.run_dir.name): _lines(m.run_dir / "predictions.jsonl")[0].get("shared")
+              for m in members}
+    assert shared[("blockwise", "full_N64")]["with"] == shared[("blockwise", "full_N4096")]["with"] == 2
+    assert shared[("blockwise", "keydiff_N4096")]["with"] == 8
+    assert {shared[("prefill_once", m.run_dir.name)]["with"] for m in members[:10]} == {10}
+    stats = json.loads((tmp_path / "blockwise" / "keydiff_N64" / "metrics.json").read_text())["stats"]
+    records = _lines(tmp_path / "blockwise" / "keydiff_N64" / "predictions.jsonl")
+    assert stats["shared_samples"] == N_SAMPLES
+    assert stats["shared_s"] == pytest.approx(sum(r["shared"]["s"] for r in records), abs=1e-3)
+    assert all(r["shared"]["s"] <= r["prefill_s"] for r in records)  # a share of the prompt's own time
+
+
+def test_share_false_runs_alone(separate: tuple[Path, Path], tmp_path: Path) -> None:
+    data, alone = separate
+    members = _members(data, tmp_path, "share=false", policies=("keydiff", "tova"), budgets=(64,))
+    run_members(members, Session())
+    for m in members:
+        assert all("shared" not in r for r in _lines(m.run_dir / "predictions.jsonl"))
+        assert "shared_s" not in json.loads((m.run_dir / "metrics.json").read_text())["stats"]
+    assert _untimed(tmp_path / "keydiff_N64") == _untimed(alone / "blockwise" / "keydiff_N64")
+
+
+def test_group_keys() -> None:
+    def key(*overrides: str) -> str | None:
+        return RunSettings.from_config(run_config("model=tiny-llama", *overrides)).group_key()
+
+    base = key("policy=keydiff", "budget=64")
+    assert base is not None
+    # Policy, budget, the compare list and how a run is shown share a group ...
+    assert key("policy=tova", "budget=128") == base
+    assert key("compare=[full,tova]") == key("compare=[keydiff]") == base
+    assert key("policy=keydiff", "budget=64", "progress=false", "overwrite=true") == base
+    # ... what changes the samples or the forwards does not; share=false and batches go alone.
+    for other in ("block=32", "protocol=prefill_once", "scenario=context_only", "seed=1", "shard=0/2",
+                  "task=niah", "task.max_new_tokens=9", "graded=false", "model.dtype=bfloat16"):
+        assert key("policy=keydiff", "budget=64", other) != base, other
+    assert key("policy=keydiff", "share=false") is None
+    assert key("policy=keydiff", "budget=64", "batch_size=4") not in (base, None)  # its forks decode 4 at a time
+
+
+def test_a_kill_mid_group_resumes_per_run_and_sample(separate: tuple[Path, Path], tmp_path: Path) -> None:
+    # What a kill leaves mid-group: the runs finished different samples (each record is appended when its sample
+    # ends for that run, the group's runs one after another), one file ends in a torn line, one run has written only
+    # its config, none has metrics.json. The relaunch runs each sample for the runs that lack it and ends with the
+    # separate runs' records.
+    data, alone = separate
+    members = _members(data, tmp_path, policies=("keydiff", "snapkv", "random"), budgets=(64,))
+    for m, keep in zip(members, (3, 1, 0)):
+        shutil.copytree(alone / "blockwise" / m.run_dir.name, m.run_dir)
+        (m.run_dir / "metrics.json").unlink()
+        lines = (m.run_dir / "predictions.jsonl").read_bytes().splitlines(keepends=True)
+        torn = lines[keep][: len(lines[keep]) // 2] if m.name == "snapkv" else b""
+        (m.run_dir / "predictions.jsonl").write_bytes(b"".join(lines[:keep]) + torn)
+    run_members(members, Session())
+    for m in members:
+        assert _untimed(m.run_dir) == _untimed(alone / "blockwise" / m.run_dir.name)
+    # The first sample was shared by none of them (keydiff had it), the last by all three.
+    records = {m.name: _lines(m.run_dir / "predictions.jsonl") for m in members}
+    assert "shared" not in records["keydiff"][0] and records["keydiff"][3]["shared"]["with"] == 3
+    assert records["snapkv"][1]["shared"]["with"] == 2  # snapkv and random, from the same first blocks
+
+
+def _sweep_args(data: Path, sweep: Path, *extra: str) -> list[str]:
+    return ["-m", "model=tiny-llama", "task=jsonl", f"task.path={data}", "task.max_new_tokens=24", "policy=keydiff,tova",
+            "budget=64,96", "block=16", "progress=false", f"hydra.sweep.dir={sweep}", *extra]
+
+
+def test_the_cli_sweep_shares_and_sigkill_mid_group_resumes(separate: tuple[Path, Path], tmp_path: Path) -> None:
+    data, _ = separate
+    alone, killed = tmp_path / "alone", tmp_path / "killed"
+    res = subprocess.run([sys.executable, "-m", "kvbench.cli", *_sweep_args(data, alone, "share=false")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    runs = sorted(p.parent.relative_to(alone) for p in alone.rglob("metrics.json"))
+    assert [r.name for r in runs] == ["keydiff_N64_blockwise_B16", "keydiff_N96_blockwise_B16",
+                                      "tova_N64_blockwise_B16", "tova_N96_blockwise_B16"]
+    # The shared sweep, killed (SIGKILL) once some run has finished a sample, then launched again.
+    command = [sys.executable, "-m", "kvbench.cli", *_sweep_args(data, killed)]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240  # (only to detect a hang)
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(p.read_bytes().count(b"\n") >= 1 for p in killed.rglob("predictions.jsonl")):
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not list(killed.rglob("metrics.json"))
+    res = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    for run in runs:
+        assert _untimed(killed / run) == _untimed(alone / run), run
+        assert (killed / run / ".hydra" / "overrides.yaml").is_file()  # each job set up by Hydra as before
+    assert res.stdout.count("run directory: ") == 4
+    records = _lines(killed / runs[-1] / "predictions.jsonl")
+    assert records[-1]["shared"]["with"] == 4  # the last sample: all four runs share its first blocks
+
+
+def test_a_compare_job_shares(separate: tuple[Path, Path], tmp_path: Path) -> None:
+    from kvbench.run.app import run_configured
+
+    data, alone = separate
+    cfg = run_config("model=tiny-llama", "task=jsonl", "compare=[keydiff,snapkv]", "budget=64", "block=16",
+                     "progress=false", values={"task.path": str(data)})
+    run_configured(cfg, {}, tmp_path)
+    for name in ("keydiff", "snapkv"):
+        assert _untimed(tmp_path / name) == _untimed(alone / "blockwise" / f"{name}_N64")
+        assert _lines(tmp_path / name / "predictions.jsonl")[0]["shared"]["with"] == 2
+
+
+def test_batch_size_decodes_the_forks_together(separate: tuple[Path, Path], tmp_path: Path) -> None:
+    """share with batch_size=2: keydiff and tova at N = 64 leave the shared blocks together and go on through the
+    model together (each record says batch size 2). In float64 the k-row products round like the one-row ones to
+    ~1e-16, so every record equals the separate run's but for `batch`."""
+    data, _ = separate
+
+    def run(out: Path, *extra: str) -> None:
+        run_members(_members(data, out, "model.dtype=float64", *extra, policies=("keydiff", "tova"), budgets=(64,)),
+                    Session())
+
+    run(tmp_path / "alone", "share=false")
+    run(tmp_path / "batched", "batch_size=2")
+    for name in ("keydiff_N64", "tova_N64"):
+        batched = _lines(tmp_path / "batched" / name / "predictions.jsonl")
+        assert {(r["batch"]["size"], r["shared"]["with"]) for r in batched} == {(2, 2)}
+        assert [{k: v for k, v in r.items() if k != "batch"} for r in _untimed(tmp_path / "batched" / name)] == \
+            _untimed(tmp_path / "alone" / name)
