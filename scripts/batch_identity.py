@@ -1,8 +1,15 @@
-"""Batched runs against committed batch-1 runs: every record of a committed run, rerun with batch_size=K, compared
-field by field (tokens, prediction, score, graded log-probability, decoding steps, peak tokens and bytes).
+"""Batched or shared-work reruns against committed runs: every record of a committed run, rerun with batch_size=K
+(or with the other runs given, as one shared-work sweep), compared field by field (tokens, prediction, score, graded
+log-probability, decoding steps, peak tokens and bytes).
 
     python scripts/batch_identity.py --batch 4 --shard 0/2 --out results/bench_smollm2/batch_identity.md \
         results/niah_grid/runs/smollm2-135m/niah/*_N512_blockwise_B128
+    python scripts/batch_identity.py --share --batch 1 --shard 0/5 --out results/bench_sweep/shared_identity.md \
+        results/niah_grid/runs/smollm2-135m/niah/*
+
+--share: the runs go through kvbench.run.app.run_members together, as `kvbench -m` runs them: those that differ only
+in policy and budget form one group, run sample-major with their common prompt forwards done once (--batch 1: each
+run exact by construction).
 
 Each run directory's own config.yaml is rerun (shard i/n: its samples with index % n == i) into a scratch directory
 (--scratch, default a temporary one); the table says, per run, how many samples are identical in every field above,
@@ -37,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--share", action="store_true", help="rerun the runs together as one shared-work sweep")
     p.add_argument("--shard", default=None, help="i/n: rerun only the samples with index % n == i")
     p.add_argument("--scratch", type=Path, default=None)
     p.add_argument("--out", type=Path, required=True)
@@ -47,16 +55,24 @@ def main(argv: list[str] | None = None) -> int:
         if not (run / "config.yaml").is_file() or not (run / "predictions.jsonl").is_file():
             print(f"batch_identity: {run} is not a run directory (config.yaml, predictions.jsonl)", file=sys.stderr)
             return 2
-    from kvbench.run.app import Session, run_one
+    from kvbench.run.app import Member, Session, run_members
+    from kvbench.run.settings import RunSettings
 
     scratch = a.scratch or Path(tempfile.mkdtemp(prefix="kvbench-batch-"))
     session = Session()
-    rows = []
+    members = []
     for run in a.runs:
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         name = json.loads((run / "metrics.json").read_text())["policy"]
-        cfg.update(batch_size=a.batch, shard=a.shard, overwrite=not a.reuse, progress=False)
-        run_one(cfg, name, scratch / run.name, session)
+        cfg.update(batch_size=a.batch, shard=a.shard, overwrite=not a.reuse, progress=False, share=a.share)
+        members.append(Member(RunSettings.from_config(cfg), name, scratch / run.name))
+    if a.share:
+        run_members(members, session)  # one shared-work sweep (per group of runs differing in policy and budget)
+    rows = []
+    for run, member in zip(a.runs, members):
+        name = member.name
+        if not a.share:
+            run_members([member], session)
         old, new = _records(run / "predictions.jsonl"), _records(scratch / run.name / "predictions.jsonl")
         # the rerun's own time, from its records (each sample's share of its batches): also right with --reuse
         took = sum(r["prefill_s"] + r["decode_s"] + r.get("graded_s", 0.0) for r in new.values())
@@ -73,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((run, name, len(new), same, moved, diffs, took))
         print(f"{run.name}: {same}/{len(new)} identical, graded score moved {moved:.1e} ({took:.0f} s)",
               file=sys.stderr, flush=True)
-    lines = [f"Batched (batch_size={a.batch}) reruns of committed batch-1 runs"
+    what = (f"Shared-work reruns (the runs below as one sweep, share=true, batch_size={a.batch})" if a.share
+            else f"Batched (batch_size={a.batch}) reruns")
+    lines = [f"{what} of committed batch-1 runs"
              + (f", samples of shard {a.shard}" if a.shard else "") + "; identical = every field of "
              + ", ".join(f"`{f}`" for f in FIELDS) + " equal; the graded score (`answer_logprob`, nats per token, "
              "stored to 6 decimals) by its largest difference.", "",

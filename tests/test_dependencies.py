@@ -41,7 +41,7 @@ def declared() -> dict[str, str]:
 
 def imported(folders: tuple[str, ...]) -> dict[str, str]:
     """Third-party distribution name -> one file importing it, over the .py files below `folders`."""
-    local = {"kvbench", "hydra_plugins.kvbench_slurm_launcher"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+    local = {"kvbench", "hydra_plugins.kvbench_launcher", "hydra_plugins.kvbench_slurm_launcher"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
     out: dict[str, str] = {}
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):

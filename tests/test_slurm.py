@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -304,9 +304,10 @@ def test_the_documented_walk_through_runs_as_written(cluster: None, tmp_path: Pa
     assert len([r for r in (sweep / "table.csv").read_text().splitlines()[1:] if r]) == 4  # kvbench-report's rows
 
 
-# 3 jobs, 2 at a time, 1 CPU each: long enough (24 samples) to be preempted and cancelled mid-run.
+# 3 jobs, 2 at a time, 1 CPU each: long enough (24 samples) to be preempted and cancelled mid-run. share=false: one
+# array task per job (a shared-work group would put all three in one task: test_a_group_is_one_array_task_...).
 SWEEP = ["model=tiny-llama", "task=fidelity", "task.lengths=[384]", "task.samples_per_length=24", "task.new_tokens=8",
-         "progress=false", "policy=keydiff", "budget=64,128,192"]
+         "progress=false", "policy=keydiff", "budget=64,128,192", "share=false"]
 LAUNCH = ["hydra/launcher=slurm_cpu", f"hydra.launcher.partition={PARTITION}", "hydra.launcher.cpus_per_task=1",
           "hydra.launcher.mem_gb=2", "hydra.launcher.array_parallelism=2"]
 TIMING = {"prefill_s", "decode_s", "evict_s", "graded_s"}
@@ -406,3 +407,53 @@ def test_preempted_job_resumes_cancelled_job_fails_fast_and_a_relaunch_finishes(
             assert _untimed(slurm_rows) == _untimed(_lines(tmp_path / "local" / str(budget) / "predictions.jsonl"))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.slurm
+def test_a_group_is_one_array_task_and_its_runs_equal_separate_local_runs(cluster: None, tmp_path: Path) -> None:
+    """policy=keydiff,tova budget=64,96 (runs differing only in policy and budget: one shared-work group) and
+    seed=0,1 (two groups): two array tasks, one CPU each, each running its four runs sample-major with shared prompt
+    forwards; every run's records equal the same job run locally alone (on one thread, as the tasks ran), timings
+    aside."""
+    import torch
+
+    from kvbench.run.app import Session
+
+    data = tmp_path / "data.jsonl"
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    data.write_text("".join(json.dumps({"id": f"s{i}", "prompt": " ".join(words[(i + k) % 12] for k in range(50)),
+                                        "answers": [words[i]], "max_new_tokens": 4}) + "\n" for i in range(3)))
+    sweep = tmp_path / "sweep"
+    job = ["model=tiny-llama", "task=jsonl", f"task.path={data}", "block=16", "progress=false"]
+    res = kvbench("-m", *LAUNCH[:3], "hydra.launcher.mem_gb=2", *job, "policy=keydiff,tova", "budget=64,96",
+                  "seed=0,1", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra:runtime.choices.policy}_N${budget}_s${seed}")
+    assert res.returncode == 0, res.stderr
+    assert "kvbench: 8 sweep jobs in 2 jobs (runs that differ only in policy and budget share work" in res.stdout
+    assert re.search(r"submitted 2 jobs to SLURM as job \d+", res.stdout)
+    session = Session()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compare_with_local(sweep, tmp_path, job, data, session)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_with_local(sweep: Path, tmp_path: Path, job: list[str], data: Path, session: Any) -> None:
+    from helpers import run_config
+
+    from kvbench.run.app import Member, run_members
+    from kvbench.run.settings import RunSettings
+
+    for policy in ("keydiff", "tova"):
+        for budget in (64, 96):
+            for seed in (0, 1):
+                run = sweep / f"{policy}_N{budget}_s{seed}"
+                records = _lines(run / "predictions.jsonl")
+                assert {r["shared"]["with"] for r in records} == {4}  # the group's four runs, first blocks
+                cfg = run_config(*job[:2], *job[3:], f"policy={policy}", f"budget={budget}", f"seed={seed}",
+                                 "share=false", values={"task.path": str(data)})
+                local = tmp_path / "local" / run.name
+                run_members([Member(RunSettings.from_config(cfg), policy, local)], session)
+                assert _untimed([{k: v for k, v in r.items() if k != "shared"} for r in records]) == \
+                    _untimed(_lines(local / "predictions.jsonl"))

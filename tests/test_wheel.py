@@ -43,8 +43,9 @@ def test_wheel_installs_apart_from_the_checkout_and_runs(tmp_path: Path) -> None
     configs = {"kvbench/conf/" + p.relative_to(ROOT / "conf").as_posix() for p in (ROOT / "conf").rglob("*.yaml")}
     assert len(configs) > 40 and configs - names == set()  # every group option, conf/hydra/launcher/ included
     assert {"kvbench/conf/__init__.py", "kvbench/conf/config.yaml", "kvbench/data/longbench.json"} <= names
-    assert {"hydra_plugins/kvbench_slurm_launcher/__init__.py", "hydra_plugins/kvbench_slurm_launcher/_launcher.py"} \
-        <= names  # kvbench's SLURM launcher, a Hydra plugin
+    assert {"hydra_plugins/kvbench_slurm_launcher/__init__.py", "hydra_plugins/kvbench_slurm_launcher/_launcher.py",
+            "hydra_plugins/kvbench_launcher/__init__.py", "hydra_plugins/kvbench_launcher/launcher.py"} \
+        <= names  # kvbench's launchers (in-process with shared work; SLURM), Hydra plugins
 
     # A fresh environment that gets kvbench from the wheel only and reuses the packages of the interpreter running
     # the tests (torch, transformers, hydra, ...): a .pth file adds that interpreter's site directories. Not
