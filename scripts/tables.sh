@@ -8,14 +8,14 @@
 #   bash scripts/tables.sh NAME [OUT]           one kind of folder (default OUT: results/NAME); the result scripts
 #                                               call it on their own output after finish_run
 #
-# NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm. The claims tables also read the NIAH grid's and the RULER
-# runs (NIAH_RUNS, RULER_RUNS; default: the committed ones).
+# NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm | evidence_code. The claims
+# tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the committed ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPORT=${REPORT:-python -m kvbench.report}
 NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
-FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm)
+FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm evidence_code)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs)
 
@@ -33,6 +33,10 @@ tables() {
             # The planned comparisons' tests, Holm over the table (the LM score: answer_logprob, nats per token)
             python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --score answer_logprob --tests \
                 --compare knorm:random knorm:full streamingllm:full knorm:streamingllm --budgets 1024 > /dev/null ;;
+        evidence_code)
+            # The pilot's planned comparisons on the code task's graded score (the gold line's log-probability)
+            python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --score answer_logprob --tests \
+                --compare keydiff:tova keydiff:snapkv keydiff:full streamingllm:full --budgets 512 > /dev/null ;;
         pilot_evidence)
             # The final runs' n from the pilot's paired differences (Holm's strictest level over each plan's m)
             python scripts/power_plan.py "$out/runs/lm" --out "$out/plan_lm.md" --score answer_logprob --cap 383 \

@@ -148,6 +148,24 @@ def test_forks_leaving_together_go_through_the_model_together(model32) -> None:
         model32.to(torch.float32)
 
 
+def test_shared_bytes_bound(model32) -> None:
+    """The bound worked out by hand for tiny-llama (2 layers, 2 KV heads, head_dim 64, float32: 2 x 2 x 2 x 64 x 4 =
+    2048 bytes of K/V per token), T = 101, 8 new tokens + a 4-token answer (12), B = 16: K-norm (one state, "norm")
+    and StreamingLLM (none) at N = 64, the full cache (N = 200, above the prompt).
+    trunk (101 + 12) x 2048 = 231,424; the largest run alone min(101, 200 + 16) + 12 = 113 tokens = 231,424 (batch 2:
+    113 + min(101, 80) + 12 = 205 tokens = 419,840); state (4 x states + 8) x 101 x 2 layers x 2 heads:
+    12 x 404 + 8 x 404 + 8 x 404 = 11,312."""
+    from kvbench.engine.generate import shared_bytes
+
+    jobs = []
+    for name, budget in (("knorm", 64), ("streamingllm", 64), ("full", 200)):
+        policy = make_policy(name, budget, 1)
+        jobs.append(Job(_prompt(), policy, GenerationSettings(block=B, max_new_tokens=8), answer_ids=ANSWER))
+    assert [len(j.policy.state_names) for j in jobs] == [1, 0, 0]
+    assert shared_bytes(model32, jobs) == 231_424 + 231_424 + 11_312
+    assert shared_bytes(model32, jobs, batch=2) == 231_424 + 419_840 + 11_312
+
+
 def test_context_only(model32) -> None:
     """The question after context_tokens goes in unevicted (frozen): the same in a trunk as alone."""
     names = ["keydiff", "snapkv", "h2o", "adakv", "full"]

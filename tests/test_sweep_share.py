@@ -42,7 +42,7 @@ def _data(tmp_path: Path) -> Path:
 
 # Every kind of member a group can hold: attention-free and attention-scoring policies, a stochastic one (random: its
 # generator restarted per sample), the full cache; a budget below the prompts (evicts) and one above (never evicts).
-POLICIES = ("full", "keydiff", "snapkv", "random", "sagekv")
+POLICIES = ("full", "keydiff", "snapkv", "random")
 BUDGETS = (64, 4096)
 
 
@@ -88,14 +88,14 @@ def test_a_shared_sweep_writes_what_separate_runs_write(separate: tuple[Path, Pa
         theirs = json.loads((alone / protocol / m.run_dir.name / "metrics.json").read_text())
         assert mine["scores"] == theirs["scores"] and mine["average"] == theirs["average"]
         assert {p.name for p in m.run_dir.iterdir()} == {p.name for p in (alone / protocol / m.run_dir.name).iterdir()}
-    # What was shared. Block-wise (B = 16): the first block goes through the model once for the eight evicting runs
-    # (four policies x two budgets: no run has evicted yet); the full cache reads its prompt in one forward, shared by
-    # its two runs. prefill_once: every run reads the prompt in one forward, before any eviction: one for all ten.
+    # What was shared. Block-wise (B = 16): the first block goes through the model once for the six evicting runs
+    # (three policies x two budgets: no run has evicted yet); the full cache reads its prompt in one forward, shared
+    # by its two runs. prefill_once: every run reads the prompt in one forward, before any eviction: one for all eight.
     shared = {(m.run_dir.parent.name, m.run_dir.name): _lines(m.run_dir / "predictions.jsonl")[0].get("shared")
               for m in members}
     assert shared[("blockwise", "full_N64")]["with"] == shared[("blockwise", "full_N4096")]["with"] == 2
-    assert shared[("blockwise", "keydiff_N4096")]["with"] == 8
-    assert {shared[("prefill_once", m.run_dir.name)]["with"] for m in members[:10]} == {10}
+    assert shared[("blockwise", "keydiff_N4096")]["with"] == 6
+    assert {shared[("prefill_once", m.run_dir.name)]["with"] for m in members[:8]} == {8}
     stats = json.loads((tmp_path / "blockwise" / "keydiff_N64" / "metrics.json").read_text())["stats"]
     records = _lines(tmp_path / "blockwise" / "keydiff_N64" / "predictions.jsonl")
     assert stats["shared_samples"] == N_SAMPLES
@@ -153,22 +153,14 @@ def test_a_kill_mid_group_resumes_per_run_and_sample(separate: tuple[Path, Path]
     assert records["snapkv"][1]["shared"]["with"] == 2  # snapkv and random, from the same first blocks
 
 
-def _sweep_args(data: Path, sweep: Path, *extra: str) -> list[str]:
-    return ["-m", "model=tiny-llama", "task=jsonl", f"task.path={data}", "task.max_new_tokens=24", "policy=keydiff,tova",
-            "budget=64,96", "block=16", "progress=false", f"hydra.sweep.dir={sweep}", *extra]
-
-
 def test_the_cli_sweep_shares_and_sigkill_mid_group_resumes(separate: tuple[Path, Path], tmp_path: Path) -> None:
-    data, _ = separate
-    alone, killed = tmp_path / "alone", tmp_path / "killed"
-    res = subprocess.run([sys.executable, "-m", "kvbench.cli", *_sweep_args(data, alone, "share=false")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
-    runs = sorted(p.parent.relative_to(alone) for p in alone.rglob("metrics.json"))
-    assert [r.name for r in runs] == ["keydiff_N64_blockwise_B16", "keydiff_N96_blockwise_B16",
-                                      "tova_N64_blockwise_B16", "tova_N96_blockwise_B16"]
-    # The shared sweep, killed (SIGKILL) once some run has finished a sample, then launched again.
-    command = [sys.executable, "-m", "kvbench.cli", *_sweep_args(data, killed)]
+    """`kvbench -m` over keydiff, random x N = 64, 4096 (one group), killed (SIGKILL) once some run has finished a
+    sample, then launched again: every run's records equal the separate runs' (the module's reference)."""
+    data, alone = separate
+    killed = tmp_path / "killed"
+    command = [sys.executable, "-m", "kvbench.cli", "-m", "model=tiny-llama", "task=jsonl", f"task.path={data}",
+               "policy=keydiff,random", "budget=64,4096", "block=16", "progress=false", f"hydra.sweep.dir={killed}",
+               "hydra.sweep.subdir=${hydra:runtime.choices.policy}_N${budget}"]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 240  # (only to detect a hang)
@@ -182,12 +174,13 @@ def test_the_cli_sweep_shares_and_sigkill_mid_group_resumes(separate: tuple[Path
     assert not list(killed.rglob("metrics.json"))
     res = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
+    runs = ["keydiff_N4096", "keydiff_N64", "random_N4096", "random_N64"]
+    assert sorted(p.parent.name for p in killed.rglob("metrics.json")) == runs
     for run in runs:
-        assert _untimed(killed / run) == _untimed(alone / run), run
+        assert _untimed(killed / run) == _untimed(alone / "blockwise" / run), run
         assert (killed / run / ".hydra" / "overrides.yaml").is_file()  # each job set up by Hydra as before
     assert res.stdout.count("run directory: ") == 4
-    records = _lines(killed / runs[-1] / "predictions.jsonl")
-    assert records[-1]["shared"]["with"] == 4  # the last sample: all four runs share its first blocks
+    assert _lines(killed / "random_N4096" / "predictions.jsonl")[-1]["shared"]["with"] == 4  # the first block
 
 
 def test_a_compare_job_shares(separate: tuple[Path, Path], tmp_path: Path) -> None:
@@ -219,3 +212,37 @@ def test_batch_size_decodes_the_forks_together(separate: tuple[Path, Path], tmp_
         assert {(r["batch"]["size"], r["shared"]["with"]) for r in batched} == {(2, 2)}
         assert [{k: v for k, v in r.items() if k != "batch"} for r in _untimed(tmp_path / "batched" / name)] == \
             _untimed(tmp_path / "alone" / name)
+
+
+def test_a_group_too_big_for_memory_splits_with_one_line(separate: tuple[Path, Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """With the limit set to what two KeyDiff runs need on a 200-token prompt, a group of four runs goes whole on the
+    shorter prompts and in parts whose bound fits the limit on the longer ones, says so once, and writes the records
+    it writes whole."""
+    import kvbench.run.loop as loop
+    from kvbench.bench.setup import make_policy
+    from kvbench.engine.generate import GenerationSettings, Job, shared_bytes
+
+    data, alone = separate
+    members = _members(data, tmp_path, policies=("keydiff", "snapkv", "random", "full"), budgets=(64,))
+    session = Session()
+    model = session.model(members[0].settings).model
+    two = [Job([5] * 200, make_policy("keydiff", 64, 0), GenerationSettings(block=16, max_new_tokens=6))] * 2
+    limit = shared_bytes(model, two)
+    monkeypatch.setattr(loop, "memory_limit", lambda model: limit)
+    real, parts_seen = loop.split_to_fit, []
+
+    def spy(model, jobs, batch, lim):
+        parts = real(model, jobs, batch, lim)
+        assert all(len(p) == 1 or shared_bytes(model, [jobs[k] for k in p], batch) <= lim for p in parts)
+        parts_seen.append(len(parts))
+        return parts
+
+    monkeypatch.setattr(loop, "split_to_fit", spy)
+    run_members(members, session)
+    assert len(parts_seen) == N_SAMPLES and max(parts_seen) >= 2  # the longer prompts split, the short ones not
+    err = capsys.readouterr().err
+    assert err.count("runs sharing a sample's work would hold") == 1 and "they run as " in err
+    for m in members:
+        assert _untimed(m.run_dir) == _untimed(alone / "blockwise" / m.run_dir.name)

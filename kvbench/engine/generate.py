@@ -566,3 +566,20 @@ def generate_shared(model: Any, jobs: Sequence[Job], batch: int = 1) -> list[Gen
         finish(trunk, done)  # the trunk's last member(s): the rest of the prompt
     assert all(r is not None for r in results)
     return results  # type: ignore[return-value]
+
+
+def shared_bytes(model: Any, jobs: Sequence[Job], batch: int = 1) -> int:
+    """An upper bound of what `generate_shared(model, jobs, batch)` holds at once beyond the model (jobs of one
+    prompt): the trunk's K/V for the whole prompt and the new tokens, the `batch` largest caches of runs gone on
+    alone (N + B + new tokens each, or the prompt's length when smaller), and every run's per-token state (its
+    policy's `state_names`, float32, and the kept positions, int64) over the prompt. Per token and layer, K/V cost
+    2 x h_kv x head_dim x the model's element size."""
+    cfg = model.config.get_text_config(decoder=True)
+    layers, h_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_token = layers * 2 * h_kv * head_dim * torch.finfo(model.dtype).bits // 8
+    T = max(len(j.input_ids) for j in jobs)
+    new = max(j.settings.max_new_tokens + len(j.answer_ids or ()) for j in jobs)
+    alone = sorted((min(T, (j.policy.budget or T) + (j.settings.block or 0)) + new for j in jobs), reverse=True)
+    state = sum((4 * len(j.policy.state_names) + 8) * T * layers * h_kv for j in jobs)
+    return (T + new) * kv_token + sum(alone[:max(batch, 1)]) * kv_token + state

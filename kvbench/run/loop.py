@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,8 @@ from typing import Any
 import torch
 
 from kvbench.engine.cache import EvictingCache, batchable
-from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate_batch, generate_shared
+from kvbench.engine.generate import (GenerationResult, GenerationSettings, Job, Observer, generate_batch,
+                                     generate_shared, shared_bytes)
 from kvbench.metrics.degenerate import is_degenerate
 from kvbench.metrics.lm import lm_summary
 from kvbench.options import LM_TOKENS_AFTER_EVICTION
@@ -72,6 +75,34 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
     bar.close()
     order = {s.id: k for k, s in enumerate(samples)}
     return sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]])
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def memory_limit(model: Any) -> int:
+    """Bytes a shared-work group may hold for its caches: half the device's free memory (CUDA: what the allocator
+    reports free; CPU: the kernel's MemAvailable), so the model's activations and the rest keep room."""
+    if model.device.type == "cuda":
+        return torch.cuda.mem_get_info(model.device)[0] // 2
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024 // 2
+    except (OSError, StopIteration, ValueError):  # not Linux: free pages (a lower bound of what is available)
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
+def split_to_fit(model: Any, jobs: list[Job], batch: int, limit: int) -> list[list[int]]:
+    """The jobs (indices, in order) in as few consecutive parts as keep each part's shared_bytes under `limit`; a
+    job too big alone is a part of its own."""
+    parts: list[list[int]] = [[]]
+    for k in range(len(jobs)):
+        if parts[-1] and shared_bytes(model, [jobs[i] for i in parts[-1] + [k]], batch) > limit:
+            parts.append([])
+        parts[-1].append(k)
+    return parts
 
 
 def run_samples(task: Task, env: TaskEnv, settings: RunSettings) -> list[Sample]:
@@ -160,13 +191,23 @@ def run_shared(model: Any, tokenizer: Any, runs: list[SharedRun], task: Task,
                 lm_score_start(len(s.input_ids), task.lm_tokens, r.settings)
     bar = tqdm(total=len(todo), desc=f"{task.name} x {len(runs)} runs", unit="sample", disable=not settings.progress,
                dynamic_ncols=True)
+    limit, said = memory_limit(model), False
     for sample in todo:
         members = [j for j, d in enumerate(done) if sample.id not in d]
         jobs = []
         for j in members:
             runs[j].policy.start_sample(sample_seed(sample.id))
             jobs.append(sample_job(tokenizer, runs[j].policy, task, sample, runs[j].settings, default_stop))
-        for j, job, res in zip(members, jobs, generate_shared(model, jobs, batch=settings.batch_size)):
+        parts = split_to_fit(model, jobs, settings.batch_size, limit)
+        if len(parts) > 1 and not said:
+            need = shared_bytes(model, jobs, settings.batch_size)
+            print(f"kvbench: {len(jobs)} runs sharing a sample's work would hold ~{_size(need)} of caches, over the "
+                  f"{_size(limit)} kvbench allows (half the free memory): they run as {len(parts)} groups",
+                  file=sys.stderr)
+            said = True
+        results = [res for part in parts for res in generate_shared(model, [jobs[k] for k in part],
+                                                                    batch=settings.batch_size)]
+        for j, job, res in zip(members, [jobs[k] for part in parts for k in part], results):
             record = sample_record(tokenizer, task, sample, job, res, runs[j].settings)
             if res.shared_with > 1:
                 # The shared forwards: how many runs one of them served, this run's equal share of their seconds
