@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--share", action="store_true", help="rerun the runs together as one shared-work sweep")
+    p.add_argument("--reference", type=Path, default=None,
+                   help="compare with the runs of the same names in this directory (e.g. another rerun's --scratch) "
+                        "instead of the committed ones")
     p.add_argument("--shard", default=None, help="i/n: rerun only the samples with index % n == i")
     p.add_argument("--scratch", type=Path, default=None)
     p.add_argument("--out", type=Path, required=True)
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         name = member.name
         if not a.share:
             run_members([member], session)
-        old, new = _records(run / "predictions.jsonl"), _records(scratch / run.name / "predictions.jsonl")
+        ref = a.reference / run.name if a.reference else run
+        old, new = _records(ref / "predictions.jsonl"), _records(scratch / run.name / "predictions.jsonl")
         # the rerun's own time, from its records (each sample's share of its batches): also right with --reuse
         took = sum(r["prefill_s"] + r["decode_s"] + r.get("graded_s", 0.0) for r in new.values())
         same, diffs, moved = 0, [], 0.0
@@ -91,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     what = (f"Shared-work reruns (the runs below as one sweep, share=true, batch_size={a.batch})" if a.share
             else f"Batched (batch_size={a.batch}) reruns")
-    lines = [f"{what} of committed batch-1 runs"
+    against = (f" compared with the runs of the same names in `{a.reference.name}/` (not the committed ones)"
+               if a.reference else " of committed batch-1 runs")
+    lines = [f"{what}{against}"
              + (f", samples of shard {a.shard}" if a.shard else "") + "; identical = every field of "
              + ", ".join(f"`{f}`" for f in FIELDS) + " equal; the graded score (`answer_logprob`, nats per token, "
              "stored to 6 decimals) by its largest difference.", "",
