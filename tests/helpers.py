@@ -11,11 +11,12 @@ import functools
 import hashlib
 import importlib.util
 import io
+import json
 import sys
 import zipfile
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -127,3 +128,16 @@ def make_wheel(directory: Path, files: dict[str, str], name: str = "fakepkg", ve
     path = directory / f"{name}-{version}-py3-none-any.whl"
     path.write_bytes(buf.getvalue())
     return path, hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def word_samples(path: Path, n: int, text: Callable[[int], str], **fields: Any) -> Path:
+    """A jsonl task file of n samples for task=jsonl: id "s<i>", prompt "<text(i)> question <i>?", answer WORDS[i]
+    (and `fields` in every row, e.g. max_new_tokens); `text(i)` builds sample i's words from WORDS."""
+    with path.open("w") as f:
+        for i in range(n):
+            row = {"id": f"s{i}", "prompt": f"{text(i)} question {i}?", "answers": [WORDS[i]], **fields}
+            f.write(json.dumps(row) + "\n")
+    return path

@@ -17,7 +17,7 @@ from kvbench.run.app import run_lock
 from kvbench.run.records import append_record, read_records
 from kvbench.run.settings import ConfigError, RunSettings
 
-from helpers import run_config
+from helpers import WORDS, run_config, word_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMING = ("prefill_s", "decode_s", "evict_s", "graded_s")
@@ -25,13 +25,8 @@ N_SAMPLES = 8
 
 
 def _data(tmp_path: Path) -> Path:
-    path = tmp_path / "data.jsonl"
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    with path.open("w") as f:
-        for i in range(N_SAMPLES):
-            text = " ".join(words[(i + k) % len(words)] for k in range(60))
-            f.write(json.dumps({"id": f"s{i}", "prompt": f"{text} question {i}?", "answers": [words[i]]}) + "\n")
-    return path
+    return word_samples(tmp_path / "data.jsonl", N_SAMPLES,
+                        lambda i: " ".join(WORDS[(i + k) % len(WORDS)] for k in range(60)))
 
 
 def _args(data: Path, run_dir: Path) -> list[str]:

@@ -419,10 +419,10 @@ def test_a_group_is_one_array_task_and_its_runs_equal_separate_local_runs(cluste
 
     from kvbench.run.app import Session
 
-    data = tmp_path / "data.jsonl"
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    data.write_text("".join(json.dumps({"id": f"s{i}", "prompt": " ".join(words[(i + k) % 12] for k in range(50)),
-                                        "answers": [words[i]], "max_new_tokens": 4}) + "\n" for i in range(3)))
+    from helpers import WORDS, word_samples
+
+    data = word_samples(tmp_path / "data.jsonl", 3, lambda i: " ".join(WORDS[(i + k) % 12] for k in range(50)),
+                        max_new_tokens=4)
     sweep = tmp_path / "sweep"
     job = ["model=tiny-llama", "task=jsonl", f"task.path={data}", "block=16", "progress=false"]
     res = kvbench("-m", *LAUNCH[:3], "hydra.launcher.mem_gb=2", *job, "policy=keydiff,tova", "budget=64,96",

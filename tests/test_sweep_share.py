@@ -20,7 +20,7 @@ import pytest
 from kvbench.run.app import Member, Session, run_members
 from kvbench.run.settings import RunSettings
 
-from helpers import run_config
+from helpers import WORDS, run_config, word_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 # What differs between a shared and a separate run of the same job: the clocks, and the shared forwards' record.
@@ -30,14 +30,9 @@ N_SAMPLES = 4
 
 def _data(tmp_path: Path) -> Path:
     """Four prompts of ~200-300 tiny-tokenizer tokens: longer than N = 64 + B (evicting), shorter than N = 4096."""
-    path = tmp_path / "data.jsonl"
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    with path.open("w") as f:
-        for i in range(N_SAMPLES):
-            text = " ".join(words[(i * 5 + k * (i + 1)) % len(words)] for k in range(40 + 8 * i))
-            f.write(json.dumps({"id": f"s{i}", "prompt": f"{text} question {i}?", "answers": [words[i]],
-                                "max_new_tokens": 6}) + "\n")
-    return path
+    return word_samples(tmp_path / "data.jsonl", N_SAMPLES,
+                        lambda i: " ".join(WORDS[(i * 5 + k * (i + 1)) % len(WORDS)] for k in range(40 + 8 * i)),
+                        max_new_tokens=6)
 
 
 # Every kind of member a group can hold: attention-free and attention-scoring policies, a stochastic one (random: its
