@@ -9,13 +9,12 @@ itself, in plain forwards and in `generate`. Kept keys keep their original rotat
 from __future__ import annotations
 
 import copy
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from kvbench.policies.base import query_attention
+from kvbench.policies.base import attention_probs, query_attention
 
 if TYPE_CHECKING:
     from kvbench.policies.base import Policy
@@ -377,8 +376,8 @@ class EvictingLayer(DynamicLayer):
         When every stashed query is new (a prompt block of at least w tokens, the one-pass prompt, the first call) it
         is computed exactly as query_attention computes it; while decoding (or when fewer than w queries were stashed
         so far) each query's row of probabilities is then stored (`window_probs`, token-major, in a ring of w slots):
-        prompt blocks of at least w tokens keep nothing, the next block replaces every row anyway. Afterwards a forward of k < w tokens computes only its k
-        new rows (query_attention's arithmetic on those queries), written over the ring slots of the k queries that
+        prompt blocks of at least w tokens keep nothing, the next block replaces every row anyway. Afterwards a
+        forward of k < w tokens computes only its k new rows (query_attention's arithmetic on those queries), written over the ring slots of the k queries that
         left the window. The older rows need no new entry (a new key is later than every older query, which does not
         see it) but have lost the slots evicted since they were computed: their probabilities are renormalised over
         the slots still held, p / sum(p), the softmax over fewer keys (the same values up to float rounding: a
@@ -455,30 +454,9 @@ class EvictingLayer(DynamicLayer):
 
     def _query_rows(self, query: torch.Tensor, first: int) -> torch.Tensor:
         """(b, h_q, k, n) attention probabilities of `query` (b, h_q, k, d), the stashed queries at positions first ..
-        first + k - 1, over the slots: query_attention's arithmetic (float32, scale fused into the product, softcap,
-        causal and padding masks, softmax) on k of its rows."""
-        q = query.float()  # (b, h_q, k, d)
-        keys = self.keys.float()  # (b, h_kv, n, d)
-        b, h_q, k, d = q.shape
-        h_kv, n = keys.shape[1], keys.shape[2]
-        g = h_q // h_kv
-        logits = torch.baddbmm(q.new_zeros(()), q.reshape(b * h_kv, g * k, d),
-                               keys.reshape(b * h_kv, n, d).transpose(1, 2), beta=0.0,
-                               alpha=self.scaling).view(b, h_q, k, n)
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        if self.valid is None:
-            # chronological slots: only the keys after `first` can be hidden from one of these queries, the last ones
-            tail = min(n, self.seen - 1 - first)
-            if tail > 0:
-                qpos = torch.arange(first, first + k, device=q.device)
-                hidden = self.positions[..., n - tail:].unsqueeze(-2) > qpos.view(1, 1, k, 1)  # (b, h_kv, k, tail)
-                logits.view(b, h_kv, g, k, n)[..., n - tail:].masked_fill_(hidden.unsqueeze(2), -math.inf)
-            return torch.softmax(logits, dim=-1)
-        qpos = torch.arange(first, first + k, device=q.device)
-        visible = (self.positions.unsqueeze(-2) <= qpos.view(1, 1, k, 1)) & self.valid.unsqueeze(-2)  # (b, h_kv, k, n)
-        logits = logits.masked_fill(~visible.repeat_interleave(g, dim=1), -math.inf)
-        return torch.softmax(logits, dim=-1)
+        first + k - 1, over the slots: query_attention's arithmetic on k of its rows (policies.base.attention_probs)."""
+        k = query.shape[2]
+        return attention_probs(self, query, torch.arange(first, first + k, device=query.device), first)
 
     def _window_sel(self) -> torch.Tensor:
         """(b, h_kv, n) the rows of window_probs (flattened; -1: zeros) of the slots held now (uniform layer)."""

@@ -213,26 +213,35 @@ def query_attention(layer: CacheLayer) -> torch.Tensor:
     A query only sees keys at positions <= its own (causality for queries kept from earlier steps) and valid slots.
     Computed in float32.
     """
-    q = layer.queries.float()  # (b, h_q, w, d)
-    k = layer.keys.float()  # (b, h_kv, n, d)
+    return attention_probs(layer, layer.queries, layer.query_positions, layer.query_first)
+
+
+def attention_probs(layer: CacheLayer, query: torch.Tensor, query_positions: torch.Tensor,
+                    first: int | None) -> torch.Tensor:
+    """Attention probabilities (b, h_q, k, n) of `query` (b, h_q, k, d), at `query_positions` (k,), over the layer's
+    slots: float32, the model's scale fused into the product, its softcap, keys after a query's position and invalid
+    slots masked, softmax. The one definition the policies' scores (query_attention) and the cache's incremental
+    window rows (EvictingLayer) use. `first`: the earliest query position when the positions are gap-free (first ..
+    first + k - 1), else None."""
+    q = query.float()  # (b, h_q, k, d)
+    keys = layer.keys.float()  # (b, h_kv, n, d)
     b, h_q, w, d = q.shape
-    h_kv, n = k.shape[1], k.shape[2]
+    h_kv, n = keys.shape[1], keys.shape[2]
     g = h_q // h_kv
     # The scale is fused into the product (one pass less over the (w, n) logits; same values as a product then *).
-    logits = torch.baddbmm(q.new_zeros(()), q.reshape(b * h_kv, g * w, d), k.reshape(b * h_kv, n, d).transpose(1, 2),
+    logits = torch.baddbmm(q.new_zeros(()), q.reshape(b * h_kv, g * w, d), keys.reshape(b * h_kv, n, d).transpose(1, 2),
                            beta=0.0, alpha=layer.scaling).view(b, h_q, w, n)
     if layer.softcap:
         logits = torch.tanh(logits / layer.softcap) * layer.softcap
-    first = layer.query_first
     if layer.valid is None and first is not None:
         # Chronological slots and gap-free query positions: only keys after the earliest query can be hidden from
         # some query, and at most seen - 1 - first keys come after it, all in the last slots. Mask only those.
         tail = min(n, layer.seen - 1 - first)
         if tail > 0:
-            hidden = layer.positions[..., n - tail:].unsqueeze(-2) > layer.query_positions.view(1, 1, w, 1)
+            hidden = layer.positions[..., n - tail:].unsqueeze(-2) > query_positions.view(1, 1, w, 1)
             logits.view(b, h_kv, g, w, n)[..., n - tail:].masked_fill_(hidden.unsqueeze(2), -math.inf)
         return torch.softmax(logits, dim=-1)
-    visible = layer.positions.unsqueeze(-2) <= layer.query_positions.view(1, 1, w, 1)  # (b, h_kv, w, n)
+    visible = layer.positions.unsqueeze(-2) <= query_positions.view(1, 1, w, 1)  # (b, h_kv, w, n)
     if layer.valid is not None:
         visible = visible & layer.valid.unsqueeze(-2)
     visible = visible.repeat_interleave(g, dim=1)  # (b, h_q, w, n)
