@@ -117,16 +117,14 @@ def test_tables_show_mean_se_and_n(runs: Path) -> None:
                        "easy", "hard", "all", "degenerate", "Avg"]
     full, kd, kd2000, h2o_05, h2o_03 = rows[2:]  # paper style: model and policy only on a group's first row
     assert [r[1] for r in rows[2:]] == ["full", "keydiff", "", "h2o", ""]
-    # full: easy = 5 x 100 (se 0, n 5: the row's n); hard = [100, 100, 0]: mean 66.67, sd = sqrt((33.3^2 * 2 +
-    # 66.7^2) / 2) = 57.74, se = 57.74 / sqrt(3) = 33.33; all = 7 x 100 + 0: mean 87.5, sd = sqrt((12.5^2 * 7
-    # + 87.5^2) / 7) = sqrt(1250) = 35.36, se = 35.36 / sqrt(8) = 12.5. Avg = avg = (100 + 66.67) / 2 = 83.33,
-    # se = sqrt(0^2 + 33.33^2) / 2 = 16.67, n = 5 + 3.
-    assert full[7:] == ["5", "100.0 ± 0.0", "66.7 ± 33.3 (n=3)", "87.5 ± 12.5 (n=8)", "0/8",
-                                              "83.3 ± 16.7 (n=8)"]
+    # full: easy = 5 x 100 (se 0, n 5); hard = [100, 100, 0]: mean 66.67, sd = sqrt((33.3^2 * 2 + 66.7^2) / 2) =
+    # 57.74, se = 57.74 / sqrt(3) = 33.33; all = 7 x 100 + 0: mean 87.5, sd = sqrt((12.5^2 * 7 + 87.5^2) / 7) =
+    # sqrt(1250) = 35.36, se = 35.36 / sqrt(8) = 12.5. Avg = avg = (100 + 66.67) / 2 = 83.33, se = sqrt(0^2 +
+    # 33.33^2) / 2 = 16.67, n = 5 + 3. The row's n: the most samples a cell holds (8); the others say their own.
+    assert full[7:] == ["8", "100.0 ± 0.0 (n=5)", "66.7 ± 33.3 (n=3)", "87.5 ± 12.5", "0/8", "83.3 ± 16.7"]
     # keydiff: easy 0 ± 0; hard = [100, 0, 0]: 33.33 ± 33.33; all = one 100 of 8: 12.5 ± 12.5; avg = 16.67 ± 16.67;
     # two degenerate outputs of 8.
-    assert kd[7:] == ["5", "0.0 ± 0.0", "33.3 ± 33.3 (n=3)", "12.5 ± 12.5 (n=8)", "2/8",
-                                                 "16.7 ± 16.7 (n=8)"]
+    assert kd[7:] == ["8", "0.0 ± 0.0 (n=5)", "33.3 ± 33.3 (n=3)", "12.5 ± 12.5", "2/8", "16.7 ± 16.7"]
     # The policy option tells the two h2o rows apart; the context length the two keydiff rows.
     assert (h2o_05[5:7], h2o_03[5:7], kd[5:7], kd2000[5:7]) == (["1000", "0.50"], ["1000", "0.30"], ["1000", "-"],
                                                                  ["2000", "-"])

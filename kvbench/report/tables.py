@@ -212,9 +212,11 @@ def stat_text(value: Any, st: MeanSE | None, row_n: int | None = None) -> str:
 
 
 def row_n(stats: list[MeanSE | None]) -> int | None:
-    """The n most of a row's cells share (shown once in the `n` column; other cells say their own)."""
-    ns = Counter(s.n for s in stats if s is not None)
-    return ns.most_common(1)[0][0] if ns else None
+    """The row's n, shown once in the `n` column: the most samples any of its cells holds (the task's own score
+    holds them all; a breakdown column over fewer says its own `(n=k)`). Not the n most cells share: five
+    per-package columns of 2-11 samples each would then label a 27-sample row n = 2."""
+    ns = [s.n for s in stats if s is not None]
+    return max(ns) if ns else None
 
 
 def speed_cells(e: Entry) -> list[Any]:
