@@ -51,7 +51,8 @@ def plan_and_run(hydra_context: HydraContext, config: DictConfig, job_overrides:
 
 
 class KvbenchLauncher(Launcher):
-    """Runs a sweep's jobs in this process, planned first and then run with shared work (module docstring)."""
+    """Runs a sweep's jobs in this process, planned first and then run with shared work (module docstring). Built on
+    Hydra's public Launcher interface rather than BasicLauncher, which lives in hydra._internal."""
 
     def __init__(self) -> None:
         self.config: DictConfig | None = None

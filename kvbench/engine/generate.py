@@ -548,10 +548,7 @@ def generate_shared(model: Any, jobs: Sequence[Job], batch: int = 1) -> list[Gen
     groups: dict[Any, list[int]] = {}
     for j, (r, job) in enumerate(zip(runs, jobs)):
         groups.setdefault(_trunk_key(r, job) if batchable(r.cache) else ("alone", j), []).append(j)
-    for key, members in groups.items():
-        if key[0] == "alone":
-            finish(members, 0)
-            continue
+    for members in groups.values():
         plan = _chunks(runs[members[0]])
         trunk, done = list(members), 0  # done: the plan's forwards the trunk has taken
         while len(trunk) > 1 and done < len(plan):
@@ -563,7 +560,7 @@ def generate_shared(model: Any, jobs: Sequence[Job], batch: int = 1) -> list[Gen
             stay = [j for j in trunk if done < len(plan) and not _diverged(runs[j])]
             finish([j for j in trunk if j not in stay], done)
             trunk = stay
-        finish(trunk, done)  # the trunk's last member(s): the rest of the prompt
+        finish(trunk, done)  # alone from the start, or the trunk's last member(s): the rest of the prompt
     assert all(r is not None for r in results)
     return results  # type: ignore[return-value]
 

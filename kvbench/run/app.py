@@ -334,12 +334,10 @@ def run_group(members: Sequence[Member], session: Session) -> list[dict[str, Any
     if len(members) == 1:
         m = members[0]
         return [run_one(m.settings, m.name, m.run_dir, session)]
-    built = []
-    for m in members:
-        if m.settings.policy is None:
-            raise ConfigError("no policy chosen (policy=NAME)")
-        built.append((build_policy(m.settings.policy, m.settings), build_task(m.settings.task)))
-    task = built[0][1]
+    if any(m.settings.policy is None for m in members):
+        raise ConfigError("no policy chosen (policy=NAME)")
+    policies = [build_policy(m.settings.policy, m.settings) for m in members]
+    task = build_task(members[0].settings.task)  # one task for all: equal group keys hold equal task settings
     if task.needs_reference:
         return [run_one(m.settings, m.name, m.run_dir, session) for m in members]
     if task.lm_tokens is not None:
@@ -359,12 +357,12 @@ def run_group(members: Sequence[Member], session: Session) -> list[dict[str, Any
                     todo.append(j)
             if todo:
                 loaded = session.model(members[0].settings)
-                runs = [SharedRun(built[j][0], members[j].settings, members[j].run_dir / "predictions.jsonl")
+                runs = [SharedRun(policies[j], members[j].settings, members[j].run_dir / "predictions.jsonl")
                         for j in todo]
                 records = run_shared(loaded.model, loaded.tokenizer, runs, task, task_env(loaded, members[0].settings))
                 for j, recs in zip(todo, records):
                     m = members[j]
-                    out[j] = _close_run(m.settings, m.name, m.run_dir, loaded, built[j][0], task, recs)
+                    out[j] = _close_run(m.settings, m.name, m.run_dir, loaded, policies[j], task, recs)
         except user_errors():
             for lock, had in zip(locks, existed):
                 _discard_new_run(lock, had)

@@ -73,8 +73,7 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
             records.append(record)
         bar.update(len(batch))
     bar.close()
-    order = {s.id: k for k, s in enumerate(samples)}
-    return sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]])
+    return in_sample_order(records, samples)
 
 
 def _size(n: int) -> str:
@@ -103,6 +102,12 @@ def split_to_fit(model: Any, jobs: list[Job], batch: int, limit: int) -> list[li
             parts.append([])
         parts[-1].append(k)
     return parts
+
+
+def in_sample_order(records: list[dict[str, Any]], samples: list[Sample]) -> list[dict[str, Any]]:
+    """The records of `samples` (others dropped: another shard's), in the samples' order."""
+    order = {s.id: k for k, s in enumerate(samples)}
+    return sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]])
 
 
 def run_samples(task: Task, env: TaskEnv, settings: RunSettings) -> list[Sample]:
@@ -205,22 +210,17 @@ def run_shared(model: Any, tokenizer: Any, runs: list[SharedRun], task: Task,
                   f"{_size(limit)} kvbench allows (half the free memory): they run as {len(parts)} groups",
                   file=sys.stderr)
             said = True
+        # (the parts are consecutive: their results come in the jobs' order)
         results = [res for part in parts for res in generate_shared(model, [jobs[k] for k in part],
                                                                     batch=settings.batch_size)]
-        for j, job, res in zip(members, [jobs[k] for part in parts for k in part], results):
+        for j, job, res in zip(members, jobs, results):
             record = sample_record(tokenizer, task, sample, job, res, runs[j].settings)
-            if res.shared_with > 1:
-                # The shared forwards: how many runs one of them served, this run's equal share of their seconds
-                # (inside prefill_s), and their seconds in full (what the group's shares add up to)
-                record["shared"] = {"with": res.shared_with, "s": round(res.shared_s, 6),
-                                    "forward_s": round(res.shared_forward_s, 6)}
             append_record(runs[j].pred_path, record)
             have[j].append(record)
             done[j].add(sample.id)
         bar.update(1)
     bar.close()
-    order = {s.id: k for k, s in enumerate(samples)}
-    return [sorted((r for r in records if r["id"] in order), key=lambda r: order[r["id"]]) for records in have]
+    return [in_sample_order(records, samples) for records in have]
 
 
 def check_lm_settings(lm_tokens: int | str, settings: RunSettings) -> None:
@@ -365,4 +365,9 @@ def make_record(sample: Sample, prediction: str, res: GenerationResult, score: f
         rec["prompt"] = sample.prompt
     if settings.batch_size > 1:
         rec["batch"] = {"size": res.batch_size, "kv_bytes_peak": res.batch_kv_bytes_peak}
+    if res.shared_with > 1:
+        # generate_shared's shared forwards: how many runs one of them served, this run's equal share of their seconds
+        # (inside prefill_s), and their seconds in full (what the group's shares add up to)
+        rec["shared"] = {"with": res.shared_with, "s": round(res.shared_s, 6),
+                         "forward_s": round(res.shared_forward_s, 6)}
     return rec
