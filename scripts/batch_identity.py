@@ -40,6 +40,15 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def compose_shards(own: str | None, sub: str | None) -> str | None:
+    """The shard of a run's own shard `own` (i/n, the run's samples: index % n == i) that holds its samples at
+    positions j, j + m, ... of that shard (`sub` = j/m): (i + n j)/(n m); either may be None (all)."""
+    if sub is None or own is None:
+        return sub if own is None else own
+    (i, n), (j, m) = (tuple(int(x) for x in s.split("/")) for s in (own, sub))
+    return f"{i + n * j}/{n * m}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", type=Path)
@@ -48,9 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", type=Path, default=None,
                    help="compare with the runs of the same names in this directory (e.g. another rerun's --scratch) "
                         "instead of the committed ones")
-    p.add_argument("--shard", default=None, help="i/n: rerun only the samples with index % n == i")
+    p.add_argument("--shard", default=None,
+                   help="i/n: rerun only the run's samples with index % n == i (a run of a shard: the index within "
+                        "its shard; e.g. 0/1000 reruns each run's first sample)")
     p.add_argument("--scratch", type=Path, default=None)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--json", type=Path, default=None,
+                   help="also write, per run, its samples and the ids of those that differ (for scripts/reproduce.sh)")
     p.add_argument("--reuse", action="store_true",
                    help="take finished reruns already in --scratch as they are (redraw the table without rerunning)")
     a = p.parse_args(argv)
@@ -67,11 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     for run in a.runs:
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         name = json.loads((run / "metrics.json").read_text())["policy"]
-        cfg.update(batch_size=a.batch, shard=a.shard, overwrite=not a.reuse, progress=False, share=a.share)
+        cfg.update(batch_size=a.batch, shard=compose_shards(cfg.get("shard"), a.shard), overwrite=not a.reuse,
+                   progress=False, share=a.share)
         members.append(Member(RunSettings.from_config(cfg), name, scratch / run.name))
     if a.share:
         run_members(members, session)  # one shared-work sweep (per group of runs differing in policy and budget)
-    rows = []
+    rows, differing = [], []
     for run, member in zip(a.runs, members):
         name = member.name
         if not a.share:
@@ -91,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             diffs.append(f"{sid}: tokens from {_first_diff(rec['tokens'], ref['tokens'])}, "
                          f"fields {', '.join(f for f in FIELDS if rec.get(f) != ref.get(f))}")
         rows.append((run, name, len(new), same, moved, diffs, took))
+        differing.append({"run": run.as_posix(), "samples": len(new), "identical": same, "graded_moved": moved,
+                          "differ": [sid for sid, rec in new.items()
+                                     if not all(rec.get(f) == old[sid].get(f) for f in FIELDS)]})
         print(f"{run.name}: {same}/{len(new)} identical, graded score moved {moved:.1e} ({took:.0f} s)",
               file=sys.stderr, flush=True)
     what = (f"Shared-work reruns (the runs below as one sweep, share=true, batch_size={a.batch})" if a.share
@@ -109,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{took:.0f} |")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    if a.json:
+        a.json.write_text(json.dumps(differing, indent=1) + "\n", encoding="utf-8")
     print("\n".join(lines))
     return 0
 

@@ -246,3 +246,55 @@ def test_batch_identity_script_counts_identical_and_differing_samples(tmp_path, 
     capsys.readouterr()
     assert script.main(["--out", str(out), str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err.strip().endswith("is not a run directory (config.yaml, predictions.jsonl)")
+
+
+def test_compose_shards_by_hand() -> None:
+    """A run of shard 4/8 holds samples 4, 12, 20, 28, ...; its sub-shard 1/2 (positions 1, 3, ... of those) is
+    12, 28, 44, ... = indices 12 mod 16; 0/1000 of it is its first sample alone (4 mod 8000)."""
+    compose = load_script("batch_identity").compose_shards
+    assert compose("4/8", "1/2") == "12/16"
+    assert compose("4/8", "0/1000") == "4/8000"
+    assert (compose(None, "0/15"), compose("4/8", None), compose(None, None)) == ("0/15", "4/8", None)
+
+
+def test_logit_margin_names_the_step_where_a_committed_token_is_not_the_argmax(tmp_path, capsys) -> None:
+    """scripts/logit_margin.py feeds a run's own tokens back: on an untouched float64 run every step's argmax is the
+    committed token; with token 3 of one sample planted different, step 3 is where they part, shown with both logits
+    and a positive gap (the planted token is not the argmax)."""
+    import json
+
+    from kvbench.run.app import Session, run_one
+    from test_resume import _cfg, _data
+
+    script = load_script("logit_margin")
+    run = tmp_path / "committed"
+    run_one(_cfg(_data(tmp_path), **{"model.dtype": "float64"}), "keydiff", run, Session())
+    assert script.main([str(run), "--sample", "s5"]) == 0
+    assert "today's argmax is the committed token at every step" in capsys.readouterr().out
+
+    rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    planted = rows[5]["tokens"][3] + 1
+    rows[5]["tokens"][3] = planted
+    (run / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "margin.md"
+    assert script.main([str(run), "--sample", "s5", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "parts from the committed token at step(s) [3" in text
+    step3 = next(ln for ln in text.splitlines() if ln.startswith("| 3 |")).split(" | ")
+    assert step3[1].startswith(f"{planted} ") and float(step3[-1].rstrip(" |")) > 0
+    assert script.main([str(run), "--sample", "nope"]) == 2
+
+
+def test_reproduce_summary_by_hand(tmp_path) -> None:
+    """scripts/reproduce.py's README row per folder: runs, samples, identical, the largest graded move and the
+    differing samples by run, from batch_identity's --json rows (hand-made here); a folder without runs: exit 2."""
+    import json
+
+    script = load_script("reproduce")
+    rows = [{"run": "results/x/runs/m/t/a_N512", "samples": 2, "identical": 2, "graded_moved": 1e-6, "differ": []},
+            {"run": "results/x/runs/m/t/b_N512", "samples": 2, "identical": 1, "graded_moved": 3.4e-5,
+             "differ": ["L2000_D10"]}]
+    (tmp_path / "x.json").write_text(json.dumps(rows))
+    text = script.summary(["x"], tmp_path, "0/1000")
+    assert "| x | 2 | 4 | 3 | 3.4e-05 | `b_N512` L2000_D10 |" in text
+    assert script.main(["no-such-folder", "--out", str(tmp_path)]) == 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 import time
@@ -21,6 +20,7 @@ from kvbench.bench.measure import CLOCKS, configurations, run_bench
 from kvbench.bench.sweep import DESIGNS, designs_from, run_sweep_bench, sweep_goal_lines, sweep_markdown
 from kvbench.bench.setup import (BASELINES, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies, build_model,
                                  load_real_model, make_policy, prompt_ids)
+from kvbench.run.machine import cpu_info
 
 # --quick runs single-threaded unless told otherwise: on a shared CI machine a second torch thread that is not
 # scheduled stalls every parallel operator (see docs/bench.md); one thread takes ~75 CPU-seconds for this run.
@@ -240,7 +240,8 @@ def _write(a: argparse.Namespace, payload: dict, table: str, lines: list[str], d
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
     md = Path(a.markdown) if a.markdown else out.with_suffix(".md")
-    md.write_text(f"{desc} on {device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
+    cpu = cpu_info()
+    md.write_text(f"{desc} on {device} ({cpu['model']}, {cpu['isa']}, torch {torch.__version__}, "
                   f"{torch.get_num_threads()} threads); {a.clock} clock, {about}.\n\nCommand: `{a.command}`" +
                   f"\n\n{table}\n" + ("\n## Goals\n\n" + "\n".join(f"- {ln}" for ln in lines) + "\n"
                                       if lines else ""), encoding="utf-8")
