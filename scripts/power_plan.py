@@ -18,6 +18,7 @@ RUNS: a pilot's run directories (kvbench-report reads them); each comparison a:b
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -124,6 +125,22 @@ def tests_markdown(rows: list[dict[str, Any]], score: str, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+TESTS_CSV = ["a", "b", "budget", "score", "n", "diff", "ci_low", "ci_high", "p", "p_holm", "verdict"]
+
+
+def write_tests_csv(rows: list[dict[str, Any]], score: str, path: Path) -> None:
+    """with_holm's rows as CSV, one per planned comparison (untested ones: empty numbers, the note as verdict)."""
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(TESTS_CSV)
+        for r in rows:
+            if "p" not in r:
+                w.writerow([r["a"], r["b"], r["budget"], score, "", "", "", "", "", "", r["note"]])
+                continue
+            w.writerow([r["a"], r["b"], r["budget"], score, r["n"], f"{r['diff']:.6f}", f"{r['lo']:.6f}",
+                        f"{r['hi']:.6f}", f"{r['p']:.6g}", f"{r['holm']:.6g}", r["verdict"]])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", type=Path)
@@ -133,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--budgets", required=True, help="comma-separated budgets N")
     ap.add_argument("--cap", type=int, default=None, help="the most samples a run may have (the source's size)")
     ap.add_argument("--tests", action="store_true", help="the final runs' Holm-corrected verdicts instead of a plan")
+    ap.add_argument("--csv", type=Path, default=None,
+                    help="with --tests: also the rows as CSV (a, b, budget, n, diff, ci, p, Holm p, verdict), which "
+                         "scripts/evidence_table.py reads")
     a = ap.parse_args(argv)
     try:
         comparisons = [tuple(c.split(":")) for c in a.compare]
@@ -146,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = (tests_markdown(with_holm(rows), a.score, str(a.runs)) if a.tests
             else markdown(rows, a.score, a.cap, str(a.runs)))
     a.out.write_text(text, encoding="utf-8")
+    if a.tests and a.csv:
+        write_tests_csv(rows, a.score, a.csv)
     print(a.out.read_text(encoding="utf-8"), end="")
     return 0
 

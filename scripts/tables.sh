@@ -8,14 +8,15 @@
 #   bash scripts/tables.sh NAME [OUT]           one kind of folder (default OUT: results/NAME); the result scripts
 #                                               call it on their own output after finish_run
 #
-# NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm | evidence_code. The claims
-# tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the committed ones).
+# NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm | evidence_code |
+# pilot_niah. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
+# committed ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPORT=${REPORT:-python -m kvbench.report}
 NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
-FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm evidence_code)
+FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm evidence_code pilot_niah)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs)
 
@@ -29,14 +30,19 @@ tables() {
     case $name in
         niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
         ruler_4k) ;;
+        pilot_niah)
+            # The budgets the final NIAH grid runs at: the full cache answers and the policies spread
+            python scripts/budget_choice.py "$out/runs" --out "$out/budgets.md" > /dev/null ;;
         evidence_lm)
             # The planned comparisons' tests, Holm over the table (the LM score: answer_logprob, nats per token)
-            python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --score answer_logprob --tests \
-                --compare knorm:random knorm:full streamingllm:full knorm:streamingllm --budgets 1024 > /dev/null ;;
+            python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" \
+                --score answer_logprob --tests --budgets 1024 \
+                --compare knorm:random knorm:full streamingllm:full knorm:streamingllm > /dev/null ;;
         evidence_code)
             # The pilot's planned comparisons on the code task's graded score (the gold line's log-probability)
-            python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --score answer_logprob --tests \
-                --compare keydiff:tova keydiff:snapkv keydiff:full streamingllm:full --budgets 512 > /dev/null ;;
+            python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" \
+                --score answer_logprob --tests --budgets 512 \
+                --compare keydiff:tova keydiff:snapkv keydiff:full streamingllm:full > /dev/null ;;
         pilot_evidence)
             # The final runs' n from the pilot's paired differences (Holm's strictest level over each plan's m)
             python scripts/power_plan.py "$out/runs/lm" --out "$out/plan_lm.md" --score answer_logprob --cap 383 \
@@ -53,12 +59,20 @@ tables() {
     esac
 }
 
+evidence_table() {
+    python scripts/evidence_table.py --claims results/claims/claims.csv --claims results/qwen2.5-coder-1.5b/claims.csv \
+        --names SmolLM2-135M Qwen2.5-Coder-1.5B --tests results/evidence_code/tests.csv results/evidence_lm/tests.csv \
+        --test-names "real code, graded score (SmolLM2)" "LM score on code (SmolLM2)" --out results/evidence.md > /dev/null
+}
+
 if [[ $# == 0 ]]; then
     for name in "${FOLDERS[@]}"; do tables "$name" "results/$name"; done
     # results/README.md's verdict blocks, from the CSVs just written (tests/test_verdicts.py checks them).
     python scripts/verdicts.py
     # Whether the graded score separates hits from misses, per model (tests/test_graded_validity.py checks it)
     python scripts/graded_validity.py --runs "${VALIDITY_RUNS[@]}" --out results/graded_validity.md > /dev/null
+    # Each claim on every score that tests it: the claims tables beside the evidence folders' planned tests
+    evidence_table
 elif [[ " ${FOLDERS[*]} " == *" $1 "* ]]; then
     tables "$1" "${2:-results/$1}"
 else

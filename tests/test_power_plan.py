@@ -33,3 +33,18 @@ def test_plan_sentences() -> None:
         "9 samples resolve the pilot's difference at alpha 0.05/4 with 80 % power"
     assert pp.sentence({**row, "need": 500}, "answer_logprob", 383).startswith("needs 500 samples, more than the cap")
     assert pp.sentence({**row, "need": None}, "answer_logprob", None).startswith("the pilot shows no difference")
+
+
+def test_tests_csv_rows_carry_the_holm_p_and_the_verdict(tmp_path) -> None:
+    import csv
+
+    rows = pp.with_holm([_row("x", "y", 0.01, +0.3, 0.1, 0.5), _row("x", "z", 0.04, -0.2, -0.4, -0.01),
+                         {"a": "v", "b": "z", "budget": 512, "note": "no paired runs in the pilot"}])
+    out = tmp_path / "tests.csv"
+    pp.write_tests_csv(rows, "answer_logprob", out)
+    got = list(csv.DictReader(out.open()))
+    # Holm over two p: 0.01 x 2 = 0.02, then max(0.02, 0.04 x 1) = 0.04
+    assert [(r["a"], r["b"], r["p_holm"], r["verdict"]) for r in got] == [
+        ("x", "y", "0.02", "resolved: x higher"), ("x", "z", "0.04", "resolved: z higher"),
+        ("v", "z", "", "no paired runs in the pilot")]
+    assert got[0]["diff"] == "0.300000" and got[0]["ci_low"] == "0.100000" and got[0]["n"] == "100"

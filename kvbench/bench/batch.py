@@ -27,7 +27,7 @@ from kvbench.engine.generate import GenerationSettings, Job, Observer, generate_
 WORKLOADS: dict[str, tuple[int, int]] = {"niah": (2048, 32), "longbench": (4096, 256)}  # prompt tokens, new tokens
 LENGTH_STEP = 13  # sample j's prompt is j x 13 tokens shorter: distinct tails, as a task's samples have
 BATCH_POLICIES = ["keydiff", "snapkv", "streamingllm"]
-GOALS = {"longbench": 1.6, "niah": 1.15}  # batch 8 vs batch 1, samples per hour (docs/bench.md)
+GOALS = {"longbench": 1.6, "niah": 1.35}  # batch 8 vs batch 1, samples per hour (docs/bench.md)
 GOAL_BATCH = 8
 
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The NIAH pilot of the designed grid (issue "Evidence that resolves", point 3): needles each in its own window of
+# the essays (+task.windows=per_sample), so samples are independent draws, and budgets chosen where the full cache
+# answers (>= 90 %) and the policies spread (not all 0, not all 100). The pilot's samples are left out of the final
+# runs.
+#
+#   scripts/pilot_niah.sh            # results/pilot_niah/
+#   QUICK=1 scripts/pilot_niah.sh    # 1 sample, 1 policy (scratch output only)
+#
+# The final grid this pilot sizes: 2000-token prompts, depths 10/50/90 %, 34 samples per depth (102 samples: the
+# first 76 in disjoint 2000-token windows of the essays, the other 26 wrapped, see docs/niah.md), 32 new tokens.
+# Pilot samples: shard 10/11 of that grid (9 samples, k = 10, 21, ..., 98; the last three wrapped windows), which the
+# final runs leave out. Policies: KeyDiff, TOVA, SnapKV, H2O, StreamingLLM at N = 256, 512, 1024, B = 128, and the
+# full cache; each worker's runs are one shared-work group (their prompt blocks before the first eviction once).
+# CPU budget: 16 runs x 9 samples x ~25 s = ~60 CPU-min, ~35 min wall on two workers beside other work.
+NAME=pilot_niah
+source "$(dirname "$0")/lib.sh"
+
+SHARD=${SHARD:-10/11}
+BUDGETS=${BUDGETS:-256,512,1024}
+GRID=(task=niah "task.context_lengths=[2000]" "task.depths=[10,50,90]" task.samples_per_cell=34
+      task.max_new_tokens=32 +task.windows=per_sample block=128 "shard=$SHARD")
+if [[ "$QUICK" == 1 ]]; then
+    GRID=(task=niah "task.context_lengths=[600]" "task.depths=[50]" task.samples_per_cell=1 task.max_new_tokens=8
+          +task.windows=per_sample block=128)
+    BUDGETS=256
+fi
+
+start_run
+if [[ "$QUICK" == 1 ]]; then
+    sweep 0 "${GRID[@]}" policy=streamingllm "budget=$BUDGETS" "hydra.sweep.dir=$RUNS"
+else
+    sweep 0 "${GRID[@]}" policy=full budget=null "hydra.sweep.dir=$RUNS"
+    sweep 0 "${GRID[@]}" policy=keydiff,tova "budget=$BUDGETS" "hydra.sweep.dir=$RUNS"
+    sweep 1 "${GRID[@]}" policy=snapkv,h2o,streamingllm "budget=$BUDGETS" "hydra.sweep.dir=$RUNS"
+fi
+wait_workers
+finish_run

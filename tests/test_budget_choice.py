@@ -1,0 +1,44 @@
+"""scripts/budget_choice.py: the pilot's budget choice, on hand-made runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers import load_script
+
+bc = load_script("budget_choice")
+
+
+def _run(root: Path, name: str, policy: str, budget: int | None, scores: list[float]) -> None:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "metrics.json").write_text(json.dumps({"policy": policy, "budget": budget}))
+    (d / "predictions.jsonl").write_text("".join(json.dumps({"id": s, "score": v}) + "\n"
+                                                 for s, v in zip("abcd", scores)))
+
+
+def test_budgets_by_hand(tmp_path: Path) -> None:
+    # full cache 100 on a-d. N = 256: keydiff fails all, tova answers c only -> a, b, d fail for both (3), 1
+    # informative of 4 < half: not chosen. N = 512: keydiff misses b, tova misses c -> a, d answered by both (2),
+    # b and c informative (2 of 4 = half): chosen.
+    _run(tmp_path, "full", "full", None, [100, 100, 100, 100])
+    _run(tmp_path, "k256", "keydiff", 256, [0, 0, 0, 0])
+    _run(tmp_path, "t256", "tova", 256, [0, 0, 100, 0])
+    _run(tmp_path, "k512", "keydiff", 512, [100, 0, 100, 100])
+    _run(tmp_path, "t512", "tova", 512, [100, 100, 0, 100])
+    out = tmp_path / "budgets.md"
+    assert bc.main([str(tmp_path), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| 256 | 4 | 100 | 0 | 25 | 3 | 0 | 1 | not chosen: only 1 of 4 samples tell the policies apart |" in text
+    assert "| 512 | 4 | 100 | 75 | 75 | 0 | 2 | 2 | chosen |" in text
+    assert text.rstrip().endswith("Chosen budgets: 512.")
+
+
+def test_a_full_cache_below_90_is_named(tmp_path: Path) -> None:
+    _run(tmp_path, "full", "full", None, [100, 100, 100, 0])  # 75
+    _run(tmp_path, "k", "keydiff", 512, [100, 0, 100, 0])
+    _run(tmp_path, "t", "tova", 512, [0, 100, 100, 0])
+    text = bc.markdown(bc.rows(*bc.load(tmp_path)), "x")
+    assert "not chosen: the full cache scores 75 < 90 |" in text and "Chosen budgets: none" in text
+    assert bc.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "o.md")]) == 2

@@ -1,0 +1,52 @@
+"""scripts/evidence_table.py: a claim's verdict on each evidence folder's planned tests, worked by hand."""
+
+from __future__ import annotations
+
+from helpers import load_script
+
+et = load_script("evidence_table")
+
+
+def _t(a: str, b: str, diff: float, lo: float, hi: float, holm: float, verdict: str, n: int = 106) -> dict:
+    return {"a": a, "b": b, "budget": "512", "score": "answer_logprob", "n": str(n), "diff": str(diff),
+            "ci_low": str(lo), "ci_high": str(hi), "p": "0.0002", "p_holm": str(holm), "verdict": verdict}
+
+
+def test_a_rival_resolved_above_the_winner_reverses_the_claim() -> None:
+    tests = [_t("keydiff", "tova", -0.472, -0.623, -0.321, 0.0008, "resolved: tova higher"),
+             _t("keydiff", "snapkv", -0.05, -0.2, 0.1, 0.4, "not resolved")]
+    cell = et.evidence_cell("keydiff", ("tova", "snapkv", "h2o"), tests)
+    assert cell == ("**reversed**: vs tova (N=512): tova higher, -0.472 [-0.623, -0.321], n = 106, Holm p = 0.0008; "
+                    "vs snapkv (N=512): not resolved, -0.050 [-0.200, +0.100], n = 106, Holm p = 0.4; vs h2o: not run")
+
+
+def test_the_difference_is_turned_to_winner_minus_rival() -> None:
+    # the folder compared random:knorm (diff = random - knorm = -0.152): for "knorm beats random" it is +0.152, and
+    # the interval [-0.176, -0.129] becomes [+0.129, +0.176]
+    tests = [_t("random", "knorm", -0.152, -0.176, -0.129, 0.0008, "resolved: knorm higher", n=100)]
+    assert et.evidence_cell("knorm", ("random",), tests) == (
+        "**holds**: vs random (N=512): knorm higher, +0.152 [+0.129, +0.176], n = 100, Holm p = 0.0008")
+
+
+def test_holds_where_run_and_not_run() -> None:
+    tests = [_t("hashevict", "tova", 0.2, 0.1, 0.3, 0.01, "resolved: hashevict higher")]
+    assert et.evidence_cell("hashevict", ("tova", "h2o"), tests).startswith("**holds where run**: vs tova")
+    assert et.evidence_cell("sagekv", ("streamingllm",), tests) == "not run"
+    # an untested planned comparison (no paired runs: empty p) counts as not run
+    untested = [{**_t("sagekv", "streamingllm", 0, 0, 0, 1, "no paired runs in the pilot"), "p": ""}]
+    assert et.evidence_cell("sagekv", ("streamingllm",), untested) == "not run"
+
+
+def test_table_rows_and_pipes_escaped(tmp_path) -> None:
+    claims = [{"claim": "CriticalKV's selection (attention x ||v W_O||) improves SnapKV", "holds?": "not resolved (n = 15)",
+               "graded score": "reversed: N=512 ..."},
+              {"claim": "StreamingLLM (sink + recent window) loses needles in the middle", "holds?": "holds: ...",
+               "graded score": "-"}]
+    text = et.build([claims], ["M"], [[_t("criticalkv", "snapkv", 0.1, 0.05, 0.15, 0.01, "resolved: criticalkv higher")]],
+                    ["code"])
+    rows = [ln for ln in text.splitlines() if ln.startswith("| CriticalKV") or ln.startswith("| StreamingLLM")]
+    assert rows[0].startswith("| CriticalKV's selection (attention x \\|\\|v W_O\\|\\|) improves SnapKV | "
+                              "not resolved (n = 15); graded: reversed | **holds**: vs snapkv")
+    assert rows[1] == ("| StreamingLLM (sink + recent window) loses needles in the middle | holds; graded: not run | - |")
+    assert et.main(["--claims", str(tmp_path / "none.csv"), "--names", "M", "--tests", str(tmp_path / "t.csv"),
+                    "--test-names", "c", "--out", str(tmp_path / "o.md")]) == 2
