@@ -31,6 +31,7 @@ from kvbench.policies.base import Policy, query_attention
 from kvbench.policies.criticalkv import BATCHED_TOKENS, CriticalKV
 from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.window import WindowRing
 
 from helpers import installed_model
 
@@ -81,11 +82,11 @@ def _assert_close_relative(got: torch.Tensor, want: torch.Tensor, rel: float) ->
 def stored_rows(layer: EvictingLayer) -> torch.Tensor:
     """(b, h_q, count, n) each stashed query's stored row renormalised over the slots held: what window_attention
     averages (the rows computed since the latest eviction are used as stored: they sum to 1 up to rounding)."""
-    first, seen, w = layer.query_first, layer.seen, layer._stash_window
+    first, seen, w = layer.query_first, layer.seen, layer.query_window
     b, h_q = layer.queries.shape[:2]
     h_kv, n = layer.keys.shape[1], layer.keys.shape[2]
-    wp = layer.window_probs.view(b, h_kv, n, h_q // h_kv, w)
-    rows = [wp[..., (p - layer._wp_base) % w] for p in range(first, seen)]  # (b, h_kv, n, g) each
+    wp = WindowRing.of(layer).probs.view(b, h_kv, n, h_q // h_kv, w)
+    rows = [wp[..., (p - WindowRing.of(layer).base) % w] for p in range(first, seen)]  # (b, h_kv, n, g) each
     rows = torch.stack(rows, dim=-1).permute(0, 1, 3, 4, 2).reshape(b, h_q, seen - first, n)
     return rows / rows.sum(dim=-1, keepdim=True)
 
@@ -101,16 +102,17 @@ class Checks:
 
         def checked(layer: EvictingLayer) -> Any:
             ref = layer.fork()  # shares K/V; its own window state, which the next two lines switch off
-            ref.window_probs, ref.query_first = None, None  # no ring: window_attention recomputes every time
+            WindowRing.of(ref).probs, ref.query_first = None, None  # no ring: window_attention recomputes every time
             want = select(ref)
             if layer.queries is not None and layer.query_first is not None:
                 self.calls += 1
-                self.incremental += layer.window_probs is not None and layer._wp_rows > layer.query_first
+                ring = WindowRing.of(layer)
+                self.incremental += ring.probs is not None and ring.rows > layer.query_first
                 probs = query_attention(layer)  # (b, h_q, w, n)
                 rel = _bound(layer)
                 got = layer.window_attention()  # brings the state up to date first
                 self.worst = max(self.worst, _assert_close_relative(got, probs.mean(dim=-2), rel))
-                if layer.window_probs is not None:  # rows are kept while decoding, and for blocks smaller than w
+                if ring.probs is not None:  # rows are kept while decoding, and for blocks smaller than w
                     _assert_close_relative(stored_rows(layer), probs, rel)
             got = select(layer)
             assert (got is None) == (want is None)
@@ -175,24 +177,25 @@ def _layer_with_window(seed: int = 0, n: int = 20, w: int = 4) -> EvictingLayer:
 def test_a_decoding_step_adds_one_row_and_renormalises_the_others() -> None:
     layer = _layer_with_window()
     layer.window_attention()  # 4 new queries: computed as query_attention computes them, and stored
-    assert layer.window_probs.shape == (1, 2, 20, 8)  # g * w = 2 * 4 per token and KV head
+    assert WindowRing.of(layer).probs.shape == (1, 2, 20, 8)  # g * w = 2 * 4 per token and KV head
     assert torch.equal(layer.window_attention(), query_attention(layer).mean(dim=-2))  # nothing new: same values
-    stored = layer.window_probs
+    stored = WindowRing.of(layer).probs
     layer.keep(torch.tensor([[[0, 2, 3, 5, 7, 11, 12, 15, 16, 17, 18, 19]] * 2]))  # evicts 8 slots
     g = torch.Generator().manual_seed(7)
     layer.update(torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g))
     layer.stash_queries(torch.randn(1, 4, 1, 8, generator=g), 4)
-    assert layer.window_probs is stored  # pruning and the new token's entries wait for the next call: one copy then
+    # pruning and the new token's entries wait for the next call: one copy then
+    assert WindowRing.of(layer).probs is stored
     got = layer.window_attention()
-    assert layer.window_probs.shape[2] == 13 and layer._wp_rows == 21
+    assert WindowRing.of(layer).probs.shape[2] == 13 and WindowRing.of(layer).rows == 21
     probs = query_attention(layer)
     rel = _bound(layer)
     _assert_close_relative(got, probs.mean(dim=-2), rel)
     _assert_close_relative(stored_rows(layer), probs, rel)
     # the newest query's row is stored as computed: query_attention's arithmetic on that one query
-    slot = (20 - layer._wp_base) % 4
-    stored = layer.window_probs.view(1, 2, 13, 2, 4)[..., slot].permute(0, 1, 3, 2).reshape(1, 4, 13)
-    assert torch.equal(stored, layer._query_rows(layer.queries[:, :, -1:], 20)[:, :, 0])
+    slot = (20 - WindowRing.of(layer).base) % 4
+    stored = WindowRing.of(layer).probs.view(1, 2, 13, 2, 4)[..., slot].permute(0, 1, 3, 2).reshape(1, 4, 13)
+    assert torch.equal(stored, WindowRing._query_rows(layer, layer.queries[:, :, -1:], 20)[:, :, 0])
 
 
 def test_evictions_between_scorings_keep_the_window_aligned() -> None:
@@ -212,7 +215,7 @@ def test_evictions_between_scorings_keep_the_window_aligned() -> None:
                               [1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 20, 21]]]))
     append()
     got = layer.window_attention()  # queries 19 (row kept from before) and 20, 21, 22 (new rows)
-    assert layer._wp_rows == 23 and layer.window_probs.shape[2] == 14
+    assert WindowRing.of(layer).rows == 23 and WindowRing.of(layer).probs.shape[2] == 14
     probs = query_attention(layer)
     rel = _bound(layer)
     _assert_close_relative(got, probs.mean(dim=-2), rel)
@@ -227,7 +230,7 @@ def test_the_fork_keeps_its_own_window() -> None:
     branch.update(torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g))
     branch.stash_queries(torch.randn(1, 4, 1, 8, generator=g), 4)
     branch.window_attention()  # writes the branch's new row in place
-    assert branch.window_probs.data_ptr() != layer.window_probs.data_ptr()
+    assert WindowRing.of(branch).probs.data_ptr() != WindowRing.of(layer).probs.data_ptr()
     assert torch.equal(layer.window_attention(), before)
 
 
@@ -242,18 +245,18 @@ def test_the_window_state_is_kept_only_while_decoding(model) -> None:
         model(input_ids=ids, past_key_values=cache)  # the whole prompt in one forward, then one eviction
         for layer in cache.evicting_layers():
             policy.evict(layer)
-        assert all(layer.window_probs is None for layer in cache.evicting_layers())
+        assert all(WindowRing.of(layer).probs is None for layer in cache.evicting_layers())
         cache.start_decoding()
         model(input_ids=ids[:, :1], past_key_values=cache)
         for layer in cache.evicting_layers():
             policy.evict(layer)  # builds the rows of the 4 stashed queries
-        stored = [layer.window_probs for layer in cache.evicting_layers()]
+        stored = [WindowRing.of(layer).probs for layer in cache.evicting_layers()]
         for t in range(2):
             model(input_ids=ids[:, t:t + 1], past_key_values=cache)
     for layer, before in zip(cache.evicting_layers(), stored):
-        assert before.shape[2] == 25 and layer.window_probs is before and layer.physical() == 26
+        assert before.shape[2] == 25 and WindowRing.of(layer).probs is before and layer.physical() == 26
         layer.window_attention()  # one copy: the 24 kept slots and the 2 appended; 2 new rows
-        assert layer.window_probs.shape[2] == 26 and layer._wp_rows == 73
+        assert WindowRing.of(layer).probs.shape[2] == 26 and WindowRing.of(layer).rows == 73
 
 
 # -- the ragged layers' attention in one call ------------------------------------------------------------------------

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from kvbench.policies.base import attention_probs, query_attention
+from kvbench.policies.window import WindowRing
 
 if TYPE_CHECKING:
     from kvbench.policies.base import Policy
+    from kvbench.policies.layer import LayerExtra
 
 
 class EvictingLayer(DynamicLayer):
@@ -38,12 +39,10 @@ class EvictingLayer(DynamicLayer):
     selection that changes head sizes needs them on the host: a layer of an engine-run cache (`defer_pack`) leaves
     it pending and the engine reads every layer's sizes with the step's token, one host read (`EvictingCache.settle`).
 
-    `window_attention` (SnapKV's observation window: the stashed queries' mean attention over the slots) is kept
-    incrementally once a policy has asked for it: per token, the attention probability each of the w stashed queries
-    gave it when that query's row was computed (`window_probs`, g * w floats per token and KV head, stored and pruned
-    with the token like its key; on uniform layers the pruning waits for the next scoring, see `_window_rows`). A
-    decoding step then computes one new row (the new query over the slots) instead of the w x n logits and softmax,
-    and renormalises the older rows over the slots still held; see there.
+    A policy's own incremental per-layer state lives in the policies layer, in objects the layer holds in `extras`
+    (`LayerExtra`, kvbench/policies/layer.py) and knows nothing about: it calls their hooks where its storage
+    changes (`on_keep`, `on_unpack`, `on_pack`, `fork`), so per-token rows of theirs follow the tokens. SnapKV's
+    observation window (`window_attention`, kept incrementally by a `WindowRing`, kvbench/policies/window.py) is one.
     """
 
     is_sliding = False
@@ -76,21 +75,10 @@ class EvictingLayer(DynamicLayer):
         # Per-layer (not per-token) values a policy keeps from a forward to the eviction after it (HashEvict's
         # probe code); per-token values go in `state`.
         self.scratch: dict[str, torch.Tensor] = {}
-        # `window_attention`'s state (None until a policy asks): per token, (b, h_kv, n, g * w) uniform / (S, g * w)
-        # ragged / (b, h_kv, L, g * w) in the padded view, the probability the stashed query in ring slot r (of w) of
-        # each query head of the group gave the token when that query's row was computed; zero where the query does
-        # not see the token (later tokens, padding). Host bookkeeping, all in absolute positions:
-        self.window_probs: torch.Tensor | None = None
-        self._stash_window = 0  # w of the latest stash (`stash_queries`); <= 0: no ring
-        self._wp_cols = 0  # tokens at positions < this have their window_probs entries; later ones get zeros
-        self._wp_rows = 0  # stashed queries at positions < this have their row computed
-        self._wp_exact = 0  # rows of queries at positions >= this were computed over exactly the slots held now
-        self._wp_base = 0  # the query at position p sits in ring slot (p - base) % w
-        # Evictions of a uniform layer prune window_probs lazily: (b, h_kv, m) rows of window_probs (flattened) that
-        # the slots held at `_wp_cols` have, -1 for zeros; applied (one copy) when the next scoring needs the rows,
-        # so a prompt block whose queries replace every row never copies the old ones. None: window_probs as it is.
-        self._wp_sel: torch.Tensor | None = None
-        self._wp_sel_zeros = False  # _wp_sel may hold -1 (tokens appended, then kept, before any scoring)
+        # Policy-owned per-layer objects (`LayerExtra`: SnapKV's WindowRing), created by the policies layer on first
+        # use; the layer only calls their hooks where its storage changes (keep, unpack, pack, fork).
+        self.extras: dict[str, LayerExtra] = {}
+        self.query_window = 0  # the window of the latest stash (`stash_queries`): w > 0, -1 the forward's own
         # A selection of `keep` stored by `pack`: rows (flattened) of the padded arrays it keeps, padding included
         self._keep_rows: torch.Tensor | None = None
         self._view_sizes: list[int] | None = None  # the head sizes of the padded view `unpack` built (host)
@@ -198,22 +186,19 @@ class EvictingLayer(DynamicLayer):
         b, h, length = valid.shape
         sizes = self.head_sizes
         self.keys, self.values = _pad_heads(self.keys, sizes, length, 0), _pad_heads(self.values, sizes, length, 0)
-        if self.window_probs is not None and self.query_first is not None and self._wp_rows <= self.query_first:
-            self.window_probs = None  # every stashed query is newer than the rows (a prompt block): rebuilt, not padded
-        if self.window_probs is not None:
-            # entries of the tokens appended since the window state was complete are zeros (see _window_rows):
-            # they are part of the padding here, no separate extension
-            new = self.seen - self._wp_cols
-            self.window_probs = _pad_heads(self.window_probs, [n - new for n in sizes], length, 0)
-            self._wp_cols = self.seen
         self.positions = _pad_heads(self.positions, sizes, length, -1)
         self.state = {k: _pad_heads(s, sizes, length, 0) for k, s in self.state.items()}
         self.keys, self.values = self.keys.view(b, h, length, -1), self.values.view(b, h, length, -1)
-        if self.window_probs is not None:
-            self.window_probs = self.window_probs.view(b, h, length, -1)
         self.positions = self.positions.view(b, h, length)
         self.state = {k: s.view(b, h, length) for k, s in self.state.items()}
         self.valid, self.lengths, self.head_sizes, self._view_sizes = valid, None, None, sizes
+        if self.extras:
+            def pad(flat: torch.Tensor, segments: list[int], fill: float) -> torch.Tensor:
+                # an extra's flat rows (S, ...) in segments of `segments` -> (b, h_kv, L, ...), the view's layout
+                return _pad_heads(flat, segments, length, fill).view(b, h, length, *flat.shape[1:])
+
+            for extra in self.extras.values():
+                extra.on_unpack(self, sizes, pad)
 
     def pack(self, sizes: list[int] | None = None) -> None:
         """Store the padded view's real slots (after `keep`: the kept ones): uniform layout if every head holds as
@@ -239,16 +224,15 @@ class EvictingLayer(DynamicLayer):
         d = self.keys.shape[-1]
         self.keys = self.keys.reshape(-1, d).index_select(0, rows)
         self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows)
-        if self.window_probs is not None:
-            self.window_probs = self.window_probs.reshape(-1, self.window_probs.shape[-1]).index_select(0, rows)
+        uniform = min(sizes) == max(sizes)
+        for extra in self.extras.values():  # their own rows, stored alike
+            extra.on_pack(rows, (*counts.shape, sizes[0]) if uniform else None)
         self.positions = self.positions.reshape(-1).index_select(0, rows)
         self.state = {k: s.reshape(-1).index_select(0, rows) for k, s in self.state.items()}
-        if min(sizes) == max(sizes):  # the fast uniform path again
+        if uniform:  # the fast uniform path again
             b, h = counts.shape
             n = sizes[0]
             self.keys, self.values = self.keys.view(b, h, n, d), self.values.view(b, h, n, -1)
-            if self.window_probs is not None:
-                self.window_probs = self.window_probs.view(b, h, n, -1)
             self.positions = self.positions.view(b, h, n)
             self.state = {k: s.view(b, h, n) for k, s in self.state.items()}
         else:
@@ -290,19 +274,15 @@ class EvictingLayer(DynamicLayer):
         if self.valid is None and valid is None:  # uniform before and after
             self.keys = self.keys.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
             self.values = self.values.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
-            if self.window_probs is not None:  # per-token rows like K/V, pruned lazily (`_wp_sel`)
-                self._wp_sel_zeros |= self.seen > self._wp_cols
-                self._wp_sel = self._window_sel().gather(2, idx)  # (b, h, kept)
-                self._wp_cols = self.seen
-                self._wp_exact = self._wp_rows
+            for extra in self.extras.values():  # their own per-token rows (WindowRing: pruned lazily)
+                extra.on_keep(self, idx, False)
             self.positions = self.positions.gather(2, idx)
             self.state = {k: v.gather(2, idx) for k, v in self.state.items()}
             return
-        # A padded view, or a uniform layer that turns ragged: `pack` copies K/V, positions, state and window rows
-        # once, at `rows` restricted to the real kept slots.
-        if self.window_probs is not None:  # every row computed so far loses slots
-            self._window_rows()
-            self._wp_exact = self._wp_rows
+        # A padded view, or a uniform layer that turns ragged: `pack` copies K/V, positions and state once, at `rows`
+        # restricted to the real kept slots (and hands those rows to the extras, `on_pack`, which copy their own).
+        for extra in self.extras.values():
+            extra.on_keep(self, idx, True)
         if self.valid is not None:
             base = self.valid.gather(2, idx)
             valid = base if valid is None else base & valid
@@ -312,12 +292,11 @@ class EvictingLayer(DynamicLayer):
     def fork(self) -> EvictingLayer:
         """An independent copy of this layer's state. K/V, positions and queries are only ever replaced, never
         written in place, so the copy shares them; per-token policy state is written in place (set_block_state,
-        H2O's accumulator), and so are `window_attention`'s new rows, so they are cloned."""
+        H2O's accumulator), so it is cloned, and each extra makes its own copy (`LayerExtra.fork`)."""
         new = copy.copy(self)
         new.state = {k: v.clone() for k, v in self.state.items()}
-        if self.window_probs is not None:
-            new.window_probs = self.window_probs.clone()
         new.scratch = dict(self.scratch)
+        new.extras = {k: extra.fork() for k, extra in self.extras.items()}
         return new
 
     def follow(self, lead: EvictingLayer) -> None:
@@ -352,7 +331,7 @@ class EvictingLayer(DynamicLayer):
         """Keep the latest `window` queries (-1: the current block's) for the policy's scoring."""
         q = query.shape[-2]
         pos = torch.arange(self.seen - q, self.seen, device=query.device)
-        self._stash_window = window
+        self.query_window = window
         if window < 0 or self.queries is None:
             self.queries, self.query_positions = query, pos
             self.query_first = self.seen - q
@@ -368,131 +347,13 @@ class EvictingLayer(DynamicLayer):
             self.query_first = self.seen - self.queries.shape[-2]
         self._query_end = self.seen
 
-    # -- the stashed queries' attention, kept incrementally (window_attention) -------------------------------------
+    # -- the stashed queries' attention (CacheLayer's contract), kept by the policies layer's WindowRing ----------
     def window_attention(self) -> torch.Tensor:
-        """(b, h_q, n) float32: the mean over the stashed queries of their attention probabilities over the slots,
-        `query_attention(self).mean(dim=-2)` (padding and keys a query does not see weigh 0), kept incrementally.
-
-        When every stashed query is new (a prompt block of at least w tokens, the one-pass prompt, the first call) it
-        is computed exactly as query_attention computes it; while decoding (or when fewer than w queries were stashed
-        so far) each query's row of probabilities is then stored (`window_probs`, token-major, in a ring of w slots):
-        prompt blocks of at least w tokens keep nothing, the next block replaces every row anyway. Afterwards a
-        forward of k < w tokens computes only its k new rows (query_attention's arithmetic on those queries), written over the ring slots of the k queries that
-        left the window. The older rows need no new entry (a new key is later than every older query, which does not
-        see it) but have lost the slots evicted since they were computed: their probabilities are renormalised over
-        the slots still held, p / sum(p), the softmax over fewer keys (the same values up to float rounding: a
-        different order of the sums, one division more). A decoding step thus costs one (g x d) by (d x n) product per
-        KV head and a few passes over the g * w * n stored probabilities, where recomputing costs the (g * w x d) by
-        (d x n) product, its softmax and mean.
-        Stashed positions with a gap (a forward that stashed nothing) or per-block queries (window < 0) have no ring:
-        then it is the plain computation, every time.
-        """
-        w, first = self._stash_window, self.query_first
-        if w <= 0 or first is None or self.queries is None:
-            self.window_probs, self._wp_sel, self._wp_sel_zeros = None, None, False
-            return query_attention(self).mean(dim=-2)
+        """(b, h_q, n) float32: `query_attention(self).mean(dim=-2)`, SnapKV's observation window, kept incrementally
+        by this layer's `WindowRing` (kvbench/policies/window.py; in `extras`, created on first use)."""
         if self.ragged:
             raise RuntimeError("window_attention() reads the scoring view; unpack() the ragged layer first")
-        b, h_q = self.queries.shape[:2]
-        h_kv, n = self.keys.shape[1], self.keys.shape[2]
-        g = h_q // h_kv
-        seen = self.seen
-        count = seen - first  # stashed queries, at positions first .. seen - 1
-        fresh = max(first, self._wp_rows)  # the queries from position `fresh` on have no row yet
-        if self.window_probs is None or self.window_probs.shape[-1] != g * w or fresh == first:
-            self._wp_sel, self._wp_sel_zeros = None, False  # the old rows are all replaced: never copied
-            probs = query_attention(self)  # (b, h_q, count, n): every stashed query is new
-            if not self.decoding and count == w:
-                # A prompt block of at least w tokens: the next block replaces every row again, so none is kept (the
-                # first decoding step computes them once). Under prefill_once nothing is held after the prompt.
-                self.window_probs = None
-                return probs.mean(dim=-2)
-            rows = probs.view(b, h_kv, g, count, n).permute(0, 1, 4, 2, 3)  # (b, h_kv, n, g, count)
-            if count == w:  # ring slot i <- the i-th stashed query (base = first)
-                self.window_probs = rows.reshape(b, h_kv, n, g * w)
-            else:  # fewer queries than the window so far: the other slots empty
-                wp = probs.new_zeros(b, h_kv, n, g, w)
-                wp[..., :count] = rows
-                self.window_probs = wp.view(b, h_kv, n, g * w)
-            self._wp_base, self._wp_rows, self._wp_cols, self._wp_exact = first, seen, seen, first
-            return probs.mean(dim=-2)
-        self._window_rows()  # the kept rows, and zeros for the tokens appended since: one copy
-        wp = self.window_probs.view(b, h_kv, n, g, w)  # written in place: the new rows
-        new = seen - fresh
-        if new > 0:
-            rows = self._query_rows(self.queries[:, :, count - new:], fresh)  # (b, h_q, new, n)
-            src = rows.view(b, h_kv, g, new, n).permute(0, 1, 4, 2, 3)  # (b, h_kv, n, g, new)
-            done = 0
-            for lo, hi in self._ring_runs(fresh, seen):
-                wp[..., lo:hi] = src[..., done:done + hi - lo]
-                done += hi - lo
-            self._wp_rows = seen
-        # Per ring slot: rows computed before the latest eviction are renormalised over the slots held (1 / their
-        # remaining mass); rows computed since are already a softmax over exactly these slots (1: their values as
-        # query_attention computes them); slots no stashed query holds (fewer than w stashed) weigh 0.
-        scale = wp.sum(dim=2).reciprocal_()  # (b, h_kv, g, w)
-        for lo, hi in self._ring_runs(max(first, self._wp_exact), seen):
-            scale[..., lo:hi] = 1.0
-        for lo, hi in self._ring_runs(seen, first + w):
-            scale[..., lo:hi] = 0.0
-        # The scaled sum over each query head's w rows as one product with a block-diagonal (g x g*w) matrix of the
-        # scales: it reads the stored rows once and writes (b, h_q, n) directly (a product then a sum over w would
-        # write and read a temporary as large as the rows; the zeros of the other heads add exactly nothing)
-        blocks = scale.new_zeros(b, h_kv, g, g, w)
-        blocks.diagonal(dim1=2, dim2=3).copy_(scale.transpose(-1, -2))  # (b, h_kv, w, g) view of the diagonal
-        mean = torch.bmm(blocks.view(b * h_kv, g, g * w), self.window_probs.view(b * h_kv, n, g * w).transpose(1, 2))
-        return mean.view(b, h_q, n) / count  # (b, h_q, n)
-
-    def _ring_runs(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The ring slots of the queries at positions start .. end - 1 (at most w of them), as at most two runs."""
-        w = self._stash_window
-        if end <= start:
-            return []
-        lo = (start - self._wp_base) % w
-        hi = lo + (end - start)
-        return [(lo, hi)] if hi <= w else [(lo, w), (0, hi - w)]
-
-    def _query_rows(self, query: torch.Tensor, first: int) -> torch.Tensor:
-        """(b, h_q, k, n) attention probabilities of `query` (b, h_q, k, d), the stashed queries at positions first ..
-        first + k - 1, over the slots: query_attention's arithmetic on k of its rows (policies.base.attention_probs)."""
-        k = query.shape[2]
-        return attention_probs(self, query, torch.arange(first, first + k, device=query.device), first)
-
-    def _window_sel(self) -> torch.Tensor:
-        """(b, h_kv, n) the rows of window_probs (flattened; -1: zeros) of the slots held now (uniform layer)."""
-        wp = self.window_probs
-        b, h, m, _ = wp.shape
-        sel = self._wp_sel
-        if sel is None:
-            sel = torch.arange(b * h * m, device=wp.device).view(b, h, m)
-        new = self.seen - self._wp_cols  # tokens appended since: later than every query with a row, zeros
-        return sel if new == 0 else torch.cat([sel, sel.new_full((b, h, new), -1)], dim=-1)
-
-    def _window_rows(self) -> None:
-        """Make window_probs hold exactly the slots held now: the pending lazy pruning applied, and zeros for the
-        tokens appended since it was last complete (every query with a row is earlier than them and does not see
-        them). Deferred to the next scoring, so a cache that stops scoring (decoding under prefill_once) pays nothing
-        per step, and one decoding step costs one copy of the rows (pruning and appending together). A no-op in the
-        padded view (`unpack` pads a ragged layer's pending entries with zeros itself)."""
-        wp, sel = self.window_probs, self._wp_sel
-        new = self.seen - self._wp_cols  # appended since: their rows are zeros
-        if wp is None or (sel is None and new == 0):
-            return
-        b, h, _, r = wp.shape
-        if sel is None:  # nothing evicted since: append the zeros
-            self.window_probs = torch.cat([wp, wp.new_zeros(b, h, new, r)], dim=2)
-        else:
-            m = sel.shape[-1]
-            rows = sel.clamp_min(0) if self._wp_sel_zeros else sel
-            if new:  # any row as a placeholder for the appended tokens, zeroed below
-                rows = torch.cat([rows, rows[..., :1].expand(b, h, new)], dim=-1)
-            out = wp.reshape(-1, r).index_select(0, rows.reshape(-1)).view(b, h, m + new, r)
-            if new:
-                out[:, :, m:] = 0.0
-            if self._wp_sel_zeros:  # kept tokens that were appended before the previous eviction
-                out[:, :, :m].masked_fill_((sel < 0).unsqueeze(-1), 0.0)
-            self.window_probs = out
-        self._wp_sel, self._wp_sel_zeros, self._wp_cols = None, False, self.seen
+        return WindowRing.of(self).attention(self)
 
     def padded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A ragged layer's keys and values, (b, h_kv, L, d), each head's tokens first and zeros after (the padded

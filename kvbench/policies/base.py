@@ -220,8 +220,8 @@ def attention_probs(layer: CacheLayer, query: torch.Tensor, query_positions: tor
                     first: int | None) -> torch.Tensor:
     """Attention probabilities (b, h_q, k, n) of `query` (b, h_q, k, d), at `query_positions` (k,), over the layer's
     slots: float32, the model's scale fused into the product, its softcap, keys after a query's position and invalid
-    slots masked, softmax. The one definition the policies' scores (query_attention) and the cache's incremental
-    window rows (the engine's cache layer) use. `first`: the earliest query position when the positions are
+    slots masked, softmax. The one definition the policies' scores (query_attention) and the observation window's
+    incremental rows (policies/window.py's WindowRing) use. `first`: the earliest query position when the positions are
     gap-free (first .. first + k - 1), else None."""
     q = query.float()  # (b, h_q, k, d)
     keys = layer.keys.float()  # (b, h_kv, n, d)

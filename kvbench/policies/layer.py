@@ -8,11 +8,15 @@ layer is named here and that `EvictingLayer` has every member named here.
 Shapes: a layer is scored in a padded view (b, h_kv, n): every KV head holds n slots, in chronological order; a
 layer stored flat per head (ragged: per-head budgets) is turned into that view by `unpack` before scoring and back
 by `pack`/`keep` (`Policy.evict` does both), so a policy never sees the flat storage.
+
+A policy's own incremental per-layer state (SnapKV's observation-window ring, kvbench/policies/window.py) lives in
+the policies layer, in an object the layer holds in `extras` (a `LayerExtra`): the layer knows nothing of what it
+holds and calls its hooks where the storage changes (a kept selection, the padded view, the stored rows, a fork).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -32,6 +36,9 @@ class CacheLayer(Protocol):
     state: dict[str, torch.Tensor]
     # per-layer (not per-token) values a policy keeps from a forward to the eviction after it (HashEvict's probe)
     scratch: dict[str, torch.Tensor]
+    # name -> a policy-owned object with per-layer incremental state that follows the storage (`LayerExtra`: the
+    # layer calls its hooks at every keep, unpack, pack and fork); created by the policies layer on first use
+    extras: dict[str, LayerExtra]
 
     # -- where the layer is --------------------------------------------------------------------------------------
     layer_idx: int  # the decoder layer's index in the model (per-layer budgets, per-layer random projections)
@@ -42,6 +49,8 @@ class CacheLayer(Protocol):
     queries: torch.Tensor | None  # (b, h_q, w, d) the latest w post-RoPE queries
     query_positions: torch.Tensor | None  # (w,) their absolute positions
     query_first: int | None  # position of the earliest stashed query while the stashed positions have no gap
+    # the window of the latest stash: w > 0 the latest w queries, kept across forwards; -1 the forward's own; 0 none
+    query_window: int
     scaling: float | None  # the model's attention scale (query_attention rebuilds the weights with it)
     softcap: float | None  # the model's attention logit softcap, if any
 
@@ -65,9 +74,10 @@ class CacheLayer(Protocol):
 
     def window_attention(self) -> torch.Tensor:
         """(b, h_q, n) float32: the mean over the stashed queries (`query_attention(layer)`'s rows) of their attention
-        probabilities over the slots, `query_attention(layer).mean(dim=-2)`: SnapKV's observation window. The layer
-        keeps it incrementally (per-token state: a decoding step adds the new query's row), so call it in place of
-        that recomputation; equal to it up to float rounding (tests/test_window_state.py)."""
+        probabilities over the slots, `query_attention(layer).mean(dim=-2)`: SnapKV's observation window. Kept
+        incrementally by the layer's `WindowRing` (kvbench/policies/window.py, in `extras`; a decoding step adds the
+        new query's row), so call it in place of that recomputation; equal to it up to float rounding
+        (tests/test_window_state.py)."""
         ...
 
     def keep(self, idx: torch.Tensor, valid: torch.Tensor | None = None) -> None:
@@ -76,3 +86,35 @@ class CacheLayer(Protocol):
         later, when the engine reads the new head sizes together with the decoded token)."""
         ...
 
+
+
+class LayerExtra(Protocol):
+    """A policy-owned per-layer object held in `CacheLayer.extras` (SnapKV's `WindowRing`): incremental state that
+    follows the layer's storage, e.g. its own per-token rows, pruned, padded and stored with the tokens like their
+    keys. The layer calls these hooks on each of its extras where the storage changes. Appending tokens calls none:
+    an extra notes `layer.seen` when its rows were complete and gives the tokens appended since their entries when it
+    next needs them (the layer's `seen` tells it how many)."""
+
+    def on_keep(self, layer: CacheLayer, idx: torch.Tensor, packed: bool) -> None:
+        """`layer.keep` keeps the slots `idx` (b, h_kv, k) of the current layout (uniform or the padded view).
+        `packed` False: a uniform layer that stays uniform, stored at once (the extra prunes its rows here, now or
+        lazily); True: the selection is stored by `pack`, whose `on_pack` hands the extra the rows to keep in the
+        current layout (bring its rows up to date with that layout now)."""
+        ...
+
+    def on_unpack(self, layer: CacheLayer, sizes: list[int],
+                  pad: Callable[[torch.Tensor, list[int], float], torch.Tensor]) -> None:
+        """`layer.unpack` has built the padded view (b, h_kv, L) of a ragged layer whose heads held `sizes` tokens
+        (row-major, on the host). `pad(flat, segment_sizes, fill)`: flat per-head rows (S, ...) in segments of
+        `segment_sizes` -> (b, h_kv, L, ...), each segment followed by `fill`, the view's own layout."""
+        ...
+
+    def on_pack(self, rows: torch.Tensor, shape: tuple[int, int, int] | None) -> None:
+        """`layer.pack` stores the rows `rows` (S,) of the current layout's flattened (b * h_kv * n) slots (the kept
+        real slots, in order): `shape` (b, h_kv, n) when every head keeps n (uniform), None when stored flat per
+        head (S, ...)."""
+        ...
+
+    def fork(self) -> LayerExtra:
+        """An independent copy for `layer.fork()` (the graded branch): clone what is written in place."""
+        ...
