@@ -10,9 +10,9 @@ The wrapper receives post-norm, post-RoPE queries, the layer's whole key/value (
   hold different numbers of tokens when some are not evicted),
 - computes attention itself (query-chunked, never prompt^2 at once) when the policy needs the probabilities,
   handing them to `Policy.on_attention` and reusing them for the output,
-- on ragged layers (per-head budgets, stored flat per KV head: see engine/cache.py) ignores the `key`/`value` it is handed
-  (the layer's flat storage) and attends each KV head's query group over that head's own keys (head by head on CPU,
-  in one masked attention over the heads padded to the longest on CUDA: `ragged_attention`),
+- on ragged layers (per-head budgets, stored flat per KV head: see engine/ragged.py) ignores the `key`/`value` it is
+  handed (the layer's flat storage) and attends each KV head's query group over that head's own keys (head by head on
+  CPU, in one masked attention over the heads padded to the longest on CUDA: `ragged_attention`),
 and otherwise delegates to sdpa or the model file's own eager function.
 
 The active cache is found through a context variable set by `active(cache)`, so plain forwards outside kvbench

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from kvbench.engine.ragged import RaggedStorage
 from kvbench.policies.window import WindowRing
 
 if TYPE_CHECKING:
@@ -21,23 +22,17 @@ if TYPE_CHECKING:
     from kvbench.policies.layer import LayerExtra
 
 
-class EvictingLayer(DynamicLayer):
+class EvictingLayer(RaggedStorage, DynamicLayer):
     """One full-attention layer's cache: K/V plus, per token, its absolute position and per-token policy state.
 
-    Two storage layouts, chosen after every eviction by what the layer holds:
-    - uniform (every KV head holds the same number of tokens): keys/values (b, h_kv, n, d), positions and each
-      state tensor (b, h_kv, n), slots in chronological order;
-    - ragged (per-head budgets: AdaKV, CriticalKV on AdaKV, SAGE-KV): flattened per head, as AdaKV's own code
-      stores it. The (batch, KV head) segments lie one after another, each in chronological order:
-      keys/values (S, d), positions and state (S,), `lengths` (b, h_kv) the tokens of each segment, S their sum.
-      What is held is exactly the kept tokens (+ the block being appended): no padding.
-    `update` appends the block at the end of every head's segment and returns the layer's storage (for ragged
-    layers the flat (S, d) tensors, which only the kvbench attention wrapper reads, head by head).
-    Policies always score a padded (b, h_kv, L) view: `unpack` builds it for a ragged layer at eviction time
-    (each head's tokens first, then padding: `valid` False, position -1, zero K/V) and `keep`/`pack` turn the
-    result back into storage (`Policy.evict` does both), so the view is never held across a forward. Storing a
-    selection that changes head sizes needs them on the host: a layer of an engine-run cache (`defer_pack`) leaves
-    it pending and the engine reads every layer's sizes with the step's token, one host read (`EvictingCache.settle`).
+    Stored uniform (every KV head holds the same number of tokens): keys/values (b, h_kv, n, d), positions and each
+    state tensor (b, h_kv, n), slots in chronological order. A layer of per-head budgets (AdaKV, CriticalKV on
+    AdaKV, SAGE-KV) is stored flat per head instead (ragged: `flat`, a `FlatHeads`) and scored in a padded view
+    (`padded`, a `PaddedView`), chosen after every eviction by what the layer holds (kvbench/engine/ragged.py).
+    `update` appends the block at the end of every head and returns the layer's storage (for ragged layers the flat
+    (S, d) tensors, which only the kvbench attention wrapper reads, head by head). `keep` stores a uniform selection
+    of a uniform layer at once, any other through the padded view and `pack`, which may wait for the engine to read
+    the new head sizes (`defer_pack`, `EvictingCache.settle`).
 
     A policy's own incremental per-layer state lives in the policies layer, in objects the layer holds in `extras`
     (`LayerExtra`, kvbench/policies/layer.py) and knows nothing about: it calls their hooks where its storage
@@ -53,11 +48,6 @@ class EvictingLayer(DynamicLayer):
         self.layer_idx = layer_idx
         self.seen = 0  # tokens ever appended (logical length)
         self.positions: torch.Tensor | None = None  # (b, h_kv, n) or ragged (S,): absolute position of each token
-        self.lengths: torch.Tensor | None = None  # (b, h_kv) tokens per head; set only for ragged storage
-        # The same counts on the host, in segment order, set with `lengths`: every forward needs them (split sizes,
-        # the longest head) and reading `lengths` would make the host wait for the device (a sync per read on a GPU).
-        self.head_sizes: list[int] | None = None
-        self.valid: torch.Tensor | None = None  # (b, h_kv, L) bool real slots; set only in the padded view
         self.state: dict[str, torch.Tensor] = {}  # name -> (b, h_kv, n) or ragged (S,) per-token policy state
         self.queries: torch.Tensor | None = None  # (b, h_q, w, d) latest queries kept for the policy
         self.query_positions: torch.Tensor | None = None  # (w,) absolute positions of those queries
@@ -79,33 +69,16 @@ class EvictingLayer(DynamicLayer):
         # use; the layer only calls their hooks where its storage changes (keep, unpack, pack, fork).
         self.extras: dict[str, LayerExtra] = {}
         self.query_window = 0  # the window of the latest stash (`stash_queries`): w > 0, -1 the forward's own
-        # A selection of `keep` stored by `pack`: rows (flattened) of the padded arrays it keeps, padding included
-        self._keep_rows: torch.Tensor | None = None
-        self._view_sizes: list[int] | None = None  # the head sizes of the padded view `unpack` built (host)
-        # Set by the engine: a selection that changes head sizes waits in the padded view until the engine reads the
-        # sizes of every such layer in one host read (with the decoded token) and calls `pack(sizes)`.
-        self.defer_pack = False
-
-    @property
-    def ragged(self) -> bool:
-        """True when stored flat per head (heads hold different numbers of tokens)."""
-        return self.lengths is not None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.valid is not None:
+        if self.padded is not None:
             raise RuntimeError("append to a layer in its padded scoring view; pack() it first")
         b, h, q, d = key_states.shape  # (b, h_kv, q, d)
         new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
         if self.ragged:
-            sizes = self.head_sizes
-            self.keys = _interleave(self.keys, key_states.reshape(b * h * q, d), sizes, q)  # (S + b*h*q, d)
-            self.values = _interleave(self.values, value_states.reshape(b * h * q, -1), sizes, q)
-            self.positions = _interleave(self.positions, new_pos.reshape(-1), sizes, q)
-            self.state = {k: _interleave(s, s.new_zeros(b * h * q), sizes, q) for k, s in self.state.items()}
-            self.lengths = self.lengths + q
-            self.head_sizes = [n + q for n in sizes]
+            self._append_flat(key_states, value_states, new_pos)
         elif self.keys.numel() == 0:
             self.keys, self.values, self.positions = key_states, value_states, new_pos.contiguous()
         else:
@@ -122,14 +95,14 @@ class EvictingLayer(DynamicLayer):
         """Slots of the longest head (uniform layers: every head's length)."""
         if self.keys is None or self.keys.numel() == 0:
             return 0
-        return max(self.head_sizes) if self.ragged else self.keys.shape[-2]
+        return max(self.flat.sizes) if self.ragged else self.keys.shape[-2]
 
     def tokens_per_head(self) -> int:
         """Tokens held per KV head: the layer's total over its b * h_kv heads, rounded up (exact when uniform)."""
         if self.keys is None or self.keys.numel() == 0:
             return 0
         if self.ragged:
-            return -(-self.keys.shape[0] // self.lengths.numel())
+            return -(-self.keys.shape[0] // self.flat.lengths.numel())
         return self.keys.shape[-2]
 
     def get_seq_length(self) -> int:
@@ -144,17 +117,12 @@ class EvictingLayer(DynamicLayer):
         raise NotImplementedError("an evicting cache cannot be cropped by token count")
 
     # -- the block just appended (read and filled by the attention wrapper) -------------------------------------
-    def _block_index(self, q: int) -> torch.Tensor:
-        """(b*h_kv, q) flat indices of each ragged head's latest q tokens."""
-        ends = self.lengths.flatten().cumsum(0)  # (b*h_kv,)
-        return (ends - q).unsqueeze(-1) + torch.arange(q, device=ends.device)
-
     def block_kv(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (b, h_kv, q, d) of the latest q tokens of every head."""
         if not self.ragged:
             return self.keys[..., -q:, :], self.values[..., -q:, :]
-        b, h = self.lengths.shape
-        idx = self._block_index(q).flatten()
+        b, h = self.flat.lengths.shape
+        idx = self.flat.block_index(q).flatten()
         return self.keys[idx].view(b, h, q, -1), self.values[idx].view(b, h, q, -1)
 
     def set_block_state(self, name: str, new: torch.Tensor) -> None:
@@ -163,97 +131,19 @@ class EvictingLayer(DynamicLayer):
             self.state[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.positions.device)
         q = new.shape[-1]
         if self.ragged:
-            self.state[name][self._block_index(q).flatten()] = new.reshape(-1).to(self.state[name].dtype)
+            self.state[name][self.flat.block_index(q).flatten()] = new.reshape(-1).to(self.state[name].dtype)
         else:
             self.state[name][..., -q:] = new
 
-    # -- the scoring view and eviction ----------------------------------------------------------------------------
-    def head_positions(self) -> torch.Tensor:
-        """(b, h_kv, L) absolute positions per head; for a ragged layer padded at the end with -1 (a copy)."""
-        if not self.ragged:
-            return self.positions
-        valid = self._valid_slots()
-        return _pad(self.positions, valid, _slots(valid, self.positions.shape[0]), -1)
-
-    def _valid_slots(self) -> torch.Tensor:
-        return torch.arange(max(self.head_sizes), device=self.lengths.device) < self.lengths.unsqueeze(-1)
-
-    def unpack(self) -> None:
-        """Ragged layers: replace the flat storage by the padded (b, h_kv, L) scoring view (see the class doc)."""
-        if not self.ragged:
-            return
-        valid = self._valid_slots()  # (b, h_kv, L)
-        b, h, length = valid.shape
-        sizes = self.head_sizes
-        self.keys, self.values = _pad_heads(self.keys, sizes, length, 0), _pad_heads(self.values, sizes, length, 0)
-        self.positions = _pad_heads(self.positions, sizes, length, -1)
-        self.state = {k: _pad_heads(s, sizes, length, 0) for k, s in self.state.items()}
-        self.keys, self.values = self.keys.view(b, h, length, -1), self.values.view(b, h, length, -1)
-        self.positions = self.positions.view(b, h, length)
-        self.state = {k: s.view(b, h, length) for k, s in self.state.items()}
-        self.valid, self.lengths, self.head_sizes, self._view_sizes = valid, None, None, sizes
-        if self.extras:
-            def pad(flat: torch.Tensor, segments: list[int], fill: float) -> torch.Tensor:
-                # an extra's flat rows (S, ...) in segments of `segments` -> (b, h_kv, L, ...), the view's layout
-                return _pad_heads(flat, segments, length, fill).view(b, h, length, *flat.shape[1:])
-
-            for extra in self.extras.values():
-                extra.on_unpack(self, sizes, pad)
-
-    def pack(self, sizes: list[int] | None = None) -> None:
-        """Store the padded view's real slots (after `keep`: the kept ones): uniform layout if every head holds as
-        many tokens, else flat. `sizes`: each (batch, KV head)'s count, row-major, read by the caller (the engine
-        reads every pending layer's with the decoded token, `EvictingCache.settle`); None: the view's own sizes
-        when nothing was kept since `unpack` (known on the host), else read here (one host sync). With
-        `defer_pack` set, a selection of `keep` waits for the engine: a call without sizes leaves it pending."""
-        if self.valid is None:
-            return
-        if sizes is None:
-            if self._keep_rows is None and self._view_sizes is not None:
-                sizes = self._view_sizes  # nothing kept since unpack: the flat storage as it was
-            elif self.defer_pack:
-                return  # pending: settled by the engine with the sizes it reads together with the token
-        valid, self.valid = self.valid, None
-        counts = valid.sum(dim=-1)  # (b, h_kv)
-        if sizes is None:
-            sizes = counts.flatten().tolist()  # the one host read of a selection: the layout and the split sizes
-        rows = _slots(valid, sum(sizes))  # (S,): the real slots, as valid's boolean mask takes them
-        if self._keep_rows is not None:  # `keep`'s selection and the real slots of it: one copy of every tensor
-            rows, self._keep_rows = self._keep_rows.index_select(0, rows), None
-        self._view_sizes = None
-        d = self.keys.shape[-1]
-        self.keys = self.keys.reshape(-1, d).index_select(0, rows)
-        self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows)
-        uniform = min(sizes) == max(sizes)
-        for extra in self.extras.values():  # their own rows, stored alike
-            extra.on_pack(rows, (*counts.shape, sizes[0]) if uniform else None)
-        self.positions = self.positions.reshape(-1).index_select(0, rows)
-        self.state = {k: s.reshape(-1).index_select(0, rows) for k, s in self.state.items()}
-        if uniform:  # the fast uniform path again
-            b, h = counts.shape
-            n = sizes[0]
-            self.keys, self.values = self.keys.view(b, h, n, d), self.values.view(b, h, n, -1)
-            self.positions = self.positions.view(b, h, n)
-            self.state = {k: s.view(b, h, n) for k, s in self.state.items()}
-        else:
-            self.lengths, self.head_sizes = counts, list(sizes)
-
-    def pending(self) -> bool:
-        """True while a selection of `keep` waits for its head sizes (`defer_pack`; see pack)."""
-        return self.valid is not None and self._keep_rows is not None
-
-    def kept_counts(self) -> torch.Tensor:
-        """(b * h_kv,) tokens each head of the pending selection keeps, row-major (what `pack` takes as sizes)."""
-        return self.valid.sum(dim=-1).flatten()
-
+    # -- the scoring view and eviction (the ragged moves: RaggedStorage) ---------------------------------------
     def head_lengths(self) -> list[int]:
         """Real tokens each (batch, KV head) holds, row-major, on the host (no read of the device)."""
         if self.pending():
             raise RuntimeError("the layer's head sizes are not known until its pending selection is packed")
         if self.ragged:
-            return list(self.head_sizes)
-        if self.valid is not None:  # the padded view of a ragged layer
-            return list(self._view_sizes)
+            return list(self.flat.sizes)
+        if self.padded is not None:  # the padded view of a ragged layer
+            return list(self.padded.sizes)
         if self.keys is None or self.keys.numel() == 0:
             return []
         b, h, n = self.keys.shape[:3]
@@ -271,7 +161,7 @@ class EvictingLayer(DynamicLayer):
         # K and V are copied row by row (index_select over the flattened (b*h*n, d) rows): one memcpy per kept token,
         # ~15x cheaper on CPU than gather with an index expanded over head_dim, which visits every element.
         rows = (idx + torch.arange(0, b * h * n, n, device=idx.device).view(b, h, 1)).view(-1)  # (b*h*kept,)
-        if self.valid is None and valid is None:  # uniform before and after
+        if self.padded is None and valid is None:  # uniform before and after
             self.keys = self.keys.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
             self.values = self.values.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
             for extra in self.extras.values():  # their own per-token rows (WindowRing: pruned lazily)
@@ -279,20 +169,13 @@ class EvictingLayer(DynamicLayer):
             self.positions = self.positions.gather(2, idx)
             self.state = {k: v.gather(2, idx) for k, v in self.state.items()}
             return
-        # A padded view, or a uniform layer that turns ragged: `pack` copies K/V, positions and state once, at `rows`
-        # restricted to the real kept slots (and hands those rows to the extras, `on_pack`, which copy their own).
-        for extra in self.extras.values():
-            extra.on_keep(self, idx, True)
-        if self.valid is not None:
-            base = self.valid.gather(2, idx)
-            valid = base if valid is None else base & valid
-        self.valid, self._keep_rows = valid, rows  # (b, h_kv, kept), (b*h_kv*kept,)
-        self.pack()
+        self._keep_padded(idx, valid, rows)  # a padded view, or a uniform layer that turns ragged
 
     def fork(self) -> EvictingLayer:
-        """An independent copy of this layer's state. K/V, positions and queries are only ever replaced, never
-        written in place, so the copy shares them; per-token policy state is written in place (set_block_state,
-        H2O's accumulator), so it is cloned, and each extra makes its own copy (`LayerExtra.fork`)."""
+        """An independent copy of this layer's state. K/V, positions, queries and the layouts (`flat`, `padded`) are
+        only ever replaced, never written in place, so the copy shares them; per-token policy state is written in
+        place (set_block_state, H2O's accumulator), so it is cloned, and each extra makes its own copy
+        (`LayerExtra.fork`)."""
         new = copy.copy(self)
         new.state = {k: v.clone() for k, v in self.state.items()}
         new.scratch = dict(self.scratch)
@@ -304,7 +187,7 @@ class EvictingLayer(DynamicLayer):
         copy: a member of a shared trunk (TrunkCache), whose layer held exactly what lead's did before the block.
         Safe to share because K/V and positions are only ever replaced, never written in place (as `fork` relies on);
         per-token state is this layer's own, extended with zeros as `update` extends it."""
-        if self.ragged or lead.ragged or self.valid is not None or lead.valid is not None:
+        if not (self.uniform and lead.uniform):
             raise RuntimeError("only uniform layers in chronological order follow a trunk (nothing evicted yet)")
         q = lead.seen - self.seen
         if not self.is_initialized:
@@ -317,7 +200,7 @@ class EvictingLayer(DynamicLayer):
 
     def evicted_any(self) -> bool:
         """Whether the layer ever dropped a token: it holds fewer than it has seen (or per-head counts)."""
-        if self.ragged or self.valid is not None:
+        if not self.uniform:
             return True
         return self.keys is not None and self.keys.numel() > 0 and self.keys.shape[-2] != self.seen
 
@@ -354,48 +237,6 @@ class EvictingLayer(DynamicLayer):
         if self.ragged:
             raise RuntimeError("window_attention() reads the scoring view; unpack() the ragged layer first")
         return WindowRing.of(self).attention(self)
-
-    def padded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A ragged layer's keys and values, (b, h_kv, L, d), each head's tokens first and zeros after (the padded
-        view's layout), for one attention over all heads at once; the storage stays flat."""
-        b, h = self.lengths.shape
-        length = max(self.head_sizes)
-        return (_pad_heads(self.keys, self.head_sizes, length, 0).view(b, h, length, -1),
-                _pad_heads(self.values, self.head_sizes, length, 0).view(b, h, length, -1))
-
-
-def _interleave(old: torch.Tensor, new: torch.Tensor, sizes: list[int], q: int) -> torch.Tensor:
-    """Flat per-head storage with `q` new rows appended to each segment: old (S, ...) split by `sizes`,
-    new (len(sizes) * q, ...) -> (S + len(sizes) * q, ...)."""
-    parts: list[torch.Tensor] = []
-    for o, n in zip(old.split(sizes), new.split(q)):
-        parts += [o, n]
-    return torch.cat(parts)
-
-
-def _slots(valid: torch.Tensor, count: int) -> torch.Tensor:
-    """(count,) flat indices of the True slots of `valid`, in row-major order, `count` their number known on the
-    host: boolean-mask indexing would ask the device for it (a host sync on a GPU), nonzero_static does not."""
-    return valid.reshape(-1).nonzero_static(size=count).squeeze(-1)
-
-
-def _pad_heads(flat: torch.Tensor, sizes: list[int], length: int, fill: float) -> torch.Tensor:
-    """Flat per-head storage (S, ...), segments of `sizes` (on the host) -> (len(sizes) * length, ...): each segment
-    followed by `fill` up to `length` rows. One concatenation of views (a single copy of the data): ~3x cheaper on CPU
-    than scattering the rows with index_copy_ (measured: 3072 rows of 64 floats, 0.034 vs 0.113 ms)."""
-    pad = flat.new_full((length - min(sizes), *flat.shape[1:]), fill)
-    parts: list[torch.Tensor] = []
-    for seg, n in zip(flat.split(sizes), sizes):
-        parts += [seg, pad[:length - n]]
-    return torch.cat(parts)
-
-
-def _pad(flat: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, fill: float) -> torch.Tensor:
-    """Flat per-head storage (S, ...) -> padded (b, h_kv, L, ...) with `fill` where `valid` (b, h_kv, L) is False;
-    `rows` (S,) = _slots(valid, S)."""
-    out = flat.new_full((*valid.shape, *flat.shape[1:]), fill)
-    out.view(-1, *flat.shape[1:]).index_copy_(0, rows, flat)
-    return out
 
 
 class EvictingCache(Cache):

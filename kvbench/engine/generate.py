@@ -149,9 +149,7 @@ _MIN_BATCH_ROWS = 4
 
 def _forward(model: Any, runs: list[_Run], chunk: torch.Tensor) -> torch.Tensor:
     """chunk (k, t) token ids, row j for runs[j], through their caches -> next-token logits (k, vocab) float32."""
-    for r in runs:
-        if r.obs.trace:
-            r.traces.append(r.cache.head_positions())
+    _trace(runs)
     if len(runs) == 1:
         cache, extra = runs[0].cache, {}  # batch 1: exactly HF's own positions and mask
     else:
@@ -165,16 +163,29 @@ def _forward(model: Any, runs: list[_Run], chunk: torch.Tensor) -> torch.Tensor:
         out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=max(keep, 1), **extra)
     if keep:
         _score_rows(runs, chunk.shape[1], out.logits)
-    total = 0
-    for r in runs:
-        r.pos += chunk.shape[1]
-        held = r.cache.kv_bytes()
-        r.peak_bytes = max(r.peak_bytes, held)
-        total += held
-    for r in runs:
-        r.batch_peak_bytes = max(r.batch_peak_bytes, total)
-        r.batch_size = max(r.batch_size, len(runs))
+    _advance(runs, chunk.shape[1], batched=True)
     return out.logits[:, -1].float()
+
+
+def _trace(runs: list[_Run]) -> None:
+    """Before a forward: each tracing run's per-head token positions (Observer.trace)."""
+    for r in runs:
+        if r.obs.trace:
+            r.traces.append(r.cache.head_positions())
+
+
+def _advance(runs: list[_Run], t: int, batched: bool) -> None:
+    """After a forward of t tokens: each run's position and peak K+V bytes. `batched`: the runs were one batch (its
+    bytes are all their caches' together, its size their number); else each held its own K/V in a forward of one
+    sample (a shared trunk: its solo numbers)."""
+    held = []
+    for r in runs:
+        r.pos += t
+        held.append(r.cache.kv_bytes())
+        r.peak_bytes = max(r.peak_bytes, held[-1])
+    for r, own in zip(runs, held):
+        r.batch_peak_bytes = max(r.batch_peak_bytes, sum(held) if batched else own)
+        r.batch_size = max(r.batch_size, len(runs) if batched else 1)
 
 
 def _scored_span(r: _Run, t: int) -> tuple[int, int]:
@@ -248,6 +259,15 @@ def _evicts(r: _Run, phase: str) -> bool:
     return (phase == "prefill" or r.evicts_decoding) and not r.cache.frozen and r.cache.policy.evicts
 
 
+def _evicting(runs: list[_Run], phase: str, device: torch.device) -> list[bool]:
+    """Which runs evict after the forward just done; when any does, waits for the device (the timers' edge: the
+    forward's time ends here, each eviction's own begins)."""
+    evicting = [_evicts(r, phase) for r in runs]
+    if any(evicting):
+        sync(device)
+    return evicting
+
+
 def _step(model: Any, runs: list[_Run], chunk: torch.Tensor, phase: str, since: float | None = None) -> None:
     """One forward of `runs` together, then each sample's own eviction (decoding: if its protocol evicts then).
     Each sample is charged its own eviction and an equal share of the rest of the step's time (from `since`, when
@@ -257,9 +277,7 @@ def _step(model: Any, runs: list[_Run], chunk: torch.Tensor, phase: str, since: 
     device, clock = chunk.device, runs[0].obs.clock
     t0 = clock() if since is None else since
     logits = _forward(model, runs, chunk)
-    evicting = [_evicts(r, phase) for r in runs]
-    if any(evicting):
-        sync(device)
+    evicting = _evicting(runs, phase, device)
     shared = clock() - t0
     for j, r in enumerate(runs):
         r.logits = logits[j:j + 1]
@@ -486,9 +504,7 @@ def _trunk_step(model: Any, runs: list[_Run], chunk: torch.Tensor) -> None:
     seconds, also recorded in shared_s / shared_forward_s). chunk (1, t); the first run's clock times the forward."""
     device, clock, k, t = chunk.device, runs[0].obs.clock, len(runs), chunk.shape[1]
     t0 = clock()
-    for r in runs:
-        if r.obs.trace:
-            r.traces.append(r.cache.head_positions())
+    _trace(runs)
     cache = TrunkCache([r.cache for r in runs], clock)
     keep = _scored_rows(runs[0], t)  # the same for every run (same prompt, position and score_from)
     with attention.active(cache):
@@ -496,15 +512,8 @@ def _trunk_step(model: Any, runs: list[_Run], chunk: torch.Tensor) -> None:
     if keep:
         _score_rows(runs, t, out.logits.expand(k, -1, -1))  # (k, keep, vocab): the one row, read by each run
     logits = out.logits[:, -1].float()  # (1, vocab)
-    for r in runs:
-        r.pos += t
-        held = r.cache.kv_bytes()  # what it holds (the trunk's tensors, by reference): its solo number
-        r.peak_bytes = max(r.peak_bytes, held)
-        r.batch_peak_bytes = max(r.batch_peak_bytes, held)
-        r.batch_size = max(r.batch_size, 1)
-    evicting = [_evicts(r, "prefill") for r in runs]
-    if any(evicting):
-        sync(device)
+    _advance(runs, t, batched=False)  # each holds the trunk's tensors, by reference: its solo numbers
+    evicting = _evicting(runs, "prefill", device)
     shared = max(clock() - t0 - sum(cache.hook_s), 0.0)
     for j, r in enumerate(runs):
         r.logits = logits

@@ -8,7 +8,7 @@ that no head is starved. Two published allocation rules (`allocation`; details i
   h_kv * F scores;
 - `kvpress` (NVIDIA kvpress AdaKVPress): each head keeps its top floor(a * N) slots counting the window, the rest
   of the h_kv * N slots go to the layer's best remaining scores.
-Heads thus keep different numbers of tokens: the layer is stored flat per head (engine/cache.py), so what it holds is
+Heads thus keep different numbers of tokens: the layer is stored flat per head (engine/ragged.py), so what it holds is
 the layer total (at most h_kv * N after an eviction), reported in peak_kv_tokens (per-head average) and
 kv_bytes_peak. Scoring runs on a padded view built only during the eviction.
 Defaults follow the AdaKV/CriticalKV setting (CriticalKV 4.3): window 32, kernel 7, max pooling; alpha_safeguard 0.2

@@ -15,7 +15,7 @@ What the engine provides, only when a policy asks for it:
   budgets such as PyramidKV's depend on it).
 
 Scoring always sees a layer in the (b, h_kv, n) layout: `evict` asks a ragged layer (flat per-head storage, see
-engine/cache.py) for its transient padded view first and stores the selection back flat, so nothing padded outlives
+engine/ragged.py) for its transient padded view first and stores the selection back flat, so nothing padded outlives
 the eviction (in a run, the storing waits for the engine's one host read of the new head sizes, with the next token).
 Selections never read counts back from the device: what they need on the host (head sizes, protected counts) the
 layer and the policy know (`CacheLayer.head_lengths`, `Policy.protected_sizes`).

@@ -5,7 +5,7 @@ tokens by the last token's attention (chosen among the tokens that are neither s
 `recent` most recent tokens plus the last token. Sizes from the budget N and the group size g = h_q / h_kv
 (SAGE-KV App. A.2; N = 8192: g = 4 -> sink 2048, k 1024, recent 2047 + last; g = 7 -> sink 2048, k 512,
 recent 2559 + last): sink = N // 4, k = N // 2^ceil(log2(2g)), recent = N - sink - g*k - 1; each can be set.
-Heads whose unions overlap keep fewer than N tokens: the layer is stored ragged (flat per head, see engine/cache.py).
+Heads whose unions overlap keep fewer than N tokens: the layer is stored ragged (flat per head, see engine/ragged.py).
 Decoding: the sinks and selected tokens stay fixed; each new token joins the recent window and the window's oldest
 token is dropped, so every head keeps a constant size.
 Deviation: under block processing the same selection is made after every block that overflows the budget, with

@@ -1,0 +1,240 @@
+"""Ragged storage of an `EvictingLayer` (kvbench/engine/cache.py): the layouts a layer of per-head budgets (AdaKV,
+CriticalKV on AdaKV, SAGE-KV) is stored and scored in, and the moves between them.
+
+- Flat per head (`FlatHeads`), as AdaKV's own code stores it: the (batch, KV head) segments lie one after another,
+  each in chronological order: keys/values (S, d), positions and state (S,), S the heads' total. What is held is
+  exactly the kept tokens (+ the block being appended): no padding.
+- The padded scoring view (`PaddedView`), (b, h_kv, L): each head's tokens first, then padding (`valid` False,
+  position -1, zero K/V). Policies always score this view: the layer builds it from the flat storage at eviction
+  time (`unpack`) and stores the view's kept slots again (`keep`, `pack`), flat or uniform, so it is never held
+  across a forward. Storing a selection that changes head sizes needs them on the host: the view keeps the
+  selection pending (`PaddedView.rows`) until the engine reads every layer's sizes with the step's token, one host
+  read (`EvictingCache.settle`).
+
+Both are replaced, never modified, so a forked layer (`EvictingLayer.fork`, a shallow copy) shares them safely.
+`RaggedStorage`, a base class of `EvictingLayer`, holds them and makes the moves on the layer's arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class FlatHeads:
+    """Where each (batch, KV head)'s tokens lie in a layer's flat storage: `lengths` (b, h_kv) on the device and
+    `sizes`, the same counts on the host in segment (row-major) order: every forward needs them (split sizes, the
+    longest head) and reading `lengths` would make the host wait for the device (a sync per read on a GPU)."""
+
+    def __init__(self, lengths: torch.Tensor, sizes: list[int]) -> None:
+        self.lengths, self.sizes = lengths, sizes
+
+    def grown(self, q: int) -> FlatHeads:
+        """The layout after `q` tokens are appended to every head (`append`)."""
+        return FlatHeads(self.lengths + q, [n + q for n in self.sizes])
+
+    def append(self, flat: torch.Tensor, new: torch.Tensor, q: int) -> torch.Tensor:
+        """Flat storage (S, ...) with `q` new rows appended to each segment: new (len(sizes) * q, ...) ->
+        (S + len(sizes) * q, ...)."""
+        parts: list[torch.Tensor] = []
+        for o, n in zip(flat.split(self.sizes), new.split(q)):
+            parts += [o, n]
+        return torch.cat(parts)
+
+    def block_index(self, q: int) -> torch.Tensor:
+        """(b*h_kv, q) flat indices of each head's latest q tokens."""
+        ends = self.lengths.flatten().cumsum(0)  # (b*h_kv,)
+        return (ends - q).unsqueeze(-1) + torch.arange(q, device=ends.device)
+
+    def valid_slots(self) -> torch.Tensor:
+        """(b, h_kv, L) bool: the padded view's real slots, L the longest head."""
+        return torch.arange(max(self.sizes), device=self.lengths.device) < self.lengths.unsqueeze(-1)
+
+    def pad(self, flat: torch.Tensor, fill: float, segments: list[int] | None = None) -> torch.Tensor:
+        """Flat rows (S, ...) in segments of `segments` (default: the heads' sizes) -> (b, h_kv, L, ...), the padded
+        view's layout: each segment followed by `fill` up to L, the longest head. One concatenation of views (a
+        single copy of the data): ~3x cheaper on CPU than scattering the rows with index_copy_ (measured: 3072 rows
+        of 64 floats, 0.034 vs 0.113 ms)."""
+        b, h = self.lengths.shape
+        length = max(self.sizes)
+        segments = self.sizes if segments is None else segments
+        pad = flat.new_full((length - min(segments), *flat.shape[1:]), fill)
+        parts: list[torch.Tensor] = []
+        for seg, n in zip(flat.split(segments), segments):
+            parts += [seg, pad[:length - n]]
+        return torch.cat(parts).view(b, h, length, *flat.shape[1:])
+
+    def padded_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """(b, h_kv, L) the flat positions (S,) per head, padded at the end with -1 (a copy)."""
+        valid = self.valid_slots()
+        rows = _slots(valid, positions.shape[0])
+        out = positions.new_full(valid.shape, -1)
+        out.view(-1).index_copy_(0, rows, positions)
+        return out
+
+
+class PaddedView:
+    """A layer's padded scoring view (b, h_kv, L): `valid` its real slots; `sizes` the head sizes of the flat storage
+    it was built from (host; None when a uniform layer's selection made it); `rows` a selection of `keep` not stored
+    yet: rows (flattened, padding included) of the view's arrays that it keeps (None: nothing kept since)."""
+
+    def __init__(self, valid: torch.Tensor, sizes: list[int] | None = None, rows: torch.Tensor | None = None) -> None:
+        self.valid, self.sizes, self.rows = valid, sizes, rows
+
+    def selected(self, idx: torch.Tensor, valid: torch.Tensor | None, rows: torch.Tensor) -> PaddedView:
+        """The view once `keep` selects its slots `idx` (b, h_kv, k), `valid` marking padding of the selection."""
+        base = self.valid.gather(2, idx)
+        return PaddedView(base if valid is None else base & valid, self.sizes, rows)
+
+    def kept_counts(self) -> torch.Tensor:
+        """(b * h_kv,) tokens each head keeps, row-major."""
+        return self.valid.sum(dim=-1).flatten()
+
+    def stored_rows(self, sizes: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """What storing the view keeps: the rows (S,) of its flattened (b * h_kv * L) arrays (the kept real slots,
+        in order), the counts (b, h_kv) per head and their host `sizes` (read here when not given: one host read)."""
+        counts = self.valid.sum(dim=-1)  # (b, h_kv)
+        if sizes is None:
+            sizes = counts.flatten().tolist()  # the one host read of a selection: the layout and the split sizes
+        rows = _slots(self.valid, sum(sizes))  # (S,): the real slots, as valid's boolean mask takes them
+        if self.rows is not None:  # `keep`'s selection and the real slots of it: one copy of every tensor
+            rows = self.rows.index_select(0, rows)
+        return rows, counts, sizes
+
+
+def _slots(valid: torch.Tensor, count: int) -> torch.Tensor:
+    """(count,) flat indices of the True slots of `valid`, in row-major order, `count` their number known on the
+    host: boolean-mask indexing would ask the device for it (a host sync on a GPU), nonzero_static does not."""
+    return valid.reshape(-1).nonzero_static(size=count).squeeze(-1)
+
+
+class RaggedStorage:
+    """The ragged half of an `EvictingLayer` (a base class of it): the flat per-head storage (`flat`) and the padded
+    scoring view (`padded`), and the moves between them and the uniform layout. It works on the layer's own per-token
+    arrays (`keys`, `values`, `positions`, `state`) and calls its extras' hooks (`on_keep`, `on_unpack`, `on_pack`)."""
+
+    keys: torch.Tensor | None  # the layer's per-token arrays and extras (see EvictingLayer)
+    values: torch.Tensor | None
+    positions: torch.Tensor | None
+    state: dict[str, torch.Tensor]
+    extras: dict[str, Any]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.flat: FlatHeads | None = None  # the heads' segments while stored flat per head (ragged)
+        self.padded: PaddedView | None = None  # the padded scoring view's bookkeeping while the layer is in it
+        # Set by the engine: a selection that changes head sizes waits in the padded view until the engine reads the
+        # sizes of every such layer in one host read (with the decoded token) and calls `pack(sizes)`.
+        self.defer_pack = False
+
+    @property
+    def ragged(self) -> bool:
+        """True when stored flat per head (heads hold different numbers of tokens)."""
+        return self.flat is not None
+
+    @property
+    def uniform(self) -> bool:
+        """True when stored uniform: neither flat per head nor in the padded view."""
+        return self.flat is None and self.padded is None
+
+    @property
+    def lengths(self) -> torch.Tensor | None:
+        """(b, h_kv) tokens per head of a ragged layer (None otherwise)."""
+        return self.flat.lengths if self.flat is not None else None
+
+    @property
+    def head_sizes(self) -> list[int] | None:
+        """A ragged layer's `lengths` on the host, row-major (None otherwise)."""
+        return self.flat.sizes if self.flat is not None else None
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """(b, h_kv, L) bool real slots while in the padded view (None otherwise)."""
+        return self.padded.valid if self.padded is not None else None
+
+    def _append_flat(self, key_states: torch.Tensor, value_states: torch.Tensor, new_pos: torch.Tensor) -> None:
+        """A ragged layer's `update`: the block (b, h_kv, q, ...) at the end of every head's segment."""
+        b, h, q, d = key_states.shape
+        flat = self.flat
+        self.keys = flat.append(self.keys, key_states.reshape(b * h * q, d), q)  # (S + b*h*q, d)
+        self.values = flat.append(self.values, value_states.reshape(b * h * q, -1), q)
+        self.positions = flat.append(self.positions, new_pos.reshape(-1), q)
+        self.state = {k: flat.append(s, s.new_zeros(b * h * q), q) for k, s in self.state.items()}
+        self.flat = flat.grown(q)
+
+    def head_positions(self) -> torch.Tensor:
+        """(b, h_kv, L) absolute positions per head; for a ragged layer padded at the end with -1 (a copy)."""
+        return self.flat.padded_positions(self.positions) if self.ragged else self.positions
+
+    def padded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ragged layer's keys and values, (b, h_kv, L, d), each head's tokens first and zeros after (the padded
+        view's layout), for one attention over all heads at once; the storage stays flat."""
+        return self.flat.pad(self.keys, 0), self.flat.pad(self.values, 0)
+
+    def unpack(self) -> None:
+        """Ragged layers: replace the flat storage by the padded (b, h_kv, L) scoring view (see the module doc)."""
+        flat = self.flat
+        if flat is None:
+            return
+        view = PaddedView(flat.valid_slots(), flat.sizes)  # (b, h_kv, L)
+        self.keys, self.values = flat.pad(self.keys, 0), flat.pad(self.values, 0)
+        self.positions = flat.pad(self.positions, -1)
+        self.state = {k: flat.pad(s, 0) for k, s in self.state.items()}
+        self.flat, self.padded = None, view
+        for extra in self.extras.values():  # their flat rows (S, ...) in segments of their own -> the view's layout
+            extra.on_unpack(self, view.sizes, lambda rows, segments, fill: flat.pad(rows, fill, segments))
+
+    def _keep_padded(self, idx: torch.Tensor, valid: torch.Tensor | None, rows: torch.Tensor) -> None:
+        """`keep` of the slots `idx` (b, h_kv, k) of a padded view, or of a uniform layer with padding `valid` (it turns
+        ragged): `rows` (b*h_kv*k,) the flattened rows they select. `pack` copies K/V, positions and state once, at
+        `rows` restricted to the real kept slots (and hands those rows to the extras, `on_pack`, which copy their
+        own), now or, with `defer_pack`, when the engine has read the new head sizes."""
+        for extra in self.extras.values():
+            extra.on_keep(self, idx, True)
+        if self.padded is not None:
+            self.padded = self.padded.selected(idx, valid, rows)
+        else:
+            self.padded = PaddedView(valid, rows=rows)
+        self.pack()
+
+    def pack(self, sizes: list[int] | None = None) -> None:
+        """Store the padded view's real slots (after `keep`: the kept ones): uniform layout if every head holds as
+        many tokens, else flat. `sizes`: each (batch, KV head)'s count, row-major, read by the caller (the engine
+        reads every pending layer's with the decoded token, `EvictingCache.settle`); None: the view's own sizes
+        when nothing was kept since `unpack` (known on the host), else read here (one host sync). With
+        `defer_pack` set, a selection of `keep` waits for the engine: a call without sizes leaves it pending."""
+        view = self.padded
+        if view is None:
+            return
+        if sizes is None:
+            if view.rows is None and view.sizes is not None:
+                sizes = view.sizes  # nothing kept since unpack: the flat storage as it was
+            elif self.defer_pack:
+                return  # pending: settled by the engine with the sizes it reads together with the token
+        self.padded = None
+        rows, counts, sizes = view.stored_rows(sizes)
+        d = self.keys.shape[-1]
+        self.keys = self.keys.reshape(-1, d).index_select(0, rows)
+        self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows)
+        uniform = min(sizes) == max(sizes)
+        for extra in self.extras.values():  # their own rows, stored alike
+            extra.on_pack(rows, (*counts.shape, sizes[0]) if uniform else None)
+        self.positions = self.positions.reshape(-1).index_select(0, rows)
+        self.state = {k: s.reshape(-1).index_select(0, rows) for k, s in self.state.items()}
+        if uniform:  # the fast uniform path again
+            b, h = counts.shape
+            n = sizes[0]
+            self.keys, self.values = self.keys.view(b, h, n, d), self.values.view(b, h, n, -1)
+            self.positions = self.positions.view(b, h, n)
+            self.state = {k: s.view(b, h, n) for k, s in self.state.items()}
+        else:
+            self.flat = FlatHeads(counts, list(sizes))
+
+    def pending(self) -> bool:
+        """True while a selection of `keep` waits for its head sizes (`defer_pack`; see pack)."""
+        return self.padded is not None and self.padded.rows is not None
+
+    def kept_counts(self) -> torch.Tensor:
+        """(b * h_kv,) tokens each head of the pending selection keeps, row-major (what `pack` takes as sizes)."""
+        return self.padded.kept_counts()
