@@ -32,7 +32,10 @@ tables() {
         ruler_4k) ;;
         pilot_niah)
             # The budgets the final NIAH grid runs at: the full cache answers and the policies spread
-            python scripts/budget_choice.py "$out/runs" --out "$out/budgets.md" > /dev/null ;;
+            python scripts/budget_choice.py "$out/runs" --out "$out/budgets.md" > /dev/null
+            # The final grid's n at the chosen budget (0/100 score; cap: the 93 samples the pilot leaves)
+            python scripts/power_plan.py "$out/runs" --out "$out/plan.md" --score avg --cap 93 --budgets 1024 \
+                --compare keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full streamingllm:full > /dev/null ;;
         evidence_lm)
             # The planned comparisons' tests, Holm over the table (the LM score: answer_logprob, nats per token)
             python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" \

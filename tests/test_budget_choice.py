@@ -33,6 +33,8 @@ def test_budgets_by_hand(tmp_path: Path) -> None:
     assert "| 256 | 4 | 100 | 0 | 25 | 3 | 0 | 1 | not chosen: only 1 of 4 samples tell the policies apart |" in text
     assert "| 512 | 4 | 100 | 75 | 75 | 0 | 2 | 2 | chosen |" in text
     assert text.rstrip().endswith("Chosen budgets: 512.")
+    table = [ln for ln in text.splitlines() if ln.startswith("|")]
+    assert len({ln.count("|") for ln in table}) == 1  # header, separator and rows have the same columns
 
 
 def test_a_full_cache_below_90_is_named(tmp_path: Path) -> None:
