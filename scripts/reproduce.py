@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS / "reproduce")
     p.add_argument("--scratch", type=Path, default=RESULTS / "runs" / "reproduce")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the reruns of folders whose <folder>.json is already in --out (rerun only the others)")
     a = p.parse_args(argv)
     folders = a.folders or folders_with_runs()
     missing = [f for f in folders if not run_dirs(f)]
@@ -96,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
     a.scratch.mkdir(parents=True, exist_ok=True)
+    todo = [f for f in folders if not (a.reuse and (a.out / f"{f}.json").is_file())]
     with ThreadPoolExecutor(a.workers) as pool:
-        took = dict(zip(folders, pool.map(lambda f: rerun(f, a.shard, a.out, a.scratch), folders)))
-    for f in folders:
+        took = dict(zip(todo, pool.map(lambda f: rerun(f, a.shard, a.out, a.scratch), todo)))
+    for f in todo:
         print(f"reproduce: {f}: {took[f] / 60:.1f} min wall", file=sys.stderr)
     parts = [m for f in folders for m in margins(f, a.out, a.scratch)]
     (a.out / "margins.md").write_text(
