@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvbench.run.records import read_records
+
 FULL_MIN = 90.0  # the full cache must answer: a budget where it does not cannot show what eviction loses
 INFORMATIVE_MIN = 0.5  # at least half the samples must tell the policies apart
 
@@ -27,7 +29,7 @@ def load(runs: Path) -> tuple[dict[str, float], dict[int, dict[str, dict[str, fl
     for metrics in sorted(runs.rglob("metrics.json")):
         m = json.loads(metrics.read_text())
         scores = {str(r["id"]): float(r["score"])
-                  for r in map(json.loads, (metrics.parent / "predictions.jsonl").read_text().splitlines())}
+                  for r in read_records(metrics.parent / "predictions.jsonl", repair=False)}
         if m["policy"] == "full":
             full.update(scores)
         else:

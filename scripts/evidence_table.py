@@ -23,6 +23,9 @@ import csv
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a file: its sibling scripts
+from claims_side_by_side import verdict  # noqa: E402  (a claims.csv cell's verdict words)
+
 # Each claim's winner and the rivals it names, by the first words of its text in claims.csv (None: not pairwise).
 CLAIMS: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("KeyDiff beats TOVA, SnapKV and H2O", "keydiff", ("tova", "snapkv", "h2o")),
@@ -41,10 +44,7 @@ def claim_key(text: str) -> tuple[str, str | None, tuple[str, ...]] | None:
 
 def table_verdict(row: dict[str, str]) -> str:
     """A claims.csv row's verdict words on the 0/100 score and on the graded score ("holds; graded: reversed")."""
-    def words(text: str) -> str:
-        text = (text or "").strip()
-        return "not run" if text in ("", "-") else text.split(":", 1)[0].strip()
-    return f"{words(row.get('holds?', ''))}; graded: {words(row.get('graded score', ''))}"
+    return f"{verdict(row.get('holds?', ''))}; graded: {verdict(row.get('graded score', ''))}"
 
 
 def evidence_cell(winner: str, rivals: tuple[str, ...], tests: list[dict[str, str]]) -> str:

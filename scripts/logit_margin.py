@@ -15,11 +15,12 @@ processor applies; the header says which apply).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import yaml
+
+from kvbench.run.records import read_records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (a.run / "config.yaml").is_file() or not pred.is_file():
         print(f"logit_margin: {a.run} is not a run directory (config.yaml, predictions.jsonl)", file=sys.stderr)
         return 2
-    committed = next((r for r in map(json.loads, pred.read_text().splitlines()) if str(r["id"]) == a.sample), None)
+    committed = next((r for r in read_records(pred, repair=False) if str(r["id"]) == a.sample), None)
     if committed is None:
         print(f"logit_margin: no sample '{a.sample}' in {pred}", file=sys.stderr)
         return 2
