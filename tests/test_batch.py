@@ -298,3 +298,19 @@ def test_reproduce_summary_by_hand(tmp_path) -> None:
     text = script.summary(["x"], tmp_path, "0/1000")
     assert "| x | 2 | 4 | 3 | 3.4e-05 | `b_N512` L2000_D10 |" in text
     assert script.main(["no-such-folder", "--out", str(tmp_path)]) == 2
+
+
+def test_reproduce_reuse_reruns_nothing_and_redraws_the_summary(tmp_path) -> None:
+    """--reuse with a folder's rerun rows already in --out: no rerun starts (no scratch log), margins.md says no tokens
+    differ and README.md's row is drawn from the rows given (hand-made: 4 runs, 3 identical, one graded move)."""
+    import json
+
+    script = load_script("reproduce")
+    rows = [{"run": f"results/evidence_lm/runs/r{i}", "samples": 1, "identical": int(i != 2),
+             "graded_moved": 2e-6 * i, "differ": []} for i in range(4)]
+    (tmp_path / "evidence_lm.json").write_text(json.dumps(rows))
+    scratch = tmp_path / "scratch"
+    assert script.main(["evidence_lm", "--reuse", "--out", str(tmp_path), "--scratch", str(scratch)]) == 0
+    assert not (scratch / "evidence_lm.log").exists()
+    assert "Every rerun sample's tokens equal the committed ones." in (tmp_path / "margins.md").read_text()
+    assert "| evidence_lm | 4 | 4 | 3 | 6.0e-06 | - |" in (tmp_path / "README.md").read_text()
