@@ -41,7 +41,10 @@ def declared() -> dict[str, str]:
 
 def imported(folders: tuple[str, ...]) -> dict[str, str]:
     """Third-party distribution name -> one file importing it, over the .py files below `folders`."""
-    local = {"kvbench", "hydra_plugins.kvbench_launcher", "hydra_plugins.kvbench_slurm_launcher"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+    # The repo's own modules: the package, its launchers, and the tests' and scripts' sibling modules (a script
+    # imports another script from scripts/, which its own folder puts on sys.path).
+    local = ({"kvbench", "hydra_plugins.kvbench_launcher", "hydra_plugins.kvbench_slurm_launcher"}
+             | {p.stem for folder in ("tests", "scripts") for p in (ROOT / folder).glob("*.py")})
     out: dict[str, str] = {}
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):
