@@ -13,6 +13,10 @@ the tests.
 RUNS: a pilot's run directories (kvbench-report reads them); each comparison a:b names two policies whose runs pair
 (the full cache pairs at every budget where its runs are budget-free). m = the number of planned comparisons
 (comparisons x budgets). The pilot's samples must not be reused by the final runs (scripts/pilot_evidence.sh).
+
+A comparison may name its own runs and budget, `DIR/a:b@N`: the runs under RUNS/DIR only (where one claim's runs sit
+apart from another's, e.g. H2O with HashEvict's protected tokens beside the default H2O), at budget N only
+(--budgets is then not needed for it). Holm's family is still every comparison of the command.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,32 +40,56 @@ def _budget(row: Any) -> Any:
     return None if row.budget is NA else row.budget
 
 
-def plan(runs: Path, score: str, comparisons: Sequence[tuple[str, str]], budgets: Sequence[int],
+@dataclass(frozen=True)
+class Comparison:
+    """One planned comparison: policy a against policy b, over the runs under RUNS/sub (sub "" = all of RUNS), at
+    `budgets` (None: the command's --budgets)."""
+
+    a: str
+    b: str
+    sub: str = ""
+    budgets: tuple[int, ...] | None = None
+
+
+def parse_comparison(spec: str) -> Comparison:
+    """`[DIR/]a:b[@N]` -> Comparison; ValueError with the spec for anything else."""
+    sub, _, rest = spec.rpartition("/")
+    rest, at, budget = rest.partition("@")
+    pair = rest.split(":")
+    if len(pair) != 2 or not all(pair) or (at and not budget.isdigit()):
+        raise ValueError(f"--compare takes [DIR/]a:b[@N] (policy names, N a budget), got {spec!r}")
+    return Comparison(pair[0], pair[1], sub, (int(budget),) if at else None)
+
+
+def plan(runs: Path, score: str, comparisons: Sequence[Comparison | tuple[str, str]], budgets: Sequence[int],
          alpha: float = ALPHA, power: float = POWER, cap: int | None = None) -> list[dict[str, Any]]:
     """One dict per (comparison, budget): the pilot's n, difference, p, and the n needed at alpha / m."""
-    entries, notes = collect_entries(runs)
-    rep = build_report(entries, notes)
-    found = [p for p in pairs(rep) if p.score == score]
-    m = len(comparisons) * len(budgets)
+    comps = [c if isinstance(c, Comparison) else Comparison(*c) for c in comparisons]
+    cells = [(c, n) for c in comps for n in (c.budgets if c.budgets is not None else budgets)]
+    found: dict[str, list[Any]] = {}  # sub -> its paired tests on `score` (each sub's runs read once)
+    m = len(cells)
     out = []
-    for a, b in comparisons:
-        for n_budget in budgets:
-            match = [p for p in found for x, y, rx, ry in ((p.a, p.b, p.row_a, p.row_b), (p.b, p.a, p.row_b, p.row_a))
-                     if x.policy == a and y.policy == b and _budget(rx) in (n_budget, None)
-                     and _budget(ry) in (n_budget, None) and n_budget in (_budget(rx), _budget(ry))]
-            row: dict[str, Any] = {"a": a, "b": b, "budget": n_budget, "m": m}
-            if not match:
-                row["note"] = "no paired runs in the pilot"
-                out.append(row)
-                continue
-            p = match[0]
-            sign = 1 if p.a.policy == a else -1  # diff = a - b
-            r = p.result
-            need = required_n(r, alpha=alpha / m, power=power)
-            lo, hi = (r.ci_low, r.ci_high) if sign > 0 else (-r.ci_high, -r.ci_low)
-            row.update(n=r.n, diff=sign * r.diff, lo=lo, hi=hi, p=r.p_value, need=need, mdd=min_detectable_diff(r),
-                       plan=None if need is None else (min(need, cap) if cap else need))
+    for c, n_budget in cells:
+        if c.sub not in found:
+            entries, notes = collect_entries(runs / c.sub if c.sub else runs)
+            found[c.sub] = [p for p in pairs(build_report(entries, notes)) if p.score == score]
+        a, b = c.a, c.b
+        match = [p for p in found[c.sub] for x, y, rx, ry in ((p.a, p.b, p.row_a, p.row_b), (p.b, p.a, p.row_b, p.row_a))
+                 if x.policy == a and y.policy == b and _budget(rx) in (n_budget, None)
+                 and _budget(ry) in (n_budget, None) and n_budget in (_budget(rx), _budget(ry))]
+        row: dict[str, Any] = {"a": a, "b": b, "budget": n_budget, "m": m}
+        if not match:
+            row["note"] = "no paired runs in the pilot"
             out.append(row)
+            continue
+        p = match[0]
+        sign = 1 if p.a.policy == a else -1  # diff = a - b
+        r = p.result
+        need = required_n(r, alpha=alpha / m, power=power)
+        lo, hi = (r.ci_low, r.ci_high) if sign > 0 else (-r.ci_high, -r.ci_low)
+        row.update(n=r.n, diff=sign * r.diff, lo=lo, hi=hi, p=r.p_value, need=need, mdd=min_detectable_diff(r),
+                   plan=None if need is None else (min(need, cap) if cap else need))
+        out.append(row)
     return out
 
 
@@ -146,8 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("runs", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--score", default="answer_logprob")
-    ap.add_argument("--compare", nargs="+", required=True, help="a:b pairs of policies")
-    ap.add_argument("--budgets", required=True, help="comma-separated budgets N")
+    ap.add_argument("--compare", nargs="+", required=True,
+                    help="a:b pairs of policies, each optionally DIR/a:b@N (its runs under RUNS/DIR, budget N)")
+    ap.add_argument("--budgets", default="", help="comma-separated budgets N (for comparisons without @N)")
     ap.add_argument("--cap", type=int, default=None, help="the most samples a run may have (the source's size)")
     ap.add_argument("--tests", action="store_true", help="the final runs' Holm-corrected verdicts instead of a plan")
     ap.add_argument("--csv", type=Path, default=None,
@@ -155,11 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "scripts/evidence_table.py reads")
     a = ap.parse_args(argv)
     try:
-        comparisons = [tuple(c.split(":")) for c in a.compare]
-        if any(len(c) != 2 or not all(c) for c in comparisons):
-            raise ValueError(f"--compare takes a:b pairs of policy names, got {' '.join(a.compare)}")
-        budgets = [int(x) for x in a.budgets.split(",")]
-        rows = plan(a.runs, a.score, comparisons, budgets, cap=a.cap)  # type: ignore[arg-type]
+        comparisons = [parse_comparison(c) for c in a.compare]
+        budgets = [int(x) for x in a.budgets.split(",") if x.strip()]
+        if not budgets and any(c.budgets is None for c in comparisons):
+            raise ValueError("give --budgets, or a budget @N with every comparison")
+        rows = plan(a.runs, a.score, comparisons, budgets, cap=a.cap)
     except (ValueError, ReportError, OSError) as e:
         print(f"power_plan.py: error: {error_line(e)}", file=sys.stderr)
         return 2

@@ -30,7 +30,18 @@ tables() {
     case $name in
         niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
         ruler_4k) ;;
-        evidence_niah) ;;
+        evidence_niah)
+            # Every claim's planned comparisons on the designed grid, each within its own runs' folder (the claims'
+            # protocols and options differ), one Holm family per score: the 0/100 score the pilot sized, then the
+            # graded one
+            local niah_compare=(keydiff/keydiff:tova@1024 keydiff/keydiff:snapkv@1024 keydiff/keydiff:h2o@1024
+                keydiff/keydiff:full@1024 keydiff/streamingllm:full@1024 hashevict_h2o/hashevict:h2o@1024
+                criticalkv_snapkv/criticalkv:snapkv@512 criticalkv_adakv/criticalkv:adakv@512
+                sagekv_streamingllm/sagekv:streamingllm@512)
+            python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" --score avg --tests \
+                --compare "${niah_compare[@]}" > /dev/null
+            python scripts/power_plan.py "$out/runs" --out "$out/tests_graded.md" --csv "$out/tests_graded.csv" \
+                --score answer_logprob --tests --compare "${niah_compare[@]}" > /dev/null ;;
         pilot_niah)
             # The budgets the final NIAH grid runs at: the full cache answers and the policies spread
             python scripts/budget_choice.py "$out/runs" --out "$out/budgets.md" > /dev/null

@@ -12,6 +12,8 @@ interval excludes 0 and the adjusted p < 0.05, else "not resolved". Holm familie
 of that block (kvbench-report's paired.csv corrects nothing); for a claims block, every paired test of that
 claims.md (scripts/claims_table.py's claims_tests.csv, whose p_holm the checker recomputes). Claim rows say
 holds / reversed / not resolved as scripts/claims_table.py defines them, recomputed here from the claim's tests.
+A planned-comparisons block (an evidence folder's `tests.csv`, written by scripts/power_plan.py --tests) shows each
+file's rows as one Holm family; the checker recomputes Holm over each file.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ side_compare = _side_by_side().compare
 
 LOGPROB = "answer_logprob"
 TEST_HEAD = ["a", "b", "N", "score", "n", "diff [95 % CI]", "p", "Holm p", "verdict", "n needed (uncorrected)"]
+PLANNED_HEAD = TEST_HEAD[:9]  # a planned comparison: no "n needed" (tests.md gives the smallest resolvable diff)
 CLAIM_TEST_HEAD = ["#", "winner", "rival", "N", "score", "n", "diff [95 % CI]", "p", "Holm p", "verdict"]
 CLAIM_HEAD = ["#", "claim", "0/100 score", "graded score"]
 SIDE_HEAD = ["claim", "SmolLM2-135M 0/100", "SmolLM2-135M graded", "Qwen2.5-1.5B 0/100", "Qwen2.5-1.5B graded",
@@ -236,6 +239,27 @@ def claims_block(folder: Path) -> Callable[[], list[str]]:
     return make
 
 
+def planned_tests(path: Path) -> list[Test]:
+    """The rows of a power_plan.py --tests CSV that have a test (q: its Holm p over the file)."""
+    with path.open(encoding="utf-8") as f:
+        return [Test(r["a"], r["b"], r["budget"], r["score"], int(r["n"]), float(r["diff"]), float(r["ci_low"]),
+                     float(r["ci_high"]), float(r["p"]), float(r["p_holm"])) for r in csv.DictReader(f) if r["p"]]
+
+
+def planned_block(paths: tuple[Path, ...]) -> Callable[[], list[str]]:
+    def make() -> list[str]:
+        lines: list[str] = []
+        for path in paths:
+            tests = planned_tests(path)
+            res = sum(verdict(t) != "not resolved" for t in tests)
+            scores = ", ".join(dict.fromkeys(t.score for t in tests))
+            lines += [f"`{path.relative_to(ROOT)}` ({scores}): {res} of {len(tests)} planned comparisons resolved "
+                      f"(Holm family: these {len(tests)}).", "", *table(PLANNED_HEAD, [test_row(t)[:9] for t in tests]),
+                      ""]
+        return lines[:-1]
+    return make
+
+
 def side_block() -> list[str]:
     a = {c: (z, g) for _, c, z, g in claim_verdicts(CLAIMS)}
     b = {c: (z, g) for _, c, z, g in claim_verdicts(QWEN)}
@@ -264,11 +288,17 @@ PAIRED: dict[str, tuple[Path, Selector, str]] = {
     "ruler_4k:keydiff": (RULER, between("keydiff", ("tova", "snapkv", "h2o", "streamingllm"), BOTH),
                          "KeyDiff against every other policy"),
 }
+# Evidence folders' planned comparisons (scripts/power_plan.py --tests), one Holm family per file.
+PLANNED: dict[str, tuple[Path, ...]] = {
+    "evidence_lm": (ROOT / "results/evidence_lm/tests.csv",),
+    "evidence_code": (ROOT / "results/evidence_code/tests.csv",),
+}
 BLOCKS: dict[str, Callable[[], list[str]]] = {
     **{name: paired_block(*spec) for name, spec in PAIRED.items()},
     "claims": claims_block(CLAIMS),
     "qwen:claims": claims_block(QWEN),
     "side_by_side": side_block,
+    **{f"{name}:tests": planned_block(paths) for name, paths in PLANNED.items()},
 }
 
 
@@ -343,8 +373,17 @@ def check(name: str, body: str, tests: list[Test] | None = None,
                 errors.append(f"side_by_side: {c[0]}: stated {c[1:5]}, the tests give {want}")
         return errors
     folder = {"claims": CLAIMS, "qwen:claims": QWEN}.get(name)
+    planned = name.endswith(":tests") and name[:-len(":tests")] in PLANNED
     if tests is None:
-        if folder is not None:
+        if planned:
+            tests = []
+            for path in PLANNED[name[:-len(":tests")]]:
+                family = planned_tests(path)
+                qs = holm([t.p for t in family])  # each file's p_holm must be Holm over that file
+                errors += [f"{name}: {t.a} vs {t.b} N={t.budget} {t.score}: p_holm {t.q} is not Holm's {q:.6f}"
+                           for t, q in zip(family, qs) if abs(t.q - q) > 1e-5]
+                tests += family
+        elif folder is not None:
             tests = claim_tests(folder)
             qs = holm([t.p for t in tests])  # claims_tests.csv's p_holm must be Holm over the whole file
             errors += [f"{name}: claim {t.claim} {t.a} vs {t.b} N={t.budget} {t.score}: p_holm {t.q} is not Holm's "
@@ -354,7 +393,8 @@ def check(name: str, body: str, tests: list[Test] | None = None,
             tests = paired_tests(path, select)
     truth = {(t.claim, t.a, t.b, t.budget, t.score): t for t in tests}
     is_claims = folder is not None or any(t.claim for t in tests)
-    rows = [c for c in body_rows(body, len(CLAIM_TEST_HEAD if is_claims else TEST_HEAD))]
+    width = len(CLAIM_TEST_HEAD if is_claims else PLANNED_HEAD if planned else TEST_HEAD)
+    rows = body_rows(body, width)
     if not rows:
         errors.append(f"{name}: no verdict rows")
     for c in rows:

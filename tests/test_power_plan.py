@@ -48,3 +48,34 @@ def test_tests_csv_rows_carry_the_holm_p_and_the_verdict(tmp_path) -> None:
         ("x", "y", "0.02", "resolved: x higher"), ("x", "z", "0.04", "resolved: z higher"),
         ("v", "z", "", "no paired runs in the pilot")]
     assert got[0]["diff"] == "0.300000" and got[0]["ci_low"] == "0.100000" and got[0]["n"] == "100"
+
+
+def test_a_comparison_names_its_runs_and_budget() -> None:
+    import pytest
+
+    assert pp.parse_comparison("keydiff:tova") == pp.Comparison("keydiff", "tova", "", None)
+    assert pp.parse_comparison("hashevict_h2o/hashevict:h2o@1024") == \
+        pp.Comparison("hashevict", "h2o", "hashevict_h2o", (1024,))
+    for bad in ("keydiff", "a:b:c", "sub/a:b@x", "a:", "sub/a:b@"):
+        with pytest.raises(ValueError, match="DIR/"):
+            pp.parse_comparison(bad)
+
+
+def test_scoped_comparisons_pair_only_their_own_runs(tmp_path, capsys) -> None:
+    from test_report_paired import write_run
+
+    # The same pair of policies in two folders (the second H2O with other options): keydiff -1 on all 8 samples vs
+    # the first H2O -2 on 6 and -1 on 2: mean +0.75; keydiff -3 vs the second H2O -2 on 4 and -3 on 4: -0.5. Each
+    # comparison pairs the runs of its own folder only; one family, m = 2.
+    write_run(tmp_path / "kd", "k", "keydiff", [0] * 8, logprob=[-1.0] * 8)
+    write_run(tmp_path / "kd", "h", "h2o", [0] * 8, logprob=[-2.0] * 6 + [-1.0] * 2)
+    write_run(tmp_path / "he", "x", "keydiff", [0] * 8, logprob=[-3.0] * 8)
+    write_run(tmp_path / "he", "h", "h2o", [0] * 8, logprob=[-2.0] * 4 + [-3.0] * 4, options={"n_sink": 4})
+    rows = pp.plan(tmp_path, "answer_logprob",
+                   [pp.parse_comparison("kd/keydiff:h2o@256"), pp.parse_comparison("he/keydiff:h2o@256")], [])
+    assert [(r["a"], r["b"], r["budget"], r["m"], r["n"], round(r["diff"], 6)) for r in rows] == [
+        ("keydiff", "h2o", 256, 2, 8, 0.75), ("keydiff", "h2o", 256, 2, 8, -0.5)]
+    out = tmp_path / "t.md"
+    assert pp.main([str(tmp_path), "--out", str(out), "--tests", "--compare", "kd/keydiff:h2o"]) == 2
+    assert "give --budgets, or a budget @N" in capsys.readouterr().err
+    assert not out.exists()

@@ -92,3 +92,28 @@ def test_a_planted_claim_verdict_is_caught(v: Any) -> None:
     assert v.claim_verdict(tests[:1], "x") == "holds"
     against = v.Test("keydiff", "h2o", "512", "avg", 15, -30.0, -50.0, -10.0, 0.001, 0.002, claim="1")
     assert v.claim_verdict([tests[0], against], "x") == "reversed"
+
+
+def test_a_planned_comparison_block_is_checked_per_file(v: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    # A power_plan.py --tests CSV of two comparisons: p 0.01 and 0.04 -> Holm 0.02 and max(0.02, 0.04) = 0.04.
+    path = tmp_path / "tests.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["a", "b", "budget", "score", "n", "diff", "ci_low", "ci_high", "p", "p_holm", "verdict"])
+        w.writerow(["keydiff", "tova", "1024", "avg", 93, "20.0", "8.0", "32.0", "0.01", "0.02", "resolved: keydiff higher"])
+        w.writerow(["sagekv", "streamingllm", "512", "avg", 93, "-3.0", "-9.0", "3.0", "0.04", "0.04", "not resolved"])
+        w.writerow(["hashevict", "h2o", "1024", "avg", "", "", "", "", "", "", "no paired runs"])
+    monkeypatch.setitem(v.PLANNED, "x", (path,))
+    monkeypatch.setattr(v, "ROOT", tmp_path)
+    body = "\n".join(v.planned_block((path,))()) + "\n"
+    assert body.startswith("`tests.csv` (avg): 1 of 2 planned comparisons resolved (Holm family: these 2).")
+    assert "| keydiff | tova | 1024 | avg | 93 | +20.00 [+8.00, +32.00] | 0.01 | 0.02 | **resolved: keydiff higher** |" \
+        in body
+    assert "hashevict" not in body  # a comparison that was not run states no verdict
+    assert v.check("x:tests", body) == []
+    planted = body.replace("| 0.04 | 0.04 | **not resolved** |", "| 0.04 | 0.04 | **resolved: streamingllm higher** |")
+    assert len(v.check("x:tests", planted)) == 1
+    # A p_holm in the file that is not Holm over the file is named.
+    path.write_text(path.read_text().replace(",0.01,0.02,", ",0.01,0.01,"))
+    assert [e for e in v.check("x:tests", body) if "is not Holm's" in e] == [
+        "x:tests: keydiff vs tova N=1024 avg: p_holm 0.01 is not Holm's 0.020000"]
