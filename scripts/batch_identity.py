@@ -58,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="compare with the runs of the same names in this directory (e.g. another rerun's --scratch) "
                         "instead of the committed ones")
     p.add_argument("--shard", default=None,
-                   help="i/n: rerun only the run's samples with index % n == i (a run of a shard: the index within "
+                   help="i/n: rerun only the run's samples with index %% n == i (a run of a shard: the index within "
                         "its shard; e.g. 0/1000 reruns each run's first sample)")
     p.add_argument("--scratch", type=Path, default=None)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--json", type=Path, default=None,
-                   help="also write, per run, its samples and the ids of those that differ (for scripts/reproduce.sh)")
+                   help="also write, per run, its samples and the ids of those that differ (for scripts/reproduce.py)")
     p.add_argument("--reuse", action="store_true",
                    help="take finished reruns already in --scratch as they are (redraw the table without rerunning)")
     a = p.parse_args(argv)

@@ -44,8 +44,8 @@ def make_layer(keys: list, queries: list | None = None, values: list | None = No
     layer.scaling, layer.softcap = scaling, None
     if queries is not None:
         q = torch.tensor(queries, dtype=torch.float32).unsqueeze(0)  # (1, h_q, w, d)
-        layer.queries = q
-        layer.query_positions = torch.arange(layer.seen - q.shape[2], layer.seen)
+        layer.stash.queries = q
+        layer.stash.positions = torch.arange(layer.seen - q.shape[2], layer.seen)
     return layer
 
 

@@ -152,8 +152,8 @@ class Float32Twin:
     def select(self, layer: EvictingLayer) -> Any:
         twin = layer.fork()  # per-token state cloned; K/V/queries replaced by float32 copies
         twin.keys, twin.values = layer.keys.float(), layer.values.float()
-        if layer.queries is not None:
-            twin.queries = layer.queries.float()
+        if layer.stash.queries is not None:
+            twin.stash.queries = layer.stash.queries.float()
         saved = self._draws()
         want = self._select(twin)
         self._restore(saved)

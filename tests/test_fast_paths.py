@@ -99,12 +99,12 @@ def test_query_attention_masks_only_the_tail_like_the_full_causal_mask() -> None
     for _ in range(3):  # three blocks of 5, queries stashed with a rolling window of 7 as the wrapper does
         q = torch.randn(1, 4, 5, 8, generator=g)
         layer.update(torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g))
-        layer.stash_queries(q, 7)
+        layer.stash.add(q, layer.seen, 7)
     layer.scaling, layer.softcap = 0.3, None
     layer.keep(torch.tensor([[[0, 2, 4, 6, 9, 10, 11, 12, 13, 14]] * 2]))
-    assert layer.query_first == 8 and layer.query_positions.tolist() == list(range(8, 15))
+    assert layer.stash.first == 8 and layer.stash.positions.tolist() == list(range(8, 15))
     fast = query_attention(layer)
-    layer.query_first = None  # the general path: visibility of every key to every query
+    layer.stash.first = None  # the general path: visibility of every key to every query
     full = query_attention(layer)
     assert torch.equal(fast, full)
     # query 8 sees positions 0..8 only: its attention to 9..14 (the last six slots, the tail seen - 1 - 8 that the
@@ -114,11 +114,11 @@ def test_query_attention_masks_only_the_tail_like_the_full_causal_mask() -> None
 
 def test_a_gap_in_stashed_queries_falls_back_to_the_full_mask() -> None:
     layer = _layer(6)
-    layer.stash_queries(torch.zeros(1, 2, 2, 4), 4)
+    layer.stash.add(torch.zeros(1, 2, 2, 4), layer.seen, 4)
     layer.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))  # a forward that stashed nothing
     layer.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
-    layer.stash_queries(torch.zeros(1, 2, 1, 4), 4)
-    assert layer.query_first is None and layer.query_positions.tolist() == [4, 5, 9]
+    layer.stash.add(torch.zeros(1, 2, 1, 4), layer.seen, 4)
+    assert layer.stash.first is None and layer.stash.positions.tolist() == [4, 5, 9]
 
 
 def test_layers_a_policy_never_evicts_get_no_policy_work(model) -> None:
@@ -140,7 +140,7 @@ def test_snapkv_window_queries_stashed_only_in_evicted_layers(model) -> None:
     ids = torch.randint(8, 500, (1, 24), generator=torch.Generator().manual_seed(6))
     with attention.active(cache), torch.inference_mode():
         model(input_ids=ids, past_key_values=cache)
-    assert [layer.queries is None for layer in cache.layers] == [False, True, False, False]
+    assert [layer.stash.queries is None for layer in cache.layers] == [False, True, False, False]
 
 
 def test_rebuilt_masks_are_shared_between_layers_of_one_length() -> None:

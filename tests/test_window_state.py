@@ -62,7 +62,7 @@ def _bound(layer: EvictingLayer) -> float:
     that, relatively. Older rows are renormalised over fewer slots: one sum of at most n terms, one division, and the
     mean of at most w rows add (n + w + 4) eps. Measured: 1e-6 to 1e-5 here, where logits reach ~10-30.
     """
-    q, k = layer.queries.float().abs(), layer.keys.float().abs()  # (b, h_q, w, d), (b, h_kv, n, d)
+    q, k = layer.stash.queries.float().abs(), layer.keys.float().abs()  # (b, h_q, w, d), (b, h_kv, n, d)
     b, h_q, w, d = q.shape
     h_kv, n = k.shape[1], k.shape[2]
     mags = torch.matmul(q.reshape(b, h_kv, h_q // h_kv * w, d), k.transpose(-1, -2)).max().item() * layer.scaling
@@ -82,8 +82,8 @@ def _assert_close_relative(got: torch.Tensor, want: torch.Tensor, rel: float) ->
 def stored_rows(layer: EvictingLayer) -> torch.Tensor:
     """(b, h_q, count, n) each stashed query's stored row renormalised over the slots held: what window_attention
     averages (the rows computed since the latest eviction are used as stored: they sum to 1 up to rounding)."""
-    first, seen, w = layer.query_first, layer.seen, layer.query_window
-    b, h_q = layer.queries.shape[:2]
+    first, seen, w = layer.stash.first, layer.seen, layer.stash.window
+    b, h_q = layer.stash.queries.shape[:2]
     h_kv, n = layer.keys.shape[1], layer.keys.shape[2]
     wp = WindowRing.of(layer).probs.view(b, h_kv, n, h_q // h_kv, w)
     rows = [wp[..., (p - WindowRing.of(layer).base) % w] for p in range(first, seen)]  # (b, h_kv, n, g) each
@@ -102,12 +102,12 @@ class Checks:
 
         def checked(layer: EvictingLayer) -> Any:
             ref = layer.fork()  # shares K/V; its own window state, which the next two lines switch off
-            WindowRing.of(ref).probs, ref.query_first = None, None  # no ring: window_attention recomputes every time
+            WindowRing.of(ref).probs, ref.stash.first = None, None  # no ring: window_attention recomputes every time
             want = select(ref)
-            if layer.queries is not None and layer.query_first is not None:
+            if layer.stash.queries is not None and layer.stash.first is not None:
                 self.calls += 1
                 ring = WindowRing.of(layer)
-                self.incremental += ring.probs is not None and ring.rows > layer.query_first
+                self.incremental += ring.probs is not None and ring.rows > layer.stash.first
                 probs = query_attention(layer)  # (b, h_q, w, n)
                 rel = _bound(layer)
                 got = layer.window_attention()  # brings the state up to date first
@@ -170,7 +170,7 @@ def _layer_with_window(seed: int = 0, n: int = 20, w: int = 4) -> EvictingLayer:
     layer.scaling, layer.softcap, layer.decoding = 0.3, None, True
     for q in (n - 1, 1):  # a block, then one decoding step: stashed as the wrapper does
         layer.update(torch.randn(1, 2, q, 8, generator=g), torch.randn(1, 2, q, 8, generator=g))
-        layer.stash_queries(torch.randn(1, 4, q, 8, generator=g), w)
+        layer.stash.add(torch.randn(1, 4, q, 8, generator=g), layer.seen, w)
     return layer
 
 
@@ -183,7 +183,7 @@ def test_a_decoding_step_adds_one_row_and_renormalises_the_others() -> None:
     layer.keep(torch.tensor([[[0, 2, 3, 5, 7, 11, 12, 15, 16, 17, 18, 19]] * 2]))  # evicts 8 slots
     g = torch.Generator().manual_seed(7)
     layer.update(torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g))
-    layer.stash_queries(torch.randn(1, 4, 1, 8, generator=g), 4)
+    layer.stash.add(torch.randn(1, 4, 1, 8, generator=g), layer.seen, 4)
     # pruning and the new token's entries wait for the next call: one copy then
     assert WindowRing.of(layer).probs is stored
     got = layer.window_attention()
@@ -195,7 +195,7 @@ def test_a_decoding_step_adds_one_row_and_renormalises_the_others() -> None:
     # the newest query's row is stored as computed: query_attention's arithmetic on that one query
     slot = (20 - WindowRing.of(layer).base) % 4
     stored = WindowRing.of(layer).probs.view(1, 2, 13, 2, 4)[..., slot].permute(0, 1, 3, 2).reshape(1, 4, 13)
-    assert torch.equal(stored, WindowRing._query_rows(layer, layer.queries[:, :, -1:], 20)[:, :, 0])
+    assert torch.equal(stored, WindowRing._query_rows(layer, layer.stash.queries[:, :, -1:], 20)[:, :, 0])
 
 
 def test_evictions_between_scorings_keep_the_window_aligned() -> None:
@@ -207,7 +207,7 @@ def test_evictions_between_scorings_keep_the_window_aligned() -> None:
 
     def append() -> None:
         layer.update(torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g))
-        layer.stash_queries(torch.randn(1, 4, 1, 8, generator=g), 4)
+        layer.stash.add(torch.randn(1, 4, 1, 8, generator=g), layer.seen, 4)
 
     append()
     append()
@@ -228,7 +228,7 @@ def test_the_fork_keeps_its_own_window() -> None:
     branch = layer.fork()
     g = torch.Generator().manual_seed(2)
     branch.update(torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g))
-    branch.stash_queries(torch.randn(1, 4, 1, 8, generator=g), 4)
+    branch.stash.add(torch.randn(1, 4, 1, 8, generator=g), branch.seen, 4)
     branch.window_attention()  # writes the branch's new row in place
     assert WindowRing.of(branch).probs.data_ptr() != WindowRing.of(layer).probs.data_ptr()
     assert torch.equal(layer.window_attention(), before)

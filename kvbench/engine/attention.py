@@ -186,7 +186,7 @@ def _hooks(module: Any, cache: EvictingCache, layer: EvictingLayer, query: torch
     if policy is None or cache.frozen or layer.layer_idx not in cache.evicted:
         return False
     if cache.query_window:
-        layer.stash_queries(query, cache.query_window)
+        layer.stash.add(query, layer.seen, cache.query_window)
     if policy.state_names:
         new = policy.on_append(layer, module, *layer.block_kv(query.shape[-2]), query)
         for name in policy.state_names:

@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvbench.engine.ragged import RaggedStorage
+from kvbench.engine.stash import QueryStash
 from kvbench.policies.window import WindowRing
 
 if TYPE_CHECKING:
@@ -49,12 +50,7 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
         self.seen = 0  # tokens ever appended (logical length)
         self.positions: torch.Tensor | None = None  # (b, h_kv, n) or ragged (S,): absolute position of each token
         self.state: dict[str, torch.Tensor] = {}  # name -> (b, h_kv, n) or ragged (S,) per-token policy state
-        self.queries: torch.Tensor | None = None  # (b, h_q, w, d) latest queries kept for the policy
-        self.query_positions: torch.Tensor | None = None  # (w,) absolute positions of those queries
-        # Position of the earliest stashed query, known on the host while the stashed positions have no gap (None
-        # otherwise): query_attention then masks only the keys after it, which are the last slots.
-        self.query_first: int | None = None
-        self._query_end = 0  # `seen` at the latest stash
+        self.stash = QueryStash()  # the latest queries the policy asked for (Policy.query_window)
         self.peak_tokens = 0  # max over time of tokens held per KV head (ragged: layer total / (b * h_kv), ceil)
         self.decoding = False  # set by generate once the prompt is done (SAGE-KV only slides its window then)
         # Set by the attention wrapper at every forward: the model's attention scale and softcap (query_attention
@@ -68,7 +64,6 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
         # Policy-owned per-layer objects (`LayerExtra`: SnapKV's WindowRing), created by the policies layer on first
         # use; the layer only calls their hooks where its storage changes (keep, unpack, pack, fork).
         self.extras: dict[str, LayerExtra] = {}
-        self.query_window = 0  # the window of the latest stash (`stash_queries`): w > 0, -1 the forward's own
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
@@ -172,7 +167,7 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
         self._keep_padded(idx, valid, rows)  # a padded view, or a uniform layer that turns ragged
 
     def fork(self) -> EvictingLayer:
-        """An independent copy of this layer's state. K/V, positions, queries and the layouts (`flat`, `padded`) are
+        """An independent copy of this layer's state. K/V, positions and the layouts (`flat`, `padded`) are
         only ever replaced, never written in place, so the copy shares them; per-token policy state is written in
         place (set_block_state, H2O's accumulator), so it is cloned, and each extra makes its own copy
         (`LayerExtra.fork`)."""
@@ -180,6 +175,7 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
         new.state = {k: v.clone() for k, v in self.state.items()}
         new.scratch = dict(self.scratch)
         new.extras = {k: extra.fork() for k, extra in self.extras.items()}
+        new.stash = self.stash.fork()
         return new
 
     def follow(self, lead: EvictingLayer) -> None:
@@ -209,26 +205,6 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
         if self.keys is None:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-    def stash_queries(self, query: torch.Tensor, window: int) -> None:
-        """Keep the latest `window` queries (-1: the current block's) for the policy's scoring."""
-        q = query.shape[-2]
-        pos = torch.arange(self.seen - q, self.seen, device=query.device)
-        self.query_window = window
-        if window < 0 or self.queries is None:
-            self.queries, self.query_positions = query, pos
-            self.query_first = self.seen - q
-        else:
-            if self._query_end != self.seen - q:
-                self.query_first = None  # a forward was not stashed: the positions have a gap
-            self.queries = torch.cat([self.queries, query], dim=-2)
-            self.query_positions = torch.cat([self.query_positions, pos])
-        if window > 0 and self.queries.shape[-2] > window:
-            self.queries = self.queries[..., -window:, :]
-            self.query_positions = self.query_positions[-window:]
-        if self.query_first is not None:
-            self.query_first = self.seen - self.queries.shape[-2]
-        self._query_end = self.seen
 
     # -- the stashed queries' attention (CacheLayer's contract), kept by the policies layer's WindowRing ----------
     def window_attention(self) -> torch.Tensor:

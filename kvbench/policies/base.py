@@ -5,7 +5,7 @@ returning one score per (batch, KV head, cached token), higher = keep. Everythin
 
 What the engine provides, only when a policy asks for it:
 - `query_window` > 0: the latest `query_window` post-RoPE queries of each layer (rolling across blocks and
-  decoding steps), in `layer.queries` with their absolute positions in `layer.query_positions`; -1: the current
+  decoding steps), in `layer.stash.queries` with their absolute positions in `layer.stash.positions`; -1: the current
   block's queries.
 - `needs_attention`: `on_attention(layer, probs)` is called inside the attention wrapper with the block's real
   attention probabilities (the engine computes attention itself then, and reuses them for the output).
@@ -213,7 +213,7 @@ def query_attention(layer: CacheLayer) -> torch.Tensor:
     A query only sees keys at positions <= its own (causality for queries kept from earlier steps) and valid slots.
     Computed in float32.
     """
-    return attention_probs(layer, layer.queries, layer.query_positions, layer.query_first)
+    return attention_probs(layer, layer.stash.queries, layer.stash.positions, layer.stash.first)
 
 
 def attention_probs(layer: CacheLayer, query: torch.Tensor, query_positions: torch.Tensor,

@@ -21,6 +21,16 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 
+class QueryView(Protocol):
+    """A layer's stashed queries (`CacheLayer.stash`), as the policy asked for them (`Policy.query_window`)."""
+
+    queries: torch.Tensor | None  # (b, h_q, w, d) the latest w post-RoPE queries
+    positions: torch.Tensor | None  # (w,) their absolute positions
+    first: int | None  # position of the earliest stashed query while the stashed positions have no gap
+    # the window of the latest stash: w > 0 the latest w queries, kept across forwards; -1 the forward's own; 0 none
+    window: int
+
+
 @runtime_checkable
 class CacheLayer(Protocol):
     """One full-attention layer's cache, as a policy sees it while scoring and selecting."""
@@ -46,11 +56,7 @@ class CacheLayer(Protocol):
     decoding: bool  # True once the prompt is done (SAGE-KV slides its window only then)
 
     # -- the queries a policy asked for (`query_window`) and the model's attention settings ----------------------
-    queries: torch.Tensor | None  # (b, h_q, w, d) the latest w post-RoPE queries
-    query_positions: torch.Tensor | None  # (w,) their absolute positions
-    query_first: int | None  # position of the earliest stashed query while the stashed positions have no gap
-    # the window of the latest stash: w > 0 the latest w queries, kept across forwards; -1 the forward's own; 0 none
-    query_window: int
+    stash: QueryView  # the latest post-RoPE queries and where they sit
     scaling: float | None  # the model's attention scale (query_attention rebuilds the weights with it)
     softcap: float | None  # the model's attention logit softcap, if any
 

@@ -57,7 +57,7 @@ class SageKV(Policy):
         if budget is None:
             return None
         h_kv = layer.keys.shape[1]
-        g = layer.queries.shape[1] // h_kv
+        g = layer.stash.queries.shape[1] // h_kv
         sink, k, recent = self.sizes(g)
         real = layer.positions >= 0  # (b, h_kv, n)
         pinned = (layer.state["pinned"] > 0) & real

@@ -82,11 +82,11 @@ class WindowRing:
         Stashed positions with a gap (a forward that stashed nothing) or per-block queries (window < 0) have no ring:
         then it is the plain computation, every time.
         """
-        w, first = layer.query_window, layer.query_first
-        if w <= 0 or first is None or layer.queries is None:
+        w, first = layer.stash.window, layer.stash.first
+        if w <= 0 or first is None or layer.stash.queries is None:
             self.probs, self.sel, self.sel_zeros = None, None, False
             return query_attention(layer).mean(dim=-2)
-        b, h_q = layer.queries.shape[:2]
+        b, h_q = layer.stash.queries.shape[:2]
         h_kv, n = layer.keys.shape[1], layer.keys.shape[2]
         g = h_q // h_kv
         seen = layer.seen
@@ -113,7 +113,7 @@ class WindowRing:
         wp = self.probs.view(b, h_kv, n, g, w)  # written in place: the new rows
         new = seen - fresh
         if new > 0:
-            rows = self._query_rows(layer, layer.queries[:, :, count - new:], fresh)  # (b, h_q, new, n)
+            rows = self._query_rows(layer, layer.stash.queries[:, :, count - new:], fresh)  # (b, h_q, new, n)
             src = rows.view(b, h_kv, g, new, n).permute(0, 1, 4, 2, 3)  # (b, h_kv, n, g, new)
             done = 0
             for lo, hi in self._ring_runs(fresh, seen, w):
@@ -211,7 +211,7 @@ class WindowRing:
         The entries of the tokens appended since the rows were complete are zeros: part of the padding here."""
         if self.probs is None:
             return
-        if layer.query_first is not None and self.rows <= layer.query_first:
+        if layer.stash.first is not None and self.rows <= layer.stash.first:
             self.probs = None  # every stashed query is newer than the rows (a prompt block): rebuilt, not padded
             return
         new = layer.seen - self.cols
