@@ -149,8 +149,9 @@ def tests_markdown(rows: list[dict[str, Any]], score: str, source: str) -> str:
             lines.append(f"| {r['a']} | {r['b']} | {r['budget']} | - | - | - | - | {r['note']} | - |")
             continue
         mdd = "-" if r["verdict"] != "not resolved" else ("undefined" if r["mdd"] is None else f"{r['mdd']:.3f}")
-        lines.append(f"| {r['a']} | {r['b']} | {r['budget']} | {r['n']} | {r['diff']:+.3f} [{r['lo']:+.3f}, "
-                     f"{r['hi']:+.3f}] | {r['p']:.2g} | {r['holm']:.2g} | **{r['verdict']}** | {mdd} |")
+        diff, lo, hi = (round(r[k], 6) + 0.0 for k in ("diff", "lo", "hi"))  # + 0.0: no "-0.000" for a zero
+        lines.append(f"| {r['a']} | {r['b']} | {r['budget']} | {r['n']} | {diff:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+                     f"{r['p']:.2g} | {r['holm']:.2g} | **{r['verdict']}** | {mdd} |")
     return "\n".join(lines) + "\n"
 
 

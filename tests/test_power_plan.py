@@ -79,3 +79,10 @@ def test_scoped_comparisons_pair_only_their_own_runs(tmp_path, capsys) -> None:
     assert pp.main([str(tmp_path), "--out", str(out), "--tests", "--compare", "kd/keydiff:h2o"]) == 2
     assert "give --budgets, or a budget @N" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_zero_difference_prints_without_a_sign_of_minus() -> None:
+    # A difference of -0.0 (e.g. a sign flip of 0) and an interval end of -1e-9 print as +0.000.
+    rows = pp.with_holm([_row("x", "y", 1.0, -0.0, -1e-9, 15.0)])
+    assert "| x | y | 512 | 100 | +0.000 [+0.000, +15.000] | 1 | 1 | **not resolved** | 0.050 |" in \
+        pp.tests_markdown(rows, "avg", "runs")

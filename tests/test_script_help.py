@@ -17,3 +17,10 @@ def test_help_prints_and_exits_0(name: str, capsys: pytest.CaptureFixture[str]) 
         load_script(name).main(["--help"])
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
+
+
+def test_migrate_runs_help_is_its_docstring(capsys: pytest.CaptureFixture[str]) -> None:
+    # (no argparse: its only arguments are run directories; --help is not taken for one)
+    module = load_script("migrate_runs")
+    assert module.main(["--help"]) == 0
+    assert capsys.readouterr().out.strip() == module.__doc__.strip()
