@@ -18,7 +18,8 @@ NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
 FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm evidence_code pilot_niah evidence_niah)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
-VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs)
+VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs
+               results/evidence_niah/runs)
 
 tables() {
     local name=$1 out=$2
@@ -76,8 +77,10 @@ tables() {
 
 evidence_table() {
     python scripts/evidence_table.py --claims results/claims/claims.csv --claims results/qwen2.5-coder-1.5b/claims.csv \
-        --names SmolLM2-135M Qwen2.5-Coder-1.5B --tests results/evidence_code/tests.csv results/evidence_lm/tests.csv \
-        --test-names "real code, graded score (SmolLM2)" "LM score on code (SmolLM2)" --out results/evidence.md > /dev/null
+        --names SmolLM2-135M Qwen2.5-Coder-1.5B --tests results/evidence_niah/tests.csv \
+        results/evidence_niah/tests_graded.csv results/evidence_code/tests.csv results/evidence_lm/tests.csv \
+        --test-names "designed NIAH grid, 0/100 (SmolLM2)" "designed NIAH grid, graded score (SmolLM2)" \
+        "real code, graded score (SmolLM2)" "LM score on code (SmolLM2)" --out results/evidence.md > /dev/null
 }
 
 if [[ $# == 0 ]]; then

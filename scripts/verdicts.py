@@ -292,6 +292,7 @@ PAIRED: dict[str, tuple[Path, Selector, str]] = {
 PLANNED: dict[str, tuple[Path, ...]] = {
     "evidence_lm": (ROOT / "results/evidence_lm/tests.csv",),
     "evidence_code": (ROOT / "results/evidence_code/tests.csv",),
+    "evidence_niah": (ROOT / "results/evidence_niah/tests.csv", ROOT / "results/evidence_niah/tests_graded.csv"),
 }
 BLOCKS: dict[str, Callable[[], list[str]]] = {
     **{name: paired_block(*spec) for name, spec in PAIRED.items()},

@@ -26,6 +26,6 @@ def test_the_ruler_tables_regenerate_from_the_committed_runs(tmp_path: Path, mon
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("folder", ["niah_grid", "claims", "qwen2.5-coder-1.5b"])
+@pytest.mark.parametrize("folder", ["niah_grid", "claims", "qwen2.5-coder-1.5b", "evidence_niah"])
 def test_every_committed_table_regenerates(folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _check(folder, tmp_path, monkeypatch)
