@@ -267,6 +267,10 @@ def test_report_never_mixes_protocols_unlabelled(tmp_path: Path) -> None:
     assert (tmp_path / "heatmap_niah_smollm2-135m.png").stat().st_size > 0
     row = next(r for r in rep.rows if r.settings["block"] == 128)
     assert settings_text(row.settings) == "blockwise B=128"  # a heatmap panel's second title line
+    # A setting of another policy's (NA for this row) is not shown: "pooling=-" says nothing about the row
+    from kvbench.run.labels import NA
+    assert settings_text({"protocol": "prefill_once", "block": NA, "pooling": "max", "n_sink": NA}) == \
+        "prefill_once pooling=max"
     assert describe_run("smol", "snapkv", 256, None, "prefill_once") == "smol: snapkv N=256, prefill_once"
     assert describe_run("smol", "snapkv", 256, 128, "blockwise") == "smol: snapkv N=256, blockwise B=128"
     assert describe_run("smollm2-135m", "full", None, None, "blockwise", evicts=False) == "smollm2-135m: full"

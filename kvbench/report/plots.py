@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,8 @@ def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
             ncol = min(len(rows), 4)
             nrow = math.ceil(len(rows) / ncol)
             # constrained layout: two-line panel titles never run into the tick labels of the row above
-            fig = _figure(1.2 + ncol * (1.1 + 0.5 * len(lengths)), 0.6 + nrow * (1.3 + 0.3 * len(depths)),
-                          layout="constrained")
+            panel_w = 1.1 + 0.5 * len(lengths)  # inches
+            fig = _figure(1.2 + ncol * panel_w, 0.6 + nrow * (1.5 + 0.3 * len(depths)), layout="constrained")
             axes = fig.subplots(nrow, ncol, squeeze=False)
             im = None
             for k, (r, c) in enumerate(zip(rows, cells)):
@@ -55,7 +56,10 @@ def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
                 ax.set_xticks(range(len(lengths)), [f"{L:g}" for L in lengths], fontsize=7)
                 ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
                 budget = "" if r.budget is NA else f" N={r.budget}"
-                ax.set_title(f"{r.policy}{budget}\n{settings_text(r.settings)}".strip(), fontsize=8)
+                # Wrapped to the panel's width (~5 pt a character at 8 pt): long settings never run into the next panel
+                shown = textwrap.fill(settings_text(r.settings), width=max(16, int(panel_w * 72 / 5)),
+                                      break_long_words=False)
+                ax.set_title(f"{r.policy}{budget}\n{shown}".strip(), fontsize=8)
                 if k % ncol == 0:
                     ax.set_ylabel("depth (%)", fontsize=7)
                 if k // ncol == nrow - 1:

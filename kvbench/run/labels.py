@@ -39,12 +39,13 @@ def na(v: Any) -> Any:
 
 
 def settings_text(settings: dict[str, Any]) -> str:
-    """A row's shown settings in a few words for plot labels: "blockwise B=128", "prefill_once window=16"."""
+    """A row's shown settings in a few words for plot labels: "blockwise B=128", "prefill_once window=16"; a setting
+    that does not apply to the row (NA: another policy's option) is left out."""
     rest = dict(settings)
     protocol, block = rest.pop("protocol", NA), rest.pop("block", NA)
     words = [] if protocol is NA else [str(protocol)]
     words += [] if block is NA else [f"B={fmt(block)}"]
-    return " ".join(words + [f"{setting_name(k)}={fmt(v)}" for k, v in rest.items()])
+    return " ".join(words + [f"{setting_name(k)}={fmt(v)}" for k, v in rest.items() if v is not NA])
 
 
 def describe_run(model: str, policy: str, budget: Any, block: Any, protocol: Any, evicts: bool = True) -> str:
