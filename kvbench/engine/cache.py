@@ -170,7 +170,7 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
         """An independent copy of this layer's state. K/V, positions and the layouts (`flat`, `padded`) are
         only ever replaced, never written in place, so the copy shares them; per-token policy state is written in
         place (set_block_state, H2O's accumulator), so it is cloned, and each extra makes its own copy
-        (`LayerExtra.fork`)."""
+        (`LayerExtra.fork`), as the query stash does (its fields its own, its tensors shared)."""
         new = copy.copy(self)
         new.state = {k: v.clone() for k, v in self.state.items()}
         new.scratch = dict(self.scratch)
