@@ -61,17 +61,16 @@ def parse_comparison(spec: str) -> Comparison:
     return Comparison(pair[0], pair[1], sub, (int(budget),) if at else None)
 
 
-def plan(runs: Path, score: str, comparisons: Sequence[Comparison | tuple[str, str]], budgets: Sequence[int],
+def plan(runs: Path, score: str, comparisons: Sequence[Comparison], budgets: Sequence[int],
          alpha: float = ALPHA, power: float = POWER, cap: int | None = None) -> list[dict[str, Any]]:
     """One dict per (comparison, budget): the pilot's n, difference, p, and the n needed at alpha / m."""
-    comps = [c if isinstance(c, Comparison) else Comparison(*c) for c in comparisons]
-    cells = [(c, n) for c in comps for n in (c.budgets if c.budgets is not None else budgets)]
+    cells = [(c, n) for c in comparisons for n in (c.budgets if c.budgets is not None else budgets)]
     found: dict[str, list[Any]] = {}  # sub -> its paired tests on `score` (each sub's runs read once)
     m = len(cells)
     out = []
     for c, n_budget in cells:
         if c.sub not in found:
-            entries, notes = collect_entries(runs / c.sub if c.sub else runs)
+            entries, notes = collect_entries(runs / c.sub)  # (runs / "" is runs)
             found[c.sub] = [p for p in pairs(build_report(entries, notes)) if p.score == score]
         a, b = c.a, c.b
         match = [p for p in found[c.sub] for x, y, rx, ry in ((p.a, p.b, p.row_a, p.row_b), (p.b, p.a, p.row_b, p.row_a))

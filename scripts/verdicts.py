@@ -360,6 +360,12 @@ def check_test_row(c: list[str], truth: dict[tuple[str, ...], Test], claims: boo
     return [] if stated == want else [f"row {' | '.join(c)}: its test says {' | '.join(want)}"]
 
 
+def holm_errors(name: str, family: list[Test]) -> list[str]:
+    """A line per test of `family` whose stated Holm p is not Holm's adjustment over the family."""
+    return [f"{name}: {f'claim {t.claim} ' if t.claim else ''}{t.a} vs {t.b} N={t.budget} {t.score}: p_holm {t.q} is "
+            f"not Holm's {q:.6f}" for t, q in zip(family, holm([t.p for t in family])) if abs(t.q - q) > 1e-5]
+
+
 def check(name: str, body: str, tests: list[Test] | None = None,
           claims: list[tuple[str, str, str, str]] | None = None) -> list[str]:
     """Errors of one block's body: a row whose numbers, p, Holm p or verdict is not its test's, a claim row whose
@@ -374,21 +380,18 @@ def check(name: str, body: str, tests: list[Test] | None = None,
                 errors.append(f"side_by_side: {c[0]}: stated {c[1:5]}, the tests give {want}")
         return errors
     folder = {"claims": CLAIMS, "qwen:claims": QWEN}.get(name)
-    planned = name.endswith(":tests") and name[:-len(":tests")] in PLANNED
+    paths = PLANNED.get(name.removesuffix(":tests")) if name.endswith(":tests") else None
+    planned = paths is not None
     if tests is None:
-        if planned:
+        if paths is not None:
             tests = []
-            for path in PLANNED[name[:-len(":tests")]]:
+            for path in paths:
                 family = planned_tests(path)
-                qs = holm([t.p for t in family])  # each file's p_holm must be Holm over that file
-                errors += [f"{name}: {t.a} vs {t.b} N={t.budget} {t.score}: p_holm {t.q} is not Holm's {q:.6f}"
-                           for t, q in zip(family, qs) if abs(t.q - q) > 1e-5]
+                errors += holm_errors(name, family)  # each file's p_holm must be Holm over that file
                 tests += family
         elif folder is not None:
             tests = claim_tests(folder)
-            qs = holm([t.p for t in tests])  # claims_tests.csv's p_holm must be Holm over the whole file
-            errors += [f"{name}: claim {t.claim} {t.a} vs {t.b} N={t.budget} {t.score}: p_holm {t.q} is not Holm's "
-                       f"{q:.6f}" for t, q in zip(tests, qs) if abs(t.q - q) > 1e-5]
+            errors += holm_errors(name, tests)  # claims_tests.csv's p_holm must be Holm over the whole file
         else:
             path, select, _ = PAIRED[name]
             tests = paired_tests(path, select)
