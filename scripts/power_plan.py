@@ -73,7 +73,8 @@ def plan(runs: Path, score: str, comparisons: Sequence[Comparison], budgets: Seq
             entries, notes = collect_entries(runs / c.sub)  # (runs / "" is runs)
             found[c.sub] = [p for p in pairs(build_report(entries, notes)) if p.score == score]
         a, b = c.a, c.b
-        match = [p for p in found[c.sub] for x, y, rx, ry in ((p.a, p.b, p.row_a, p.row_b), (p.b, p.a, p.row_b, p.row_a))
+        match = [p for p in found[c.sub]
+                 for x, y, rx, ry in ((p.a, p.b, p.row_a, p.row_b), (p.b, p.a, p.row_b, p.row_a))
                  if x.policy == a and y.policy == b and _budget(rx) in (n_budget, None)
                  and _budget(ry) in (n_budget, None) and n_budget in (_budget(rx), _budget(ry))]
         row: dict[str, Any] = {"a": a, "b": b, "budget": n_budget, "m": m}
@@ -97,7 +98,8 @@ def sentence(row: dict[str, Any], score: str, cap: int | None) -> str:
     if "note" in row:
         return row["note"]
     if row["need"] is None:
-        return "the pilot shows no difference: no n resolves it; the final run reports the smallest difference its n resolves"
+        return ("the pilot shows no difference: no n resolves it; the final run reports the smallest difference its n "
+                "resolves")
     if cap is not None and row["need"] > cap:
         return (f"needs {row['need']} samples, more than the cap of {cap}: the final run at {cap} reports the "
                 f"smallest difference it resolves instead")
