@@ -63,6 +63,16 @@ def verdict(row: dict) -> str:
     return "chosen" if not why else "not chosen: " + "; ".join(why)
 
 
+def pick(table: list[dict]) -> int | None:
+    """The one budget a final grid runs at, by a rule fixed before the pilot's results are read: among the chosen
+    budgets, the one where the most samples are informative (a tie goes to the larger budget, where the full cache's
+    answers are closer); None when no budget is chosen."""
+    chosen = [r for r in table if verdict(r) == "chosen"]
+    if not chosen:
+        return None
+    return max(chosen, key=lambda r: (r["informative"], r["budget"]))["budget"]
+
+
 def markdown(table: list[dict], source: str) -> str:
     pols = sorted({p for r in table for p in r["policies"]})
     lines = ["# Budgets from the pilot", "",
@@ -78,6 +88,9 @@ def markdown(table: list[dict], source: str) -> str:
                      + f" | {r['all_fail']} | {r['all_pass']} | {r['informative']} | {verdict(r)} |")
     chosen = [str(r["budget"]) for r in table if verdict(r) == "chosen"]
     lines += ["", "Chosen budgets: " + (", ".join(chosen) if chosen else "none (see each row's reason)") + "."]
+    if len(chosen) > 1:
+        lines += ["", f"The final grid runs at N = {pick(table)}: the chosen budget with the most informative samples "
+                  "(a tie goes to the larger budget)."]
     return "\n".join(lines) + "\n"
 
 
@@ -85,13 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", type=Path)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--pick", action="store_true", help="print only the one budget a final grid runs at (the chosen "
+                   "budget with the most informative samples, a tie to the larger); exit 1 when none is chosen")
     a = p.parse_args(argv)
     full, by_budget = load(a.runs) if a.runs.is_dir() else ({}, {})
     if not full or not by_budget:
         print(f"budget_choice.py: error: {a.runs} holds no full-cache run and evicting runs", file=sys.stderr)
         return 2
-    text = markdown(rows(full, by_budget), a.runs.as_posix())
+    table = rows(full, by_budget)
+    text = markdown(table, a.runs.as_posix())
     a.out.write_text(text, encoding="utf-8")
+    if a.pick:
+        budget = pick(table)
+        if budget is None:
+            return 1
+        print(budget)
+        return 0
     print(text, end="")
     return 0
 

@@ -15,6 +15,9 @@
 #   PROTOCOL=... passed as `protocol=...` to every kvbench command (needs a kvbench with the protocol
 #                setting; empty = kvbench's default, block-wise eviction)
 #   WORKERS=2    parallel kvbench processes (2 on a 2-core machine; each gets THREADS torch threads)
+#   DYNAMIC=0    1: the queued commands run in the order they were queued, WORKERS at a time, each worker taking the
+#                next command when its own ends (for uneven commands on many cores, e.g. a GPU machine); the
+#                <worker> given to `sweep` is then ignored. Logs: $RUNS/job-NNN.log, one per command.
 #   THREADS=1    torch/OpenMP threads per worker
 #   KVBENCH="python -m kvbench.cli"   the kvbench command
 #   MODEL=smollm2-135m                 the model preset every command runs (scripts for another model set it)
@@ -35,6 +38,7 @@ THREADS=${THREADS:-1}
 KVBENCH=${KVBENCH:-python -m kvbench.cli}
 MODEL=${MODEL:-smollm2-135m}
 REPORT=${REPORT:-python -m kvbench.report}
+DYNAMIC=${DYNAMIC:-0}
 PROTO_ARGS=()
 if [[ -n "$PROTOCOL" ]]; then PROTO_ARGS=("protocol=$PROTOCOL"); fi
 
@@ -65,8 +69,13 @@ queue() {
         if [[ "$a" == *[\[\],\$\ \'\"]* ]]; then line+=" '$a'"; else line+=" $a"; fi
     done
     COMMANDS+=("${line# }")
-    printf '%q ' "$@" >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
-    printf '\n' >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
+    if [[ "$DYNAMIC" == 1 ]]; then
+        printf '%q ' "$@" >> "$QUEUE_DIR/all.sh"
+        printf '\n' >> "$QUEUE_DIR/all.sh"
+    else
+        printf '%q ' "$@" >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
+        printf '\n' >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
+    fi
 }
 
 # sweep <worker> <kvbench overrides...>: queue one kvbench multirun command for a worker.
@@ -90,8 +99,13 @@ sweep_policies() {
     done
 }
 
+# wait_workers: run what is queued (and empty the queue, so that a script may queue and wait again).
 wait_workers() {
     local pids=() failed=0
+    if [[ "$DYNAMIC" == 1 ]]; then
+        run_dynamic
+        return
+    fi
     for q in "$QUEUE_DIR"/worker*.sh; do
         [[ -f "$q" ]] || continue
         local log="$RUNS/$(basename "$q" .sh).log"
@@ -100,8 +114,27 @@ wait_workers() {
         pids+=($!)
     done
     for p in "${pids[@]}"; do wait "$p" || failed=1; done
+    rm -f "$QUEUE_DIR"/worker*.sh
     if [[ $failed != 0 ]]; then
         echo "[$NAME] a worker failed; see $RUNS/worker*.log" >&2
+        exit 1
+    fi
+}
+
+run_dynamic() {
+    local line failed=0
+    [[ -f "$QUEUE_DIR/all.sh" ]] || return 0
+    echo "[$NAME] $(wc -l < "$QUEUE_DIR/all.sh") commands, $WORKERS at a time, logs $RUNS/job-*.log"
+    while IFS= read -r line; do
+        JOBS_RUN=$((${JOBS_RUN:-0} + 1))
+        while (( $(jobs -rp | wc -l) >= WORKERS )); do wait -n || failed=1; done
+        OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS bash -e -c "$line" \
+            >> "$RUNS/job-$(printf %03d "$JOBS_RUN").log" 2>&1 &
+    done < "$QUEUE_DIR/all.sh"
+    while (( $(jobs -rp | wc -l) > 0 )); do wait -n || failed=1; done
+    rm -f "$QUEUE_DIR/all.sh"
+    if [[ $failed != 0 ]]; then
+        echo "[$NAME] a command failed; see $RUNS/job-*.log" >&2
         exit 1
     fi
 }

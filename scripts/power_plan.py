@@ -79,7 +79,7 @@ def plan(runs: Path, score: str, comparisons: Sequence[Comparison], budgets: Seq
                  and _budget(ry) in (n_budget, None) and n_budget in (_budget(rx), _budget(ry))]
         row: dict[str, Any] = {"a": a, "b": b, "budget": n_budget, "m": m}
         if not match:
-            row["note"] = "no paired runs in the pilot"
+            row["note"] = "no paired runs"
             out.append(row)
             continue
         p = match[0]

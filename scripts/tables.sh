@@ -9,14 +9,15 @@
 #                                               call it on their own output after finish_run
 #
 # NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm | evidence_code |
-# pilot_niah | evidence_niah. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
+# pilot_niah | evidence_niah | evidence_qwen. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
 # committed ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPORT=${REPORT:-python -m kvbench.report}
 NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
-FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm evidence_code pilot_niah evidence_niah)
+FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm evidence_code pilot_niah evidence_niah
+         evidence_qwen)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs
                results/evidence_niah/runs)
@@ -27,7 +28,8 @@ tables() {
         echo "tables.sh: error: $out/runs does not exist" >&2
         exit 2
     fi
-    $REPORT "$out/runs" --out "$out" -q
+    # (evidence_qwen's parts hold different tasks and the pilot: a report of each, below)
+    [[ $name == evidence_qwen ]] || $REPORT "$out/runs" --out "$out" -q
     case $name in
         niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
         ruler_4k) ;;
@@ -66,6 +68,39 @@ tables() {
                 --budgets 256,512 > /dev/null
             python scripts/power_plan.py "$out/runs/code" --out "$out/plan_code.md" --score answer_logprob --cap 205 \
                 --compare keydiff:tova keydiff:snapkv keydiff:full streamingllm:full --budgets 512 > /dev/null ;;
+        evidence_qwen)
+            # Qwen: the pilot's budget (the rule scripts/evidence_qwen.sh ran the grid at), then each part's planned
+            # comparisons as on SmolLM2 (evidence_niah, evidence_lm, evidence_code), one Holm family per part and score
+            local n=1024 part
+            for part in pilot lm grid code; do
+                [[ -d "$out/runs/$part" ]] || continue
+                mkdir -p "$out/$part"
+                $REPORT "$out/runs/$part" --out "$out/$part" -q
+            done
+            if [[ -d "$out/runs/pilot" ]]; then
+                n=$(python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" --pick) || n=1024
+            fi
+            if [[ -d "$out/runs/grid" ]]; then
+                local qwen_niah=(keydiff/keydiff:tova@$n keydiff/keydiff:snapkv@$n keydiff/keydiff:h2o@$n
+                    keydiff/keydiff:full@$n keydiff/streamingllm:full@$n hashevict_h2o/hashevict:h2o@$n
+                    criticalkv_snapkv/criticalkv:snapkv@512 criticalkv_adakv/criticalkv:adakv@512
+                    sagekv_streamingllm/sagekv:streamingllm@512)
+                python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests.md" --csv "$out/grid/tests.csv" \
+                    --score avg --tests --compare "${qwen_niah[@]}" > /dev/null
+                python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests_graded.md" \
+                    --csv "$out/grid/tests_graded.csv" --score answer_logprob --tests --compare "${qwen_niah[@]}" \
+                    > /dev/null
+            fi
+            if [[ -d "$out/runs/lm" ]]; then
+                python scripts/power_plan.py "$out/runs/lm" --out "$out/lm/tests.md" --csv "$out/lm/tests.csv" \
+                    --score answer_logprob --tests --budgets 1024 \
+                    --compare knorm:random knorm:full streamingllm:full knorm:streamingllm > /dev/null
+            fi
+            if [[ -d "$out/runs/code" ]]; then
+                python scripts/power_plan.py "$out/runs/code" --out "$out/code/tests.md" --csv "$out/code/tests.csv" \
+                    --score answer_logprob --tests --budgets 512 \
+                    --compare keydiff:tova keydiff:snapkv keydiff:full streamingllm:full > /dev/null
+            fi ;;
         claims) python scripts/claims_table.py "$out/runs" "$NIAH_RUNS" "$RULER_RUNS" "$out" ;;
         qwen2.5-coder-1.5b)
             python scripts/claims_table.py "$out/runs" "$out/runs/niah" - "$out"

@@ -44,3 +44,32 @@ def test_a_full_cache_below_90_is_named(tmp_path: Path) -> None:
     text = bc.markdown(bc.rows(*bc.load(tmp_path)), "x")
     assert "not chosen: the full cache scores 75 < 90 |" in text and "Chosen budgets: none" in text
     assert bc.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "o.md")]) == 2
+
+
+def test_pick_takes_the_most_informative_chosen_budget(tmp_path: Path, capsys) -> None:
+    # full 100 on a-d; (keydiff, tova) per sample. N = 512: a (0, 0) all fail, b (0, 100) informative, c (100, 100)
+    # all answer, d (100, 0) informative -> 2 of 4: chosen.
+    # N = 1024: a: (100, 0), b: (0, 100), c: (100, 100), d: (100, 0) -> 3 informative: chosen, and picked.
+    # N = 2048: every sample answered by both -> 0 informative: not chosen.
+    _run(tmp_path, "full", "full", None, [100, 100, 100, 100])
+    _run(tmp_path, "k512", "keydiff", 512, [0, 0, 100, 100])
+    _run(tmp_path, "t512", "tova", 512, [0, 100, 100, 0])
+    _run(tmp_path, "k1024", "keydiff", 1024, [100, 0, 100, 100])
+    _run(tmp_path, "t1024", "tova", 1024, [0, 100, 100, 0])
+    _run(tmp_path, "k2048", "keydiff", 2048, [100, 100, 100, 100])
+    _run(tmp_path, "t2048", "tova", 2048, [100, 100, 100, 100])
+    out = tmp_path / "budgets.md"
+    assert bc.main([str(tmp_path), "--out", str(out), "--pick"]) == 0
+    assert capsys.readouterr().out == "1024\n"
+    assert "The final grid runs at N = 1024" in out.read_text()
+
+
+def test_pick_breaks_a_tie_to_the_larger_budget_and_fails_when_none_is_chosen(tmp_path: Path, capsys) -> None:
+    rows = [{"budget": 512, "n": 4, "full": 100.0, "informative": 2}, {"budget": 1024, "n": 4, "full": 100.0,
+                                                                         "informative": 2}]
+    assert bc.pick(rows) == 1024
+    assert bc.pick([{**rows[0], "full": 75.0}]) is None
+    _run(tmp_path, "full", "full", None, [100, 100, 100, 0])  # 75: nothing is chosen
+    _run(tmp_path, "k", "keydiff", 512, [100, 0, 100, 0])
+    assert bc.main([str(tmp_path), "--out", str(tmp_path / "o.md"), "--pick"]) == 1
+    assert capsys.readouterr().out == ""

@@ -33,7 +33,7 @@ def test_holds_where_run_and_not_run() -> None:
     assert et.evidence_cell("hashevict", ("tova", "h2o"), tests).startswith("**holds where run**: vs tova")
     assert et.evidence_cell("sagekv", ("streamingllm",), tests) == "not run"
     # an untested planned comparison (no paired runs: empty p) counts as not run
-    untested = [{**_t("sagekv", "streamingllm", 0, 0, 0, 1, "no paired runs in the pilot"), "p": ""}]
+    untested = [{**_t("sagekv", "streamingllm", 0, 0, 0, 1, "no paired runs"), "p": ""}]
     assert et.evidence_cell("sagekv", ("streamingllm",), untested) == "not run"
 
 

@@ -17,7 +17,7 @@ def test_holm_and_the_verdict_words_by_hand() -> None:
     # running max 0.06. The last row passes Holm but its interval holds 0: not resolved.
     rows = pp.with_holm([_row("x", "y", 0.01, +0.3, 0.1, 0.5), _row("x", "z", 0.04, -0.2, -0.4, -0.01),
                          _row("y", "z", 0.03, -0.1, -0.3, -0.02), _row("w", "z", 0.002, 0.1, -0.01, 0.2),
-                         {"a": "v", "b": "z", "budget": 512, "note": "no paired runs in the pilot"}])
+                         {"a": "v", "b": "z", "budget": 512, "note": "no paired runs"}])
     assert [round(r.get("holm", -1), 6) for r in rows] == [0.03, 0.06, 0.06, 0.008, -1]
     assert [r.get("verdict") for r in rows] == ["resolved: x higher", "not resolved", "not resolved", "not resolved",
                                                 None]
@@ -39,14 +39,14 @@ def test_tests_csv_rows_carry_the_holm_p_and_the_verdict(tmp_path) -> None:
     import csv
 
     rows = pp.with_holm([_row("x", "y", 0.01, +0.3, 0.1, 0.5), _row("x", "z", 0.04, -0.2, -0.4, -0.01),
-                         {"a": "v", "b": "z", "budget": 512, "note": "no paired runs in the pilot"}])
+                         {"a": "v", "b": "z", "budget": 512, "note": "no paired runs"}])
     out = tmp_path / "tests.csv"
     pp.write_tests_csv(rows, "answer_logprob", out)
     got = list(csv.DictReader(out.open()))
     # Holm over two p: 0.01 x 2 = 0.02, then max(0.02, 0.04 x 1) = 0.04
     assert [(r["a"], r["b"], r["p_holm"], r["verdict"]) for r in got] == [
         ("x", "y", "0.02", "resolved: x higher"), ("x", "z", "0.04", "resolved: z higher"),
-        ("v", "z", "", "no paired runs in the pilot")]
+        ("v", "z", "", "no paired runs")]
     assert got[0]["diff"] == "0.300000" and got[0]["ci_low"] == "0.100000" and got[0]["n"] == "100"
 
 

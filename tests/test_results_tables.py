@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TABLES = ("table.md", "table.csv", "runs.csv", "paired.csv")
 
 
-def _check(folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _check(folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runs: str | None = None) -> None:
+    """results/<folder>'s tables against a report of its runs (default results/<folder>/runs)."""
     monkeypatch.chdir(ROOT)  # the tables name the runs by their path below the repository, as scripts/tables.sh does
-    report(Path("results") / folder / "runs", quiet=True, out=tmp_path)  # (table.md names its plots)
+    report(Path("results") / (runs or f"{folder}/runs"), quiet=True, out=tmp_path)  # (table.md names its plots)
     for name in TABLES:
         assert (tmp_path / name).read_text() == (ROOT / "results" / folder / name).read_text(), f"{folder}/{name}"
 
@@ -29,3 +30,10 @@ def test_the_ruler_tables_regenerate_from_the_committed_runs(tmp_path: Path, mon
 @pytest.mark.parametrize("folder", ["niah_grid", "claims", "qwen2.5-coder-1.5b", "evidence_niah"])
 def test_every_committed_table_regenerates(folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _check(folder, tmp_path, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["pilot", "lm", "grid"])
+def test_the_qwen_evidence_parts_regenerate(part: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # results/evidence_qwen reports each part of its runs apart (scripts/tables.sh)
+    _check(f"evidence_qwen/{part}", tmp_path, monkeypatch, runs=f"evidence_qwen/runs/{part}")

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The seed claims on Qwen2.5-Coder-1.5B (issue "Evidence that resolves", point 4: n >= 40 on the second model), as
+# SmolLM2's evidence folders put them: a NIAH pilot that chooses the budget, the designed NIAH grid at that budget,
+# the LM score on real code. Written for a GPU machine (~90 s per sample and run on this project's 2-core CPU).
+#
+#   WORKERS=8 scripts/evidence_qwen.sh                 # results/evidence_qwen/ (pilot, lm, niah)
+#   PARTS="pilot lm niah code" ... scripts/evidence_qwen.sh   # also the real-code task (long prompts: the costliest)
+#   QUICK=1 MODEL=smollm2-135m scripts/evidence_qwen.sh   # a tiny sub-grid that checks the script end to end
+#
+# Each part's runs go to their own folder (pilot/, lm/, grid/, code/), and scripts/tables.sh reports each apart.
+# Parts, in the order they are queued (shard-major, so that wherever the runs are stopped every configuration holds
+# the same samples):
+#   pilot  the designed grid's pilot shard 10/11 (9 samples, left out of the final grid, as results/pilot_niah for
+#          SmolLM2): the full cache and KeyDiff, TOVA, SnapKV, H2O, StreamingLLM at N = 512 and 1024, B = 128. The
+#          block-wise budget of the grid is then chosen by scripts/budget_choice.py --pick (a rule fixed before the
+#          pilot ran: the full cache >= 90, at least half the samples informative, then the most informative budget);
+#          when no budget passes, N = 1024, SmolLM2's, and RUN.md says so.
+#   lm     the LM score on code (results/evidence_lm's design: 2048-token texts of the pinned wheels' files, N = 1024,
+#          B = 128, every token after the first eviction scored): full, K-norm, random (layers 0-1 unpruned, as
+#          K-norm), StreamingLLM, on 50 texts (task.limit=100, shard 0/2).
+#   niah   the designed grid's shards NIAH_SHARDS (default 0-4: 47 samples), every configuration of
+#          scripts/evidence_niah.sh (14), the block-wise ones at the pilot's budget, the one-pass ones at N = 512;
+#          into grid/<claim>/ (each claim's runs apart: their protocols and options differ).
+#   code   the real-code task (results/evidence_code's design: N = 512, B = 128; KeyDiff, TOVA, SnapKV, StreamingLLM,
+#          the full cache) on shards CODE_SHARDS (default 0/8 4/8).
+# Commands run in queue order, WORKERS at a time (lib.sh's DYNAMIC=1): they are uneven, and a GPU machine has cores.
+NAME=evidence_qwen
+MODEL=${MODEL:-qwen2.5-coder-1.5b}
+DYNAMIC=${DYNAMIC:-1}
+source "$(dirname "$0")/lib.sh"
+
+PARTS=${PARTS:-pilot lm niah}
+NIAH_SHARDS=${NIAH_SHARDS:-0 1 2 3 4}
+CODE_SHARDS=${CODE_SHARDS:-0/8 4/8}
+GRID=(task=niah "task.context_lengths=[2000]" "task.depths=[10,50,90]" task.samples_per_cell=34
+      task.max_new_tokens=32 +task.windows=per_sample)
+PILOT_SHARD=10/11
+PILOT_N=512,1024
+ONCE_N=512
+LM=(task=lm task.source=code task.tokens=2048 task.limit=100 shard=0/2 block=128 budget=1024)
+CODE=(task=code block=128 budget=512)
+if [[ "$QUICK" == 1 ]]; then
+    GRID=(task=niah "task.context_lengths=[600]" "task.depths=[50]" task.samples_per_cell=4 task.max_new_tokens=8
+          +task.windows=per_sample)
+    NIAH_SHARDS="0"
+    PILOT_SHARD=1/2
+    PILOT_N=256
+    ONCE_N=256
+    LM=(task=lm task.source=code task.tokens=512 task.limit=4 shard=0/2 block=64 budget=128)
+    CODE=(task=code task.limit=4 block=128 budget=512)
+    CODE_SHARDS="0/2"
+fi
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+
+start_run
+if has pilot; then
+    sweep 0 "${GRID[@]}" "shard=$PILOT_SHARD" block=128 policy=full budget=null "hydra.sweep.dir=$RUNS/pilot"
+    for p in keydiff tova snapkv h2o streamingllm; do
+        sweep 0 "${GRID[@]}" "shard=$PILOT_SHARD" block=128 "policy=$p" "budget=$PILOT_N" "hydra.sweep.dir=$RUNS/pilot"
+    done
+fi
+if has lm; then
+    sweep 0 "${LM[@]}" policy=full "hydra.sweep.dir=$RUNS/lm"
+    sweep 0 "${LM[@]}" policy=knorm "hydra.sweep.dir=$RUNS/lm"
+    sweep 0 "${LM[@]}" policy=random "policy.skip_layers=[0,1]" "hydra.sweep.dir=$RUNS/lm"
+    sweep 0 "${LM[@]}" policy=streamingllm "hydra.sweep.dir=$RUNS/lm"
+fi
+wait_workers
+
+BLOCK_N=1024
+EXTRA_MD=""
+if has niah; then
+    if [[ -d "$RUNS/pilot" ]] && picked=$(python scripts/budget_choice.py "$RUNS/pilot" --out "$RUNS/budgets.md" --pick)
+    then
+        BLOCK_N=$picked
+        EXTRA_MD="The block-wise runs of the grid use N = $BLOCK_N, chosen by the pilot (budgets.md)."
+    else
+        EXTRA_MD="No pilot budget passed (budgets.md): the block-wise runs of the grid use N = $BLOCK_N, SmolLM2's."
+    fi
+    for s in $NIAH_SHARDS; do
+        shard="shard=$s/11"
+        [[ "$QUICK" == 1 ]] && shard="shard=0/2"
+        # The longest command first (five runs sharing their prompt blocks before the first eviction)
+        sweep 0 "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=keydiff,tova,snapkv,h2o,streamingllm \
+            "budget=$BLOCK_N" "hydra.sweep.dir=$RUNS/grid/keydiff"
+        sweep 0 "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=full budget=null "hydra.sweep.dir=$RUNS/grid/keydiff"
+        sweep 0 "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=hashevict "budget=$BLOCK_N" \
+            "hydra.sweep.dir=$RUNS/grid/hashevict_h2o"
+        sweep 0 "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=h2o policy.n_sink=4 policy.n_recent=10 \
+            "budget=$BLOCK_N" "hydra.sweep.dir=$RUNS/grid/hashevict_h2o"
+        sweep 0 "${GRID[@]}" "$shard" protocol=prefill_once policy=snapkv policy.pooling=max "budget=$ONCE_N" \
+            "hydra.sweep.dir=$RUNS/grid/criticalkv_snapkv"
+        sweep 0 "${GRID[@]}" "$shard" protocol=prefill_once policy=criticalkv "budget=$ONCE_N" \
+            "hydra.sweep.dir=$RUNS/grid/criticalkv_snapkv"
+        sweep 0 "${GRID[@]}" "$shard" protocol=prefill_once policy=adakv "budget=$ONCE_N" \
+            "hydra.sweep.dir=$RUNS/grid/criticalkv_adakv"
+        sweep 0 "${GRID[@]}" "$shard" protocol=prefill_once policy=criticalkv policy.base=adakv "budget=$ONCE_N" \
+            "hydra.sweep.dir=$RUNS/grid/criticalkv_adakv"
+        sweep 0 "${GRID[@]}" "$shard" protocol=prefill_once_decode_evict policy=sagekv,streamingllm "budget=$ONCE_N" \
+            "hydra.sweep.dir=$RUNS/grid/sagekv_streamingllm"
+    done
+fi
+if has code; then
+    for s in $CODE_SHARDS; do
+        sweep 0 "${CODE[@]}" "shard=$s" policy=keydiff,tova "hydra.sweep.dir=$RUNS/code"
+        sweep 0 "${CODE[@]}" "shard=$s" policy=snapkv,streamingllm "hydra.sweep.dir=$RUNS/code"
+        sweep 0 "${CODE[@]}" "shard=$s" policy=full "hydra.sweep.dir=$RUNS/code"
+    done
+fi
+wait_workers
+finish_run
