@@ -31,3 +31,15 @@ def test_cpu_info_names_torchs_kernel_isa() -> None:
     info = cpu_info()
     assert info["isa"] == torch.backends.cpu.get_cpu_capability()
     assert info["isa"] in ("DEFAULT", "VSX", "Z VECTOR", "NO AVX", "AVX2", "AVX512", "SVE256")  # its documented values
+
+
+def test_accelerator_names_the_gpu_a_run_used_and_none_on_the_cpu(monkeypatch) -> None:
+    import torch
+
+    from kvbench.run.machine import accelerator
+
+    assert accelerator("cpu") is None
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: asked.append(d) or "NVIDIA H100 80GB HBM3")
+    assert accelerator("cuda:1") == "NVIDIA H100 80GB HBM3"
+    assert asked == [torch.device("cuda:1")]

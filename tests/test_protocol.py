@@ -169,6 +169,7 @@ def test_run_directories_metrics_and_report_rows_carry_the_protocol(tmp_path: Pa
                          "model config)"}
     assert metrics["provenance"]["dirty"] in (True, False, None)  # None only outside a git checkout
     assert set(metrics["provenance"]["cpu"]) == {"model", "isa"}  # the machine the floats were computed on
+    assert metrics["provenance"]["accelerator"] is None  # (a CPU run; a GPU run names its GPU)
     report(runs, plots=False, quiet=True)
     rows = [line.split(",") for line in (runs / "table.csv").read_text().splitlines()]
     assert rows[0][:5] == ["model", "policy", "budget", "block", "protocol"]

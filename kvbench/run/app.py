@@ -27,7 +27,7 @@ from kvbench.policies.base import Policy
 from kvbench.run import gitstate
 from kvbench.run.config import load_group
 from kvbench.run.labels import describe_run
-from kvbench.run.machine import cpu_info
+from kvbench.run.machine import accelerator, cpu_info
 from kvbench.run.loop import SharedRun, batching_note, check_lm_settings, run_shared, run_task
 from kvbench.run.records import summarize
 from kvbench.run.settings import ConfigError, RunSettings, build_policy, build_task, user_errors
@@ -44,6 +44,7 @@ def provenance(loaded: LoadedModel, task: Task) -> dict[str, Any]:
             "transformers": transformers.__version__, "torch": torch.__version__, "python": platform.python_version(),
             "cpu": cpu_info(), "model_path": portable_path(loaded.path),
             "model_revision": loaded.revision, "model_source": loaded.source, "device": str(loaded.model.device),
+            "accelerator": accelerator(str(loaded.model.device)),
             "dtype": str(loaded.model.dtype).replace("torch.", ""), "task": task.provenance(),
             "generation": generation_provenance(loaded.model, loaded.generation_config_source)}
 

@@ -26,6 +26,16 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return platform.processor() or platform.machine()
 
 
+def accelerator(device: str) -> str | None:
+    """The accelerator's name for a run on one ('NVIDIA H100 80GB HBM3' for "cuda:0"), None on the CPU: its kernels
+    round otherwise than the CPU's, so a GPU run's floats are told apart from a CPU run's by this, not by the code."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
+
+
 def cpu_info() -> dict[str, str]:
     """{"model": the processor's name, "isa": the instruction set torch's CPU kernels use ('AVX2', 'AVX512', ...)}."""
     import torch
