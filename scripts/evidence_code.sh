@@ -7,7 +7,13 @@
 #   scripts/evidence_code.sh                       # results/evidence_code/, shard 0/8: 27 samples
 #   SHARDS=0/8,4/8,2/8,6/8 scripts/evidence_code.sh   # the even half: 106 samples (the report merges the shards)
 #   QUICK=1 scripts/evidence_code.sh               # 2 samples of 2 policies (scratch output only)
+#   PARTS=hashevict WORKERS=2 SHARDS=0/8,4/8,2/8,6/8 scripts/evidence_code.sh   # HashEvict's claim on the same samples
 #
+# PARTS (default keydiff): keydiff = the pilot's four comparisons above; hashevict = HashEvict against H2O with the
+# same protected tokens (the first 4 and the latest 10, HashEvict §4, as scripts/evidence_niah.sh runs it), into
+# runs/hashevict_h2o/ (its own folder: an H2O with other options beside a plain one would make "h2o" ambiguous).
+# Each part was run apart (RUN.md): a run of one part leaves the other's runs out of the scratch folder, so its
+# hashevict_h2o/ folder is copied into the committed runs rather than finish_run's copy replacing them.
 # Samples: the code task's samples at positions 0 mod 8 of its order (shard=0/8: 27 of 211 files, contexts of
 # 1002-7518 tokens); shards 4/8, 2/8 and 6/8 complete the even half (106 samples) and kvbench-report merges them into
 # one row per run. The pilot's shard 7/40 holds only odd positions, so no pilot sample is reused. Scores:
@@ -25,6 +31,7 @@ WORKERS=${WORKERS:-3}
 source "$(dirname "$0")/lib.sh"
 
 SHARDS=${SHARDS:-0/8}
+PARTS=${PARTS:-keydiff}
 CODE=(task=code "shard=$SHARDS" block=128 budget=512)
 if [[ "$QUICK" == 1 ]]; then
     CODE=(task=code task.limit=4 shard=0/2 block=128 budget=512)
@@ -34,9 +41,15 @@ start_run
 if [[ "$QUICK" == 1 ]]; then
     sweep 0 "${CODE[@]}" policy=full,keydiff "hydra.sweep.dir=$RUNS"
 else
-    sweep 0 "${CODE[@]}" policy=keydiff,tova "hydra.sweep.dir=$RUNS"
-    sweep 1 "${CODE[@]}" policy=snapkv,streamingllm "hydra.sweep.dir=$RUNS"
-    sweep 2 "${CODE[@]}" policy=full "hydra.sweep.dir=$RUNS"
+    if [[ " $PARTS " == *" keydiff "* ]]; then
+        sweep 0 "${CODE[@]}" policy=keydiff,tova "hydra.sweep.dir=$RUNS"
+        sweep 1 "${CODE[@]}" policy=snapkv,streamingllm "hydra.sweep.dir=$RUNS"
+        sweep 2 "${CODE[@]}" policy=full "hydra.sweep.dir=$RUNS"
+    fi
+    if [[ " $PARTS " == *" hashevict "* ]]; then
+        sweep 0 "${CODE[@]}" policy=hashevict "hydra.sweep.dir=$RUNS/hashevict_h2o"
+        sweep 1 "${CODE[@]}" policy=h2o policy.n_sink=4 policy.n_recent=10 "hydra.sweep.dir=$RUNS/hashevict_h2o"
+    fi
 fi
 wait_workers
 finish_run

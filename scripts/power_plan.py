@@ -82,6 +82,9 @@ def plan(runs: Path, score: str, comparisons: Sequence[Comparison], budgets: Seq
             row["note"] = "no paired runs"
             out.append(row)
             continue
+        if len(match) > 1:  # e.g. two H2O runs of other options at one budget: which one the claim means is not ours
+            raise ValueError(f"{c.sub + '/' if c.sub else ''}{a}:{b}@{n_budget} matches {len(match)} pairs of runs "
+                             "(runs of these policies with other options); give each its own folder: DIR/a:b@N")
         p = match[0]
         sign = 1 if p.a.policy == a else -1  # diff = a - b
         r = p.result

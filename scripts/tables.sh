@@ -57,10 +57,12 @@ tables() {
                 --score answer_logprob --tests --budgets 1024 \
                 --compare knorm:random knorm:full streamingllm:full knorm:streamingllm > /dev/null ;;
         evidence_code)
-            # The pilot's planned comparisons on the code task's graded score (the gold line's log-probability)
+            # The pilot's planned comparisons on the code task's graded score (the gold line's log-probability), and
+            # HashEvict's against H2O with the same protected tokens where it was run
+            local code_compare=(keydiff:tova keydiff:snapkv keydiff:full streamingllm:full)
+            [[ -d "$out/runs/hashevict_h2o" ]] && code_compare+=(hashevict_h2o/hashevict:h2o@512)
             python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" \
-                --score answer_logprob --tests --budgets 512 \
-                --compare keydiff:tova keydiff:snapkv keydiff:full streamingllm:full > /dev/null ;;
+                --score answer_logprob --tests --budgets 512 --compare "${code_compare[@]}" > /dev/null ;;
         pilot_evidence)
             # The final runs' n from the pilot's paired differences (Holm's strictest level over each plan's m)
             python scripts/power_plan.py "$out/runs/lm" --out "$out/plan_lm.md" --score answer_logprob --cap 383 \
@@ -114,8 +116,11 @@ evidence_table() {
     python scripts/evidence_table.py --claims results/claims/claims.csv --claims results/qwen2.5-coder-1.5b/claims.csv \
         --names SmolLM2-135M Qwen2.5-Coder-1.5B --tests results/evidence_niah/tests.csv \
         results/evidence_niah/tests_graded.csv results/evidence_code/tests.csv results/evidence_lm/tests.csv \
+        results/evidence_qwen/grid/tests.csv results/evidence_qwen/grid/tests_graded.csv \
+        results/evidence_qwen/lm/tests.csv \
         --test-names "designed NIAH grid, 0/100 (SmolLM2)" "designed NIAH grid, graded score (SmolLM2)" \
-        "real code, graded score (SmolLM2)" "LM score on code (SmolLM2)" --out results/evidence.md > /dev/null
+        "real code, graded score (SmolLM2)" "LM score on code (SmolLM2)" "designed NIAH grid, 0/100 (Qwen)" \
+        "designed NIAH grid, graded score (Qwen)" "LM score on code (Qwen)" --out results/evidence.md > /dev/null
 }
 
 if [[ $# == 0 ]]; then

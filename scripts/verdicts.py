@@ -293,6 +293,8 @@ PLANNED: dict[str, tuple[Path, ...]] = {
     "evidence_lm": (ROOT / "results/evidence_lm/tests.csv",),
     "evidence_code": (ROOT / "results/evidence_code/tests.csv",),
     "evidence_niah": (ROOT / "results/evidence_niah/tests.csv", ROOT / "results/evidence_niah/tests_graded.csv"),
+    "evidence_qwen": (ROOT / "results/evidence_qwen/lm/tests.csv", ROOT / "results/evidence_qwen/grid/tests.csv",
+                      ROOT / "results/evidence_qwen/grid/tests_graded.csv"),
 }
 BLOCKS: dict[str, Callable[[], list[str]]] = {
     **{name: paired_block(*spec) for name, spec in PAIRED.items()},

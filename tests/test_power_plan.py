@@ -79,6 +79,10 @@ def test_scoped_comparisons_pair_only_their_own_runs(tmp_path, capsys) -> None:
     assert pp.main([str(tmp_path), "--out", str(out), "--tests", "--compare", "kd/keydiff:h2o"]) == 2
     assert "give --budgets, or a budget @N" in capsys.readouterr().err
     assert not out.exists()
+    # Unscoped, keydiff:h2o matches a pair in each folder (and across them): refused, never the first match taken
+    assert pp.main([str(tmp_path), "--out", str(out), "--tests", "--compare", "keydiff:h2o@256"]) == 2
+    assert "keydiff:h2o@256 matches" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_a_zero_difference_prints_without_a_sign_of_minus() -> None:
