@@ -3,8 +3,9 @@
 # samples at the budget the pilot chose (results/pilot_niah), each claim under its paper's protocol as scripts/claims.sh
 # runs it, with every sample of the final grid the pilot left out.
 #
-#   scripts/evidence_niah.sh                 # results/evidence_niah/ as committed: shards 0/11 .. 5/11 (57 samples)
-#   SHARDS="0 1 2 3 4 5 6 7 8 9" scripts/evidence_niah.sh   # every sample the pilot left out (93)
+#   scripts/evidence_niah.sh                 # shards 0/11 .. 5/11 (57 samples)
+#   SHARDS="0 1 2 3 4 5 6 7 8 9" scripts/evidence_niah.sh   # every sample the pilot left out (93): results/evidence_niah/
+#                                            # as committed (run as shards 0-5, then SHARDS="6 7 8 9": RUN.md)
 #   QUICK=1 scripts/evidence_niah.sh         # 1 sample per command (scratch output only)
 #
 # Samples: the grid results/pilot_niah sized (2000-token prompts, depths 10/50/90 %, 34 per depth, each needle in its

@@ -47,6 +47,11 @@ def table_verdict(row: dict[str, str]) -> str:
     return f"{verdict(row.get('holds?', ''))}; graded: {verdict(row.get('graded score', ''))}"
 
 
+def _signed(x: float) -> str:
+    """x to 3 decimals with its sign; a value that rounds to zero is +0.000, never -0.000 (a flipped zero difference)."""
+    return f"{round(x, 3) + 0.0:+.3f}"
+
+
 def evidence_cell(winner: str, rivals: tuple[str, ...], tests: list[dict[str, str]]) -> str:
     """The claim on one folder's planned tests: its verdict, then each rival's comparison."""
     parts, signs = [], []
@@ -62,8 +67,8 @@ def evidence_cell(winner: str, rivals: tuple[str, ...], tests: list[dict[str, st
         resolved = row["verdict"].startswith("resolved")
         signs.append((1 if diff > 0 else -1) if resolved else 0)
         word = f"{winner if diff > 0 else rival} higher" if resolved else "not resolved"
-        parts.append(f"vs {rival} (N={row['budget']}): {word}, {diff:+.3f} [{lo:+.3f}, {hi:+.3f}], n = {row['n']}, "
-                     f"Holm p = {float(row['p_holm']):.2g}")
+        parts.append(f"vs {rival} (N={row['budget']}): {word}, {_signed(diff)} [{_signed(lo)}, {_signed(hi)}], "
+                     f"n = {row['n']}, Holm p = {float(row['p_holm']):.2g}")
     if all(s is None for s in signs):
         return "not run"
     if any(s == -1 for s in signs):

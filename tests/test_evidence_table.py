@@ -50,3 +50,10 @@ def test_table_rows_and_pipes_escaped(tmp_path) -> None:
     assert rows[1] == ("| StreamingLLM (sink + recent window) loses needles in the middle | holds; graded: not run | - |")
     assert et.main(["--claims", str(tmp_path / "none.csv"), "--names", "M", "--tests", str(tmp_path / "t.csv"),
                     "--test-names", "c", "--out", str(tmp_path / "o.md")]) == 2
+
+
+def test_a_zero_difference_reads_plus_zero_whichever_way_it_is_turned() -> None:
+    # a 0/100 comparison with no discordant pair: diff 0 [0, 0], stored as rival - winner (flipped to -0.0)
+    tests = [_t("adakv", "criticalkv", 0.0, 0.0, 0.0, 1, "not resolved", n=10)]
+    assert et.evidence_cell("criticalkv", ("adakv",), tests) == (
+        "**not resolved**: vs adakv (N=512): not resolved, +0.000 [+0.000, +0.000], n = 10, Holm p = 1")
