@@ -18,7 +18,7 @@
 #   lm     the LM score on code (results/evidence_lm's design: 2048-token texts of the pinned wheels' files, N = 1024,
 #          B = 128, every token after the first eviction scored): full, K-norm, random (layers 0-1 unpruned, as
 #          K-norm), StreamingLLM, on 50 texts (task.limit=100, shard 0/2).
-#   niah   the designed grid's shards NIAH_SHARDS (default 0-4: 47 samples), every configuration of
+#   niah   the designed grid's shards NIAH_SHARDS (default 0-4: 48 samples), every configuration of
 #          scripts/evidence_niah.sh (14), the block-wise ones at the pilot's budget, the one-pass ones at N = 512;
 #          into grid/<claim>/ (each claim's runs apart: their protocols and options differ).
 #   code   the real-code task (results/evidence_code's design: N = 512, B = 128; KeyDiff, TOVA, SnapKV, StreamingLLM,
