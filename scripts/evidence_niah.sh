@@ -4,14 +4,14 @@
 # runs it, with every sample of the final grid the pilot left out.
 #
 #   scripts/evidence_niah.sh                 # shards 0/11 .. 5/11 (57 samples)
-#   SHARDS="0 1 2 3 4 5 6 7 8 9" scripts/evidence_niah.sh   # every sample the pilot left out (93): results/evidence_niah/
-#                                            # as committed (run as shards 0-5, then SHARDS="6 7 8 9": RUN.md)
+#   SHARDS="0 1 2 3 4 5 6 7 8 9" scripts/evidence_niah.sh   # every sample the pilot left out (93):
+#                                            # results/evidence_niah/ as committed (shards 0-5, then "6 7 8 9": RUN.md)
 #   QUICK=1 scripts/evidence_niah.sh         # 1 sample per command (scratch output only)
 #
 # Samples: the grid results/pilot_niah sized (2000-token prompts, depths 10/50/90 %, 34 per depth, each needle in its
 # own window of the essays: +task.windows=per_sample; 102 samples, 76 in disjoint windows, docs/niah.md), shards 0/11
 # to 9/11; the pilot's shard 10/11 (9 samples, used to choose the budget) is left out, so n <= 93.
-# Runs, per shard (each line one kvbench command: the runs of a command that differ only in policy and budget are one
+# Runs, per shard (scripts/lib.sh grid_claims; each line one kvbench command: the runs of a command that differ only in policy and budget are one
 # shared-work group, their prompt blocks before the first eviction computed once):
 #   blockwise B = 128, N = 1024 (the pilot's budget: the full cache answers 9/9, 7/9 samples informative):
 #     the full cache; KeyDiff, TOVA, SnapKV, H2O, StreamingLLM (KeyDiff App. B.2, the pilot's five planned comparisons);
@@ -23,14 +23,13 @@
 # that budget tells them apart on no sample; its claim is put to the LM score (results/evidence_lm).
 # Order: shard-major, shards dealt to the two workers in turn, so that wherever the runs are stopped every
 # configuration holds the same samples (the stopping point is the clock's, not the results').
-# CPU, measured (results/evidence_niah/RUN.md): ~30 CPU-min per shard of 9-10 samples (~17 s per sample and
-# block-wise run, the one-pass runs ~10 s), so the 6 committed shards took 181 CPU-min, all 10 would take ~300.
+# CPU, measured (results/evidence_niah/RUN.md): shards 0-5 took 181 CPU-min (~30 per shard of 9-10 samples, beside
+# test runs), shards 6-9 83.6 (~21 per shard).
 NAME=evidence_niah
 source "$(dirname "$0")/lib.sh"
 
 SHARDS=${SHARDS:-0 1 2 3 4 5}
-GRID=(task=niah "task.context_lengths=[2000]" "task.depths=[10,50,90]" task.samples_per_cell=34
-      task.max_new_tokens=32 +task.windows=per_sample)
+GRID=("${DESIGNED_GRID[@]}")
 BLOCK_N=1024
 ONCE_N=512
 if [[ "$QUICK" == 1 ]]; then
@@ -47,25 +46,7 @@ for s in $SHARDS; do
     w=$((s % 2))
     shard="shard=$s/11"
     [[ "$QUICK" == 1 ]] && shard="shard=0/2"
-    sweep $w "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=full budget=null "hydra.sweep.dir=$RUNS/keydiff"
-    sweep $w "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=keydiff,tova,snapkv,h2o,streamingllm \
-        "budget=$BLOCK_N" "hydra.sweep.dir=$RUNS/keydiff"
-    sweep $w "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=hashevict "budget=$BLOCK_N" \
-        "hydra.sweep.dir=$RUNS/hashevict_h2o"
-    sweep $w "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=h2o policy.n_sink=4 policy.n_recent=10 \
-        "budget=$BLOCK_N" "hydra.sweep.dir=$RUNS/hashevict_h2o"
-    # (One policy per command where a policy option is set: Hydra applies non-sweep overrides to the default policy
-    # before it expands a policy sweep.)
-    sweep $w "${GRID[@]}" "$shard" protocol=prefill_once policy=snapkv policy.pooling=max "budget=$ONCE_N" \
-        "hydra.sweep.dir=$RUNS/criticalkv_snapkv"
-    sweep $w "${GRID[@]}" "$shard" protocol=prefill_once policy=criticalkv "budget=$ONCE_N" \
-        "hydra.sweep.dir=$RUNS/criticalkv_snapkv"
-    sweep $w "${GRID[@]}" "$shard" protocol=prefill_once policy=adakv "budget=$ONCE_N" \
-        "hydra.sweep.dir=$RUNS/criticalkv_adakv"
-    sweep $w "${GRID[@]}" "$shard" protocol=prefill_once policy=criticalkv policy.base=adakv "budget=$ONCE_N" \
-        "hydra.sweep.dir=$RUNS/criticalkv_adakv"
-    sweep $w "${GRID[@]}" "$shard" protocol=prefill_once_decode_evict policy=sagekv,streamingllm "budget=$ONCE_N" \
-        "hydra.sweep.dir=$RUNS/sagekv_streamingllm"
+    grid_claims $w "$shard" "$RUNS" "$BLOCK_N" "$ONCE_N"
 done
 wait_workers
 finish_run

@@ -32,8 +32,7 @@ source "$(dirname "$0")/lib.sh"
 PARTS=${PARTS:-pilot lm niah}
 NIAH_SHARDS=${NIAH_SHARDS:-0 1 2 3 4}
 CODE_SHARDS=${CODE_SHARDS:-0/8 4/8}
-GRID=(task=niah "task.context_lengths=[2000]" "task.depths=[10,50,90]" task.samples_per_cell=34
-      task.max_new_tokens=32 +task.windows=per_sample)
+GRID=("${DESIGNED_GRID[@]}")
 PILOT_SHARD=10/11
 PILOT_N=512,1024
 ONCE_N=512
@@ -80,24 +79,7 @@ if has niah; then
     for s in $NIAH_SHARDS; do
         shard="shard=$s/11"
         [[ "$QUICK" == 1 ]] && shard="shard=0/2"
-        # The longest command first (five runs sharing their prompt blocks before the first eviction)
-        sweep 0 "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=keydiff,tova,snapkv,h2o,streamingllm \
-            "budget=$BLOCK_N" "hydra.sweep.dir=$RUNS/grid/keydiff"
-        sweep 0 "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=full budget=null "hydra.sweep.dir=$RUNS/grid/keydiff"
-        sweep 0 "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=hashevict "budget=$BLOCK_N" \
-            "hydra.sweep.dir=$RUNS/grid/hashevict_h2o"
-        sweep 0 "${GRID[@]}" "$shard" protocol=blockwise block=128 policy=h2o policy.n_sink=4 policy.n_recent=10 \
-            "budget=$BLOCK_N" "hydra.sweep.dir=$RUNS/grid/hashevict_h2o"
-        sweep 0 "${GRID[@]}" "$shard" protocol=prefill_once policy=snapkv policy.pooling=max "budget=$ONCE_N" \
-            "hydra.sweep.dir=$RUNS/grid/criticalkv_snapkv"
-        sweep 0 "${GRID[@]}" "$shard" protocol=prefill_once policy=criticalkv "budget=$ONCE_N" \
-            "hydra.sweep.dir=$RUNS/grid/criticalkv_snapkv"
-        sweep 0 "${GRID[@]}" "$shard" protocol=prefill_once policy=adakv "budget=$ONCE_N" \
-            "hydra.sweep.dir=$RUNS/grid/criticalkv_adakv"
-        sweep 0 "${GRID[@]}" "$shard" protocol=prefill_once policy=criticalkv policy.base=adakv "budget=$ONCE_N" \
-            "hydra.sweep.dir=$RUNS/grid/criticalkv_adakv"
-        sweep 0 "${GRID[@]}" "$shard" protocol=prefill_once_decode_evict policy=sagekv,streamingllm "budget=$ONCE_N" \
-            "hydra.sweep.dir=$RUNS/grid/sagekv_streamingllm"
+        grid_claims 0 "$shard" "$RUNS/grid" "$BLOCK_N" "$ONCE_N"
     done
 fi
 if has code; then

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a file: its sibling scripts
 from claims_side_by_side import verdict  # noqa: E402  (a claims.csv cell's verdict words)
+from power_plan import signed  # noqa: E402  (the tests.md numbers, written the same way here)
 
 # Each claim's winner and the rivals it names, by the first words of its text in claims.csv (None: not pairwise).
 CLAIMS: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
@@ -47,11 +48,6 @@ def table_verdict(row: dict[str, str]) -> str:
     return f"{verdict(row.get('holds?', ''))}; graded: {verdict(row.get('graded score', ''))}"
 
 
-def _signed(x: float) -> str:
-    """x to 3 decimals with its sign; a value that rounds to zero is +0.000, never -0.000 (a flipped zero difference)."""
-    return f"{round(x, 3) + 0.0:+.3f}"
-
-
 def evidence_cell(winner: str, rivals: tuple[str, ...], tests: list[dict[str, str]]) -> str:
     """The claim on one folder's planned tests: its verdict, then each rival's comparison."""
     parts, signs = [], []
@@ -67,7 +63,7 @@ def evidence_cell(winner: str, rivals: tuple[str, ...], tests: list[dict[str, st
         resolved = row["verdict"].startswith("resolved")
         signs.append((1 if diff > 0 else -1) if resolved else 0)
         word = f"{winner if diff > 0 else rival} higher" if resolved else "not resolved"
-        parts.append(f"vs {rival} (N={row['budget']}): {word}, {_signed(diff)} [{_signed(lo)}, {_signed(hi)}], "
+        parts.append(f"vs {rival} (N={row['budget']}): {word}, {signed(diff)} [{signed(lo)}, {signed(hi)}], "
                      f"n = {row['n']}, Holm p = {float(row['p_holm']):.2g}")
     if all(s is None for s in signs):
         return "not run"

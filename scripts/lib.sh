@@ -29,6 +29,11 @@ set -euo pipefail
 # one and 4 generated ones), 32 new tokens (the answer sentence is 25 tokens of SmolLM2's tokenizer).
 NIAH_2K=(task=niah "task.context_lengths=[2000]" "task.depths=[10,50,90]" task.samples_per_cell=5
          task.max_new_tokens=32)
+# The designed NIAH grid (scripts/pilot_niah.sh, evidence_niah.sh, evidence_qwen.sh): 2000-token prompts on the
+# essays, the needle at 10 / 50 / 90 % depth, 34 samples per depth, each in its own window of the essays
+# (docs/niah.md), 32 new tokens.
+DESIGNED_GRID=(task=niah "task.context_lengths=[2000]" "task.depths=[10,50,90]" task.samples_per_cell=34
+               task.max_new_tokens=32 +task.windows=per_sample)
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 QUICK=${QUICK:-0}
@@ -69,13 +74,10 @@ queue() {
         if [[ "$a" == *[\[\],\$\ \'\"]* ]]; then line+=" '$a'"; else line+=" $a"; fi
     done
     COMMANDS+=("${line# }")
-    if [[ "$DYNAMIC" == 1 ]]; then
-        printf '%q ' "$@" >> "$QUEUE_DIR/all.sh"
-        printf '\n' >> "$QUEUE_DIR/all.sh"
-    else
-        printf '%q ' "$@" >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
-        printf '\n' >> "$QUEUE_DIR/worker$((worker % WORKERS)).sh"
-    fi
+    local file="$QUEUE_DIR/worker$((worker % WORKERS)).sh"
+    [[ "$DYNAMIC" == 1 ]] && file="$QUEUE_DIR/all.sh"  # one queue, in order (run_dynamic)
+    printf '%q ' "$@" >> "$file"
+    printf '\n' >> "$file"
 }
 
 # sweep <worker> <kvbench overrides...>: queue one kvbench multirun command for a worker.
@@ -97,6 +99,30 @@ sweep_policies() {
     for i in "${!PLIST[@]}"; do
         sweep $((i + 1)) "$@" "policy=${PLIST[$i]}" "budget=$budgets" "hydra.sweep.dir=$RUNS"
     done
+}
+
+# grid_claims <worker> <shard override> <dir> <block-wise N> <one-pass N>: queue every seed claim but K-norm's on
+# one shard of the grid "${GRID[@]}" (the calling script's), each under its paper's protocol, each claim's runs in
+# <dir>/<claim>/ (their protocols and options differ): the full cache, KeyDiff, TOVA, SnapKV, H2O and StreamingLLM
+# block-wise; HashEvict and H2O with the same protected tokens (4 first, 10 latest: HashEvict §4) block-wise;
+# SnapKV (max pooling) and CriticalKV, AdaKV and CriticalKV on AdaKV under prefill_once; SAGE-KV and StreamingLLM
+# under prefill_once_decode_evict. The longest command (five runs sharing their prompt blocks) first.
+grid_claims() {
+    local w=$1 shard=$2 dir=$3 block_n=$4 once_n=$5
+    local bw=("${GRID[@]}" "$shard" protocol=blockwise block=128) once=("${GRID[@]}" "$shard" protocol=prefill_once)
+    sweep "$w" "${bw[@]}" policy=keydiff,tova,snapkv,h2o,streamingllm "budget=$block_n" "hydra.sweep.dir=$dir/keydiff"
+    sweep "$w" "${bw[@]}" policy=full budget=null "hydra.sweep.dir=$dir/keydiff"
+    sweep "$w" "${bw[@]}" policy=hashevict "budget=$block_n" "hydra.sweep.dir=$dir/hashevict_h2o"
+    # (One policy per command where a policy option is set: Hydra applies non-sweep overrides to the default policy
+    # before it expands a policy sweep.)
+    sweep "$w" "${bw[@]}" policy=h2o policy.n_sink=4 policy.n_recent=10 "budget=$block_n" \
+        "hydra.sweep.dir=$dir/hashevict_h2o"
+    sweep "$w" "${once[@]}" policy=snapkv policy.pooling=max "budget=$once_n" "hydra.sweep.dir=$dir/criticalkv_snapkv"
+    sweep "$w" "${once[@]}" policy=criticalkv "budget=$once_n" "hydra.sweep.dir=$dir/criticalkv_snapkv"
+    sweep "$w" "${once[@]}" policy=adakv "budget=$once_n" "hydra.sweep.dir=$dir/criticalkv_adakv"
+    sweep "$w" "${once[@]}" policy=criticalkv policy.base=adakv "budget=$once_n" "hydra.sweep.dir=$dir/criticalkv_adakv"
+    sweep "$w" "${GRID[@]}" "$shard" protocol=prefill_once_decode_evict policy=sagekv,streamingllm "budget=$once_n" \
+        "hydra.sweep.dir=$dir/sagekv_streamingllm"
 }
 
 # wait_workers: run what is queued (and empty the queue, so that a script may queue and wait again).

@@ -18,8 +18,7 @@ source "$(dirname "$0")/lib.sh"
 
 SHARD=${SHARD:-10/11}
 BUDGETS=${BUDGETS:-256,512,1024}
-GRID=(task=niah "task.context_lengths=[2000]" "task.depths=[10,50,90]" task.samples_per_cell=34
-      task.max_new_tokens=32 +task.windows=per_sample block=128 "shard=$SHARD")
+GRID=("${DESIGNED_GRID[@]}" block=128 "shard=$SHARD")
 if [[ "$QUICK" == 1 ]]; then
     GRID=(task=niah "task.context_lengths=[600]" "task.depths=[50]" task.samples_per_cell=1 task.max_new_tokens=8
           +task.windows=per_sample block=128)

@@ -138,6 +138,12 @@ def with_holm(rows: list[dict[str, Any]], alpha: float = ALPHA) -> list[dict[str
     return rows
 
 
+def signed(x: float) -> str:
+    """A difference or bound to 3 decimals with its sign; a zero (to 1e-6) is +0.000, never -0.000 (a zero difference
+    turned round); a tiny negative keeps its minus (an interval that reaches below 0)."""
+    return f"{round(x, 6) + 0.0:+.3f}"
+
+
 def tests_markdown(rows: list[dict[str, Any]], score: str, source: str) -> str:
     m = sum(1 for r in rows if "p" in r)
     lines = [f"# Planned comparisons ({score})", "",
@@ -153,8 +159,8 @@ def tests_markdown(rows: list[dict[str, Any]], score: str, source: str) -> str:
             lines.append(f"| {r['a']} | {r['b']} | {r['budget']} | - | - | - | - | {r['note']} | - |")
             continue
         mdd = "-" if r["verdict"] != "not resolved" else ("undefined" if r["mdd"] is None else f"{r['mdd']:.3f}")
-        diff, lo, hi = (round(r[k], 6) + 0.0 for k in ("diff", "lo", "hi"))  # + 0.0: no "-0.000" for a zero
-        lines.append(f"| {r['a']} | {r['b']} | {r['budget']} | {r['n']} | {diff:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+        diff, lo, hi = (signed(r[k]) for k in ("diff", "lo", "hi"))
+        lines.append(f"| {r['a']} | {r['b']} | {r['budget']} | {r['n']} | {diff} [{lo}, {hi}] | "
                      f"{r['p']:.2g} | {r['holm']:.2g} | **{r['verdict']}** | {mdd} |")
     return "\n".join(lines) + "\n"
 

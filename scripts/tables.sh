@@ -22,6 +22,14 @@ FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs
                results/evidence_niah/runs)
 
+# The designed NIAH grid's planned comparisons (the runs scripts/lib.sh's grid_claims queues), each within its claim's
+# folder, the block-wise ones at the grid's budget N ($1), the one-pass ones at 512
+grid_comparisons() {
+    echo "keydiff/keydiff:tova@$1 keydiff/keydiff:snapkv@$1 keydiff/keydiff:h2o@$1 keydiff/keydiff:full@$1" \
+        "keydiff/streamingllm:full@$1 hashevict_h2o/hashevict:h2o@$1 criticalkv_snapkv/criticalkv:snapkv@512" \
+        "criticalkv_adakv/criticalkv:adakv@512 sagekv_streamingllm/sagekv:streamingllm@512"
+}
+
 tables() {
     local name=$1 out=$2
     if [[ ! -d "$out/runs" ]]; then
@@ -37,10 +45,8 @@ tables() {
             # Every claim's planned comparisons on the designed grid, each within its own runs' folder (the claims'
             # protocols and options differ), one Holm family per score: the 0/100 score the pilot sized, then the
             # graded one
-            local niah_compare=(keydiff/keydiff:tova@1024 keydiff/keydiff:snapkv@1024 keydiff/keydiff:h2o@1024
-                keydiff/keydiff:full@1024 keydiff/streamingllm:full@1024 hashevict_h2o/hashevict:h2o@1024
-                criticalkv_snapkv/criticalkv:snapkv@512 criticalkv_adakv/criticalkv:adakv@512
-                sagekv_streamingllm/sagekv:streamingllm@512)
+            local niah_compare
+            read -ra niah_compare <<< "$(grid_comparisons 1024)"
             python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" --score avg --tests \
                 --compare "${niah_compare[@]}" > /dev/null
             python scripts/power_plan.py "$out/runs" --out "$out/tests_graded.md" --csv "$out/tests_graded.csv" \
@@ -83,10 +89,8 @@ tables() {
                 n=$(python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" --pick) || n=1024
             fi
             if [[ -d "$out/runs/grid" ]]; then
-                local qwen_niah=(keydiff/keydiff:tova@$n keydiff/keydiff:snapkv@$n keydiff/keydiff:h2o@$n
-                    keydiff/keydiff:full@$n keydiff/streamingllm:full@$n hashevict_h2o/hashevict:h2o@$n
-                    criticalkv_snapkv/criticalkv:snapkv@512 criticalkv_adakv/criticalkv:adakv@512
-                    sagekv_streamingllm/sagekv:streamingllm@512)
+                local qwen_niah
+                read -ra qwen_niah <<< "$(grid_comparisons "$n")"
                 python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests.md" --csv "$out/grid/tests.csv" \
                     --score avg --tests --compare "${qwen_niah[@]}" > /dev/null
                 python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests_graded.md" \

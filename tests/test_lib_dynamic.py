@@ -1,4 +1,5 @@
-"""scripts/lib.sh with DYNAMIC=1: queued commands run in queue order, WORKERS at a time, a failure named at the end."""
+"""scripts/lib.sh: DYNAMIC=1 runs queued commands in queue order, WORKERS at a time, a failure named at the end;
+grid_claims queues the designed grid's claims."""
 
 from __future__ import annotations
 
@@ -48,3 +49,33 @@ def test_a_failed_command_fails_the_wait_after_the_others_ran(tmp_path: Path) ->
     assert r.returncode == 1
     assert done.exists()
     assert "a command failed; see" in r.stderr
+
+
+def test_grid_claims_queues_each_claim_under_its_protocol_in_its_folder(tmp_path: Path) -> None:
+    script = f"""
+NAME=t WORKERS=1 MODEL=m KVBENCH=kv
+source scripts/lib.sh
+QUEUE_DIR={tmp_path} COMMANDS=() GRID=(task=niah)
+grid_claims 0 shard=3/11 D 1024 512
+printf '%s\\n' "${{COMMANDS[@]}}"
+"""
+    r = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    head = "kv -m model=m task=niah shard=3/11"
+    assert r.stdout.splitlines() == [
+        f"{head} protocol=blockwise block=128 'policy=keydiff,tova,snapkv,h2o,streamingllm' budget=1024 "
+        "hydra.sweep.dir=D/keydiff progress=false",
+        f"{head} protocol=blockwise block=128 policy=full budget=null hydra.sweep.dir=D/keydiff progress=false",
+        f"{head} protocol=blockwise block=128 policy=hashevict budget=1024 hydra.sweep.dir=D/hashevict_h2o "
+        "progress=false",
+        f"{head} protocol=blockwise block=128 policy=h2o policy.n_sink=4 policy.n_recent=10 budget=1024 "
+        "hydra.sweep.dir=D/hashevict_h2o progress=false",
+        f"{head} protocol=prefill_once policy=snapkv policy.pooling=max budget=512 hydra.sweep.dir=D/criticalkv_snapkv "
+        "progress=false",
+        f"{head} protocol=prefill_once policy=criticalkv budget=512 hydra.sweep.dir=D/criticalkv_snapkv progress=false",
+        f"{head} protocol=prefill_once policy=adakv budget=512 hydra.sweep.dir=D/criticalkv_adakv progress=false",
+        f"{head} protocol=prefill_once policy=criticalkv policy.base=adakv budget=512 "
+        "hydra.sweep.dir=D/criticalkv_adakv progress=false",
+        f"{head} protocol=prefill_once_decode_evict 'policy=sagekv,streamingllm' budget=512 "
+        "hydra.sweep.dir=D/sagekv_streamingllm progress=false",
+    ]
