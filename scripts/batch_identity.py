@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--json", type=Path, default=None,
                    help="also write, per run, its samples and the ids of those that differ (for scripts/reproduce.py)")
+    p.add_argument("--slot-reuse", action="store_true",
+                   help="rerun with slot_reuse=true (decoding writes each new token into the slot its head freed)")
     p.add_argument("--reuse", action="store_true",
                    help="take finished reruns already in --scratch as they are (redraw the table without rerunning)")
     a = p.parse_args(argv)
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         name = json.loads((run / "metrics.json").read_text())["policy"]
         cfg.update(batch_size=a.batch, shard=compose_shards(cfg.get("shard"), a.shard), overwrite=not a.reuse,
-                   progress=False, share=a.share)
+                   progress=False, share=a.share, slot_reuse=a.slot_reuse)
         members.append(Member(RunSettings.from_config(cfg), name, scratch / run.name))
     if a.share:
         run_members(members, session)  # one shared-work sweep (per group of runs differing in policy and budget)
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     what = (f"Shared-work reruns (the runs below as one sweep, share=true, batch_size={a.batch})" if a.share
             else f"Batched (batch_size={a.batch}) reruns")
+    if a.slot_reuse:
+        what += " with slot reuse (slot_reuse=true)"
     against = (f" compared with the runs of the same names in `{a.reference.name}/` (not the committed ones)"
                if a.reference else " of committed batch-1 runs")
     lines = [f"{what}{against}"

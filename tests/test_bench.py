@@ -317,3 +317,19 @@ def test_bad_workload_is_refused(tmp_path) -> None:
     with pytest.raises(SystemExit) as e:
         bench.main(["--batch", "1,2", "--workloads", "ruler", "--out", str(tmp_path / "b.json")])
     assert e.value.code == 2 and not (tmp_path / "b.json").exists()
+
+
+def test_slot_reuse_rows_beside_each_policy(tmp_path, one_thread) -> None:
+    """--slot-reuse measures each policy twice, as it is and as NAME+slots (decoding with slot reuse): the same tokens
+    (tiny-llama, float32: the kept tokens are the same, the sums' order differs), each with its own goal lines."""
+    out = tmp_path / "b.json"
+    assert bench.main(["--arch", "tiny-llama", "--lengths", "40", "--budgets", "16", "--block", "8", "--new-tokens", "4",
+                       "--repeats", "1", "--policies", "keydiff", "--slot-reuse", "--baselines", "none",
+                       "--threads", "1", "--out", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in data["rows"]}
+    assert list(rows) == ["keydiff", "keydiff+slots"]
+    assert rows["keydiff"]["first_tokens"] == rows["keydiff+slots"]["first_tokens"]
+    assert rows["keydiff+slots"]["peak_kv_tokens"] == rows["keydiff"]["peak_kv_tokens"] == 16 + 8
+    assert any("keydiff+slots" in line for line in out.with_suffix(".md").read_text().splitlines())
+    assert setup.slot_reuse("keydiff+slots") == ("keydiff", True) and setup.slot_reuse("keydiff") == ("keydiff", False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from kvbench.bench.setup import FLOOR, FULL, HF_DECODE, HF_FORWARD
+from kvbench.bench.setup import FLOOR, FULL, HF_DECODE, HF_FORWARD, slot_reuse
 
 # The lean-engine goals (issue 29). Eviction share of the whole run (prefill + decode), the same limit for every
 # policy. Decoding per token against HF's plain decoding at cache size N: policies that need no attention scores
@@ -80,7 +80,7 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = [r for r in pol if r["policy"] == name]
         add(f"eviction <= {100 * EVICT_SHARE:.0f} % of the run", name,
             [(r["evict_share"] <= EVICT_SHARE, f"{r['prompt_tokens']}: {100 * r['evict_share']:.1f} %") for r in mine])
-        limit = DECODE_VS_HF_SCORE_FREE if name in SCORE_FREE_POLICIES else DECODE_VS_HF
+        limit = DECODE_VS_HF_SCORE_FREE if slot_reuse(name)[0] in SCORE_FREE_POLICIES else DECODE_VS_HF
         add(f"decode per token <= {limit:.2f}x HF's at cache size N", name,
             [(r["decode_vs_hf"] <= limit, f"{r['prompt_tokens']}: {r['decode_vs_hf']:.2f}x") for r in mine
              if r.get("decode_vs_hf") is not None])

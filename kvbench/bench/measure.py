@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvbench.bench.goals import add_ratios
-from kvbench.bench.setup import FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, make_policy, prompt_ids
+from kvbench.bench.setup import FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, make_policy, prompt_ids, slot_reuse
 from kvbench.bench.syncs import count_host_syncs
 from kvbench.engine.cache import kv_bytes
 from kvbench.engine.generate import GenerationSettings, Observer, generate, sync
@@ -157,8 +157,8 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
         policy.start_sample(seed)
         rss0 = mem.start()
         c0, w0 = time.process_time(), time.perf_counter()
-        res = generate(model, policy, ids, GenerationSettings(block=cfg.block, max_new_tokens=new_tokens),
-                       observer=Observer(clock=CLOCKS[clock]))
+        settings = GenerationSettings(block=cfg.block, max_new_tokens=new_tokens, slot_reuse=slot_reuse(cfg.policy)[1])
+        res = generate(model, policy, ids, settings, observer=Observer(clock=CLOCKS[clock]))
         m = {"prefill_s": res.prefill_s, "decode_s": res.decode_s, "decode_steps": res.decode_steps,
              "tokens": res.tokens, "evict_prefill_s": res.evict_prefill_s, "evict_decode_s": res.evict_decode_s,
              "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak}
@@ -176,7 +176,7 @@ def host_syncs(model: Any, cfg: Config, seed: int = 0, prompt: Sequence[int] | N
     ids = list(prompt[:n]) if prompt is not None else prompt_ids(n, vocab, seed=seed)
     policy = make_policy(cfg.policy, cfg.budget, seed)
     policy.start_sample(seed)
-    c = count_host_syncs(model, policy, ids, cfg.block, SYNC_TOKENS)
+    c = count_host_syncs(model, policy, ids, cfg.block, SYNC_TOKENS, slots=slot_reuse(cfg.policy)[1])
     if not c.per_step:
         return dict(NO_SYNCS)
     steps = len(c.per_step)

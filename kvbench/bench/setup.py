@@ -157,10 +157,19 @@ def _model_from_config(config: str, layers: int | None, dtype: torch.dtype, seed
     return model, src
 
 
+SLOTS = "+slots"  # a policy name ending so (`keydiff+slots`) decodes with slot reuse (GenerationSettings.slot_reuse)
+
+
+def slot_reuse(name: str) -> tuple[str, bool]:
+    """A bench policy name -> (the policy's own name, whether it decodes with slot reuse)."""
+    return (name[:-len(SLOTS)], True) if name.endswith(SLOTS) else (name, False)
+
+
 def make_policy(name: str, budget: int | None, seed: int) -> Any:
     from kvbench.run.config import load_group
     from kvbench.run.settings import RunSettings, build_policy
 
+    name = slot_reuse(name)[0]
     try:
         spec = load_group("policy", name)
     except ValueError as e:

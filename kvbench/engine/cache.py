@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvbench.engine.ragged import RaggedStorage
+from kvbench.engine.slots import SlotReuse
 from kvbench.engine.stash import QueryStash
 from kvbench.policies.window import WindowRing
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from kvbench.policies.layer import LayerExtra
 
 
-class EvictingLayer(RaggedStorage, DynamicLayer):
+class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
     """One full-attention layer's cache: K/V plus, per token, its absolute position and per-token policy state.
 
     Stored uniform (every KV head holds the same number of tokens): keys/values (b, h_kv, n, d), positions and each
@@ -33,7 +34,8 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
     `update` appends the block at the end of every head and returns the layer's storage (for ragged layers the flat
     (S, d) tensors, which only the kvbench attention wrapper reads, head by head). `keep` stores a uniform selection
     of a uniform layer at once, any other through the padded view and `pack`, which may wait for the engine to read
-    the new head sizes (`defer_pack`, `EvictingCache.settle`).
+    the new head sizes (`defer_pack`, `EvictingCache.settle`). With `reuse_slots` a decoding step's eviction of one
+    token per head leaves a hole that the next token fills in place (kvbench/engine/slots.py: `SlotReuse`).
 
     A policy's own incremental per-layer state lives in the policies layer, in objects the layer holds in `extras`
     (`LayerExtra`, kvbench/policies/layer.py) and knows nothing about: it calls their hooks where its storage
@@ -72,7 +74,10 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
             raise RuntimeError("append to a layer in its padded scoring view; pack() it first")
         b, h, q, d = key_states.shape  # (b, h_kv, q, d)
         new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
-        if self.ragged:
+        self.block_slots = None
+        if self._fill_hole(key_states, value_states, new_pos):
+            pass  # written in place into the slots the last eviction freed (SlotReuse)
+        elif self.ragged:
             self._append_flat(key_states, value_states, new_pos)
         elif self.keys.numel() == 0:
             self.keys, self.values, self.positions = key_states, value_states, new_pos.contiguous()
@@ -87,10 +92,10 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
         return self.keys, self.values
 
     def physical(self) -> int:
-        """Slots of the longest head (uniform layers: every head's length)."""
+        """Tokens of the longest head (uniform layers: every head's length; a hole is not a token)."""
         if self.keys is None or self.keys.numel() == 0:
             return 0
-        return max(self.flat.sizes) if self.ragged else self.keys.shape[-2]
+        return max(self.flat.sizes) if self.ragged else self.keys.shape[-2] - (self.hole is not None)
 
     def tokens_per_head(self) -> int:
         """Tokens held per KV head: the layer's total over its b * h_kv heads, rounded up (exact when uniform)."""
@@ -114,6 +119,10 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
     # -- the block just appended (read and filled by the attention wrapper) -------------------------------------
     def block_kv(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (b, h_kv, q, d) of the latest q tokens of every head."""
+        if self.block_slots is not None:  # one token per head, written into a hole (SlotReuse)
+            slots = self.block_slots.unsqueeze(-1)  # (b, h_kv, 1, 1)
+            return (self.keys.gather(2, slots.expand(*slots.shape[:3], self.keys.shape[-1])),
+                    self.values.gather(2, slots.expand(*slots.shape[:3], self.values.shape[-1])))
         if not self.ragged:
             return self.keys[..., -q:, :], self.values[..., -q:, :]
         b, h = self.flat.lengths.shape
@@ -125,7 +134,9 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
         if name not in self.state:
             self.state[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.positions.device)
         q = new.shape[-1]
-        if self.ragged:
+        if self.block_slots is not None:
+            self.state[name].scatter_(2, self.block_slots, new.to(self.state[name].dtype))
+        elif self.ragged:
             self.state[name][self.flat.block_index(q).flatten()] = new.reshape(-1).to(self.state[name].dtype)
         else:
             self.state[name][..., -q:] = new
@@ -141,8 +152,8 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
             return list(self.padded.sizes)
         if self.keys is None or self.keys.numel() == 0:
             return []
-        b, h, n = self.keys.shape[:3]
-        return [n] * (b * h)
+        b, h = self.keys.shape[:2]
+        return [self.physical()] * (b * h)
 
     def keep(self, idx: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Keep only the slots `idx` (b, h_kv, k) of the (padded) layout, in chronological order; `valid` (b, h_kv, k)
@@ -151,20 +162,32 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
         `defer_pack` it waits for the engine to read them (with the decoded token), else it reads them itself."""
         if self.ragged:
             raise RuntimeError("keep() indexes the padded view; unpack() the ragged layer first")
-        b, h, kept = idx.shape
+        if self.padded is None and valid is None:  # uniform before and after
+            if not self._drop_one(idx):  # a decoding step's one token per head: a hole, nothing moves (SlotReuse)
+                self._gather(*self.in_position_order(idx, None))
+            return
+        idx, valid = self.in_position_order(idx, valid)
+        self._keep_padded(idx, valid, self._rows(idx))  # a padded view, or a uniform layer that turns ragged
+
+    def _rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """(b*h_kv*k,) rows of the flattened (b*h_kv*n, d) K/V that the slots `idx` (b, h_kv, k) select."""
+        b, h, _ = idx.shape
         n = self.keys.shape[-2]
+        return (idx + torch.arange(0, b * h * n, n, device=idx.device).view(b, h, 1)).view(-1)
+
+    def _gather(self, idx: torch.Tensor, valid: None = None) -> None:
+        """Store the slots `idx` (b, h_kv, k) of a uniform layer, in that order (a copy of every per-token array)."""
+        b, h, kept = idx.shape
+        rows = self._rows(idx)
+        for extra in self.extras.values():  # their own per-token rows (WindowRing: pruned lazily)
+            extra.on_keep(self, idx, False)
         # K and V are copied row by row (index_select over the flattened (b*h*n, d) rows): one memcpy per kept token,
         # ~15x cheaper on CPU than gather with an index expanded over head_dim, which visits every element.
-        rows = (idx + torch.arange(0, b * h * n, n, device=idx.device).view(b, h, 1)).view(-1)  # (b*h*kept,)
-        if self.padded is None and valid is None:  # uniform before and after
-            self.keys = self.keys.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
-            self.values = self.values.reshape(b * h * n, -1).index_select(0, rows).view(b, h, kept, -1)
-            for extra in self.extras.values():  # their own per-token rows (WindowRing: pruned lazily)
-                extra.on_keep(self, idx, False)
-            self.positions = self.positions.gather(2, idx)
-            self.state = {k: v.gather(2, idx) for k, v in self.state.items()}
-            return
-        self._keep_padded(idx, valid, rows)  # a padded view, or a uniform layer that turns ragged
+        self.keys = self.keys.reshape(-1, self.keys.shape[-1]).index_select(0, rows).view(b, h, kept, -1)
+        self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows).view(b, h, kept, -1)
+        self.positions = self.positions.gather(2, idx)
+        self.state = {k: v.gather(2, idx) for k, v in self.state.items()}
+        self.chronological = True
 
     def fork(self) -> EvictingLayer:
         """An independent copy of this layer's state. K/V, positions and the layouts (`flat`, `padded`) are
@@ -172,6 +195,8 @@ class EvictingLayer(RaggedStorage, DynamicLayer):
         place (set_block_state, H2O's accumulator), so it is cloned, and each extra makes its own copy
         (`LayerExtra.fork`), as the query stash does (its fields its own, its tensors shared)."""
         new = copy.copy(self)
+        if self.hole is not None:  # the next token is written in place into this layer's tensors: the copy's own
+            new.keys, new.values, new.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
         new.state = {k: v.clone() for k, v in self.state.items()}
         new.scratch = dict(self.scratch)
         new.extras = {k: extra.fork() for k, extra in self.extras.items()}
@@ -252,6 +277,12 @@ class EvictingCache(Cache):
         new.policy = copy.deepcopy(self.policy)
         new.masks = dict(self.masks)
         return new
+
+    def reuse_decoding_slots(self) -> None:
+        """Let a decoding eviction of one token per head leave a hole that the next token fills in place, instead of
+        gathering the kept slots (GenerationSettings.slot_reuse; kvbench/engine/slots.py)."""
+        for layer in self.evicting_layers():
+            layer.reuse_slots = True
 
     def start_decoding(self) -> None:
         for layer in self.evicting_layers():

@@ -38,7 +38,9 @@ class GenerationSettings:
     measures taken at every eviction. `score_from`: the language-modelling score (None: not measured, and every
     forward keeps only its last position's logits as before): the log-probability of each prompt token t + 1 given
     what the cache holds when position t goes in, for every prompt position t >= score_from (GenerationResult
-    lm_logprobs; the task decides where scoring starts, kvbench.run.loop.lm_score_start).
+    lm_logprobs; the task decides where scoring starts, kvbench.run.loop.lm_score_start). `slot_reuse`: a decoding
+    step's eviction of one token per head leaves a hole the next token is written into, instead of gathering the kept
+    slots (kvbench/engine/slots.py): no O(N) copy per step, the same kept tokens, attention summed in another order.
     """
 
     block: int | None = None
@@ -50,6 +52,7 @@ class GenerationSettings:
     context_tokens: int | None = None
     diagnostics: tuple[str, ...] = ()
     score_from: int | None = None
+    slot_reuse: bool = False
 
 
 @dataclass
@@ -396,6 +399,8 @@ def _new_run(model: Any, job: Job) -> _Run:
     s = job.settings
     cache = EvictingCache(model.config, job.policy)
     cache.defer_packing()  # one host read per step for every layer's new head sizes (see _read)
+    if s.slot_reuse:
+        cache.reuse_decoding_slots()
     diag = Diagnostics(tuple(s.diagnostics)) if s.diagnostics else None
     if diag is not None and not cache.query_window:
         cache.query_window = diag.query_window

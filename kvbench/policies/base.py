@@ -103,8 +103,12 @@ class Policy:
         """(b, h_kv, n) bool of slots always kept: the first `n_sink` positions and the latest `n_recent` tokens."""
         if self.protected_count() == 0:
             return None
-        if layer.valid is None:
+        if layer.valid is None and layer.chronological:
             return self._edge_mask(layer.positions.shape, layer.positions.device)
+        if layer.valid is None:  # slots out of order (slot reuse): by position. Protected tokens are never evicted, so
+            # a head holds every sink and every one of the latest n_recent positions
+            prot = layer.positions < self.n_sink  # (b, h_kv, n)
+            return prot | (layer.positions >= layer.seen - self.n_recent) if self.n_recent > 0 else prot
         prot = (layer.positions >= 0) & (layer.positions < self.n_sink)  # (b, h_kv, n); padding has position -1
         if self.n_recent > 0:
             prot |= latest_mask(layer, self.n_recent)
@@ -159,7 +163,7 @@ class Policy:
         budget = self.over_budget(layer)
         if budget is None:
             return None
-        return top_slots(self.ranked_scores(layer), budget), None
+        return top_slots(self.ranked_scores(layer), budget, tie_positions(layer)), None
 
     def evict(self, layer: CacheLayer,
               observe: Callable[[CacheLayer, torch.Tensor, torch.Tensor | None], None] | None = None) -> bool:
@@ -181,21 +185,41 @@ class Policy:
             layer.pack()  # no-op after keep; restores the flat storage when nothing was evicted
 
 
-def top_slots(scores: torch.Tensor, count: int) -> torch.Tensor:
+def tie_positions(layer: CacheLayer) -> torch.Tensor | None:
+    """What selections break ties by: None while the layer's slots are chronological (slot order is position order),
+    else its positions (b, h_kv, n) (slot reuse), so a selection is the same whatever slot a token sits in."""
+    return None if layer.chronological else layer.positions
+
+
+def top_slots(scores: torch.Tensor, count: int, positions: torch.Tensor | None = None) -> torch.Tensor:
     """(b, h, count) slot indices of the `count` highest `scores` (b, h, n) of each head, in slot order.
 
-    Ties keep the earlier slot (as `rank_mask`), so a selection never depends on how a top-k kernel orders equal
+    Ties keep the earlier token (as `rank_mask`), so a selection never depends on how a top-k kernel orders equal
     scores (which differs between devices and versions; HashEvict's Hamming scores tie all the time). One slot over
     (every decoding step) is the common case: the lowest score is dropped with one argmin instead of a sort; among
-    equal lowest scores the latest slot goes.
+    equal lowest scores the latest token goes. `positions` (b, h, n): the tokens' order when the slots are not in it
+    (`tie_positions`); None: slot order.
     """
     n = scores.shape[-1]
     if n - count == 1:
-        drop = (n - 1) - scores.flip(-1).argmin(dim=-1, keepdim=True)  # (b, h, 1)
+        if positions is None:
+            drop = (n - 1) - scores.flip(-1).argmin(dim=-1, keepdim=True)  # (b, h, 1)
+        else:  # the latest position among the lowest scores
+            lowest = scores == scores.amin(dim=-1, keepdim=True)  # (b, h, n)
+            drop = positions.masked_fill(~lowest, -1).argmax(dim=-1, keepdim=True)
         j = torch.arange(count, device=scores.device)  # (count,)
         return j + (j >= drop)  # (b, h, count): every slot but `drop`
-    ranked = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # (b, h, n), ties in slot order
+    ranked = _ranked(scores, positions)  # (b, h, n), ties in token order
     return ranked[..., :count].sort(dim=-1).values
+
+
+def _ranked(scores: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """(b, h, n) slots by descending score, ties in slot order (`positions` None) or in position order."""
+    if positions is None:
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    order = positions.argsort(dim=-1)  # (b, h, n) slots in position order (positions differ within a head)
+    ranked = torch.sort(scores.gather(-1, order), dim=-1, descending=True, stable=True).indices
+    return order.gather(-1, ranked)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -233,9 +257,10 @@ def attention_probs(layer: CacheLayer, query: torch.Tensor, query_positions: tor
                            beta=0.0, alpha=layer.scaling).view(b, h_q, w, n)
     if layer.softcap:
         logits = torch.tanh(logits / layer.softcap) * layer.softcap
-    if layer.valid is None and first is not None:
+    if layer.valid is None and first is not None and (layer.chronological or first >= layer.seen - 1):
         # Chronological slots and gap-free query positions: only keys after the earliest query can be hidden from
-        # some query, and at most seen - 1 - first keys come after it, all in the last slots. Mask only those.
+        # some query, and at most seen - 1 - first keys come after it, all in the last slots. Mask only those (none
+        # when every query is the latest token, whatever the slots' order).
         tail = min(n, layer.seen - 1 - first)
         if tail > 0:
             hidden = layer.positions[..., n - tail:].unsqueeze(-2) > query_positions.view(1, 1, w, 1)
@@ -259,12 +284,13 @@ def latest_mask(layer: CacheLayer, count: int | torch.Tensor) -> torch.Tensor:
     return rank_mask(layer.positions.float().masked_fill(layer.positions < 0, -math.inf), count)
 
 
-def rank_mask(scores: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+def rank_mask(scores: torch.Tensor, count: int | torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """(b, h, n) bool: the top-`count` entries per head (`count` an int or a (b, h) tensor); -inf never selected.
 
-    Ties are broken by slot order (earlier slot first), so selections are deterministic.
+    Ties are broken by slot order (earlier slot first), or by `positions` (b, h, n) when given (`tie_positions`), so
+    selections are deterministic.
     """
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # (b, h, n)
+    order = _ranked(scores, positions)  # (b, h, n)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device)
                                             .expand_as(order))
     count = torch.as_tensor(count, device=scores.device)

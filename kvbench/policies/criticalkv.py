@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import Policy, PolicyError, compact, rank_mask, top_slots
+from kvbench.policies.base import Policy, PolicyError, compact, rank_mask, tie_positions, top_slots
 from kvbench.policies.snapkv import SnapKV
 
 if TYPE_CHECKING:
@@ -105,29 +105,32 @@ class CriticalKV(Policy):
         scores = self.base.ranked_scores(layer)  # (b, h_kv, n): protected +inf, padding -inf
         n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
         counts = self.base.head_counts(layer, scores, budget)  # (b, h_kv)
+        ties = tie_positions(layer)
         stage2 = stage2_scores(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps,
-                               self.stage1_window)
+                               self.stage1_window, ties)
         if layer.valid is None and not isinstance(self.base, AdaKV):
             # SnapKV's budget on a layer without padding (no -inf score): every head keeps exactly `budget`, the
             # top of stage2 (a decoding step: all but its lowest, one argmin instead of a sort); nothing is read
             # back from the device
-            return top_slots(stage2, budget), None
-        return compact(rank_mask(stage2, counts))
+            return top_slots(stage2, budget, ties), None
+        return compact(rank_mask(stage2, counts, ties))
 
 
 def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor, n_prot: torch.Tensor,
-                  alpha: float, eps: float, stage1_window: str = "outside") -> torch.Tensor:
+                  alpha: float, eps: float, stage1_window: str = "outside",
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
     """CriticalKV Alg. 1 per head as one ranking (b, h, n): the stage-1 tokens (`counts` of them by score, protected
     first) at +inf, the others by (score + eps) * vnorm, padding -inf; the head keeps its top `counts` of it.
     `scores`: protected +inf, padding -inf.
 
     Stage-1 count: n_prot + floor(alpha * (counts - n_prot)) (`outside`) or max(n_prot, floor(alpha * counts))
-    (`inside`), floors of the double products as Python's int() takes them.
+    (`inside`), floors of the double products as Python's int() takes them. `positions`: ties by position, not
+    slot (`tie_positions`).
     """
     if stage1_window == "outside":
         first = n_prot + ((counts - n_prot).double() * alpha).floor().long()  # (b, h)
     else:
         first = torch.maximum(n_prot, (counts.double() * alpha).floor().long())
-    stage1 = rank_mask(scores, first)
+    stage1 = rank_mask(scores, first, positions)
     return ((scores + eps) * vnorm).masked_fill(stage1, math.inf).masked_fill(scores == -math.inf, -math.inf)
 

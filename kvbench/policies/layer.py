@@ -54,6 +54,9 @@ class CacheLayer(Protocol):
     layer_idx: int  # the decoder layer's index in the model (per-layer budgets, per-layer random projections)
     seen: int  # tokens ever appended: the next token's absolute position
     decoding: bool  # True once the prompt is done (SAGE-KV slides its window only then)
+    # True while every head's slots are in position order (the latest tokens the last slots); False once a decoding
+    # step wrote a token into a slot an eviction freed (slot_reuse): then read the order from `positions`
+    chronological: bool
 
     # -- the queries a policy asked for (`query_window`) and the model's attention settings ----------------------
     stash: QueryView  # the latest post-RoPE queries and where they sit
@@ -113,6 +116,12 @@ class LayerExtra(Protocol):
         """`layer.unpack` has built the padded view (b, h_kv, L) of a ragged layer whose heads held `sizes` tokens
         (row-major, on the host). `pad(flat, segment_sizes, fill)`: flat per-head rows (S, ...) in segments of
         `segment_sizes` -> (b, h_kv, L, ...), each segment followed by `fill`, the view's own layout."""
+        ...
+
+    def on_reuse(self, layer: CacheLayer, slots: torch.Tensor) -> None:
+        """`layer.keep` drops one token per head and leaves every other slot where it is (slot reuse while decoding):
+        `slots` (b, h_kv, 1) the freed slot of each head, where the next token will be written (its entries of every
+        row computed so far are zeros: those queries are earlier than it)."""
         ...
 
     def on_pack(self, rows: torch.Tensor, shape: tuple[int, int, int] | None) -> None:

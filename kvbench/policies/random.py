@@ -22,4 +22,9 @@ class Random(Policy):
     def score(self, layer: CacheLayer) -> torch.Tensor:
         if not hasattr(self, "_gen"):
             self.start_sample(0)
-        return torch.rand(layer.positions.shape, generator=self._gen).to(layer.positions.device)  # (b, h_kv, n)
+        draws = torch.rand(layer.positions.shape, generator=self._gen).to(layer.positions.device)  # (b, h_kv, n)
+        if layer.chronological:
+            return draws
+        # slots out of order (slot reuse): the i-th draw still goes to each head's i-th oldest token, so the same
+        # tokens are evicted as in the chronological layout
+        return torch.empty_like(draws).scatter_(-1, layer.positions.argsort(dim=-1), draws)

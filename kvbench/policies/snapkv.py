@@ -36,6 +36,16 @@ class SnapKV(Policy):
     def window_scores(self, layer: CacheLayer) -> torch.Tensor:
         """(b, h_q, n) pooled window attention per query head (the window's own slots get the max, as kept)."""
         probs = layer.window_attention()  # (b, h_q, n): query_attention(layer).mean(dim=-2), kept incrementally
+        if layer.chronological:
+            return self.pooled(probs)
+        # Slots out of position order (slot reuse): pooled in position order, the neighbours and the window of the
+        # chronological layout, then put back in slot order
+        order = layer.positions.argsort(dim=-1).repeat_interleave(probs.shape[1] // layer.keys.shape[1], dim=1)
+        return torch.empty_like(probs).scatter_(-1, order, self.pooled(probs.gather(-1, order)))
+
+    def pooled(self, probs: torch.Tensor) -> torch.Tensor:
+        """(b, h_q, n) window attention in position order -> its scores: the tokens before the window (the latest
+        `window`) pooled along the sequence, the window at the maximum."""
         w = min(self.window, probs.shape[-1])
         prefix = probs[..., :-w]  # (b, h_q, n - w)
         b, h, n = prefix.shape

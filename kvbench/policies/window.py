@@ -160,7 +160,7 @@ class WindowRing:
         sel = self.sel
         if sel is None:
             sel = torch.arange(b * h * m, device=wp.device).view(b, h, m)
-        new = layer.seen - self.cols  # tokens appended since: later than every query with a row, zeros
+        new = layer.keys.shape[2] - sel.shape[-1]  # tokens appended since: later than every query with a row, zeros
         return sel if new == 0 else torch.cat([sel, sel.new_full((b, h, new), -1)], dim=-1)
 
     def _apply_pending(self, layer: CacheLayer) -> None:
@@ -170,8 +170,12 @@ class WindowRing:
         step, and one decoding step costs one copy of the rows (pruning and appending together). A no-op in the
         padded view (`on_unpack` pads a ragged layer's pending entries with zeros itself)."""
         wp, sel = self.probs, self.sel
-        new = layer.seen - self.cols  # appended since: their rows are zeros
-        if wp is None or (sel is None and new == 0):
+        if wp is None:
+            return
+        # appended since: their rows are zeros (counted in slots: a token written into a freed slot has its row)
+        new = layer.keys.shape[2] - (wp.shape[2] if sel is None else sel.shape[-1])
+        if sel is None and new == 0:
+            self.cols = layer.seen
             return
         b, h, _, r = wp.shape
         if sel is None:  # nothing evicted since: append the zeros
@@ -203,6 +207,17 @@ class WindowRing:
         self.sel_zeros |= layer.seen > self.cols
         self.sel = self._pending_selection(layer).gather(2, idx)  # (b, h, kept)
         self.cols = layer.seen
+        self.exact = self.rows
+
+    def on_reuse(self, layer: CacheLayer, slots: torch.Tensor) -> None:
+        """The layer drops one token per head in place (slot reuse): `slots` (b, h_kv, 1) are freed for the next
+        token. Their rows are zeroed in place (the dropped token leaves every row's sum; the next token is later
+        than every query with a row): no copy. Rows computed before are renormalised from now on."""
+        if self.probs is None:
+            return
+        self._apply_pending(layer)  # a lazy pruning of an earlier eviction, if any: the rows follow the slots again
+        b, h, _, r = self.probs.shape
+        self.probs.scatter_(2, slots.unsqueeze(-1).expand(b, h, 1, r), 0.0)  # (b, h_kv, n, g * w), any strides
         self.exact = self.rows
 
     def on_unpack(self, layer: CacheLayer, sizes: list[int],

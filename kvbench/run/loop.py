@@ -293,6 +293,7 @@ def generation_settings(settings: RunSettings, sample: Sample, stop_ids: Any,
     return GenerationSettings(block=settings.block, protocol=settings.protocol, scenario=settings.scenario,
                               diagnostics=settings.diagnostics, context_tokens=sample.context_tokens,
                               stop_ids=tuple(stop_ids), min_new_tokens=sample.min_new_tokens,
+                              slot_reuse=settings.slot_reuse,
                               max_new_tokens=sample.max_new_tokens if max_new_tokens is None else max_new_tokens)
 
 
@@ -365,6 +366,8 @@ def make_record(sample: Sample, prediction: str, res: GenerationResult, score: f
         rec["prompt"] = sample.prompt
     if settings.batch_size > 1:
         rec["batch"] = {"size": res.batch_size, "kv_bytes_peak": res.batch_kv_bytes_peak}
+    if settings.slot_reuse:
+        rec["slot_reuse"] = True  # decoded with slot reuse (kvbench/engine/slots.py): its rounding, not the default's
     if res.shared_with > 1:
         # generate_shared's shared forwards: how many runs one of them served, this run's equal share of their seconds
         # (inside prefill_s), and their seconds in full (what the group's shares add up to)

@@ -67,6 +67,10 @@ class RunSettings:
     # common prompt forwards done once (kvbench.run.app.run_group); false runs each alone. Results are identical
     # either way, so the key leaves it out.
     share: bool = _setting(True, changes_results=False)
+    # Decoding steps write each new token into the slot the previous step's eviction freed (no O(N) copy per step;
+    # kvbench/engine/slots.py): the same kept tokens, attention summed in another order, so a token may differ where
+    # the rounding decides a near-tie, as with batch_size; the key leaves it out and every record says it.
+    slot_reuse: bool = _setting(False, changes_results=False)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RunSettings:
@@ -109,7 +113,8 @@ class RunSettings:
                    shard=shard, diagnostics=tuple(cfg.get("diagnostics") or ()),
                    graded=_flag("graded", cfg.get("graded", True)),
                    progress=_flag("progress", cfg.get("progress", True)), batch_size=batch_size,
-                   share=_flag("share", cfg.get("share", True)))
+                   share=_flag("share", cfg.get("share", True)),
+                   slot_reuse=_flag("slot_reuse", cfg.get("slot_reuse", False)))
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the run records them (config.yaml; the resume key; metrics): plain values in the

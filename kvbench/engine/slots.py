@@ -1,0 +1,119 @@
+"""Slot reuse while decoding (`slot_reuse=true`): a decoding step appends and evicts without rebuilding K/V.
+
+In the default (chronological) storage every decoding step copies each layer's K/V twice: the new token is
+concatenated at the end (a new (b, h_kv, n + 1, d) tensor) and the kept slots are gathered after the eviction (another
+(b, h_kv, n, d)). With slot reuse, a decoding eviction that drops exactly one token per head (the steady state: one
+token in, one out) leaves every other slot where it is and marks the dropped slot of each head as its `hole`
+(position -1); the next step's token is written into that hole, in place. K/V, positions and per-token state are thus
+written O(new tokens) per step, and the tensors keep one size (N + 1 slots at attention time).
+
+The price is order: a head's slots stop being chronological (`chronological` False), so everything that read "the
+latest tokens are the last slots" reads positions instead (protected tokens, SnapKV's window and pooling, ties in the
+selections, the stashed queries' causal mask: kvbench/policies/base.py, snapkv.py, window.py). Attention over the
+slots is the same set of keys in another order: the same values up to float rounding (a different order of the sums),
+so a run with slot reuse can differ from the chronological run where a greedy step or a selection is a near-tie
+(tests/test_slots.py checks the float64 reference and the kept positions).
+
+Every other change of the layer (a prompt block, an eviction dropping 0 or >= 2 tokens of a head, a per-head selection
+with padding) goes the chronological way; a gather of a layer whose slots are out of order takes the kept slots in
+position order, so it is chronological again afterwards. `SlotReuse`, a base class of `EvictingLayer`, holds the
+bookkeeping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _rows(slots: torch.Tensor, n: int) -> torch.Tensor:
+    """(b, h, k) slot indices of a (b, h, n, ...) layout -> (b*h*k,) rows of its flattened (b*h*n, ...) view."""
+    b, h, _ = slots.shape
+    return (slots + torch.arange(0, b * h * n, n, device=slots.device).view(b, h, 1)).view(-1)
+
+
+class SlotReuse:
+    """The slot half of an `EvictingLayer` (a base class of it): holes left by decoding evictions and their reuse. It
+    works on the layer's own per-token arrays (`keys`, `values`, `positions`, `state`) and tells its extras about a
+    hole (`on_reuse`), whose per-token rows of their own follow the slots."""
+
+    keys: torch.Tensor | None  # the layer's per-token arrays and extras (see EvictingLayer)
+    values: torch.Tensor | None
+    positions: torch.Tensor | None
+    state: dict[str, torch.Tensor]
+    extras: dict[str, Any]
+    decoding: bool
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reuse_slots = False  # set by the engine (GenerationSettings.slot_reuse)
+        self.chronological = True  # every head's slots are in position order
+        self.hole: torch.Tensor | None = None  # (b, h_kv, 1) the slot each head freed for the next token
+        self.block_slots: torch.Tensor | None = None  # (b, h_kv, q) slots of the latest block; None: the last q
+
+    def _fill_hole(self, key_states: torch.Tensor, value_states: torch.Tensor, new_pos: torch.Tensor) -> bool:
+        """`update`'s slot path: one new token per head (b, h_kv, 1, d) written into the hole its head freed, in place.
+        False (nothing done) when there is no hole or the block is not one token; a hole is then closed first."""
+        hole = self.hole
+        if hole is None:
+            return False
+        if key_states.shape[-2] != 1:
+            self._close_hole()
+            return False
+        n = self.keys.shape[-2]
+        rows = _rows(hole, n)  # (b*h_kv,)
+        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, rows, key_states.reshape(-1, key_states.shape[-1]))
+        self.values.view(-1, self.values.shape[-1]).index_copy_(0, rows,
+                                                                value_states.reshape(-1, value_states.shape[-1]))
+        self.positions.view(-1).index_copy_(0, rows, new_pos.reshape(-1))
+        for s in self.state.values():  # policies fill the new token's state in the attention wrapper
+            s.view(-1).index_fill_(0, rows, 0.0)
+        self.hole, self.block_slots = None, hole
+        self.chronological = False  # known without reading the device: the hole is rarely the last slot
+        return True
+
+    def _drop_one(self, idx: torch.Tensor) -> bool:
+        """`keep`'s slot path: a decoding selection `idx` (b, h_kv, n - 1) of a uniform layer keeps all slots but one
+        per head: that slot becomes the head's hole (position -1), nothing moves. False (nothing done) otherwise."""
+        n = self.keys.shape[-2]
+        if not (self.reuse_slots and self.decoding and self.hole is None and idx.shape[-1] == n - 1):
+            return False
+        # The dropped slot is the one idx lacks: sum(0..n-1) - sum(idx), exact in int64 (no read of the device).
+        hole = (n * (n - 1) // 2) - idx.sum(dim=-1, keepdim=True)  # (b, h_kv, 1)
+        for extra in self.extras.values():
+            extra.on_reuse(self, hole)
+        self.positions.view(-1).index_fill_(0, _rows(hole, n), -1)
+        self.hole = hole
+        return True
+
+    def in_position_order(self, idx: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor,
+                                                                                       torch.Tensor | None]:
+        """A selection `idx` (b, h_kv, k) (with its `valid`) reordered so the kept slots come in position order: a
+        gather by it leaves the layer chronological. Unchanged when the layer is chronological already."""
+        if self.chronological:
+            return idx, valid
+        order = self.positions.gather(2, idx)  # (b, h_kv, k) positions of the kept slots
+        if valid is not None:  # padding after the real slots, as compact() puts it
+            order = order.masked_fill(~valid, torch.iinfo(order.dtype).max)
+        perm = order.argsort(dim=-1)
+        return idx.gather(2, perm), None if valid is None else valid.gather(2, perm)
+
+    def _close_hole(self) -> None:
+        """Gather the held slots in position order (the hole left out): the chronological layout again."""
+        n = self.keys.shape[-2]
+        keep = torch.ones(self.positions.shape, dtype=torch.bool, device=self.positions.device)
+        keep.view(-1).index_fill_(0, _rows(self.hole, n), False)
+        b, h = keep.shape[:2]
+        idx = keep.view(-1, n).nonzero_static(size=b * h * (n - 1))[:, 1].view(b, h, n - 1)  # all but the hole
+        self.hole = None
+        self._gather(*self.in_position_order(idx, None))
+
+    def head_positions(self) -> torch.Tensor:
+        """(b, h_kv, L) absolute positions per head (-1: padding, a hole); a copy when slots are reused, as they are
+        then written in place (a trace keeps every step's)."""
+        positions = super().head_positions()  # type: ignore[misc]
+        return positions.clone() if self.reuse_slots and positions is not None and positions is self.positions else positions
+
+    def _gather(self, idx: torch.Tensor, valid: None = None) -> None:  # EvictingLayer's uniform keep
+        raise NotImplementedError

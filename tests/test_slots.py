@@ -1,0 +1,257 @@
+"""Slot reuse while decoding (kvbench/engine/slots.py): the hole mechanics by hand, ties by position, the same kept
+tokens as the chronological storage for every policy (float64), the float64 reference, and the K/V bytes a decoding
+step copies (counted)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvbench.engine import attention
+from kvbench.engine.cache import EvictingLayer
+from kvbench.engine.generate import GenerationSettings, Observer, generate
+from kvbench.models.tiny import build_tiny_model
+from kvbench.policies.adakv import AdaKV
+from kvbench.policies.base import rank_mask, top_slots
+from kvbench.policies.criticalkv import CriticalKV
+from kvbench.policies.h2o import H2O
+from kvbench.policies.hashevict import HashEvict
+from kvbench.policies.keydiff import KeyDiff
+from kvbench.policies.knorm import KNorm
+from kvbench.policies.pyramidkv import PyramidKV
+from kvbench.policies.random import Random
+from kvbench.policies.sagekv import SageKV
+from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.streamingllm import StreamingLLM
+from kvbench.policies.tova import TOVA
+from kvbench.run.settings import ConfigError, RunSettings
+
+from float64_reference import reference_logits
+
+
+def _layer(positions: list[int]) -> EvictingLayer:
+    """A decoding layer (b = 1, h_kv = 1, d = 2) holding tokens whose keys are (p, -p) at the given positions (in
+    slot order), with slot reuse on."""
+    layer = EvictingLayer(0)
+    pos = torch.tensor(positions, dtype=torch.float32)
+    keys = torch.stack([pos, -pos], dim=-1).view(1, 1, -1, 2)
+    layer.update(keys, keys.clone())
+    layer.positions = torch.tensor(positions).view(1, 1, -1)
+    layer.seen = max(positions) + 1
+    layer.reuse_slots, layer.decoding = True, True
+    return layer
+
+
+def _token(p: int) -> torch.Tensor:
+    return torch.tensor([float(p), -float(p)]).view(1, 1, 1, 2)
+
+
+def test_a_hole_is_left_and_filled_in_place() -> None:
+    layer = _layer([0, 1, 2, 3])
+    keys = layer.keys
+    layer.keep(torch.tensor([[[0, 1, 3]]]))  # drops slot 2 (position 2)
+    assert layer.keys is keys and layer.keys.shape[-2] == 4  # nothing moved
+    assert layer.positions.tolist() == [[[0, 1, -1, 3]]] and layer.physical() == 3
+    assert layer.hole.tolist() == [[[2]]]
+    layer.update(_token(4), _token(4))  # the next token goes into the hole
+    assert layer.keys is keys
+    assert layer.positions.tolist() == [[[0, 1, 4, 3]]] and not layer.chronological
+    assert layer.keys[0, 0, :, 0].tolist() == [0.0, 1.0, 4.0, 3.0] and layer.values[0, 0, 2].tolist() == [4.0, -4.0]
+    k, v = layer.block_kv(1)
+    assert k.flatten().tolist() == [4.0, -4.0] and v.flatten().tolist() == [4.0, -4.0]
+    layer.set_block_state("acc", torch.tensor([[[7.0]]]))
+    assert layer.state["acc"].tolist() == [[[0.0, 0.0, 7.0, 0.0]]]
+    # dropping two tokens (slots 0 and 3) is no hole: the kept slots are gathered in position order
+    layer.keep(torch.tensor([[[1, 2]]]))
+    assert layer.hole is None and layer.chronological
+    assert layer.positions.tolist() == [[[1, 4]]] and layer.keys[0, 0, :, 0].tolist() == [1.0, 4.0]
+    assert layer.state["acc"].tolist() == [[[0.0, 7.0]]]
+
+
+def test_a_general_selection_of_scrambled_slots_is_stored_in_position_order() -> None:
+    layer = _layer([5, 2, 9, 7])  # slots out of order (as after slot reuse)
+    layer.chronological = False
+    layer.keep(torch.tensor([[[0, 1, 3]]]), torch.tensor([[[True, True, True]]]))  # a selection with a validity mask
+    assert layer.positions.tolist() == [[[2, 5, 7]]] and layer.keys[0, 0, :, 0].tolist() == [2.0, 5.0, 7.0]
+    layer = _layer([5, 2, 9, 7, 8])
+    layer.chronological = False
+    layer.keep(torch.tensor([[[0, 2, 3]]]))  # drops two: a gather, by position
+    assert layer.positions.tolist() == [[[5, 7, 9]]] and layer.chronological
+
+
+def test_a_fork_with_a_hole_writes_its_own_tensors() -> None:
+    layer = _layer([0, 1, 2])
+    layer.keep(torch.tensor([[[0, 2]]]))
+    branch = layer.fork()
+    branch.update(_token(8), _token(8))
+    layer.update(_token(3), _token(3))
+    assert layer.keys[0, 0, :, 0].tolist() == [0.0, 3.0, 2.0]
+    assert branch.keys[0, 0, :, 0].tolist() == [0.0, 8.0, 2.0]
+    assert layer.positions.tolist() == [[[0, 3, 2]]] and branch.positions.tolist() == [[[0, 3, 2]]]
+    assert branch.positions is not layer.positions and branch.values is not layer.values
+
+
+def test_ties_break_by_position_when_slots_are_out_of_order() -> None:
+    scores = torch.tensor([[[1.0, 0.0, 0.0, 2.0]]])
+    # by slot: the later slot of the two lowest goes (slot 2)
+    assert top_slots(scores, 3).tolist() == [[[0, 1, 3]]]
+    # by position: slot 1 holds the later token (position 2 > 1), so it goes
+    assert top_slots(scores, 3, torch.tensor([[[3, 2, 1, 0]]])).tolist() == [[[0, 2, 3]]]
+    # the sort path: the two highest of [5, 5, 5, 1]: by slot 0 and 1, by position the two earliest tokens (slots 2, 0)
+    scores = torch.tensor([[[5.0, 5.0, 5.0, 1.0]]])
+    assert top_slots(scores, 2).tolist() == [[[0, 1]]]
+    assert top_slots(scores, 2, torch.tensor([[[1, 3, 0, 2]]])).tolist() == [[[0, 2]]]
+    assert rank_mask(scores, 1).tolist() == [[[True, False, False, False]]]
+    assert rank_mask(scores, 1, torch.tensor([[[1, 3, 0, 2]]])).tolist() == [[[False, False, True, False]]]
+
+
+def _model(layers: int = 3):
+    model, _ = build_tiny_model("tiny-llama", output_scale=1.0, num_hidden_layers=layers)
+    model.set_attn_implementation("sdpa")
+    attention.install(model)
+    return model.double()
+
+
+def _prompt(n: int) -> list[int]:
+    return torch.randint(8, 500, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+POLICIES = {
+    "keydiff": lambda: KeyDiff(budget=24), "h2o": lambda: H2O(budget=24),
+    "snapkv": lambda: SnapKV(budget=24, window=4, kernel=3), "streamingllm": lambda: StreamingLLM(budget=24),
+    "tova": lambda: TOVA(budget=24), "hashevict": lambda: HashEvict(budget=24),
+    "criticalkv": lambda: CriticalKV(budget=24, window=4, kernel=3),
+    "pyramidkv": lambda: PyramidKV(budget=24, window=4, kernel=3), "knorm": lambda: KNorm(budget=24),
+    "random": lambda: Random(budget=24), "adakv": lambda: AdaKV(budget=24, window=4, kernel=3),
+    "sagekv": lambda: SageKV(budget=40),
+}
+RAGGED = {"adakv", "sagekv"}  # per-head selections: stored flat per head, never a hole
+
+
+def _held(trace: list[list[torch.Tensor | None]]) -> list[list[list[int] | None]]:
+    """Per forward, per layer and KV head: the positions held, as a sorted list (holes and padding left out)."""
+    return [[None if t is None else [sorted(p for p in t[0, h].tolist() if p >= 0) for h in range(t.shape[1])]
+             for t in step] for step in trace]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_slot_reuse_keeps_the_tokens_the_chronological_storage_keeps(name: str) -> None:
+    """float64, so attention summed in another order cannot swap a greedy step: every forward holds the same tokens,
+    every step's logits and the graded branch's log-probability agree to float64 rounding."""
+    model, ids = _model(), _prompt(90)
+    runs = []
+    for reuse in (False, True):
+        logits: list[torch.Tensor] = []
+        res = generate(model, POLICIES[name](), ids, GenerationSettings(block=16, max_new_tokens=20, slot_reuse=reuse),
+                       answer_ids=[11, 12, 13, 14, 15],
+                       observer=Observer(trace=True, on_logits=lambda lg: logits.append(lg[0])))
+        runs.append((res, logits))
+    (chrono, l0), (slots, l1) = runs
+    assert slots.tokens == chrono.tokens and len(slots.tokens) == 20
+    assert _held(slots.trace) == _held(chrono.trace)
+    assert max((a - b).abs().max().item() for a, b in zip(l0, l1, strict=True)) < 1e-12
+    assert abs(slots.answer_logprob - chrono.answer_logprob) < 1e-12
+    assert slots.peak_kv_tokens == chrono.peak_kv_tokens and slots.kv_bytes_peak == chrono.kv_bytes_peak
+    # the slots were really reused: the layers held a hole (one slot more than the chronological layout) before some
+    # forward (never a ragged layer, stored flat per head)
+    holes = any(a is not None and a.shape != b.shape for s, c in zip(slots.trace, chrono.trace) for a, b in zip(s, c))
+    assert holes == (name not in RAGGED)
+
+
+@pytest.mark.parametrize("policy_factory,layers", [
+    (lambda: KeyDiff(budget=24), 2),  # uniform budget, per-head kept sets
+    (lambda: H2O(budget=24), 2),  # attention computed by the wrapper itself over scrambled slots
+    (lambda: KNorm(budget=24, skip_layers=[0]), 3),  # per-layer lengths: layer 0 keeps all
+    (lambda: SnapKV(budget=24, window=4, kernel=3), 2),  # the incremental window over reused slots
+    (lambda: PyramidKV(budget=24, window=4, kernel=3), 3),  # per-layer budgets
+    (lambda: AdaKV(budget=24, window=4, kernel=3), 2),  # ragged per-head budgets beside the option
+])
+def test_slot_reuse_matches_float64_reference(policy_factory, layers: int) -> None:
+    model, ids = _model(layers), _prompt(70)
+    logged: list[torch.Tensor] = []
+    res = generate(model, policy_factory(), ids, GenerationSettings(block=16, max_new_tokens=8, slot_reuse=True),
+                   observer=Observer(trace=True, on_logits=lambda lg: logged.append(lg[0])))
+    chunks = [ids[s:s + 16] for s in range(0, len(ids), 16)] + [[t] for t in res.tokens[:-1]]
+    ref = reference_logits(model, chunks, res.trace)
+    first = len(chunks) - len(res.tokens)  # the last prompt block's logits, then one per decoding step
+    for got, want in zip(logged, ref[first:], strict=True):
+        assert (got.double() - want).abs().max().item() < 1e-5
+
+
+class _KVWrites(TorchDispatchMode):
+    """While `on` is set, what kvbench's own code (not the model's forward) writes: `copied`, the bytes of every new
+    tensor (an out-of-place op's output) of at least `rows_at_least` x head_dim elements, what a copy of a layer's K or
+    V makes; `written`, the bytes written in place into K/V rows (index_copy_ of head_dim rows)."""
+
+    def __init__(self, head_dim: int, rows_at_least: int) -> None:
+        super().__init__()
+        self.head_dim, self.rows_at_least = head_dim, rows_at_least
+        self.on, self.copied, self.written = False, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.on and _from_kvbench():
+            name = func._schema.name
+            if name == "aten::index_copy_" and args[3].shape[-1] == self.head_dim:  # (self, dim, index, source)
+                self.written += args[3].numel() * args[3].element_size()
+            elif (isinstance(out, torch.Tensor) and not func.is_view and not name.endswith("_")
+                  and out.numel() >= self.rows_at_least * self.head_dim):
+                self.copied += out.numel() * out.element_size()
+        return out
+
+
+def _from_kvbench() -> bool:
+    """Whether the op was called from kvbench's engine or policies (not from the model's own forward)."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename.replace("\\", "/")
+        if "/kvbench/engine/" in name or "/kvbench/policies/" in name:
+            return True
+        if "/transformers/" in name:
+            return False
+        f = f.f_back
+    return False
+
+
+@pytest.mark.parametrize("name", ["h2o", "keydiff", "snapkv", "streamingllm", "tova"])
+def test_a_decoding_step_copies_kv_of_the_new_token_only(name: str) -> None:
+    """tiny-llama (2 layers, 2 KV heads, head_dim 64, float32), N = 40: after the prompt, each decoding step of the
+    chronological storage copies every layer's K and V twice (append, then the kept slots: >= 2 x 2 layers x 40 x 2
+    heads x 64 x 4 bytes); with slot reuse it copies no K/V and writes the new token's K and V once:
+    2 layers x 2 (K, V) x 2 heads x 64 x 4 bytes = 2048 bytes per step."""
+    factory = {"streamingllm": lambda: StreamingLLM(budget=40), "keydiff": lambda: KeyDiff(budget=40),
+               "snapkv": lambda: SnapKV(budget=40, window=4, kernel=3), "tova": lambda: TOVA(budget=40),
+               "h2o": lambda: H2O(budget=40)}[name]
+    model, _ = build_tiny_model("tiny-llama", output_scale=1.0)
+    attention.install(model)
+    ids = _prompt(100)
+    per_step = {}
+    for reuse in (False, True):
+        mode = _KVWrites(head_dim=64, rows_at_least=40)
+        steps = []
+
+        def on_logits(_: torch.Tensor) -> None:  # the first call ends the prompt: count from there, per step
+            steps.append((mode.copied, mode.written))
+            mode.on = True
+
+        with mode:
+            generate(model, factory(), ids, GenerationSettings(block=16, max_new_tokens=6, slot_reuse=reuse),
+                     observer=Observer(on_logits=on_logits))
+        # steps[i] is counted before step i's logits: differences between calls 2.. are whole decoding steps (the
+        # first step appends to the prompt's chronological slots: its eviction leaves the first hole)
+        per_step[reuse] = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(steps[2:], steps[3:])]
+    assert len(per_step[True]) == 3
+    assert all(copied == 0 and written == 2048 for copied, written in per_step[True]), per_step[True]
+    assert all(copied >= 2 * 2 * 2 * 40 * 2 * 64 * 4 for copied, _ in per_step[False]), per_step[False]
+
+
+def test_the_setting_is_a_flag_recorded_with_every_run() -> None:
+    assert RunSettings.from_config({}).slot_reuse is False
+    s = RunSettings.from_config({"slot_reuse": True})
+    assert s.slot_reuse and s.recorded()["slot_reuse"] is True
+    assert s.key() == RunSettings.from_config({}).key()  # like batch_size: the same results up to rounding
+    with pytest.raises(ConfigError, match="slot_reuse must be true or false"):
+        RunSettings.from_config({"slot_reuse": "yes"})
