@@ -71,6 +71,16 @@ def test_a_hole_is_left_and_filled_in_place() -> None:
     assert layer.state["acc"].tolist() == [[[0.0, 7.0]]]
 
 
+def test_a_block_of_several_tokens_closes_the_hole_first() -> None:
+    layer = _layer([0, 1, 2, 3])
+    layer.keep(torch.tensor([[[0, 1, 3]]]))  # a hole at slot 2
+    block = torch.cat([_token(4), _token(5)], dim=2)  # (1, 1, 2, 2): no single hole fits it
+    layer.update(block, block.clone())
+    assert layer.hole is None and layer.chronological
+    assert layer.positions.tolist() == [[[0, 1, 3, 4, 5]]]
+    assert layer.keys[0, 0, :, 0].tolist() == [0.0, 1.0, 3.0, 4.0, 5.0]
+
+
 def test_a_general_selection_of_scrambled_slots_is_stored_in_position_order() -> None:
     layer = _layer([5, 2, 9, 7])  # slots out of order (as after slot reuse)
     layer.chronological = False

@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvbench.engine.ragged import RaggedStorage
-from kvbench.engine.slots import SlotReuse
+from kvbench.engine.slots import SlotReuse, slot_rows
 from kvbench.engine.stash import QueryStash
 from kvbench.policies.window import WindowRing
 
@@ -167,18 +167,12 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
                 self._gather(*self.in_position_order(idx, None))
             return
         idx, valid = self.in_position_order(idx, valid)
-        self._keep_padded(idx, valid, self._rows(idx))  # a padded view, or a uniform layer that turns ragged
-
-    def _rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """(b*h_kv*k,) rows of the flattened (b*h_kv*n, d) K/V that the slots `idx` (b, h_kv, k) select."""
-        b, h, _ = idx.shape
-        n = self.keys.shape[-2]
-        return (idx + torch.arange(0, b * h * n, n, device=idx.device).view(b, h, 1)).view(-1)
+        self._keep_padded(idx, valid, slot_rows(idx, self.keys.shape[-2]))  # a padded view, or turning ragged
 
     def _gather(self, idx: torch.Tensor, valid: None = None) -> None:
         """Store the slots `idx` (b, h_kv, k) of a uniform layer, in that order (a copy of every per-token array)."""
         b, h, kept = idx.shape
-        rows = self._rows(idx)
+        rows = slot_rows(idx, self.keys.shape[-2])
         for extra in self.extras.values():  # their own per-token rows (WindowRing: pruned lazily)
             extra.on_keep(self, idx, False)
         # K and V are copied row by row (index_select over the flattened (b*h*n, d) rows): one memcpy per kept token,

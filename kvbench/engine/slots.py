@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 
-def _rows(slots: torch.Tensor, n: int) -> torch.Tensor:
+def slot_rows(slots: torch.Tensor, n: int) -> torch.Tensor:
     """(b, h, k) slot indices of a (b, h, n, ...) layout -> (b*h*k,) rows of its flattened (b*h*n, ...) view."""
     b, h, _ = slots.shape
     return (slots + torch.arange(0, b * h * n, n, device=slots.device).view(b, h, 1)).view(-1)
@@ -62,7 +62,7 @@ class SlotReuse:
             self._close_hole()
             return False
         n = self.keys.shape[-2]
-        rows = _rows(hole, n)  # (b*h_kv,)
+        rows = slot_rows(hole, n)  # (b*h_kv,)
         self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, rows, key_states.reshape(-1, key_states.shape[-1]))
         self.values.view(-1, self.values.shape[-1]).index_copy_(0, rows,
                                                                 value_states.reshape(-1, value_states.shape[-1]))
@@ -83,7 +83,7 @@ class SlotReuse:
         hole = (n * (n - 1) // 2) - idx.sum(dim=-1, keepdim=True)  # (b, h_kv, 1)
         for extra in self.extras.values():
             extra.on_reuse(self, hole)
-        self.positions.view(-1).index_fill_(0, _rows(hole, n), -1)
+        self.positions.view(-1).index_fill_(0, slot_rows(hole, n), -1)
         self.hole = hole
         return True
 
@@ -103,7 +103,7 @@ class SlotReuse:
         """Gather the held slots in position order (the hole left out): the chronological layout again."""
         n = self.keys.shape[-2]
         keep = torch.ones(self.positions.shape, dtype=torch.bool, device=self.positions.device)
-        keep.view(-1).index_fill_(0, _rows(self.hole, n), False)
+        keep.view(-1).index_fill_(0, slot_rows(self.hole, n), False)
         b, h = keep.shape[:2]
         idx = keep.view(-1, n).nonzero_static(size=b * h * (n - 1))[:, 1].view(b, h, n - 1)  # all but the hole
         self.hole = None
@@ -113,7 +113,8 @@ class SlotReuse:
         """(b, h_kv, L) absolute positions per head (-1: padding, a hole); a copy when slots are reused, as they are
         then written in place (a trace keeps every step's)."""
         positions = super().head_positions()  # type: ignore[misc]
-        return positions.clone() if self.reuse_slots and positions is not None and positions is self.positions else positions
+        written_in_place = self.reuse_slots and positions is not None and positions is self.positions
+        return positions.clone() if written_in_place else positions
 
     def _gather(self, idx: torch.Tensor, valid: None = None) -> None:  # EvictingLayer's uniform keep
         raise NotImplementedError
