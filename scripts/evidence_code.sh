@@ -8,10 +8,14 @@
 #   SHARDS=0/8,4/8,2/8,6/8 scripts/evidence_code.sh   # the even half: 106 samples (the report merges the shards)
 #   QUICK=1 scripts/evidence_code.sh               # 2 samples of 2 policies (scratch output only)
 #   PARTS=hashevict WORKERS=2 SHARDS=0/8,4/8,2/8,6/8 scripts/evidence_code.sh   # HashEvict's claim on the same samples
+#   PARTS=h2o WORKERS=2 SHARDS=0/8,4/8,2/8,6/8 scripts/evidence_code.sh   # KeyDiff's H2O (heavy hitters only), same samples
 #
 # PARTS (default keydiff): keydiff = the pilot's four comparisons above; hashevict = HashEvict against H2O with the
 # same protected tokens (the first 4 and the latest 10, HashEvict §4, as scripts/evidence_niah.sh runs it), into
 # runs/hashevict_h2o/ (its own folder: an H2O with other options beside a plain one would make "h2o" ambiguous).
+# h2o = KeyDiff's H2O baseline (KeyDiff App. A.1: heavy hitters only, no protected tokens) into runs/keydiff_h2o/
+# (its own folder, for the same reason), the shards dealt to the workers in turn; the KeyDiff runs it is compared
+# with are the keydiff part's, copied into that folder by hand after the run (the same files: RUN.md).
 # Each part was run apart (RUN.md): a run of one part leaves the other's runs out of the scratch folder, so its
 # hashevict_h2o/ folder is copied into the committed runs rather than finish_run's copy replacing them.
 # Samples: the code task's samples at positions 0 mod 8 of its order (shard=0/8: 27 of 211 files, contexts of
@@ -45,6 +49,13 @@ else
         sweep 0 "${CODE[@]}" policy=keydiff,tova "hydra.sweep.dir=$RUNS"
         sweep 1 "${CODE[@]}" policy=snapkv,streamingllm "hydra.sweep.dir=$RUNS"
         sweep 2 "${CODE[@]}" policy=full "hydra.sweep.dir=$RUNS"
+    fi
+    if [[ " $PARTS " == *" h2o "* ]]; then
+        IFS=, read -ra SHARD_LIST <<< "$SHARDS"
+        for i in "${!SHARD_LIST[@]}"; do
+            sweep $((i % WORKERS)) task=code "shard=${SHARD_LIST[$i]}" block=128 budget=512 policy=h2o \
+                "hydra.sweep.dir=$RUNS/keydiff_h2o"
+        done
     fi
     if [[ " $PARTS " == *" hashevict "* ]]; then
         sweep 0 "${CODE[@]}" policy=hashevict "hydra.sweep.dir=$RUNS/hashevict_h2o"

@@ -63,10 +63,13 @@ tables() {
                 --score answer_logprob --tests --budgets 1024 \
                 --compare knorm:random knorm:full streamingllm:full knorm:streamingllm > /dev/null ;;
         evidence_code)
-            # The pilot's planned comparisons on the code task's graded score (the gold line's log-probability), and
-            # HashEvict's against H2O with the same protected tokens where it was run
-            local code_compare=(keydiff:tova keydiff:snapkv keydiff:full streamingllm:full)
+            # The pilot's planned comparisons on the code task's graded score (the gold line's log-probability) over
+            # the keydiff part's runs, HashEvict's against H2O with the same protected tokens and KeyDiff's against its
+            # H2O where they were run (each part in its own folder)
+            local code_compare=(smollm2-135m/keydiff:tova smollm2-135m/keydiff:snapkv smollm2-135m/keydiff:full
+                                smollm2-135m/streamingllm:full)
             [[ -d "$out/runs/hashevict_h2o" ]] && code_compare+=(hashevict_h2o/hashevict:h2o@512)
+            [[ -d "$out/runs/keydiff_h2o" ]] && code_compare+=(keydiff_h2o/keydiff:h2o@512)
             python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" \
                 --score answer_logprob --tests --budgets 512 --compare "${code_compare[@]}" > /dev/null ;;
         pilot_evidence)
