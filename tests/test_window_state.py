@@ -1,7 +1,7 @@
 """The incremental observation window and the one-call ragged attention select and attend exactly as the plain
 computations they replace.
 
-- `EvictingLayer.window_attention` (SnapKV, PyramidKV, AdaKV and CriticalKV on either: the stashed queries' mean
+- `window_attention(layer)` (SnapKV, PyramidKV, AdaKV and CriticalKV on either: the stashed queries' mean
   attention) keeps each stashed query's row of probabilities as per-token state and adds only the new queries' rows
   per forward. At every eviction of real `generate` runs (every affected policy, every protocol, blocks larger and
   smaller than the window, the graded branch's fork, context_only, bfloat16) its rows and its mean are checked
@@ -31,7 +31,7 @@ from kvbench.policies.base import Policy, query_attention
 from kvbench.policies.criticalkv import BATCHED_TOKENS, CriticalKV
 from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.snapkv import SnapKV
-from kvbench.policies.window import WindowRing
+from kvbench.policies.window import WindowRing, window_attention
 
 from helpers import installed_model
 
@@ -110,7 +110,7 @@ class Checks:
                 self.incremental += ring.probs is not None and ring.rows > layer.stash.first
                 probs = query_attention(layer)  # (b, h_q, w, n)
                 rel = _bound(layer)
-                got = layer.window_attention()  # brings the state up to date first
+                got = window_attention(layer)  # brings the state up to date first
                 self.worst = max(self.worst, _assert_close_relative(got, probs.mean(dim=-2), rel))
                 if ring.probs is not None:  # rows are kept while decoding, and for blocks smaller than w
                     _assert_close_relative(stored_rows(layer), probs, rel)
@@ -156,7 +156,7 @@ def test_greedy_tokens_equal_the_recomputing_windows(model, monkeypatch: pytest.
     """End to end: the same answers and graded score as with window_attention recomputed at every call."""
     settings = GenerationSettings(block=8, max_new_tokens=12)
     got = {n: generate(model, POLICIES[n](), IDS, settings, answer_ids=IDS[:6]) for n in POLICIES}
-    monkeypatch.setattr(EvictingLayer, "window_attention", lambda self: query_attention(self).mean(dim=-2))
+    monkeypatch.setattr(WindowRing, "attention", lambda self, layer: query_attention(layer).mean(dim=-2))
     for n in POLICIES:
         want = generate(model, POLICIES[n](), IDS, settings, answer_ids=IDS[:6])
         assert got[n].tokens == want.tokens, n
@@ -176,9 +176,9 @@ def _layer_with_window(seed: int = 0, n: int = 20, w: int = 4) -> EvictingLayer:
 
 def test_a_decoding_step_adds_one_row_and_renormalises_the_others() -> None:
     layer = _layer_with_window()
-    layer.window_attention()  # 4 new queries: computed as query_attention computes them, and stored
+    window_attention(layer)  # 4 new queries: computed as query_attention computes them, and stored
     assert WindowRing.of(layer).probs.shape == (1, 2, 20, 8)  # g * w = 2 * 4 per token and KV head
-    assert torch.equal(layer.window_attention(), query_attention(layer).mean(dim=-2))  # nothing new: same values
+    assert torch.equal(window_attention(layer), query_attention(layer).mean(dim=-2))  # nothing new: same values
     stored = WindowRing.of(layer).probs
     layer.keep(torch.tensor([[[0, 2, 3, 5, 7, 11, 12, 15, 16, 17, 18, 19]] * 2]))  # evicts 8 slots
     g = torch.Generator().manual_seed(7)
@@ -186,7 +186,7 @@ def test_a_decoding_step_adds_one_row_and_renormalises_the_others() -> None:
     layer.stash.add(torch.randn(1, 4, 1, 8, generator=g), layer.seen, 4)
     # pruning and the new token's entries wait for the next call: one copy then
     assert WindowRing.of(layer).probs is stored
-    got = layer.window_attention()
+    got = window_attention(layer)
     assert WindowRing.of(layer).probs.shape[2] == 13 and WindowRing.of(layer).rows == 21
     probs = query_attention(layer)
     rel = _bound(layer)
@@ -202,7 +202,7 @@ def test_evictions_between_scorings_keep_the_window_aligned() -> None:
     """Two tokens appended without scoring, an eviction that keeps one of them in head 0 and both in head 1 (their
     entries are pending zeros, pruned lazily with the rest), one more token, then scoring."""
     layer = _layer_with_window(seed=3)
-    layer.window_attention()
+    window_attention(layer)
     g = torch.Generator().manual_seed(8)
 
     def append() -> None:
@@ -214,7 +214,7 @@ def test_evictions_between_scorings_keep_the_window_aligned() -> None:
     layer.keep(torch.tensor([[[0, 1, 4, 6, 8, 10, 12, 14, 16, 17, 18, 19, 21],
                               [1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 20, 21]]]))
     append()
-    got = layer.window_attention()  # queries 19 (row kept from before) and 20, 21, 22 (new rows)
+    got = window_attention(layer)  # queries 19 (row kept from before) and 20, 21, 22 (new rows)
     assert WindowRing.of(layer).rows == 23 and WindowRing.of(layer).probs.shape[2] == 14
     probs = query_attention(layer)
     rel = _bound(layer)
@@ -224,14 +224,14 @@ def test_evictions_between_scorings_keep_the_window_aligned() -> None:
 
 def test_the_fork_keeps_its_own_window() -> None:
     layer = _layer_with_window(seed=1)
-    before = layer.window_attention().clone()
+    before = window_attention(layer).clone()
     branch = layer.fork()
     g = torch.Generator().manual_seed(2)
     branch.update(torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g))
     branch.stash.add(torch.randn(1, 4, 1, 8, generator=g), branch.seen, 4)
-    branch.window_attention()  # writes the branch's new row in place
+    window_attention(branch)  # writes the branch's new row in place
     assert WindowRing.of(branch).probs.data_ptr() != WindowRing.of(layer).probs.data_ptr()
-    assert torch.equal(layer.window_attention(), before)
+    assert torch.equal(window_attention(layer), before)
 
 
 def test_the_window_state_is_kept_only_while_decoding(model) -> None:
@@ -255,7 +255,7 @@ def test_the_window_state_is_kept_only_while_decoding(model) -> None:
             model(input_ids=ids[:, t:t + 1], past_key_values=cache)
     for layer, before in zip(cache.evicting_layers(), stored):
         assert before.shape[2] == 25 and WindowRing.of(layer).probs is before and layer.physical() == 26
-        layer.window_attention()  # one copy: the 24 kept slots and the 2 appended; 2 new rows
+        window_attention(layer)  # one copy: the 24 kept slots and the 2 appended; 2 new rows
         assert WindowRing.of(layer).probs.shape[2] == 26 and WindowRing.of(layer).rows == 73
 
 

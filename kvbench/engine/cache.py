@@ -17,7 +17,6 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from kvbench.engine.ragged import RaggedStorage
 from kvbench.engine.slots import SlotReuse, slot_rows
 from kvbench.engine.stash import QueryStash
-from kvbench.policies.window import WindowRing
 
 if TYPE_CHECKING:
     from kvbench.policies.base import Policy
@@ -40,7 +39,7 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
     A policy's own incremental per-layer state lives in the policies layer, in objects the layer holds in `extras`
     (`LayerExtra`, kvbench/policies/layer.py) and knows nothing about: it calls their hooks where its storage
     changes (`on_keep`, `on_unpack`, `on_pack`, `fork`), so per-token rows of theirs follow the tokens. SnapKV's
-    observation window (`window_attention`, kept incrementally by a `WindowRing`, kvbench/policies/window.py) is one.
+    observation window (kept incrementally by a `WindowRing`, kvbench/policies/window.py) is one.
     """
 
     is_sliding = False
@@ -224,14 +223,6 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         if self.keys is None:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-    # -- the stashed queries' attention (CacheLayer's contract), kept by the policies layer's WindowRing ----------
-    def window_attention(self) -> torch.Tensor:
-        """(b, h_q, n) float32: `query_attention(self).mean(dim=-2)`, SnapKV's observation window, kept incrementally
-        by this layer's `WindowRing` (kvbench/policies/window.py; in `extras`, created on first use)."""
-        if self.ragged:
-            raise RuntimeError("window_attention() reads the scoring view; unpack() the ragged layer first")
-        return WindowRing.of(self).attention(self)
 
 
 class EvictingCache(Cache):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from kvbench.policies.base import (ALLOCATIONS, PolicyError, adaptive_counts, adaptive_total, compact, latest_mask,
                                    rank_mask)
 from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.window import window_attention
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
@@ -54,7 +55,7 @@ class AdaKV(SnapKV):
         """
         if layer.valid is None:
             return super().window_scores(layer)
-        probs = layer.window_attention()  # (b, h_q, n); 0 on padding
+        probs = window_attention(layer)  # (b, h_q, n); 0 on padding
         h_kv = layer.keys.shape[1]
         g = probs.shape[1] // h_kv
         window = latest_mask(layer, self.window).repeat_interleave(g, dim=1)  # (b, h_q, n)

@@ -81,14 +81,6 @@ class CacheLayer(Protocol):
         when the caller read them (the engine), else the layer knows or reads them, or leaves them to the engine."""
         ...
 
-    def window_attention(self) -> torch.Tensor:
-        """(b, h_q, n) float32: the mean over the stashed queries (`query_attention(layer)`'s rows) of their attention
-        probabilities over the slots, `query_attention(layer).mean(dim=-2)`: SnapKV's observation window. Kept
-        incrementally by the layer's `WindowRing` (kvbench/policies/window.py, in `extras`; a decoding step adds the
-        new query's row), so call it in place of that recomputation; equal to it up to float rounding
-        (tests/test_window_state.py)."""
-        ...
-
     def keep(self, idx: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Keep only the slots `idx` (b, h_kv, k), chronological, of the padded view; `valid` (b, h_kv, k) marks
         padding. K/V, positions and every state tensor are pruned together (a selection with padding may be stored

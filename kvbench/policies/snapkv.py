@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.policies.base import Policy, PolicyError, group_mean
+from kvbench.policies.window import window_attention
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
@@ -35,7 +36,7 @@ class SnapKV(Policy):
 
     def window_scores(self, layer: CacheLayer) -> torch.Tensor:
         """(b, h_q, n) pooled window attention per query head (the window's own slots get the max, as kept)."""
-        probs = layer.window_attention()  # (b, h_q, n): query_attention(layer).mean(dim=-2), kept incrementally
+        probs = window_attention(layer)  # (b, h_q, n): query_attention(layer).mean(dim=-2), kept incrementally
         if layer.chronological:
             return self.pooled(probs)
         # Slots out of position order (slot reuse): pooled in position order, the neighbours and the window of the

@@ -1,5 +1,5 @@
 """SnapKV's observation window kept incrementally: `WindowRing`, the per-layer state behind
-`CacheLayer.window_attention` (SnapKV, PyramidKV, AdaKV and CriticalKV on either).
+`window_attention(layer)` (SnapKV, PyramidKV, AdaKV and CriticalKV on either).
 
 The window attention is the mean over the w stashed queries of their attention probabilities over the slots,
 `query_attention(layer).mean(dim=-2)`. Recomputing it costs a (g * w x d) by (d x n) product, its softmax and mean
@@ -28,6 +28,17 @@ from kvbench.policies.base import attention_probs, query_attention
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+
+
+def window_attention(layer: CacheLayer) -> torch.Tensor:
+    """(b, h_q, n) float32: the mean over the stashed queries (`query_attention(layer)`'s rows) of their attention
+    probabilities over the slots, `query_attention(layer).mean(dim=-2)`: SnapKV's observation window, kept
+    incrementally by the layer's `WindowRing` (in `layer.extras`, created on first use; a decoding step adds the new
+    query's row), so call it in place of that recomputation; equal to it up to float rounding
+    (tests/test_window_state.py). `layer` uniform or in its padded scoring view."""
+    if layer.keys.dim() != 4:  # (S, d): a ragged layer's flat storage
+        raise RuntimeError("window_attention() reads the scoring view; unpack() the ragged layer first")
+    return WindowRing.of(layer).attention(layer)
 
 
 class WindowRing:
