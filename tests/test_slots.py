@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvbench.engine import attention
 from kvbench.engine.cache import EvictingLayer
-from kvbench.engine.generate import GenerationSettings, Observer, generate
+from kvbench.engine.generate import GenerationSettings, Job, Observer, generate, generate_batch
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.adakv import AdaKV
 from kvbench.policies.base import rank_mask, top_slots
@@ -265,3 +265,17 @@ def test_the_setting_is_a_flag_recorded_with_every_run() -> None:
     assert s.key() == RunSettings.from_config({}).key()  # like batch_size: the same results up to rounding
     with pytest.raises(ConfigError, match="slot_reuse must be true or false"):
         RunSettings.from_config({"slot_reuse": "yes"})
+
+
+def test_batched_samples_reuse_slots_as_alone() -> None:
+    """batch_size's path (generate_batch: each sample its own cache, the model over the rows together) with slot reuse:
+    float64, each sample's tokens and kept tokens are those of its own batch-1 run with slot reuse."""
+    model = _model()
+    prompts = [_prompt(90), _prompt(70)[::-1]]
+    settings = GenerationSettings(block=16, max_new_tokens=12, slot_reuse=True)
+    alone = [generate(model, KeyDiff(budget=24), ids, settings, observer=Observer(trace=True)) for ids in prompts]
+    together = generate_batch(model, [Job(ids, KeyDiff(budget=24), settings, observer=Observer(trace=True))
+                                      for ids in prompts])
+    for a, b in zip(alone, together, strict=True):
+        assert b.tokens == a.tokens and len(a.tokens) == 12
+        assert _held(b.trace) == _held(a.trace)
