@@ -47,20 +47,20 @@ class WindowRing:
     `probs` (None until a row is kept): per token, (b, h_kv, n, g * w) uniform / (S, g * w) ragged (flat per head, as
     the layer stores its keys) / (b, h_kv, L, g * w) in the padded view, the probability the stashed query in ring
     slot r (of w) of each query head of the group gave the token when that query's row was computed; zero where the
-    query does not see the token (later tokens, padding). Host bookkeeping, all in absolute positions: `cols`,
-    `rows`, `exact`, `base` (see __init__).
+    query does not see the token (later tokens, padding). Host bookkeeping, in absolute positions: `rows`, `exact`,
+    `base` (see __init__). The tokens appended since the rows were last complete are counted, not tracked: the layer
+    holds that many more slots than `probs` (or `sel`) has rows, and their entries are zeros.
     """
 
     key = "window_attention"  # the ring's name in `layer.extras`
 
     def __init__(self) -> None:
         self.probs: torch.Tensor | None = None
-        self.cols = 0  # tokens at positions < this have their `probs` entries; later ones get zeros
         self.rows = 0  # stashed queries at positions < this have their row computed
         self.exact = 0  # rows of queries at positions >= this were computed over exactly the slots held now
         self.base = 0  # the query at position p sits in ring slot (p - base) % w
         # Evictions of a uniform layer prune `probs` lazily: (b, h_kv, m) rows of `probs` (flattened) that the slots
-        # held at `cols` have, -1 for zeros; applied (one copy) when the next scoring needs the rows, so a prompt block
+        # held at the latest eviction have, -1 for zeros; applied (one copy) when the next scoring needs the rows, so a prompt block
         # whose queries replace every row never copies the old ones. None: `probs` as it is.
         self.sel: torch.Tensor | None = None
         self.sel_zeros = False  # `sel` may hold -1 (tokens appended, then kept, before any scoring)
@@ -118,7 +118,7 @@ class WindowRing:
                 wp = probs.new_zeros(b, h_kv, n, g, w)
                 wp[..., :count] = rows
                 self.probs = wp.view(b, h_kv, n, g * w)
-            self.base, self.rows, self.cols, self.exact = first, seen, seen, first
+            self.base, self.rows, self.exact = first, seen, first
             return probs.mean(dim=-2)
         self._apply_pending(layer)  # the kept rows, and zeros for the tokens appended since: one copy
         wp = self.probs.view(b, h_kv, n, g, w)  # written in place: the new rows
@@ -165,14 +165,18 @@ class WindowRing:
 
     # -- the lazy pruning ------------------------------------------------------------------------------------------
     def _pending_selection(self, layer: CacheLayer) -> torch.Tensor:
-        """(b, h_kv, n) the rows of `probs` (flattened; -1: zeros) of the slots held now (uniform layer)."""
+        """(b, h_kv, n) the rows of `probs` (flattened; -1: zeros) of the slots held now (uniform layer); notes in
+        `sel_zeros` when there are zeros."""
         wp = self.probs
         b, h, m, _ = wp.shape
         sel = self.sel
         if sel is None:
             sel = torch.arange(b * h * m, device=wp.device).view(b, h, m)
         new = layer.keys.shape[2] - sel.shape[-1]  # tokens appended since: later than every query with a row, zeros
-        return sel if new == 0 else torch.cat([sel, sel.new_full((b, h, new), -1)], dim=-1)
+        if new == 0:
+            return sel
+        self.sel_zeros = True
+        return torch.cat([sel, sel.new_full((b, h, new), -1)], dim=-1)
 
     def _apply_pending(self, layer: CacheLayer) -> None:
         """Make `probs` hold exactly the slots held now: the pending lazy pruning applied, and zeros for the tokens
@@ -186,7 +190,6 @@ class WindowRing:
         # appended since: their rows are zeros (counted in slots: a token written into a freed slot has its row)
         new = layer.keys.shape[2] - (wp.shape[2] if sel is None else sel.shape[-1])
         if sel is None and new == 0:
-            self.cols = layer.seen
             return
         b, h, _, r = wp.shape
         if sel is None:  # nothing evicted since: append the zeros
@@ -202,7 +205,7 @@ class WindowRing:
             if self.sel_zeros:  # kept tokens that were appended before the previous eviction
                 out[:, :, :m].masked_fill_((sel < 0).unsqueeze(-1), 0.0)
             self.probs = out
-        self.sel, self.sel_zeros, self.cols = None, False, layer.seen
+        self.sel, self.sel_zeros = None, False
 
     # -- the layer's hooks (LayerExtra) ----------------------------------------------------------------------------
     def on_keep(self, layer: CacheLayer, idx: torch.Tensor, packed: bool) -> None:
@@ -215,9 +218,7 @@ class WindowRing:
             self._apply_pending(layer)
             self.exact = self.rows
             return
-        self.sel_zeros |= layer.seen > self.cols
         self.sel = self._pending_selection(layer).gather(2, idx)  # (b, h, kept)
-        self.cols = layer.seen
         self.exact = self.rows
 
     def on_reuse(self, layer: CacheLayer, slots: torch.Tensor) -> None:
@@ -240,9 +241,8 @@ class WindowRing:
         if layer.stash.first is not None and self.rows <= layer.stash.first:
             self.probs = None  # every stashed query is newer than the rows (a prompt block): rebuilt, not padded
             return
-        new = layer.seen - self.cols
+        new = (sum(sizes) - self.probs.shape[0]) // len(sizes)  # appended to every head since: no rows yet
         self.probs = pad(self.probs, [n - new for n in sizes], 0)  # (b, h_kv, L, g * w)
-        self.cols = layer.seen
 
     def on_pack(self, rows: torch.Tensor, shape: tuple[int, int, int] | None) -> None:
         """The layer stores the rows `rows` (S,) of its flattened arrays: uniform `shape` (b, h_kv, n), or flat."""
