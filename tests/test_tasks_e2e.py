@@ -64,3 +64,51 @@ def test_probe_full_cache_retrieves(session: Session, tmp_path: Path) -> None:
     assert m["average"] == 100.0
     assert any("synthetic" in n for n in m.get("notes", []))
     assert _rescored(tmp_path) == (m["scores"], m["average"], [])
+
+
+def test_close_stopped_run(session: Session, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """kvbench-score --close-stopped: a run killed after 4 of its 6 samples (its last line torn) is closed over those
+    4 as the run closes itself, its provenance taken from a finished run beside it; what is not such a pair is one
+    line and exit 2."""
+    import shutil
+
+    from kvbench.report.collect import find_runs
+
+    cfg = _cfg("tiny-llama", "streamingllm", "niah", 128, 64, context_lengths=[512], depths=[0, 50, 100],
+               samples_per_cell=2, max_new_tokens=4)
+    like = tmp_path / "like"
+    m_like = run_one(cfg, "streamingllm", like, session)
+    assert m_like["stats"]["samples"] == 6
+    stopped = tmp_path / "stopped"
+    shutil.copytree(like, stopped)
+    lines = (like / "predictions.jsonl").read_text().splitlines(keepends=True)
+    (stopped / "predictions.jsonl").write_text("".join(lines[:4]) + lines[4][:20])  # killed while writing the 5th
+    (stopped / "metrics.json").unlink()
+    kept = [json.loads(x) for x in lines[:4]]
+
+    assert score_main([str(stopped), "--close-stopped", str(like)]) == 0
+    m = json.loads((stopped / "metrics.json").read_text())
+    assert m["stopped"] == {"samples": 4, "provenance_from": "../like"}
+    assert m["provenance"] == m_like["provenance"] and m["model"] == m_like["model"]
+    assert m["stats"]["samples"] == 4 and (stopped / "predictions.jsonl").read_text() == "".join(lines[:4])
+    # each depth cell is the mean of the kept records at that depth (samples run depth by depth: 0, 0, 50, 50)
+    for depth in (0, 50, 100):
+        cell = [r["score"] for r in kept if r["meta"]["depth"] == depth]
+        if cell:
+            assert m["scores"][f"L512_D{depth}"] == round(sum(cell) / len(cell), 2)
+    assert m["composition"]["avg"]["samples"] == [r["id"] for r in kept]
+    runs, notes = find_runs(tmp_path)
+    assert len(runs) == 2 and any("stopped" in n and "the 4 it finished" in n for n in notes)
+
+    capsys.readouterr()
+    assert score_main([str(stopped), "--close-stopped", str(like)]) == 2  # finished now
+    assert "is finished" in capsys.readouterr().err
+    other = tmp_path / "other"
+    shutil.copytree(like, other)
+    (other / "metrics.json").unlink()
+    cfg_other = (like / "config.yaml").read_text().replace("shard: null", "shard: 1/2")
+    assert cfg_other != (like / "config.yaml").read_text()
+    (like / "config.yaml").write_text(cfg_other)
+    assert score_main([str(other), "--close-stopped", str(like)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "shard differ" in err and not (other / "metrics.json").exists()

@@ -120,6 +120,10 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
             notes.append(f"{where}: written by an older kvbench (no {', '.join(missing) or 'valid layout'} in "
                          f"metrics.json), skipped; scripts/migrate_runs.py brings it up to date")
             continue
+        stopped = metrics.get("stopped")
+        if isinstance(stopped, dict):  # closed over the samples it finished (kvbench-score --close-stopped)
+            notes.append(f"{where}: stopped before its last sample; closed over the {stopped.get('samples')} it "
+                         f"finished (provenance from {stopped.get('provenance_from')})")
         runs.append(Run(mp.parent, metrics, _load_yaml(mp.parent / "config.yaml"), (_job_num(mp.parent), where)))
     for pp in sorted(root.rglob("predictions.jsonl")):
         if not (pp.parent / "metrics.json").is_file():

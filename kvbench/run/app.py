@@ -269,10 +269,20 @@ def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session:
 def _close_run(settings: RunSettings, policy_name: str, run_dir: Path, loaded: LoadedModel, policy: Policy,
                task: Task, records: list[dict[str, Any]], note: str | None = None) -> dict[str, Any]:
     """The run's metrics.json from its records (written last: a run with metrics.json is finished)."""
+    return write_metrics(settings, policy_name, run_dir, policy, task, records, loaded.name,
+                         provenance(loaded, task), note)
+
+
+def write_metrics(settings: RunSettings, policy_name: str, run_dir: Path, policy: Policy, task: Task,
+                  records: list[dict[str, Any]], model_name: str, prov: dict[str, Any], note: str | None = None,
+                  stopped: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write and return metrics.json from a run's records; `prov` is the loading process's `provenance`. `stopped`:
+    set when the run was stopped before its last sample and closed over the records it had finished
+    (kvbench-score --close-stopped); recorded as metrics.json `stopped`."""
     scores = task.aggregate(records)
     scores_by_budget = task.lm_tokens == LM_TOKENS_AFTER_EVICTION
     metrics: dict[str, Any] = {
-        "task": task.name, "model": loaded.name, "policy": policy_name, "budget": settings.budget,
+        "task": task.name, "model": model_name, "policy": policy_name, "budget": settings.budget,
         "block": settings.block, "protocol": settings.protocol, "scenario": settings.scenario,
         "shard": settings.recorded()["shard"],
         # Which settings this policy uses (the report shows "-" for the others): the full cache has no budget nor
@@ -293,11 +303,12 @@ def _close_run(settings: RunSettings, policy_name: str, run_dir: Path, loaded: L
         "stats": summarize(records, settings.budget, policy.evicts),
         "threads": current_threads(),  # torch intra-op threads (a SLURM job: its CPUs; kvbench.run.threads)
         **({"batch": {"size": settings.batch_size, "note": note}} if settings.batch_size > 1 else {}),
-        "provenance": provenance(loaded, task),
+        "provenance": prov,
+        **({"stopped": stopped} if stopped is not None else {}),
     }
     if settings.diagnostics:
         metrics["diagnostics"] = aggregate_diagnostics(records)
-    label = describe_run(loaded.name, policy_name, settings.budget, settings.block, settings.protocol, policy.evicts)
+    label = describe_run(model_name, policy_name, settings.budget, settings.block, settings.protocol, policy.evicts)
     metrics.update(task.finalize(run_dir, records, scores, label=label) or {})
     write_json(run_dir / "metrics.json", metrics)
     return metrics

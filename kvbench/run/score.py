@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -155,6 +156,50 @@ def rescore_run(run_dir: Path, fuzz_backend: str | None = None) -> dict[str, Any
             "changed": [n["id"] for r, n in zip(records, rescored) if r.get("score") != n["score"]]}
 
 
+def close_stopped(run_dir: Path, like: Path) -> dict[str, Any]:
+    """Close a run that was stopped before its last sample (a time limit: a SLURM job's, a lent machine's) over the
+    samples it finished: metrics.json written from its predictions exactly as the run writes it at its end, with
+    `stopped` recording how many samples it holds and where its provenance came from. The provenance (machine,
+    device, library versions, model source) is what the loading process records; a stopped process recorded none, so
+    it is taken from `like`, a finished run of the same commit, model, device, task and shard (the run beside it in
+    the same sweep). Returns the metrics."""
+    from kvbench.run.app import RunBusy, run_lock, write_metrics
+    from kvbench.run.records import read_records
+    from kvbench.run.settings import RunSettings, build_policy, build_task
+
+    for name in ("config.yaml", "run.json", PREDICTIONS):
+        if not (run_dir / name).is_file():
+            raise ScoreError(f"{run_dir}: no {name} (not a run kvbench started)")
+    if (run_dir / "metrics.json").is_file():
+        raise ScoreError(f"{run_dir} is finished (it has metrics.json): nothing to close")
+    if not (like / "metrics.json").is_file():
+        raise ScoreError(f"--close-stopped {like}: not a finished run (no metrics.json)")
+    cfg, like_cfg = read_run_config(run_dir), read_run_config(like)
+    started = json.loads((run_dir / "run.json").read_text())
+    try:
+        like_metrics = json.loads((like / "metrics.json").read_text())
+        prov = dict(like_metrics["provenance"])
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ScoreError(f"{like / 'metrics.json'}: no provenance") from None
+    differ = [k for k in ("model", "device", "task", "shard") if cfg.get(k) != like_cfg.get(k)]
+    if started.get("commit") != prov.get("commit"):
+        differ.append(f"commit ({started.get('commit')} vs {prov.get('commit')})")
+    if differ:
+        raise ScoreError(f"{like} is not a run beside {run_dir}: its {', '.join(differ)} differ")
+    settings = RunSettings.from_config(cfg)
+    try:
+        with run_lock(run_dir, create=False):
+            records = read_records(run_dir / PREDICTIONS)  # a torn last line (the kill) is cut off
+            if not records:
+                raise ScoreError(f"{run_dir / PREDICTIONS}: no finished predictions")
+            stopped = {"samples": len(records), "provenance_from": os.path.relpath(like, run_dir)}
+            return write_metrics(settings, str(started["policy"]), run_dir, build_policy(settings.policy, settings),
+                                 build_task(settings.task), records, str(like_metrics["model"]), prov,
+                                 stopped=stopped)
+    except RunBusy as e:
+        raise ScoreError(str(e)) from None
+
+
 def format_scores(result: dict[str, Any]) -> str:
     """The rescored run as a table: every score, then the average."""
     from tabulate import tabulate
@@ -192,11 +237,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fuzz-backend", choices=lbm.FUZZ_BACKENDS, default=None,
                     help="fuzzywuzzy backend for code_sim_score (default: difflib, the official requirements; for a "
                          "run directory, the run's own setting)")
+    ap.add_argument("--close-stopped", type=Path, metavar="LIKE", default=None,
+                    help="DIR is a run stopped before its last sample: write its metrics.json over the samples it "
+                         "finished, its provenance taken from LIKE, a finished run beside it (same commit, model, "
+                         "device, task and shard)")
     args = ap.parse_args(argv)
     try:
         if not args.dir.is_dir():
             raise ScoreError(f"directory not found: {args.dir}")
-        if (args.dir / PREDICTIONS).is_file():
+        if args.close_stopped is not None:
+            if args.longbench_e or args.fuzz_backend:
+                raise ScoreError("--close-stopped takes no other option: the run is scored by its own settings")
+            m = close_stopped(args.dir, args.close_stopped)
+            print(format_scores(m))
+            print(f"\nclosed {args.dir} over its {m['stopped']['samples']} finished samples; wrote "
+                  f"{args.dir / 'metrics.json'}")
+        elif (args.dir / PREDICTIONS).is_file():
             if args.longbench_e:
                 raise ScoreError("--longbench-e is for LongBench prediction directories; a run directory's "
                                  "config.yaml says which task it ran")
