@@ -294,7 +294,8 @@ PLANNED: dict[str, tuple[Path, ...]] = {
     "evidence_code": (ROOT / "results/evidence_code/tests.csv",),
     "evidence_niah": (ROOT / "results/evidence_niah/tests.csv", ROOT / "results/evidence_niah/tests_graded.csv"),
     "evidence_qwen": (ROOT / "results/evidence_qwen/lm/tests.csv", ROOT / "results/evidence_qwen/grid/tests.csv",
-                      ROOT / "results/evidence_qwen/grid/tests_graded.csv"),
+                      ROOT / "results/evidence_qwen/grid/tests_graded.csv",
+                      ROOT / "results/evidence_qwen/code/tests.csv"),
 }
 BLOCKS: dict[str, Callable[[], list[str]]] = {
     **{name: paired_block(*spec) for name, spec in PAIRED.items()},
@@ -368,6 +369,13 @@ def holm_errors(name: str, family: list[Test]) -> list[str]:
             f"not Holm's {q:.6f}" for t, q in zip(family, holm([t.p for t in family])) if abs(t.q - q) > 1e-5]
 
 
+def file_section(body: str, path: Path) -> str | None:
+    """The part of a planned block that `planned_block` wrote for `path`: from its "`path` (...)" line to the next
+    file's."""
+    head = f"`{path.relative_to(ROOT)}` "
+    return next((part for part in re.split(r"(?m)^(?=`)", body) if part.startswith(head)), None)
+
+
 def check(name: str, body: str, tests: list[Test] | None = None,
           claims: list[tuple[str, str, str, str]] | None = None) -> list[str]:
     """Errors of one block's body: a row whose numbers, p, Holm p or verdict is not its test's, a claim row whose
@@ -384,14 +392,20 @@ def check(name: str, body: str, tests: list[Test] | None = None,
     folder = {"claims": CLAIMS, "qwen:claims": QWEN}.get(name)
     paths = PLANNED.get(name.removesuffix(":tests")) if name.endswith(":tests") else None
     planned = paths is not None
+    if tests is None and paths is not None:
+        # Each file's rows against that file's tests only: two files may hold the same comparison (the LM score's
+        # StreamingLLM vs the full cache and the NIAH grid's, both answer_logprob at N = 1024)
+        for path in paths:
+            family = planned_tests(path)
+            errors += holm_errors(name, family)  # each file's p_holm must be Holm over that file
+            section = file_section(body, path)
+            if section is None:
+                errors.append(f"{name}: no section for {path.relative_to(ROOT)}")
+                continue
+            errors += check(name, section, tests=family)
+        return errors
     if tests is None:
-        if paths is not None:
-            tests = []
-            for path in paths:
-                family = planned_tests(path)
-                errors += holm_errors(name, family)  # each file's p_holm must be Holm over that file
-                tests += family
-        elif folder is not None:
+        if folder is not None:
             tests = claim_tests(folder)
             errors += holm_errors(name, tests)  # claims_tests.csv's p_holm must be Holm over the whole file
         else:

@@ -117,3 +117,26 @@ def test_a_planned_comparison_block_is_checked_per_file(v: Any, tmp_path: Path, 
     path.write_text(path.read_text().replace(",0.01,0.02,", ",0.01,0.01,"))
     assert [e for e in v.check("x:tests", body) if "is not Holm's" in e] == [
         "x:tests: keydiff vs tova N=1024 avg: p_holm 0.01 is not Holm's 0.020000"]
+
+
+def test_two_files_of_a_planned_block_may_hold_the_same_comparison(v: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    # StreamingLLM vs the full cache on answer_logprob at N = 1024 in two families (the LM score's and the NIAH grid's),
+    # with other numbers: each file's rows are checked against that file alone.
+    head = ["a", "b", "budget", "score", "n", "diff", "ci_low", "ci_high", "p", "p_holm", "verdict"]
+    paths = []
+    for name, row in (("lm.csv", ["-0.06", "-0.09", "-0.04", "0.0002", "0.0002", "resolved: full higher"]),
+                      ("grid.csv", ["-1.45", "-2.02", "-0.91", "0.0004", "0.0004", "resolved: full higher"])):
+        path = tmp_path / name
+        with path.open("w", newline="") as f:
+            csv.writer(f).writerows([head, ["streamingllm", "full", "1024", "answer_logprob", 50, *row]])
+        paths.append(path)
+    monkeypatch.setitem(v.PLANNED, "x", tuple(paths))
+    monkeypatch.setattr(v, "ROOT", tmp_path)
+    body = "\n".join(v.planned_block(tuple(paths))()) + "\n"
+    assert v.check("x:tests", body) == []
+    # the two rows swapped between the files: each is now the other file's, and both are named
+    lm_row = "| -0.06 [-0.09, -0.04] | 0.0002 | 0.0002 |"
+    grid_row = "| -1.45 [-2.02, -0.91] | 0.0004 | 0.0004 |"
+    swapped = body.replace(lm_row, "@").replace(grid_row, lm_row).replace("@", grid_row)
+    assert len(v.check("x:tests", swapped)) == 2
+    assert v.check("x:tests", body.split("`grid.csv`")[0]) == ["x:tests: no section for grid.csv"]
