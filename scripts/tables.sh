@@ -20,7 +20,7 @@ FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm
          evidence_qwen)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs
-               results/evidence_niah/runs)
+               results/evidence_niah/runs results/evidence_qwen/runs/grid)
 
 # The designed NIAH grid's planned comparisons (the runs scripts/lib.sh's grid_claims queues), each within its claim's
 # folder, the block-wise ones at the grid's budget N ($1), the one-pass ones at 512
@@ -124,10 +124,11 @@ evidence_table() {
         --names SmolLM2-135M Qwen2.5-Coder-1.5B --tests results/evidence_niah/tests.csv \
         results/evidence_niah/tests_graded.csv results/evidence_code/tests.csv results/evidence_lm/tests.csv \
         results/evidence_qwen/grid/tests.csv results/evidence_qwen/grid/tests_graded.csv \
-        results/evidence_qwen/lm/tests.csv \
+        results/evidence_qwen/lm/tests.csv results/evidence_qwen/code/tests.csv \
         --test-names "designed NIAH grid, 0/100 (SmolLM2)" "designed NIAH grid, graded score (SmolLM2)" \
         "real code, graded score (SmolLM2)" "LM score on code (SmolLM2)" "designed NIAH grid, 0/100 (Qwen)" \
-        "designed NIAH grid, graded score (Qwen)" "LM score on code (Qwen)" --out results/evidence.md > /dev/null
+        "designed NIAH grid, graded score (Qwen)" "LM score on code (Qwen)" "real code, graded score (Qwen)" \
+        --out results/evidence.md > /dev/null
 }
 
 if [[ $# == 0 ]]; then
