@@ -9,7 +9,7 @@
 #                                               call it on their own output after finish_run
 #
 # NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm | evidence_code |
-# pilot_niah | evidence_niah | evidence_qwen. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
+# pilot_niah | evidence_niah | evidence_qwen | evidence_knorm. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
 # committed ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -17,7 +17,7 @@ REPORT=${REPORT:-python -m kvbench.report}
 NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
 FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm evidence_code pilot_niah evidence_niah
-         evidence_qwen)
+         evidence_qwen evidence_knorm)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs
                results/evidence_niah/runs results/evidence_qwen/runs/grid)
@@ -37,7 +37,7 @@ tables() {
         exit 2
     fi
     # (evidence_qwen's parts hold different tasks and the pilot: a report of each, below)
-    [[ $name == evidence_qwen ]] || $REPORT "$out/runs" --out "$out" -q
+    [[ $name == evidence_qwen || $name == evidence_knorm ]] || $REPORT "$out/runs" --out "$out" -q
     case $name in
         niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
         ruler_4k) ;;
@@ -110,6 +110,20 @@ tables() {
                     --score answer_logprob --tests --budgets 512 \
                     --compare keydiff:tova keydiff:snapkv keydiff:full streamingllm:full > /dev/null
             fi ;;
+        evidence_knorm)
+            # K-norm's pilot (the budget the grid ran at) and the grid's one planned comparison per score
+            local part kn=1536
+            for part in pilot grid; do
+                [[ -d "$out/runs/$part" ]] || continue
+                mkdir -p "$out/$part"
+                $REPORT "$out/runs/$part" --out "$out/$part" -q
+            done
+            kn=$(python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" --pick) || kn=1536
+            python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests.md" --csv "$out/grid/tests.csv" \
+                --score avg --tests --budgets "$kn" --compare knorm:random > /dev/null
+            python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests_graded.md" \
+                --csv "$out/grid/tests_graded.csv" --score answer_logprob --tests --budgets "$kn" \
+                --compare knorm:random > /dev/null ;;
         claims) python scripts/claims_table.py "$out/runs" "$NIAH_RUNS" "$RULER_RUNS" "$out" ;;
         qwen2.5-coder-1.5b)
             python scripts/claims_table.py "$out/runs" "$out/runs/niah" - "$out"

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# K-norm's claim on the designed NIAH grid (issue "Evidence that resolves": every seed claim on a retrieval score, at
+# a budget where the policies differ). The earlier grids ran K-norm against Random at N = 1024 (prefill_once), where
+# both scored 0 on all 15 samples: that budget told them apart on no sample. Here a pilot chooses the budget first.
+#
+#   scripts/evidence_knorm.sh                 # results/evidence_knorm/ (pilot, then the grid's shards 0-9)
+#   QUICK=1 scripts/evidence_knorm.sh         # a tiny sub-grid that checks the script end to end (scratch output)
+#
+# Protocol and policies as scripts/claims.sh runs the claim: prefill_once (the K-norm paper compresses the cache once
+# the prompt is read), K-norm (layers 0-1 unpruned, its default) against Random with the same layers unpruned.
+#   pilot  the designed grid's pilot shard 10/11 (9 samples, left out of the grid, as results/pilot_niah): the full
+#          cache, and K-norm and Random at N = 1280, 1536, 1792 of the 2000-token prompts. scripts/budget_choice.py
+#          --pick chooses the grid's budget by the rule fixed before the pilot ran (the full cache >= 90, at least half
+#          the samples informative, then the most informative budget, a tie to the larger); when no budget passes,
+#          N = 1536, the middle one, and RUN.md says so.
+#   grid   K-norm and Random at that budget on the grid's shards 0-9 (the 93 samples the pilot leaves), the full cache
+#          being results/evidence_niah's (the same samples, the same model; a full cache has no protocol).
+# CPU, stated before running: ~3 s per sample and run on this machine's CPU, so ~4 CPU-min for the pilot (63 runs of
+# a sample) and ~10 for the grid (186).
+NAME=evidence_knorm
+source "$(dirname "$0")/lib.sh"
+
+GRID=("${DESIGNED_GRID[@]}")
+PILOT_SHARD=10/11
+PILOT_N=1280,1536,1792
+SHARDS=${SHARDS:-0 1 2 3 4 5 6 7 8 9}
+FALLBACK_N=1536
+if [[ "$QUICK" == 1 ]]; then
+    GRID=(task=niah "task.context_lengths=[600]" "task.depths=[50]" task.samples_per_cell=2 task.max_new_tokens=8
+          +task.windows=per_sample)
+    PILOT_SHARD=1/2
+    PILOT_N=384,512
+    SHARDS="0"
+    FALLBACK_N=384
+fi
+ONCE=(protocol=prefill_once)
+PROTO_ARGS=()  # the claim's own protocol
+
+start_run
+sweep 0 "${GRID[@]}" "shard=$PILOT_SHARD" policy=full budget=null "hydra.sweep.dir=$RUNS/pilot"
+sweep 1 "${GRID[@]}" "shard=$PILOT_SHARD" "${ONCE[@]}" policy=knorm "budget=$PILOT_N" "hydra.sweep.dir=$RUNS/pilot"
+sweep 0 "${GRID[@]}" "shard=$PILOT_SHARD" "${ONCE[@]}" policy=random "policy.skip_layers=[0,1]" "budget=$PILOT_N" \
+    "hydra.sweep.dir=$RUNS/pilot"
+wait_workers
+
+if N=$(python scripts/budget_choice.py "$RUNS/pilot" --out "$RUNS/budgets.md" --pick); then
+    EXTRA_MD="The grid runs at N = $N, chosen by the pilot (pilot/budgets.md)."
+else
+    N=$FALLBACK_N
+    EXTRA_MD="No pilot budget passed (pilot/budgets.md): the grid runs at N = $N, the fallback stated in advance."
+fi
+echo "[$NAME] grid budget: N = $N"
+for s in $SHARDS; do
+    shard="shard=$s/11"
+    [[ "$QUICK" == 1 ]] && shard="shard=0/2"
+    sweep $((s % 2)) "${GRID[@]}" "$shard" "${ONCE[@]}" policy=knorm "budget=$N" "hydra.sweep.dir=$RUNS/grid"
+    sweep $((s % 2 + 1)) "${GRID[@]}" "$shard" "${ONCE[@]}" policy=random "policy.skip_layers=[0,1]" "budget=$N" \
+        "hydra.sweep.dir=$RUNS/grid"
+done
+wait_workers
+finish_run
