@@ -412,7 +412,20 @@ def write(rows: list[dict[str, str]], tests: list[dict[str, Any]], table: dict[i
     print("\n".join(lines))
     return rows
 
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: --help prints the usage and exits 0. A runs directory that does not exist holds no runs
+    (its claims are "not run"; tables.sh passes "-" for a model without RULER runs)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("claim_runs", type=Path, metavar="CLAIM_RUNS")
+    ap.add_argument("niah_runs", type=Path, metavar="NIAH_GRID_RUNS")
+    ap.add_argument("ruler_runs", type=Path, metavar="RULER_RUNS")
+    ap.add_argument("out", type=Path, metavar="OUT_DIR")
+    a = ap.parse_args(argv)
+    main(a.claim_runs, a.niah_runs, a.ruler_runs, a.out)
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 5:
-        sys.exit("usage: python scripts/claims_table.py CLAIM_RUNS NIAH_GRID_RUNS RULER_RUNS OUT_DIR")
-    main(*(Path(a) for a in sys.argv[1:]))
+    sys.exit(cli())

@@ -90,7 +90,20 @@ def main(runs: Path, out: Path) -> list[Path]:
     return written
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: --help prints the usage and exits 0; a RUNS_DIR that does not exist is one line and exit 2."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", type=Path, metavar="RUNS_DIR")
+    ap.add_argument("out", type=Path, metavar="OUT_DIR")
+    a = ap.parse_args(argv)
+    if not a.runs.is_dir():
+        print(f"niah_heatmaps.py: error: {a.runs} is not a directory", file=sys.stderr)
+        return 2
+    main(a.runs, a.out)
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python scripts/niah_heatmaps.py RUNS_DIR OUT_DIR")
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    sys.exit(cli())

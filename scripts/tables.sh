@@ -111,14 +111,17 @@ tables() {
                     --compare keydiff:tova keydiff:snapkv keydiff:full streamingllm:full > /dev/null
             fi ;;
         evidence_knorm)
-            # K-norm's pilot (the budget the grid ran at) and the grid's one planned comparison per score
-            local part kn=1536
+            # K-norm's pilot (the budget the grid ran at) and the grid's one planned comparison per score, at the
+            # budget its runs hold
+            local part kn
             for part in pilot grid; do
                 [[ -d "$out/runs/$part" ]] || continue
                 mkdir -p "$out/$part"
                 $REPORT "$out/runs/$part" --out "$out/$part" -q
             done
-            kn=$(python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" --pick) || kn=1536
+            python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" > /dev/null
+            kn=$(python -c 'import json, pathlib, sys; print(*sorted({json.loads(p.read_text())["budget"]
+for p in pathlib.Path(sys.argv[1]).rglob("metrics.json")}), sep=",")' "$out/runs/grid")
             python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests.md" --csv "$out/grid/tests.csv" \
                 --score avg --tests --budgets "$kn" --compare knorm:random > /dev/null
             python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests_graded.md" \

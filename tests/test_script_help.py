@@ -24,3 +24,18 @@ def test_migrate_runs_help_is_its_docstring(capsys: pytest.CaptureFixture[str]) 
     module = load_script("migrate_runs")
     assert module.main(["--help"]) == 0
     assert capsys.readouterr().out.strip() == module.__doc__.strip()
+
+
+@pytest.mark.parametrize("name", ["claims_table", "niah_heatmaps"])
+def test_positional_scripts_print_help_and_exit_0(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # (their main() takes paths, for the tests that call them; the command line is cli())
+    with pytest.raises(SystemExit) as e:
+        load_script(name).cli(["--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("usage:")
+
+
+def test_niah_heatmaps_refuses_a_missing_runs_directory(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert load_script("niah_heatmaps").cli([str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a directory" in err and not (tmp_path / "out").exists()
