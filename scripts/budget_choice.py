@@ -73,6 +73,14 @@ def pick(table: list[dict]) -> int | None:
     return max(chosen, key=lambda r: (r["informative"], r["budget"]))["budget"]
 
 
+def most_informative(table: list[dict]) -> int | None:
+    """The budget where the most samples tell the policies apart among those where the full cache scores >= FULL_MIN,
+    whether or not it passes the informative share (a tie goes to the larger budget); None when the full cache passes
+    at none. What a script runs beside its stated fallback when no budget is chosen (scripts/evidence_knorm.sh)."""
+    ok = [r for r in table if r["full"] >= FULL_MIN]
+    return max(ok, key=lambda r: (r["informative"], r["budget"]))["budget"] if ok else None
+
+
 def markdown(table: list[dict], source: str) -> str:
     pols = sorted({p for r in table for p in r["policies"]})
     lines = ["# Budgets from the pilot", "",
@@ -100,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--pick", action="store_true", help="print only the one budget a final grid runs at (the chosen "
                    "budget with the most informative samples, a tie to the larger); exit 1 when none is chosen")
+    p.add_argument("--most-informative", action="store_true",
+                   help="print only the budget with the most informative samples where the full cache scores >= 90, "
+                        "chosen or not (a tie to the larger); exit 1 when the full cache passes at none")
     a = p.parse_args(argv)
     full, by_budget = load(a.runs) if a.runs.is_dir() else ({}, {})
     if not full or not by_budget:
@@ -108,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     table = rows(full, by_budget)
     text = markdown(table, a.runs.as_posix())
     a.out.write_text(text, encoding="utf-8")
-    if a.pick:
-        budget = pick(table)
+    if a.pick or a.most_informative:
+        budget = pick(table) if a.pick else most_informative(table)
         if budget is None:
             return 1
         print(budget)

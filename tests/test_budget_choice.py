@@ -73,3 +73,19 @@ def test_pick_breaks_a_tie_to_the_larger_budget_and_fails_when_none_is_chosen(tm
     _run(tmp_path, "k", "keydiff", 512, [100, 0, 100, 0])
     assert bc.main([str(tmp_path), "--out", str(tmp_path / "o.md"), "--pick"]) == 1
     assert capsys.readouterr().out == ""
+
+
+def test_most_informative_ignores_the_share_but_not_the_full_cache(tmp_path: Path, capsys) -> None:
+    # K-norm's pilot shape: full 100 on a-d; (knorm, random) per sample. N = 1536: a-c (0, 0), d (0, 100) -> 1
+    # informative of 4: not chosen. N = 1792: a (100, 100), b (100, 0), c (0, 100), d (100, 100) -> 2 of 4: chosen
+    # by the share too; with c answered by both only 1 of 4 -> not chosen, and a tie with 1536 goes to 1792.
+    _run(tmp_path, "full", "full", None, [100, 100, 100, 100])
+    _run(tmp_path, "k1536", "knorm", 1536, [0, 0, 0, 0])
+    _run(tmp_path, "r1536", "random", 1536, [0, 0, 0, 100])
+    _run(tmp_path, "k1792", "knorm", 1792, [100, 100, 100, 100])
+    _run(tmp_path, "r1792", "random", 1792, [100, 0, 100, 100])
+    out = tmp_path / "budgets.md"
+    assert bc.main([str(tmp_path), "--out", str(out), "--pick"]) == 1  # nothing passes the share
+    assert bc.main([str(tmp_path), "--out", str(out), "--most-informative"]) == 0
+    assert capsys.readouterr().out == "1792\n"
+    assert bc.most_informative([{"budget": 512, "full": 80.0, "informative": 4}]) is None  # the full cache misses
