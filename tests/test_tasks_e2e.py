@@ -85,11 +85,14 @@ def test_close_stopped_run(session: Session, tmp_path: Path, capsys: pytest.Capt
     (stopped / "predictions.jsonl").write_text("".join(lines[:4]) + lines[4][:20])  # killed while writing the 5th
     (stopped / "metrics.json").unlink()
     kept = [json.loads(x) for x in lines[:4]]
+    # the loading process's threads come from LIKE, not from the process that closes the run
+    like_m = json.loads((like / "metrics.json").read_text())
+    (like / "metrics.json").write_text(json.dumps({**like_m, "threads": 7}))
 
     assert score_main([str(stopped), "--close-stopped", str(like)]) == 0
     m = json.loads((stopped / "metrics.json").read_text())
     assert m["stopped"] == {"samples": 4, "provenance_from": "../like"}
-    assert m["provenance"] == m_like["provenance"] and m["model"] == m_like["model"]
+    assert m["provenance"] == m_like["provenance"] and m["model"] == m_like["model"] and m["threads"] == 7
     assert m["stats"]["samples"] == 4 and (stopped / "predictions.jsonl").read_text() == "".join(lines[:4])
     # each depth cell is the mean of the kept records at that depth (samples run depth by depth: 0, 0, 50, 50)
     for depth in (0, 50, 100):

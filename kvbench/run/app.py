@@ -275,10 +275,10 @@ def _close_run(settings: RunSettings, policy_name: str, run_dir: Path, loaded: L
 
 def write_metrics(settings: RunSettings, policy_name: str, run_dir: Path, policy: Policy, task: Task,
                   records: list[dict[str, Any]], model_name: str, prov: dict[str, Any], note: str | None = None,
-                  stopped: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write and return metrics.json from a run's records; `prov` is the loading process's `provenance`. `stopped`:
-    set when the run was stopped before its last sample and closed over the records it had finished
-    (kvbench-score --close-stopped); recorded as metrics.json `stopped`."""
+                  stopped: dict[str, Any] | None = None, threads: int | None = None) -> dict[str, Any]:
+    """Write and return metrics.json from a run's records; `prov` is the loading process's `provenance`, `threads`
+    its torch threads (None: this process's). `stopped`: set when the run was stopped before its last sample and
+    closed over the records it had finished (kvbench-score --close-stopped); recorded as metrics.json `stopped`."""
     scores = task.aggregate(records)
     scores_by_budget = task.lm_tokens == LM_TOKENS_AFTER_EVICTION
     metrics: dict[str, Any] = {
@@ -301,7 +301,7 @@ def write_metrics(settings: RunSettings, policy_name: str, run_dir: Path, policy
         # The report's columns and the recipe a shard merge recomputes the scores with (it never builds a Task).
         "layout": task.layout(records, scores),
         "stats": summarize(records, settings.budget, policy.evicts),
-        "threads": current_threads(),  # torch intra-op threads (a SLURM job: its CPUs; kvbench.run.threads)
+        "threads": current_threads() if threads is None else threads,  # torch intra-op threads (a SLURM job: its CPUs; kvbench.run.threads)
         **({"batch": {"size": settings.batch_size, "note": note}} if settings.batch_size > 1 else {}),
         "provenance": prov,
         **({"stopped": stopped} if stopped is not None else {}),

@@ -160,8 +160,8 @@ def close_stopped(run_dir: Path, like: Path) -> dict[str, Any]:
     """Close a run that was stopped before its last sample (a time limit: a SLURM job's, a lent machine's) over the
     samples it finished: metrics.json written from its predictions exactly as the run writes it at its end, with
     `stopped` recording how many samples it holds and where its provenance came from. The provenance (machine,
-    device, library versions, model source) is what the loading process records; a stopped process recorded none, so
-    it is taken from `like`, a finished run of the same commit, model, device, task and shard (the run beside it in
+    device, library versions, model source), the torch threads and a batch note are what the loading process
+    records; a stopped process recorded none, so they are taken from `like`, a finished run of the same commit, model, device, task and shard (the run beside it in
     the same sweep). Returns the metrics."""
     from kvbench.run.app import RunBusy, run_lock, write_metrics
     from kvbench.run.records import read_records
@@ -195,7 +195,8 @@ def close_stopped(run_dir: Path, like: Path) -> dict[str, Any]:
             stopped = {"samples": len(records), "provenance_from": os.path.relpath(like, run_dir)}
             return write_metrics(settings, str(started["policy"]), run_dir, build_policy(settings.policy, settings),
                                  build_task(settings.task), records, str(like_metrics["model"]), prov,
-                                 stopped=stopped)
+                                 note=(like_metrics.get("batch") or {}).get("note"), stopped=stopped,
+                                 threads=like_metrics.get("threads"))
     except RunBusy as e:
         raise ScoreError(str(e)) from None
 
