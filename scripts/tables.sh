@@ -9,7 +9,8 @@
 #                                               call it on their own output after finish_run
 #
 # NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm | evidence_code |
-# pilot_niah | evidence_niah | evidence_qwen | evidence_knorm. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
+# pilot_niah | evidence_niah | evidence_qwen | evidence_knorm |
+# evidence_lm_essays. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
 # committed ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -17,7 +18,7 @@ REPORT=${REPORT:-python -m kvbench.report}
 NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
 FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm evidence_code pilot_niah evidence_niah
-         evidence_qwen evidence_knorm)
+         evidence_qwen evidence_knorm evidence_lm_essays)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs
                results/evidence_niah/runs results/evidence_qwen/runs/grid)
@@ -28,6 +29,12 @@ grid_comparisons() {
     echo "keydiff/keydiff:tova@$1 keydiff/keydiff:snapkv@$1 keydiff/keydiff:h2o@$1 keydiff/keydiff:full@$1" \
         "keydiff/streamingllm:full@$1 hashevict_h2o/hashevict:h2o@$1 criticalkv_snapkv/criticalkv:snapkv@512" \
         "criticalkv_adakv/criticalkv:adakv@512 sagekv_streamingllm/sagekv:streamingllm@512"
+}
+
+# run_budgets DIR: the budgets N the evicting runs below DIR hold, comma-separated (a script's QUICK runs use others)
+run_budgets() {
+    python -c 'import json, pathlib, sys; print(*sorted({m["budget"] for m in (json.loads(p.read_text())
+for p in pathlib.Path(sys.argv[1]).rglob("metrics.json")) if m["budget"] is not None}), sep=",")' "$1"
 }
 
 tables() {
@@ -61,6 +68,11 @@ tables() {
             # The planned comparisons' tests, Holm over the table (the LM score: answer_logprob, nats per token)
             python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" \
                 --score answer_logprob --tests --budgets 1024 \
+                --compare knorm:random knorm:full streamingllm:full knorm:streamingllm > /dev/null ;;
+        evidence_lm_essays)
+            # The same four planned comparisons on the essays (1024-token texts, N = 512)
+            python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" \
+                --score answer_logprob --tests --budgets "$(run_budgets "$out/runs")" \
                 --compare knorm:random knorm:full streamingllm:full knorm:streamingllm > /dev/null ;;
         evidence_code)
             # The pilot's planned comparisons on the code task's graded score (the gold line's log-probability) over
@@ -120,8 +132,7 @@ tables() {
                 $REPORT "$out/runs/$part" --out "$out/$part" -q
             done
             python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" > /dev/null
-            kn=$(python -c 'import json, pathlib, sys; print(*sorted({json.loads(p.read_text())["budget"]
-for p in pathlib.Path(sys.argv[1]).rglob("metrics.json")}), sep=",")' "$out/runs/grid")
+            kn=$(run_budgets "$out/runs/grid")
             python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests.md" --csv "$out/grid/tests.csv" \
                 --score avg --tests --budgets "$kn" --compare knorm:random > /dev/null
             python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests_graded.md" \
@@ -138,14 +149,16 @@ for p in pathlib.Path(sys.argv[1]).rglob("metrics.json")}), sep=",")' "$out/runs
 
 evidence_table() {
     python scripts/evidence_table.py --claims results/claims/claims.csv --claims results/qwen2.5-coder-1.5b/claims.csv \
-        --names SmolLM2-135M Qwen2.5-Coder-1.5B --tests results/evidence_niah/tests.csv \
-        results/evidence_niah/tests_graded.csv results/evidence_code/tests.csv results/evidence_lm/tests.csv \
+        --names SmolLM2-135M Qwen2.5-Coder-1.5B \
+        --tests results/evidence_niah/tests.csv+results/evidence_knorm/grid/tests.csv \
+        results/evidence_niah/tests_graded.csv+results/evidence_knorm/grid/tests_graded.csv \
+        results/evidence_code/tests.csv results/evidence_lm/tests.csv results/evidence_lm_essays/tests.csv \
         results/evidence_qwen/grid/tests.csv results/evidence_qwen/grid/tests_graded.csv \
         results/evidence_qwen/lm/tests.csv results/evidence_qwen/code/tests.csv \
         --test-names "designed NIAH grid, 0/100 (SmolLM2)" "designed NIAH grid, graded score (SmolLM2)" \
-        "real code, graded score (SmolLM2)" "LM score on code (SmolLM2)" "designed NIAH grid, 0/100 (Qwen)" \
-        "designed NIAH grid, graded score (Qwen)" "LM score on code (Qwen)" "real code, graded score (Qwen)" \
-        --out results/evidence.md > /dev/null
+        "real code, graded score (SmolLM2)" "LM score on code (SmolLM2)" "LM score on the essays (SmolLM2)" \
+        "designed NIAH grid, 0/100 (Qwen)" "designed NIAH grid, graded score (Qwen)" "LM score on code (Qwen)" \
+        "real code, graded score (Qwen)" --out results/evidence.md > /dev/null
 }
 
 if [[ $# == 0 ]]; then

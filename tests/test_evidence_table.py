@@ -57,3 +57,36 @@ def test_a_zero_difference_reads_plus_zero_whichever_way_it_is_turned() -> None:
     tests = [_t("adakv", "criticalkv", 0.0, 0.0, 0.0, 1, "not resolved", n=10)]
     assert et.evidence_cell("criticalkv", ("adakv",), tests) == (
         "**not resolved**: vs adakv (N=512): not resolved, +0.000 [+0.000, +0.000], n = 10, Holm p = 1")
+
+
+def _write(path, rows: list[dict]) -> str:
+    import csv
+
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return str(path)
+
+
+def test_two_folders_joined_in_one_column(tmp_path) -> None:
+    # the designed grid's tests and K-norm's on the same grid: one column, each row with its own folder's Holm p
+    claims = _write(tmp_path / "claims.csv", [
+        {"claim": "Keeping the keys with the lowest L2 norm preserves retrieval", "holds?": "not resolved (n = 15)",
+         "graded score": "not resolved (n = 15)"},
+        {"claim": "SAGE-KV beats StreamingLLM", "holds?": "not resolved (n = 15)", "graded score": "-"}])
+    grid = _write(tmp_path / "grid.csv", [_t("sagekv", "streamingllm", -31.2, -40.9, -21.5, 2.6e-08,
+                                             "resolved: streamingllm higher", n=93)])
+    knorm = _write(tmp_path / "knorm.csv", [_t("knorm", "random", 12.0, 4.0, 20.0, 0.004, "resolved: knorm higher",
+                                               n=93)])
+    out = tmp_path / "o.md"
+    assert et.main(["--claims", claims, "--names", "M", "--tests", f"{grid}+{knorm}", "--test-names", "grid",
+                    "--out", str(out)]) == 0
+    rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| Keeping") or ln.startswith("| SAGE")]
+    assert rows[0].endswith("| **holds**: vs random (N=512): knorm higher, +12.000 [+4.000, +20.000], n = 93, "
+                            "Holm p = 0.004 |")
+    assert rows[1].endswith("| **reversed**: vs streamingllm (N=512): streamingllm higher, -31.200 [-40.900, "
+                            "-21.500], n = 93, Holm p = 2.6e-08 |")
+    # the same comparison in both joined files is refused
+    assert et.main(["--claims", claims, "--names", "M", "--tests", f"{grid}+{grid}", "--test-names", "grid",
+                    "--out", str(out)]) == 2
