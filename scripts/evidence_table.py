@@ -49,22 +49,23 @@ def table_verdict(row: dict[str, str]) -> str:
 
 
 def evidence_cell(winner: str, rivals: tuple[str, ...], tests: list[dict[str, str]]) -> str:
-    """The claim on one folder's planned tests: its verdict, then each rival's comparison."""
+    """The claim on one folder's planned tests: its verdict, then each rival's comparison (one per budget the folder
+    compared them at; the claim holds only where every one is resolved for the winner)."""
     parts, signs = [], []
     for rival in rivals:
-        row = next((r for r in tests if {r["a"], r["b"]} == {winner, rival}), None)
-        if row is None or not row["p"]:
+        rows = [r for r in tests if {r["a"], r["b"]} == {winner, rival} and r["p"]]
+        if not rows:
             parts.append(f"vs {rival}: not run")
             signs.append(None)
-            continue
-        flip = -1 if row["a"] == rival else 1  # diff as winner - rival
-        diff, lo, hi = (flip * float(row[k]) for k in ("diff", "ci_low", "ci_high"))
-        lo, hi = min(lo, hi), max(lo, hi)
-        resolved = row["verdict"].startswith("resolved")
-        signs.append((1 if diff > 0 else -1) if resolved else 0)
-        word = f"{winner if diff > 0 else rival} higher" if resolved else "not resolved"
-        parts.append(f"vs {rival} (N={row['budget']}): {word}, {signed(diff)} [{signed(lo)}, {signed(hi)}], "
-                     f"n = {row['n']}, Holm p = {float(row['p_holm']):.2g}")
+        for row in rows:
+            flip = -1 if row["a"] == rival else 1  # diff as winner - rival
+            diff, lo, hi = (flip * float(row[k]) for k in ("diff", "ci_low", "ci_high"))
+            lo, hi = min(lo, hi), max(lo, hi)
+            resolved = row["verdict"].startswith("resolved")
+            signs.append((1 if diff > 0 else -1) if resolved else 0)
+            word = f"{winner if diff > 0 else rival} higher" if resolved else "not resolved"
+            parts.append(f"vs {rival} (N={row['budget']}): {word}, {signed(diff)} [{signed(lo)}, {signed(hi)}], "
+                         f"n = {row['n']}, Holm p = {float(row['p_holm']):.2g}")
     if all(s is None for s in signs):
         return "not run"
     if any(s == -1 for s in signs):

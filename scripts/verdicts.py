@@ -291,6 +291,9 @@ PAIRED: dict[str, tuple[Path, Selector, str]] = {
 # Evidence folders' planned comparisons (scripts/power_plan.py --tests), one Holm family per file.
 PLANNED: dict[str, tuple[Path, ...]] = {
     "evidence_lm": (ROOT / "results/evidence_lm/tests.csv",),
+    "evidence_lm_essays": (ROOT / "results/evidence_lm_essays/tests.csv",),
+    "evidence_knorm": (ROOT / "results/evidence_knorm/grid/tests.csv",
+                       ROOT / "results/evidence_knorm/grid/tests_graded.csv"),
     "evidence_code": (ROOT / "results/evidence_code/tests.csv",),
     "evidence_niah": (ROOT / "results/evidence_niah/tests.csv", ROOT / "results/evidence_niah/tests_graded.csv"),
     "evidence_qwen": (ROOT / "results/evidence_qwen/lm/tests.csv", ROOT / "results/evidence_qwen/grid/tests.csv",

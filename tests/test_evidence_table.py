@@ -90,3 +90,14 @@ def test_two_folders_joined_in_one_column(tmp_path) -> None:
     # the same comparison in both joined files is refused
     assert et.main(["--claims", claims, "--names", "M", "--tests", f"{grid}+{grid}", "--test-names", "grid",
                     "--out", str(out)]) == 2
+
+
+def test_a_rival_compared_at_two_budgets_shows_both_and_holds_only_if_both_do() -> None:
+    # K-norm vs Random at N = 1536 (not resolved) and 1792 (resolved for K-norm): both listed; the claim is not
+    # resolved on this score (it holds at one budget only)
+    tests = [{**_t("knorm", "random", 0.082, -0.018, 0.184, 0.12, "not resolved", n=93), "budget": "1536"},
+             {**_t("knorm", "random", 0.036, 0.008, 0.063, 0.026, "resolved: knorm higher", n=93), "budget": "1792"}]
+    assert et.evidence_cell("knorm", ("random",), tests) == (
+        "**not resolved**: vs random (N=1536): not resolved, +0.082 [-0.018, +0.184], n = 93, Holm p = 0.12; "
+        "vs random (N=1792): knorm higher, +0.036 [+0.008, +0.063], n = 93, Holm p = 0.026")
+    assert et.evidence_cell("knorm", ("random",), tests[1:]).startswith("**holds**")
