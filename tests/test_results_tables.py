@@ -27,13 +27,16 @@ def test_the_ruler_tables_regenerate_from_the_committed_runs(tmp_path: Path, mon
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("folder", ["niah_grid", "claims", "qwen2.5-coder-1.5b", "evidence_niah"])
+@pytest.mark.parametrize("folder", ["niah_grid", "claims", "qwen2.5-coder-1.5b", "evidence_niah", "evidence_lm",
+                                    "evidence_lm_essays", "evidence_code", "pilot_niah"])
 def test_every_committed_table_regenerates(folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _check(folder, tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("part", ["pilot", "lm", "grid"])
-def test_the_qwen_evidence_parts_regenerate(part: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # results/evidence_qwen reports each part of its runs apart (scripts/tables.sh)
-    _check(f"evidence_qwen/{part}", tmp_path, monkeypatch, runs=f"evidence_qwen/runs/{part}")
+@pytest.mark.parametrize("part", ["evidence_qwen/pilot", "evidence_qwen/lm", "evidence_qwen/grid", "evidence_qwen/code",
+                                  "evidence_knorm/pilot", "evidence_knorm/grid"])
+def test_the_evidence_parts_regenerate(part: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # results/evidence_qwen and evidence_knorm report each part of their runs apart (scripts/tables.sh)
+    folder, name = part.split("/")
+    _check(part, tmp_path, monkeypatch, runs=f"{folder}/runs/{name}")
