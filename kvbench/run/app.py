@@ -301,7 +301,8 @@ def write_metrics(settings: RunSettings, policy_name: str, run_dir: Path, policy
         # The report's columns and the recipe a shard merge recomputes the scores with (it never builds a Task).
         "layout": task.layout(records, scores),
         "stats": summarize(records, settings.budget, policy.evicts),
-        "threads": current_threads() if threads is None else threads,  # torch intra-op threads (a SLURM job: its CPUs; kvbench.run.threads)
+        # torch intra-op threads (a SLURM job: its CPUs; kvbench.run.threads)
+        "threads": current_threads() if threads is None else threads,
         **({"batch": {"size": settings.batch_size, "note": note}} if settings.batch_size > 1 else {}),
         "provenance": prov,
         **({"stopped": stopped} if stopped is not None else {}),

@@ -2,6 +2,7 @@
 scores it, or a directory of official-format LongBench predictions, as LongBench's eval.py does.
 
     kvbench-score DIR [--fuzz-backend difflib|levenshtein] [--longbench-e]
+    kvbench-score RUN_DIR --close-stopped LIKE
 
 A run directory (what `kvbench` writes: `config.yaml` and `predictions.jsonl`): the task is built from config.yaml as
 the run built it (a task that reads its data when built, such as jsonl, needs that file where the run read it), every
@@ -17,6 +18,10 @@ A LongBench prediction directory holds `<dataset>.jsonl` files whose lines carry
 `length` (what the official pred.py writes, and what the longbench task writes into `<run_dir>/longbench_pred/`).
 Writes DIR/result.json with eval.py's keys and numbers ({dataset: score}, or {dataset: {bucket: score}} with
 --longbench-e; indent 4, non-ASCII kept) and prints a table with the labelled averages.
+
+`--close-stopped LIKE`: RUN_DIR is a run stopped before its last sample (a time limit); its metrics.json is written
+over the samples it finished, as the run writes it at its end, with `stopped` recorded and what the loading process
+records (provenance, threads) taken from LIKE, a finished run beside it (close_stopped).
 
 Bad input (a directory of neither kind, a task that cannot be rebuilt or rescored, a malformed file) ends with one line
 on stderr and exit code 2.
@@ -161,8 +166,8 @@ def close_stopped(run_dir: Path, like: Path) -> dict[str, Any]:
     samples it finished: metrics.json written from its predictions exactly as the run writes it at its end, with
     `stopped` recording how many samples it holds and where its provenance came from. The provenance (machine,
     device, library versions, model source), the torch threads and a batch note are what the loading process
-    records; a stopped process recorded none, so they are taken from `like`, a finished run of the same commit, model, device, task and shard (the run beside it in
-    the same sweep). Returns the metrics."""
+    records; a stopped process recorded none, so they are taken from `like`, a finished run of the same commit,
+    model, device, task and shard (the run beside it in the same sweep). Returns the metrics."""
     from kvbench.run.app import RunBusy, run_lock, write_metrics
     from kvbench.run.records import read_records
     from kvbench.run.settings import RunSettings, build_policy, build_task
