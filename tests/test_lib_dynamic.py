@@ -32,7 +32,8 @@ def test_commands_start_in_queue_order_at_most_workers_at_a_time(tmp_path: Path)
     assert r.returncode == 0, r.stderr
     seq = events.read_text().split()
     starts = [e for e in seq if e.startswith("s")]
-    assert starts == ["s0", "s1", "s2", "s3"]
+    # the first two are taken in queue order but start together, so their two echoes may land either way round
+    assert sorted(starts[:2]) == ["s0", "s1"] and starts[2:] == ["s2", "s3"]
     running = peak = 0
     for e in seq:
         running += 1 if e.startswith("s") else -1

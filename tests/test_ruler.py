@@ -356,3 +356,24 @@ def test_aggregate_per_task_per_length_avg():
                    "avg": 58.33}
     part = [rec("qa_1", 4096, "Paris, France", ["paris", "lyon"], "string_match_part")]
     assert Ruler(tasks=["qa_1"]).aggregate(part) == {"qa_1": 100.0, "L4096": 100.0, "avg": 100.0}
+
+
+def test_per_sample_windows_give_each_sample_its_own_stretch_of_the_essays(tok):
+    # windows=per_sample (opt-in): sample k's essay haystack starts where sample k-1's ends, so a run's
+    # samples do not share their haystack; sample 0 is the official one (start 0), and shared stays official.
+    shared = Ruler(tasks=["niah_single_2"], lengths=[4096], num_samples=3)
+    own = Ruler(tasks=["niah_single_2"], lengths=[4096], num_samples=3, windows="per_sample")
+    a, b = list(shared.samples(_env(tok))), list(own.samples(_env(tok)))
+    assert b[0].prompt == a[0].prompt and "window_start_word" not in a[0].meta
+    starts = [s.meta["window_start_word"] for s in b]
+    assert 0 == starts[0] < starts[1] < starts[2]  # each window after the one before
+    words = own._essay
+    for s, start in zip(b, starts):
+        # the haystack begins with the essay words at its window's start (the first needle goes in further on)
+        head = " ".join(words[start:start + 20])
+        assert head in s.prompt
+    assert len({" ".join(words[st:st + 20]) for st in starts}) == 3  # three different stretches
+    assert a[1].prompt != b[1].prompt and " ".join(words[starts[1]:starts[1] + 20]) not in a[1].prompt
+    assert own.provenance()["windows"] == "per_sample" and "windows" not in shared.provenance()
+    with pytest.raises(TaskError, match="unknown windows"):
+        Ruler(tasks=["niah_single_2"], windows="each")

@@ -28,7 +28,8 @@ class Ruler(Task):
 
     def __init__(self, tasks: Sequence[str] = tuple(TASKS), lengths: Sequence[int] = (4096,), num_samples: int = 25,
                  haystack: str = "essays", haystack_dir: str | None = None, squad_path: str | None = None, hotpot_path: str | None = None,
-                 cwe_words_path: str | None = None, sentence_splitter: str = "auto", filler_seed: int = 0) -> None:
+                 cwe_words_path: str | None = None, sentence_splitter: str = "auto", filler_seed: int = 0,
+                 windows: str = "shared") -> None:
         unknown = [t for t in tasks if t not in TASKS]
         if unknown:
             raise TaskError(f"unknown RULER task(s) {unknown}; choose from: {', '.join(TASKS)}")
@@ -47,6 +48,12 @@ class Ruler(Task):
         if sentence_splitter not in ("auto", "nltk", "regex"):
             raise TaskError(f"unknown sentence_splitter '{sentence_splitter}'; choose one of: auto, nltk, regex")
         self._essay: list[str] | None = None
+        # shared: every sample's essay haystack is the essays' first words, as the official generator builds it;
+        # per_sample: sample k's starts k haystack sizes further on (its own window; an opt-in, off the official
+        # inputs), so that samples are independent draws of the haystack too
+        if windows not in ("shared", "per_sample"):
+            raise TaskError(f"ruler: unknown windows '{windows}'; choose one of: shared, per_sample")
+        self.windows = windows
 
     # -- data sources ---------------------------------------------------------------------------------------------
     def skipped(self) -> dict[str, str]:
@@ -60,18 +67,21 @@ class Ruler(Task):
                 out[t] = f"skipped: set task.{key} to run it"
         return out
 
-    def _essay_words(self, n: int) -> list[str]:
-        """The first n words of the essay haystack (`re.sub(r"\\s+", " ", text).split(" ")`), repeated cyclically."""
+    def _essay_words(self, n: int, start: int = 0) -> list[str]:
+        """n words of the essay haystack (`re.sub(r"\\s+", " ", text).split(" ")`) from word `start` on, repeated
+        cyclically (start 0: its first n words, the official haystack)."""
         if self.haystack_dir or self.haystack == "essays":
             if self._essay is None:
                 self._essay = re.sub(r"\s+", " ", self.source().text).split(" ")
             words = self._essay
+            if start % len(words):
+                words = words[start % len(words):] + words[:start % len(words)]
             return words[:n] if n <= len(words) else (words * -(-n // len(words)))[:n]
         # The built-in filler is an endless stream: take more of it instead of repeating.
-        if self._essay is None or len(self._essay) < n:
-            self._essay = re.sub(r"\s+", " ", filler_text(max(n, 2 * len(self._essay or [])),
+        if self._essay is None or len(self._essay) < start + n:
+            self._essay = re.sub(r"\s+", " ", filler_text(max(start + n, 2 * len(self._essay or [])),
                                                           seed=self.filler_seed)).split(" ")
-        return self._essay[:n]
+        return self._essay[start:start + n]
 
     def source(self) -> Haystack:
         """The essay haystack's label and provenance (and text, for essays or a directory), read once."""
@@ -83,7 +93,9 @@ class Ruler(Task):
         return any(TASKS[t][1].get("type_haystack") == "essay" for t in self.tasks)
 
     def provenance(self) -> dict[str, Any]:
-        return {"haystack": self.source().provenance} if self._uses_essays() else {}
+        if not self._uses_essays():
+            return {}
+        return {"haystack": self.source().provenance, **({"windows": self.windows} if self.windows != "shared" else {})}
 
     def _cwe_extra_words(self) -> list[str]:
         if not self.cwe_words_path:
@@ -101,7 +113,8 @@ class Ruler(Task):
         c = GenContext(env.tokenizer, int(length), env.seed, pre, post, random.Random(env.seed),
                  np.random.RandomState(env.seed))
         if kind == "niah":
-            return gen_niah(c, args, self.num_samples, self._essay_words, pick_splitter(self.splitter)[1])
+            return gen_niah(c, args, self.num_samples, self._essay_words, pick_splitter(self.splitter)[1],
+                            per_sample_windows=self.windows == "per_sample")
         if kind == "variable_tracking":
             return gen_vt(c, args, self.num_samples)
         if kind == "common_words_extraction":
@@ -131,7 +144,8 @@ class Ruler(Task):
                         max_new_tokens=TEMPLATES[kind]["tokens_to_generate"],
                         context_tokens=prefix_token_count(env.tokenizer, g.text, chat, ctx_end, ids), prompt=g.text,
                         meta={"task": task, "length": length, "metric": METRIC[kind],
-                              "answer_prefix": g.text[cut:] if cut >= 0 else ""})
+                              "answer_prefix": g.text[cut:] if cut >= 0 else "",
+                              **({"window_start_word": g.window_start} if g.window_start is not None else {})})
 
     # -- scoring --------------------------------------------------------------------------------------------------
     def score(self, sample: Sample, prediction: str) -> float:

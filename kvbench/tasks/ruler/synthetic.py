@@ -46,6 +46,7 @@ class Generated:
     text: str  # input + answer prefix: the prompt fed to the model
     answers: list[str]
     context: str  # the haystack part, for context_tokens
+    window_start: int | None = None  # windows=per_sample: the essay word the sample's haystack starts at
 
 
 def search_haystack(count: Callable[[int], int], inc: int, extra: int, max_len: int) -> int:
@@ -86,8 +87,14 @@ def fit_haystack(gen: Callable[[int], Generated], size: int, step: int, fits: Ca
                             "use a larger length")
 
 
-def gen_niah(c: GenContext, args: dict[str, Any], num_samples: int, essay_words: Callable[[int], list[str]],
-          split_sents: Callable[[str], list[str]]) -> list[Generated]:
+def gen_niah(c: GenContext, args: dict[str, Any], num_samples: int, essay_words: Callable[[int, int], list[str]],
+          split_sents: Callable[[str], list[str]], per_sample_windows: bool = False) -> list[Generated]:
+    """`essay_words(n, start)`: n words of the essay haystack from word `start` on. The official generator gives
+    every sample the haystack's first words (start 0), so a run's samples share their haystack; with
+    `per_sample_windows` sample k's haystack starts where sample k-1's window ends (each window's size searched for
+    its own stretch of text, as the official search sizes the first), so the windows are disjoint until they wrap
+    around the essays; the RNG is put back after each of those searches, so the needles and values drawn are the
+    ones drawn without windows until a sample has to be drawn again to fit its length."""
     tth, tk, tv = args["type_haystack"], args["type_needle_k"], args["type_needle_v"]
     nq, nv = args["num_needle_q"], args["num_needle_v"]
     nk = max(args["num_needle_k"], nq)
@@ -109,6 +116,8 @@ def gen_niah(c: GenContext, args: dict[str, Any], num_samples: int, essay_words:
                     .replace("answers", "answer"))
         type_v = tv[:-1]
 
+    start = 0  # the current sample's first essay word (per_sample_windows), 0 while the size is searched
+
     def gen(n: int) -> Generated:
         keys, values, needles = [], [], []
         for _ in range(nk):
@@ -120,7 +129,7 @@ def gen_niah(c: GenContext, args: dict[str, Any], num_samples: int, essay_words:
             values.append(vals)
         random.Random(c.seed).shuffle(needles)
         if tth == "essay":
-            sents = split_sents(" ".join(essay_words(n)).strip())
+            sents = split_sents(" ".join(essay_words(n, start)).strip())
             pos = [0] + sorted(int(len(sents) * d / 100) for d in rng.sample(DEPTHS, len(needles))) + [len(sents)]
             parts = []
             for i in range(1, len(pos)):
@@ -140,15 +149,26 @@ def gen_niah(c: GenContext, args: dict[str, Any], num_samples: int, essay_words:
         queries = [keys[i] for i in picked]
         answers = [a for i in picked for a in values[i]]
         query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
-        return Generated(template.format(type_needle_v=type_v, context=context, query=query), answers, context)
+        return Generated(template.format(type_needle_v=type_v, context=context, query=query), answers, context,
+                         start if windowed else None)
 
     ttg = TEMPLATES["niah"]["tokens_to_generate"]
     inc = 500 if tth == "essay" else 25
     if tth != "essay" and c.max_len < 4096:
         inc = 5
+    windowed = per_sample_windows and tth == "essay"
     size = search_haystack(lambda n: c.ntok(gen(n).text), inc, ttg, c.max_len)
-    return [fit_haystack(gen, size, inc, lambda g: c.ntok(g.text) + ttg <= c.max_len,
-                         "niah") for _ in range(num_samples)]
+    out, own = [], size
+    for k in range(num_samples):
+        if windowed and k:
+            # the next stretch of the essays, sized for itself (another stretch has other tokens per word), with the
+            # RNG put back after the search so the sample's draws are the ones it gets without windows
+            start += own
+            state = rng.getstate()
+            own = search_haystack(lambda n: c.ntok(gen(n).text), inc, ttg, c.max_len)
+            rng.setstate(state)
+        out.append(fit_haystack(gen, own, inc, lambda g: c.ntok(g.text) + ttg <= c.max_len, "niah"))
+    return out
 
 
 def vt_noise(n: int, chain_len: int) -> list[str]:
