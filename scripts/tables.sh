@@ -10,7 +10,7 @@
 #
 # NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm | evidence_code |
 # pilot_niah | evidence_niah | evidence_qwen | evidence_knorm |
-# evidence_lm_essays. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
+# evidence_lm_essays | pilot_ruler. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
 # committed ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,7 +18,7 @@ REPORT=${REPORT:-python -m kvbench.report}
 NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
 FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm evidence_code pilot_niah evidence_niah
-         evidence_qwen evidence_knorm evidence_lm_essays)
+         evidence_qwen evidence_knorm evidence_lm_essays pilot_ruler)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs
                results/evidence_niah/runs results/evidence_qwen/runs/grid)
@@ -64,6 +64,13 @@ tables() {
             # The final grid's n at the chosen budget (0/100 score; cap: the 93 samples the pilot leaves)
             python scripts/power_plan.py "$out/runs" --out "$out/plan.md" --score avg --cap 93 --budgets 1024 \
                 --compare keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full streamingllm:full > /dev/null ;;
+        pilot_ruler)
+            # The budgets a designed RULER run would use, and the n its planned comparisons need (cap: the 28 samples
+            # the pilot leaves), at each budget the pilot ran
+            python scripts/budget_choice.py "$out/runs" --out "$out/budgets.md" > /dev/null
+            python scripts/power_plan.py "$out/runs" --out "$out/plan.md" --score avg --cap 28 \
+                --budgets "$(run_budgets "$out/runs")" --compare keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full \
+                > /dev/null ;;
         evidence_lm)
             # The planned comparisons' tests, Holm over the table (the LM score: answer_logprob, nats per token)
             python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" \
