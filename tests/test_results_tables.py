@@ -28,7 +28,7 @@ def test_the_ruler_tables_regenerate_from_the_committed_runs(tmp_path: Path, mon
 
 @pytest.mark.slow
 @pytest.mark.parametrize("folder", ["niah_grid", "claims", "qwen2.5-coder-1.5b", "evidence_niah", "evidence_lm",
-                                    "evidence_lm_essays", "evidence_code", "pilot_niah"])
+                                    "evidence_lm_essays", "evidence_code", "pilot_niah", "pilot_ruler"])
 def test_every_committed_table_regenerates(folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _check(folder, tmp_path, monkeypatch)
 
