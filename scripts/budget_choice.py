@@ -67,18 +67,19 @@ def pick(table: list[dict]) -> int | None:
     """The one budget a final grid runs at, by a rule fixed before the pilot's results are read: among the chosen
     budgets, the one where the most samples are informative (a tie goes to the larger budget, where the full cache's
     answers are closer); None when no budget is chosen."""
-    chosen = [r for r in table if verdict(r) == "chosen"]
-    if not chosen:
-        return None
-    return max(chosen, key=lambda r: (r["informative"], r["budget"]))["budget"]
+    return _most_informative([r for r in table if verdict(r) == "chosen"])
 
 
 def most_informative(table: list[dict]) -> int | None:
     """The budget where the most samples tell the policies apart among those where the full cache scores >= FULL_MIN,
     whether or not it passes the informative share (a tie goes to the larger budget); None when the full cache passes
     at none. What a script runs beside its stated fallback when no budget is chosen (scripts/evidence_knorm.sh)."""
-    ok = [r for r in table if r["full"] >= FULL_MIN]
-    return max(ok, key=lambda r: (r["informative"], r["budget"]))["budget"] if ok else None
+    return _most_informative([r for r in table if r["full"] >= FULL_MIN])
+
+
+def _most_informative(rows: list[dict]) -> int | None:
+    """The budget of `rows` with the most informative samples, a tie to the larger; None for no rows."""
+    return max(rows, key=lambda r: (r["informative"], r["budget"]))["budget"] if rows else None
 
 
 def markdown(table: list[dict], source: str) -> str:

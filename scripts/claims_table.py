@@ -412,6 +412,7 @@ def write(rows: list[dict[str, str]], tests: list[dict[str, Any]], table: dict[i
     print("\n".join(lines))
     return rows
 
+
 def cli(argv: list[str] | None = None) -> int:
     """The command line: --help prints the usage and exits 0. A runs directory that does not exist holds no runs
     (its claims are "not run"; tables.sh passes "-" for a model without RULER runs)."""

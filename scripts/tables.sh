@@ -37,13 +37,24 @@ run_budgets() {
 for p in pathlib.Path(sys.argv[1]).rglob("metrics.json")) if m["budget"] is not None}), sep=",")' "$1"
 }
 
+# part_reports OUT PART...: a report of each part's runs (OUT/runs/PART -> OUT/PART), for the parts that were run
+part_reports() {
+    local out=$1 part
+    shift
+    for part in "$@"; do
+        [[ -d "$out/runs/$part" ]] || continue
+        mkdir -p "$out/$part"
+        $REPORT "$out/runs/$part" --out "$out/$part" -q
+    done
+}
+
 tables() {
     local name=$1 out=$2
     if [[ ! -d "$out/runs" ]]; then
         echo "tables.sh: error: $out/runs does not exist" >&2
         exit 2
     fi
-    # (evidence_qwen's parts hold different tasks and the pilot: a report of each, below)
+    # (evidence_qwen's and evidence_knorm's parts hold different tasks and the pilot: a report of each, below)
     [[ $name == evidence_qwen || $name == evidence_knorm ]] || $REPORT "$out/runs" --out "$out" -q
     case $name in
         niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
@@ -71,13 +82,9 @@ tables() {
             python scripts/power_plan.py "$out/runs" --out "$out/plan.md" --score avg --cap 28 \
                 --budgets "$(run_budgets "$out/runs")" --compare keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full \
                 > /dev/null ;;
-        evidence_lm)
-            # The planned comparisons' tests, Holm over the table (the LM score: answer_logprob, nats per token)
-            python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" \
-                --score answer_logprob --tests --budgets 1024 \
-                --compare knorm:random knorm:full streamingllm:full knorm:streamingllm > /dev/null ;;
-        evidence_lm_essays)
-            # The same four planned comparisons on the essays (1024-token texts, N = 512)
+        evidence_lm | evidence_lm_essays)
+            # The planned comparisons' tests, Holm over the table (the LM score: answer_logprob, nats per token), at the
+            # budget the runs hold (code: N = 1024 of 2048 tokens; essays: 512 of 1024)
             python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" \
                 --score answer_logprob --tests --budgets "$(run_budgets "$out/runs")" \
                 --compare knorm:random knorm:full streamingllm:full knorm:streamingllm > /dev/null ;;
@@ -101,12 +108,8 @@ tables() {
         evidence_qwen)
             # Qwen: the pilot's budget (the rule scripts/evidence_qwen.sh ran the grid at), then each part's planned
             # comparisons as on SmolLM2 (evidence_niah, evidence_lm, evidence_code), one Holm family per part and score
-            local n=1024 part
-            for part in pilot lm grid code; do
-                [[ -d "$out/runs/$part" ]] || continue
-                mkdir -p "$out/$part"
-                $REPORT "$out/runs/$part" --out "$out/$part" -q
-            done
+            local n=1024
+            part_reports "$out" pilot lm grid code
             if [[ -d "$out/runs/pilot" ]]; then
                 n=$(python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" --pick) || n=1024
             fi
@@ -132,12 +135,8 @@ tables() {
         evidence_knorm)
             # K-norm's pilot (the budget the grid ran at) and the grid's one planned comparison per score, at the
             # budget its runs hold
-            local part kn
-            for part in pilot grid; do
-                [[ -d "$out/runs/$part" ]] || continue
-                mkdir -p "$out/$part"
-                $REPORT "$out/runs/$part" --out "$out/$part" -q
-            done
+            local kn
+            part_reports "$out" pilot grid
             python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" > /dev/null
             kn=$(run_budgets "$out/runs/grid")
             python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests.md" --csv "$out/grid/tests.csv" \

@@ -115,3 +115,7 @@ def test_close_stopped_run(session: Session, tmp_path: Path, capsys: pytest.Capt
     assert score_main([str(other), "--close-stopped", str(like)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "shard differ" in err and not (other / "metrics.json").exists()
+    (other / "run.json").write_text("{torn")  # a record that is not JSON: one line, not a traceback
+    assert score_main([str(other), "--close-stopped", str(stopped)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run.json" in err and not (other / "metrics.json").exists()

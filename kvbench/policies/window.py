@@ -60,8 +60,8 @@ class WindowRing:
         self.exact = 0  # rows of queries at positions >= this were computed over exactly the slots held now
         self.base = 0  # the query at position p sits in ring slot (p - base) % w
         # Evictions of a uniform layer prune `probs` lazily: (b, h_kv, m) rows of `probs` (flattened) that the slots
-        # held at the latest eviction have, -1 for zeros; applied (one copy) when the next scoring needs the rows, so a prompt block
-        # whose queries replace every row never copies the old ones. None: `probs` as it is.
+        # held at the latest eviction have, -1 for zeros; applied (one copy) when the next scoring needs the rows, so
+        # a prompt block whose queries replace every row never copies the old ones. None: `probs` as it is.
         self.sel: torch.Tensor | None = None
         self.sel_zeros = False  # `sel` may hold -1 (tokens appended, then kept, before any scoring)
 

@@ -180,7 +180,11 @@ def close_stopped(run_dir: Path, like: Path) -> dict[str, Any]:
     if not (like / "metrics.json").is_file():
         raise ScoreError(f"--close-stopped {like}: not a finished run (no metrics.json)")
     cfg, like_cfg = read_run_config(run_dir), read_run_config(like)
-    started = json.loads((run_dir / "run.json").read_text())
+    try:
+        started = json.loads((run_dir / "run.json").read_text())
+        policy_name = str(started["policy"])
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ScoreError(f"{run_dir / 'run.json'}: not a run's record (no policy)") from None
     try:
         like_metrics = json.loads((like / "metrics.json").read_text())
         prov = dict(like_metrics["provenance"])
@@ -198,7 +202,7 @@ def close_stopped(run_dir: Path, like: Path) -> dict[str, Any]:
             if not records:
                 raise ScoreError(f"{run_dir / PREDICTIONS}: no finished predictions")
             stopped = {"samples": len(records), "provenance_from": os.path.relpath(like, run_dir)}
-            return write_metrics(settings, str(started["policy"]), run_dir, build_policy(settings.policy, settings),
+            return write_metrics(settings, policy_name, run_dir, build_policy(settings.policy, settings),
                                  build_task(settings.task), records, str(like_metrics["model"]), prov,
                                  note=(like_metrics.get("batch") or {}).get("note"), stopped=stopped,
                                  threads=like_metrics.get("threads"))

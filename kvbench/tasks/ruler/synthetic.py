@@ -157,17 +157,24 @@ def gen_niah(c: GenContext, args: dict[str, Any], num_samples: int, essay_words:
     if tth != "essay" and c.max_len < 4096:
         inc = 5
     windowed = per_sample_windows and tth == "essay"
-    size = search_haystack(lambda n: c.ntok(gen(n).text), inc, ttg, c.max_len)
-    out, own = [], size
+
+    def count(n: int) -> int:
+        return c.ntok(gen(n).text)
+
+    def fits(g: Generated) -> bool:
+        return c.ntok(g.text) + ttg <= c.max_len
+
+    size = search_haystack(count, inc, ttg, c.max_len)
+    out = []
     for k in range(num_samples):
         if windowed and k:
             # the next stretch of the essays, sized for itself (another stretch has other tokens per word), with the
             # RNG put back after the search so the sample's draws are the ones it gets without windows
-            start += own
+            start += size
             state = rng.getstate()
-            own = search_haystack(lambda n: c.ntok(gen(n).text), inc, ttg, c.max_len)
+            size = search_haystack(count, inc, ttg, c.max_len)
             rng.setstate(state)
-        out.append(fit_haystack(gen, own, inc, lambda g: c.ntok(g.text) + ttg <= c.max_len, "niah"))
+        out.append(fit_haystack(gen, size, inc, fits, "niah"))
     return out
 
 
