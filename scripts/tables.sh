@@ -10,7 +10,7 @@
 #
 # NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm | evidence_code |
 # pilot_niah | evidence_niah | evidence_qwen | evidence_knorm |
-# evidence_lm_essays | pilot_ruler. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
+# evidence_lm_essays | pilot_ruler | evidence_ruler | evidence_ruler_qwen. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
 # committed ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,7 +18,7 @@ REPORT=${REPORT:-python -m kvbench.report}
 NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
 FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm evidence_code pilot_niah evidence_niah
-         evidence_qwen evidence_knorm evidence_lm_essays pilot_ruler)
+         evidence_qwen evidence_knorm evidence_lm_essays pilot_ruler evidence_ruler evidence_ruler_qwen)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs
                results/evidence_niah/runs results/evidence_qwen/runs/grid)
@@ -54,8 +54,10 @@ tables() {
         echo "tables.sh: error: $out/runs does not exist" >&2
         exit 2
     fi
-    # (evidence_qwen's and evidence_knorm's parts hold different tasks and the pilot: a report of each, below)
-    [[ $name == evidence_qwen || $name == evidence_knorm ]] || $REPORT "$out/runs" --out "$out" -q
+    # (the parts of evidence_qwen, evidence_knorm and evidence_ruler* hold different tasks or the pilot: a report of
+    # each, below)
+    [[ $name == evidence_qwen || $name == evidence_knorm || $name == evidence_ruler* ]] || \
+        $REPORT "$out/runs" --out "$out" -q
     case $name in
         niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
         ruler_4k) ;;
@@ -82,6 +84,20 @@ tables() {
             python scripts/power_plan.py "$out/runs" --out "$out/plan.md" --score avg --cap 28 \
                 --budgets "$(run_budgets "$out/runs")" --compare keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full \
                 > /dev/null ;;
+        evidence_ruler | evidence_ruler_qwen)
+            # The designed RULER run: its own pilot's budgets where it ran one (SmolLM2's is results/pilot_ruler), then
+            # the final runs' planned comparisons at the budget they hold, one Holm family per score
+            local rn ruler_compare=(keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full)
+            part_reports "$out" pilot final
+            if [[ -d "$out/runs/pilot" ]]; then
+                python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" > /dev/null
+            fi
+            rn=$(run_budgets "$out/runs/final")
+            python scripts/power_plan.py "$out/runs/final" --out "$out/final/tests.md" --csv "$out/final/tests.csv" \
+                --score avg --tests --budgets "$rn" --compare "${ruler_compare[@]}" > /dev/null
+            python scripts/power_plan.py "$out/runs/final" --out "$out/final/tests_graded.md" \
+                --csv "$out/final/tests_graded.csv" --score answer_logprob --tests --budgets "$rn" \
+                --compare "${ruler_compare[@]}" > /dev/null ;;
         evidence_lm | evidence_lm_essays)
             # The planned comparisons' tests, Holm over the table (the LM score: answer_logprob, nats per token), at the
             # budget the runs hold (code: N = 1024 of 2048 tokens; essays: 512 of 1024)
@@ -168,7 +184,11 @@ evidence_table() {
 }
 
 if [[ $# == 0 ]]; then
-    for name in "${FOLDERS[@]}"; do tables "$name" "results/$name"; done
+    for name in "${FOLDERS[@]}"; do
+        # (a folder whose script has not been run yet, e.g. on a machine without the GPU it needs, is named and skipped)
+        if [[ ! -d "results/$name" ]]; then echo "tables.sh: results/$name not made yet: skipped" >&2; continue; fi
+        tables "$name" "results/$name"
+    done
     # results/README.md's verdict blocks, from the CSVs just written (tests/test_verdicts.py checks them).
     python scripts/verdicts.py
     # Whether the graded score separates hits from misses, per model (tests/test_graded_validity.py checks it)

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The designed RULER run for KeyDiff's RULER claim (issue "Evidence that resolves"; KeyDiff §5: KeyDiff against TOVA,
+# SnapKV and H2O under block-wise prompt processing). results/ruler_4k left it unresolved at n = 10, its samples
+# sharing one haystack and 7 of 10 failed by every policy. Here: niah_single_2 (essay haystack, a 7-digit value) at
+# 4096 tokens, 35 samples, each its own stretch of the essays (task.windows=per_sample, docs/ruler.md: independent
+# draws); the pilot takes shard 4/5 (7 samples), the final run the other four shards (28 samples) at the budget the
+# pilot's rule picks (scripts/budget_choice.py --pick, fixed before the pilot ran: the full cache >= 90, at least half
+# the samples informative, then the most informative budget, a tie to the larger).
+#
+#   scripts/evidence_ruler.sh      # SmolLM2: the pilot is results/pilot_ruler (N = 3072 picked); the final run
+#                                  # into results/evidence_ruler/runs/final
+#   MODEL=qwen2.5-coder-1.5b NAME=evidence_ruler_qwen PILOT=run scripts/evidence_ruler.sh
+#                                  # another model: its own pilot first (runs/pilot: the full cache; KeyDiff, TOVA,
+#                                  # SnapKV, H2O at N = 1024, 2048, 3072), then the final run at its pick; when no
+#                                  # budget passes, the most informative one where the full cache scores >= 90
+#                                  # (budget_choice.py --most-informative), else 3072, and RUN.md says so
+#   QUICK=1 [PILOT=run] scripts/evidence_ruler.sh   # 1024-token samples, one in the final run (scratch output)
+#
+# Final runs, per shard: the full cache; KeyDiff and TOVA at N (one shared-work group: their prompt blocks before
+# the first eviction are computed once); SnapKV and H2O at N; B = 128. Planned comparisons (scripts/tables.sh, Holm
+# over the four, 0/100 score and the graded score each a family): KeyDiff vs TOVA, SnapKV, H2O and the full cache.
+# Commands run in queue order, WORKERS at a time (lib.sh's DYNAMIC=1: the shards' commands are uneven).
+# CPU, stated before running (SmolLM2, 2 cores): the pilot measured 23.6 CPU-min for 7 samples x 13 runs (~15 s per
+# sample and run, the prompt blocks shared); the final: 28 samples x 5 runs at ~15-20 s: ~40 CPU-min, ~20 min wall
+# on two workers.
+NAME=${NAME:-evidence_ruler}
+DYNAMIC=${DYNAMIC:-1}
+source "$(dirname "$0")/lib.sh"
+
+PILOT=${PILOT:-results/pilot_ruler/runs}  # a pilot's runs, or "run": run this model's pilot first
+PILOT_BUDGETS=1024,2048,3072
+FALLBACK_N=3072
+SHARDS="0 1 2 3"
+TASK=(task=ruler "task.tasks=[niah_single_2]" "task.lengths=[4096]" task.num_samples=35 task.windows=per_sample
+      block=128)
+OF=5
+if [[ "$QUICK" == 1 ]]; then
+    TASK=(task=ruler "task.tasks=[niah_single_2]" "task.lengths=[1024]" task.num_samples=3 task.windows=per_sample
+          block=128)
+    OF=3
+    SHARDS="0"
+    PILOT_BUDGETS=512,768
+    FALLBACK_N=512
+fi
+
+start_run
+if [[ "$PILOT" == run ]]; then
+    PILOT="$RUNS/pilot"
+    sweep 0 "${TASK[@]}" "shard=$((OF - 1))/$OF" policy=full budget=null "hydra.sweep.dir=$PILOT"
+    for p in keydiff tova snapkv h2o; do  # (one policy a command: on a GPU machine they run side by side)
+        sweep 0 "${TASK[@]}" "shard=$((OF - 1))/$OF" "policy=$p" "budget=$PILOT_BUDGETS" "hydra.sweep.dir=$PILOT"
+    done
+    wait_workers
+fi
+[[ -d "$PILOT" ]] || { echo "evidence_ruler.sh: error: no pilot runs in $PILOT" >&2; exit 2; }
+mkdir -p "$RUNS"
+if N=$(python scripts/budget_choice.py "$PILOT" --out "$RUNS/pilot_budgets.md" --pick); then
+    EXTRA_MD="The final runs use N = $N, the budget the pilot's rule picks ($PILOT, budget_choice.py --pick)."
+elif N=$(python scripts/budget_choice.py "$PILOT" --out "$RUNS/pilot_budgets.md" --most-informative); then
+    EXTRA_MD="No pilot budget passed the rule: the final runs use N = $N, the most informative where the full cache scores >= 90."
+else
+    N=$FALLBACK_N
+    EXTRA_MD="The full cache scored < 90 at every pilot budget: the final runs use N = $N (the stated fallback)."
+fi
+echo "[$NAME] $EXTRA_MD"
+for s in $SHARDS; do
+    shard="shard=$s/$OF"
+    sweep 0 "${TASK[@]}" "$shard" policy=keydiff,tova "budget=$N" "hydra.sweep.dir=$RUNS/final"
+    sweep 0 "${TASK[@]}" "$shard" policy=snapkv,h2o "budget=$N" "hydra.sweep.dir=$RUNS/final"
+    sweep 0 "${TASK[@]}" "$shard" policy=full budget=null "hydra.sweep.dir=$RUNS/final"
+done
+wait_workers
+finish_run
