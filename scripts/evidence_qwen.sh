@@ -9,20 +9,20 @@
 #
 # Each part's runs go to their own folder (pilot/, lm/, grid/, code/), and scripts/tables.sh reports each apart.
 # Parts, in the order they are queued (shard-major, so that wherever the runs are stopped every configuration holds
-# the same samples):
+# the same samples; the grid waits for the pilot, the other parts run beside it):
 #   pilot  the designed grid's pilot shard 10/11 (9 samples, left out of the final grid, as results/pilot_niah for
 #          SmolLM2): the full cache and KeyDiff, TOVA, SnapKV, H2O, StreamingLLM at N = 512 and 1024, B = 128. The
 #          block-wise budget of the grid is then chosen by scripts/budget_choice.py --pick (a rule fixed before the
 #          pilot ran: the full cache >= 90, at least half the samples informative, then the most informative budget);
 #          when no budget passes, N = 1024, SmolLM2's, and RUN.md says so.
+#   code   the real-code task (results/evidence_code's design: N = 512, B = 128; KeyDiff, TOVA, SnapKV, StreamingLLM,
+#          the full cache, one command each) on shards CODE_SHARDS (default 0/8 4/8).
 #   lm     the LM score on code (results/evidence_lm's design: 2048-token texts of the pinned wheels' files, N = 1024,
 #          B = 128, every token after the first eviction scored): full, K-norm, random (layers 0-1 unpruned, as
-#          K-norm), StreamingLLM, on 50 texts (task.limit=100, shard 0/2).
+#          K-norm), StreamingLLM, on 100 texts (task.limit=100) in shards LM_SHARDS (default 0/2: 50 texts).
 #   niah   the designed grid's shards NIAH_SHARDS (default 0-4: 48 samples), every configuration of
 #          scripts/evidence_niah.sh (14), the block-wise ones at the pilot's budget, the one-pass ones at N = 512;
 #          into grid/<claim>/ (each claim's runs apart: their protocols and options differ).
-#   code   the real-code task (results/evidence_code's design: N = 512, B = 128; KeyDiff, TOVA, SnapKV, StreamingLLM,
-#          the full cache) on shards CODE_SHARDS (default 0/8 4/8).
 # Commands run in queue order, WORKERS at a time (lib.sh's DYNAMIC=1): they are uneven, and a GPU machine has cores.
 NAME=evidence_qwen
 MODEL=${MODEL:-qwen2.5-coder-1.5b}
@@ -36,7 +36,8 @@ GRID=("${DESIGNED_GRID[@]}")
 PILOT_SHARD=10/11
 PILOT_N=512,1024
 ONCE_N=512
-LM=(task=lm task.source=code task.tokens=2048 task.limit=100 shard=0/2 block=128 budget=1024)
+LM_SHARDS=${LM_SHARDS:-0/2}
+LM=(task=lm task.source=code task.tokens=2048 task.limit=100 block=128 budget=1024)
 CODE=(task=code block=128 budget=512)
 if [[ "$QUICK" == 1 ]]; then
     GRID=(task=niah "task.context_lengths=[600]" "task.depths=[50]" task.samples_per_cell=4 task.max_new_tokens=8
@@ -45,7 +46,8 @@ if [[ "$QUICK" == 1 ]]; then
     PILOT_SHARD=1/2
     PILOT_N=256
     ONCE_N=256
-    LM=(task=lm task.source=code task.tokens=512 task.limit=4 shard=0/2 block=64 budget=128)
+    LM=(task=lm task.source=code task.tokens=512 task.limit=4 block=64 budget=128)
+    LM_SHARDS="0/2"
     CODE=(task=code task.limit=4 block=128 budget=512)
     CODE_SHARDS="0/2"
 fi
@@ -58,17 +60,26 @@ if has pilot; then
         sweep 0 "${GRID[@]}" "shard=$PILOT_SHARD" block=128 "policy=$p" "budget=$PILOT_N" "hydra.sweep.dir=$RUNS/pilot"
     done
 fi
-if has lm; then
-    sweep 0 "${LM[@]}" policy=full "hydra.sweep.dir=$RUNS/lm"
-    sweep 0 "${LM[@]}" policy=knorm "hydra.sweep.dir=$RUNS/lm"
-    sweep 0 "${LM[@]}" policy=random "policy.skip_layers=[0,1]" "hydra.sweep.dir=$RUNS/lm"
-    sweep 0 "${LM[@]}" policy=streamingllm "hydra.sweep.dir=$RUNS/lm"
+if has code; then  # (first: its commands are the longest; one policy a command, so that they run side by side)
+    for s in $CODE_SHARDS; do
+        for p in keydiff tova snapkv streamingllm full; do
+            sweep 0 "${CODE[@]}" "shard=$s" "policy=$p" "hydra.sweep.dir=$RUNS/code"
+        done
+    done
 fi
-wait_workers
+if has lm; then
+    for s in $LM_SHARDS; do
+        sweep 0 "${LM[@]}" "shard=$s" policy=full "hydra.sweep.dir=$RUNS/lm"
+        sweep 0 "${LM[@]}" "shard=$s" policy=knorm "hydra.sweep.dir=$RUNS/lm"
+        sweep 0 "${LM[@]}" "shard=$s" policy=random "policy.skip_layers=[0,1]" "hydra.sweep.dir=$RUNS/lm"
+        sweep 0 "${LM[@]}" "shard=$s" policy=streamingllm "hydra.sweep.dir=$RUNS/lm"
+    done
+fi
 
 BLOCK_N=1024
 EXTRA_MD=""
 if has niah; then
+    wait_workers  # the pilot's runs choose the grid's budget
     if [[ -d "$RUNS/pilot" ]] && picked=$(python scripts/budget_choice.py "$RUNS/pilot" --out "$RUNS/budgets.md" --pick)
     then
         BLOCK_N=$picked
@@ -80,13 +91,6 @@ if has niah; then
         shard="shard=$s/11"
         [[ "$QUICK" == 1 ]] && shard="shard=0/2"
         grid_claims 0 "$shard" "$RUNS/grid" "$BLOCK_N" "$ONCE_N"
-    done
-fi
-if has code; then
-    for s in $CODE_SHARDS; do
-        sweep 0 "${CODE[@]}" "shard=$s" policy=keydiff,tova "hydra.sweep.dir=$RUNS/code"
-        sweep 0 "${CODE[@]}" "shard=$s" policy=snapkv,streamingllm "hydra.sweep.dir=$RUNS/code"
-        sweep 0 "${CODE[@]}" "shard=$s" policy=full "hydra.sweep.dir=$RUNS/code"
     done
 fi
 wait_workers

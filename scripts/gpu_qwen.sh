@@ -10,9 +10,15 @@
 #                                                split at byte offsets, in order)
 #   bash scripts/gpu_qwen.sh convert             join the pieces into $KVBENCH_CACHE/gguf/ and let kvbench-fetch
 #                                                check their size and sha256 and convert them (as on any machine)
+#   bash scripts/gpu_qwen.sh resume DIR          put back runs an earlier session stopped (DIR/evidence_qwen/...,
+#                                                as results/runs/evidence_qwen/ holds them: each with its run.json,
+#                                                and no metrics.json), so that `run` continues them sample by sample
 #   bash scripts/gpu_qwen.sh run OUT SECONDS [PARTS]   scripts/evidence_qwen.sh (WORKERS, default 8), stopped after
 #                                                SECONDS; the runs are packed into OUT/runs.tgz every 30 s and at
-#                                                the end, so a stopped run still returns every finished sample
+#                                                the end, so a stopped run still returns every finished sample.
+#                                                The part `ruler` runs scripts/evidence_ruler.sh beside it (its own
+#                                                pilot, then the final runs: results/evidence_ruler_qwen) with
+#                                                RULER_WORKERS more workers (default 4)
 #
 # State between calls lives in $GPU_STATE (default: $TMPDIR or /tmp, then kvbench-gpu), outside the checkout.
 set -euo pipefail
@@ -34,7 +40,10 @@ export PATH="$STATE/bin:$PATH"
 [[ -e kvbench/conf ]] || ln -s ../conf kvbench/conf
 GGUF=Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf  # kvbench.models.fetch's name for it
 
-usage() { echo "usage: bash scripts/gpu_qwen.sh setup WHEELS DATA | part DIR | convert | run OUT SECONDS [PARTS]" >&2; exit 2; }
+usage() {
+    echo "usage: bash scripts/gpu_qwen.sh setup WHEELS DATA | part DIR | convert | resume DIR | run OUT SECONDS [PARTS]" >&2
+    exit 2
+}
 [[ $# -ge 1 ]] || usage
 case $1 in
     setup)
@@ -61,14 +70,22 @@ hydra.__version__, '| gguf ok')"
         t0=$(date +%s)
         python3 -m kvbench.models.fetch qwen2.5-coder-1.5b  # checks size and sha256 before converting: exit 2 if wrong
         echo "converted in $(( $(date +%s) - t0 )) s" ;;
+    resume)
+        [[ $# == 2 && -d "$2/evidence_qwen" ]] || usage
+        mkdir -p results/runs
+        cp -r "$2/evidence_qwen" results/runs/
+        echo "runs to continue: $(find results/runs/evidence_qwen -name run.json | wc -l)," \
+             "finished: $(find results/runs/evidence_qwen -name metrics.json | wc -l)" ;;
     run)
         [[ $# -ge 3 && "$3" =~ ^[0-9]+$ ]] || usage
-        out=$2 secs=$3
+        out=$2 secs=$3 parts=" ${4:-pilot lm niah} "
         mkdir -p "$out"
         pack() {  # (QUICK=1 writes below the -quick names)
-            local what=() d
-            for d in runs/evidence_qwen runs/evidence_qwen-quick runs/evidence_qwen-quick-out evidence_qwen; do
-                [[ -d "results/$d" ]] && what+=("$d")
+            local what=() d n
+            for n in evidence_qwen evidence_ruler_qwen; do
+                for d in "runs/$n" "runs/$n-quick" "runs/$n-quick-out" "$n"; do
+                    [[ -d "results/$d" ]] && what+=("$d")
+                done
             done
             [[ ${#what[@]} -gt 0 ]] || return 0
             tar czf "$out/runs.tgz.part" -C results "${what[@]}" && mv "$out/runs.tgz.part" "$out/runs.tgz"
@@ -80,9 +97,23 @@ hydra.__version__, '| gguf ok')"
         t0=$(date +%s)
         # timeout signals the script's whole process group (every worker and kvbench process) when time is up
         rc=0
-        PARTS=${4:-pilot lm niah} WORKERS=${WORKERS:-8} timeout -k 15 "$secs" bash scripts/evidence_qwen.sh \
-            > "$out/evidence_qwen.log" 2>&1 || rc=$?
-        echo "evidence_qwen.sh exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$out/evidence_qwen.log"
+        ruler=
+        if [[ "$parts" == *" ruler "* ]]; then
+            parts=${parts/ ruler / }
+            MODEL=${MODEL:-qwen2.5-coder-1.5b} NAME=evidence_ruler_qwen PILOT=run WORKERS=${RULER_WORKERS:-4} \
+                timeout -k 15 "$secs" bash scripts/evidence_ruler.sh > "$out/evidence_ruler_qwen.log" 2>&1 &
+            ruler=$!
+        fi
+        if [[ -n "${parts// /}" ]]; then
+            PARTS=$parts WORKERS=${WORKERS:-8} timeout -k 15 "$secs" bash scripts/evidence_qwen.sh \
+                > "$out/evidence_qwen.log" 2>&1 || rc=$?
+            echo "evidence_qwen.sh exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$out/evidence_qwen.log"
+        fi
+        if [[ -n "$ruler" ]]; then
+            rc=0
+            wait "$ruler" || rc=$?
+            echo "evidence_ruler.sh exit $rc (collected $(( $(date +%s) - t0 )) s after the start)" | tee -a "$out/evidence_ruler_qwen.log"
+        fi
         kill "$packer" 2>/dev/null || true
         pack
         nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$out/machine.txt" 2>&1 || true ;;
