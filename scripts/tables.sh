@@ -9,9 +9,9 @@
 #                                               call it on their own output after finish_run
 #
 # NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm | evidence_code |
-# pilot_niah | evidence_niah | evidence_qwen | evidence_knorm |
-# evidence_lm_essays | pilot_ruler | evidence_ruler | evidence_ruler_qwen. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS; default: the
-# committed ones).
+# pilot_niah | evidence_niah | evidence_qwen | evidence_knorm | evidence_lm_essays | pilot_ruler | evidence_ruler |
+# evidence_ruler_qwen. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS;
+# default: the committed ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPORT=${REPORT:-python -m kvbench.report}
@@ -177,10 +177,14 @@ evidence_table() {
         results/evidence_code/tests.csv results/evidence_lm/tests.csv results/evidence_lm_essays/tests.csv \
         results/evidence_qwen/grid/tests.csv results/evidence_qwen/grid/tests_graded.csv \
         results/evidence_qwen/lm/tests.csv results/evidence_qwen/code/tests.csv \
+        results/evidence_ruler/final/tests.csv results/evidence_ruler/final/tests_graded.csv \
+        results/evidence_ruler_qwen/final/tests.csv results/evidence_ruler_qwen/final/tests_graded.csv \
         --test-names "designed NIAH grid, 0/100 (SmolLM2)" "designed NIAH grid, graded score (SmolLM2)" \
         "real code, graded score (SmolLM2)" "LM score on code (SmolLM2)" "LM score on the essays (SmolLM2)" \
         "designed NIAH grid, 0/100 (Qwen)" "designed NIAH grid, graded score (Qwen)" "LM score on code (Qwen)" \
-        "real code, graded score (Qwen)" --out results/evidence.md > /dev/null
+        "real code, graded score (Qwen)" "designed RULER, 0/100 (SmolLM2)" "designed RULER, graded score (SmolLM2)" \
+        "designed RULER, 0/100 (Qwen)" "designed RULER, graded score (Qwen)" --ruler 10 11 12 13 \
+        --out results/evidence.md > /dev/null
 }
 
 if [[ $# == 0 ]]; then

@@ -299,6 +299,10 @@ PLANNED: dict[str, tuple[Path, ...]] = {
     "evidence_qwen": (ROOT / "results/evidence_qwen/lm/tests.csv", ROOT / "results/evidence_qwen/grid/tests.csv",
                       ROOT / "results/evidence_qwen/grid/tests_graded.csv",
                       ROOT / "results/evidence_qwen/code/tests.csv"),
+    "evidence_ruler": (ROOT / "results/evidence_ruler/final/tests.csv",
+                       ROOT / "results/evidence_ruler/final/tests_graded.csv"),
+    "evidence_ruler_qwen": (ROOT / "results/evidence_ruler_qwen/final/tests.csv",
+                            ROOT / "results/evidence_ruler_qwen/final/tests_graded.csv"),
 }
 BLOCKS: dict[str, Callable[[], list[str]]] = {
     **{name: paired_block(*spec) for name, spec in PAIRED.items()},

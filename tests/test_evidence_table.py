@@ -101,3 +101,25 @@ def test_a_rival_compared_at_two_budgets_shows_both_and_holds_only_if_both_do() 
         "**not resolved**: vs random (N=1536): not resolved, +0.082 [-0.018, +0.184], n = 93, Holm p = 0.12; "
         "vs random (N=1792): knorm higher, +0.036 [+0.008, +0.063], n = 93, Holm p = 0.026")
     assert et.evidence_cell("knorm", ("random",), tests[1:]).startswith("**holds**")
+
+
+def test_ruler_columns_serve_only_the_ruler_claim(tmp_path) -> None:
+    # KeyDiff's claim on NIAH and on RULER: the NIAH grid's column serves the first, the RULER run's the second
+    claims = _write(tmp_path / "claims.csv", [
+        {"claim": "KeyDiff beats TOVA, SnapKV and H2O at equal budget", "holds?": "not resolved (n = 15)",
+         "graded score": "-"},
+        {"claim": "KeyDiff beats TOVA, SnapKV and H2O at equal budget (RULER)", "holds?": "not resolved (n = 10)",
+         "graded score": "-"}])
+    niah = _write(tmp_path / "niah.csv", [_t("keydiff", "tova", 12.0, 1.0, 23.0, 0.2, "not resolved", n=93)])
+    ruler = _write(tmp_path / "ruler.csv", [_t("keydiff", "tova", 93.0, 79.0, 100.0, 0.001, "resolved: keydiff higher",
+                                               n=14)])
+    out = tmp_path / "o.md"
+    assert et.main(["--claims", claims, "--names", "M", "--tests", niah, ruler, "--test-names", "grid", "ruler",
+                    "--ruler", "2", "--out", str(out)]) == 0
+    rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| KeyDiff")]
+    assert rows[0].endswith("| **not resolved**: vs tova (N=512): not resolved, +12.000 [+1.000, +23.000], n = 93, "
+                            "Holm p = 0.2; vs snapkv: not run; vs h2o: not run | - |")
+    assert rows[1].endswith("| - | **holds where run**: vs tova (N=512): keydiff higher, +93.000 [+79.000, +100.000], "
+                            "n = 14, Holm p = 0.001; vs snapkv: not run; vs h2o: not run |")
+    assert et.main(["--claims", claims, "--names", "M", "--tests", niah, "--test-names", "grid", "--ruler", "2",
+                    "--out", str(out)]) == 2
