@@ -12,16 +12,22 @@ Every cell is generated: a claims table's cell is its own verdict words (scripts
 against each rival in that folder's tests.csv (scripts/power_plan.py --tests: Holm over that folder's planned
 comparisons), "A higher" or "not resolved" with the difference, its interval and n, and "not run" for a rival the
 folder has no comparison for. A claim is "holds" on a score when every rival it names was run and resolved below the
-winner, "reversed" when any was resolved above it, otherwise not resolved. Claims that are not "A beats B" at equal
-budget (StreamingLLM's depth claim) have no evidence cell. A claim the claims table puts on RULER (its text ends with
-"(RULER)") reads only the columns `--ruler` names (the designed RULER runs' tests), and those columns serve no other
-claim: the same "KeyDiff beats TOVA" on NIAH and on RULER are two claims, each with its own benchmark's evidence.
+winner, "reversed" when any was resolved above it, otherwise not resolved. StreamingLLM's depth claim is no "A beats
+B": it reads StreamingLLM against the full cache at each needle depth of a NIAH grid (rows whose score is a depth cell,
+L<length>_D<depth>, from power_plan.py --tests --score L2000_D10,...): at a budget it holds when a needle before the
+last depth is lost (the full cache resolved higher) and no loss is resolved at the last depth, and it is reversed
+when a loss is resolved at the last depth; the claim holds on the score when it holds at every budget run.
+
+A claim the claims table puts on RULER (its text ends with "(RULER)") reads only the columns `--ruler` names (the
+designed RULER runs' tests), and those columns serve no other claim: the same "KeyDiff beats TOVA" on NIAH and on
+RULER are two claims, each with its own benchmark's evidence.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +37,10 @@ from power_plan import signed  # noqa: E402  (the tests.md numbers, written the 
 
 RULER = "(RULER)"  # how claims_table.py marks the claim it tests on RULER
 
-# Each claim's winner and the rivals it names, by the first words of its text in claims.csv (None: not pairwise).
+DEPTH_CELL = re.compile(r"L\d+_D(\d+(?:\.\d+)?)")  # a NIAH grid's depth cell score: L<length>_D<depth %>
+
+# Each claim's winner and the rivals it names, by the first words of its text in claims.csv (None: StreamingLLM's depth
+# claim, read by depth_cell).
 CLAIMS: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("KeyDiff beats TOVA, SnapKV and H2O", "keydiff", ("tova", "snapkv", "h2o")),
     ("StreamingLLM (sink + recent window) loses needles", None, ()),
@@ -83,6 +92,35 @@ def evidence_cell(winner: str, rivals: tuple[str, ...], tests: list[dict[str, st
     return f"**{verdict}**: " + "; ".join(parts)
 
 
+def depth_cell(tests: list[dict[str, str]]) -> str:
+    """StreamingLLM's depth claim on one folder's tests: per budget, StreamingLLM - full cache at each needle depth;
+    holds at a budget when an earlier depth is lost (full higher, resolved) and the last depth's loss is not resolved,
+    reversed when the last depth's loss is resolved; "not run" without depth rows."""
+    by_budget: dict[str, list[tuple[float, dict[str, str]]]] = {}
+    for r in tests:
+        m = DEPTH_CELL.fullmatch(r.get("score", ""))
+        if m and {r["a"], r["b"]} == {"streamingllm", "full"} and r["p"]:
+            by_budget.setdefault(r["budget"], []).append((float(m.group(1)), r))
+    if not by_budget:
+        return "not run"
+    parts, signs = [], []
+    for budget, rows in sorted(by_budget.items(), key=lambda kv: int(kv[0])):
+        cells, lost = [], []
+        for depth, r in sorted(rows, key=lambda dr: dr[0]):
+            flip = 1 if r["a"] == "streamingllm" else -1  # diff as streamingllm - full
+            diff, lo, hi = (flip * float(r[k]) for k in ("diff", "ci_low", "ci_high"))
+            lo, hi = min(lo, hi), max(lo, hi)
+            lost.append(r["verdict"].startswith("resolved") and diff < 0)
+            kept = r["verdict"].startswith("resolved") and diff > 0
+            word = "lost" if lost[-1] else "StreamingLLM higher" if kept else "no loss resolved"
+            cells.append(f"depth {depth:g} %: {word}, {signed(diff)} [{signed(lo)}, {signed(hi)}], n = {r['n']}, "
+                         f"Holm p = {float(r['p_holm']):.2g}")
+        signs.append(-1 if lost[-1] else 1 if any(lost[:-1]) else 0)
+        parts.append(f"N={budget}: " + "; ".join(cells))
+    verdict = "reversed" if -1 in signs else "holds" if all(x == 1 for x in signs) else "not resolved"
+    return f"**{verdict}** (streamingllm - full): " + " / ".join(parts)
+
+
 def read_csv(path: Path) -> list[dict[str, str]]:
     with path.open(newline="", encoding="utf-8") as f:
         return list(csv.DictReader(f))
@@ -99,7 +137,9 @@ def build(claims: list[list[dict[str, str]]], names: list[str], tests: list[list
              "folder's planned comparisons on that score; a column joining two folders keeps each row's own folder's). "
              "\"holds where run\": every comparison run is resolved for "
              "the winner but a named rival was not run. A claim on RULER reads the RULER columns only, and they serve "
-             "no other claim (\"-\").", "",
+             "no other claim (\"-\"). StreamingLLM's depth claim: StreamingLLM - full cache at each needle depth "
+             "(0/100 points), per budget; it holds where a needle before the last depth is lost (resolved) and no "
+             "loss is resolved at the last depth.", "",
              "| claim | " + " | ".join(f"NIAH / RULER, {n}" for n in names) + " | " + " | ".join(test_names) + " |",
              "|---" * (1 + len(names) + len(test_names)) + "|"]
     by_model = [{r["claim"]: r for r in rows} for rows in claims]
@@ -107,8 +147,10 @@ def build(claims: list[list[dict[str, str]]], names: list[str], tests: list[list
     for text in order:
         key = claim_key(text)
         cells = [table_verdict(m[text]) if text in m else "not run" for m in by_model]
-        if key is None or key[1] is None:
+        if key is None:
             ev = ["-" for _ in tests]
+        elif key[1] is None:  # StreamingLLM's depth claim
+            ev = [depth_cell(t) if i not in ruler else "-" for i, t in enumerate(tests)]
         else:
             on_ruler = text.rstrip().endswith(RULER)
             ev = [evidence_cell(key[1], key[2], t) if (i in ruler) == on_ruler else "-" for i, t in enumerate(tests)]

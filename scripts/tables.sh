@@ -37,6 +37,14 @@ run_budgets() {
 for p in pathlib.Path(sys.argv[1]).rglob("metrics.json")) if m["budget"] is not None}), sep=",")' "$1"
 }
 
+# depth_tests RUNS OUT N: StreamingLLM's depth claim on a designed NIAH grid: StreamingLLM against the full cache at
+# each needle depth (the grid's depth cells), block-wise at the grid's N and under SAGE-KV's protocol at 512, one
+# Holm family (OUT/tests_depth.md, .csv; scripts/evidence_table.py reads the claim from them)
+depth_tests() {
+    python scripts/power_plan.py "$1" --out "$2/tests_depth.md" --csv "$2/tests_depth.csv" --tests \
+        --score L2000_D10,L2000_D50,L2000_D90 --compare "streamingllm:full@$3" streamingllm:full@512 > /dev/null
+}
+
 # part_reports OUT PART...: a report of each part's runs (OUT/runs/PART -> OUT/PART), for the parts that were run
 part_reports() {
     local out=$1 part
@@ -70,7 +78,8 @@ tables() {
             python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" --score avg --tests \
                 --compare "${niah_compare[@]}" > /dev/null
             python scripts/power_plan.py "$out/runs" --out "$out/tests_graded.md" --csv "$out/tests_graded.csv" \
-                --score answer_logprob --tests --compare "${niah_compare[@]}" > /dev/null ;;
+                --score answer_logprob --tests --compare "${niah_compare[@]}" > /dev/null
+            depth_tests "$out/runs" "$out" 1024 ;;
         pilot_niah)
             # The budgets the final NIAH grid runs at: the full cache answers and the policies spread
             python scripts/budget_choice.py "$out/runs" --out "$out/budgets.md" > /dev/null
@@ -137,6 +146,7 @@ tables() {
                 python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests_graded.md" \
                     --csv "$out/grid/tests_graded.csv" --score answer_logprob --tests --compare "${qwen_niah[@]}" \
                     > /dev/null
+                depth_tests "$out/runs/grid" "$out/grid" "$n"
             fi
             if [[ -d "$out/runs/lm" ]]; then
                 python scripts/power_plan.py "$out/runs/lm" --out "$out/lm/tests.md" --csv "$out/lm/tests.csv" \
@@ -172,10 +182,12 @@ tables() {
 evidence_table() {
     python scripts/evidence_table.py --claims results/claims/claims.csv --claims results/qwen2.5-coder-1.5b/claims.csv \
         --names SmolLM2-135M Qwen2.5-Coder-1.5B \
-        --tests results/evidence_niah/tests.csv+results/evidence_knorm/grid/tests.csv \
+        --tests \
+        results/evidence_niah/tests.csv+results/evidence_knorm/grid/tests.csv+results/evidence_niah/tests_depth.csv \
         results/evidence_niah/tests_graded.csv+results/evidence_knorm/grid/tests_graded.csv \
         results/evidence_code/tests.csv results/evidence_lm/tests.csv results/evidence_lm_essays/tests.csv \
-        results/evidence_qwen/grid/tests.csv results/evidence_qwen/grid/tests_graded.csv \
+        results/evidence_qwen/grid/tests.csv+results/evidence_qwen/grid/tests_depth.csv \
+        results/evidence_qwen/grid/tests_graded.csv \
         results/evidence_qwen/lm/tests.csv results/evidence_qwen/code/tests.csv \
         results/evidence_ruler/final/tests.csv results/evidence_ruler/final/tests_graded.csv \
         results/evidence_ruler_qwen/final/tests.csv results/evidence_ruler_qwen/final/tests_graded.csv \

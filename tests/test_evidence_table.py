@@ -47,7 +47,9 @@ def test_table_rows_and_pipes_escaped(tmp_path) -> None:
     rows = [ln for ln in text.splitlines() if ln.startswith("| CriticalKV") or ln.startswith("| StreamingLLM")]
     assert rows[0].startswith("| CriticalKV's selection (attention x \\|\\|v W_O\\|\\|) improves SnapKV | "
                               "not resolved (n = 15); graded: reversed | **holds**: vs snapkv")
-    assert rows[1] == ("| StreamingLLM (sink + recent window) loses needles in the middle | holds; graded: not run | - |")
+    # (the depth claim reads depth-cell rows only: this column has none)
+    assert rows[1] == ("| StreamingLLM (sink + recent window) loses needles in the middle | holds; graded: not run | "
+                       "not run |")
     assert et.main(["--claims", str(tmp_path / "none.csv"), "--names", "M", "--tests", str(tmp_path / "t.csv"),
                     "--test-names", "c", "--out", str(tmp_path / "o.md")]) == 2
 
@@ -123,3 +125,27 @@ def test_ruler_columns_serve_only_the_ruler_claim(tmp_path) -> None:
                             "n = 14, Holm p = 0.001; vs snapkv: not run; vs h2o: not run |")
     assert et.main(["--claims", claims, "--names", "M", "--tests", niah, "--test-names", "grid", "--ruler", "2",
                     "--out", str(out)]) == 2
+
+
+def _depth(budget: str, depth: int, diff: float, lo: float, hi: float, holm: float, verdict: str) -> dict:
+    return {**_t("streamingllm", "full", diff, lo, hi, holm, verdict, n=31), "budget": budget,
+            "score": f"L2000_D{depth}"}
+
+
+def test_the_depth_claim_holds_where_an_earlier_needle_is_lost_and_the_last_is_not() -> None:
+    tests = [_depth("512", 90, 0.0, 0.0, 0.0, 1, "not resolved"),
+             _depth("512", 10, -71.0, -87.1, -54.8, 2.4e-06, "resolved: full higher"),
+             _depth("512", 50, -80.6, -93.5, -64.5, 3.6e-07, "resolved: full higher"),
+             _t("keydiff", "tova", 1.0, 0.5, 1.5, 0.01, "resolved: keydiff higher")]  # not a depth row: ignored
+    assert et.depth_cell(tests) == (
+        "**holds** (streamingllm - full): N=512: depth 10 %: lost, -71.000 [-87.100, -54.800], n = 31, Holm p = "
+        "2.4e-06; depth 50 %: lost, -80.600 [-93.500, -64.500], n = 31, Holm p = 3.6e-07; depth 90 %: no loss "
+        "resolved, +0.000 [+0.000, +0.000], n = 31, Holm p = 1")
+    # a budget where no earlier needle is lost leaves the claim unresolved; a lost last needle reverses it
+    calm = [_depth("1024", 10, 3.0, -9.0, 19.0, 1, "not resolved"),
+            _depth("1024", 90, 3.0, 0.0, 9.7, 1, "not resolved")]
+    assert et.depth_cell(tests + calm).startswith("**not resolved**")
+    last_lost = [_depth("2048", 10, -50.0, -70.0, -30.0, 0.001, "resolved: full higher"),
+                 _depth("2048", 90, -40.0, -60.0, -20.0, 0.002, "resolved: full higher")]
+    assert et.depth_cell(tests + last_lost).startswith("**reversed**")
+    assert et.depth_cell([tests[3]]) == "not run"

@@ -90,3 +90,23 @@ def test_a_zero_difference_prints_without_a_sign_of_minus() -> None:
     rows = pp.with_holm([_row("x", "y", 1.0, -0.0, -1e-9, 15.0)])
     assert "| x | y | 512 | 100 | +0.000 [+0.000, +15.000] | 1 | 1 | **not resolved** | 0.050 |" in \
         pp.tests_markdown(rows, "avg", "runs")
+
+
+def test_several_scores_are_one_holm_family_and_each_row_names_its_score(tmp_path) -> None:
+    import csv
+
+    # two depth cells of one comparison: p = 0.01 and 0.04 over m = 2 -> Holm 0.02 and max(0.02, 0.04) = 0.04
+    rows = pp.with_holm([{**_row("streamingllm", "full", 0.01, -70.0, -87.0, -54.0), "score": "L2000_D10"},
+                         {**_row("streamingllm", "full", 0.04, 3.0, -9.0, 19.0), "score": "L2000_D90"}])
+    text = pp.tests_markdown(rows, "L2000_D10,L2000_D90", "runs")
+    assert "| a | b | N | score | n | diff [95 % CI] |" in text
+    assert ("| streamingllm | full | 512 | L2000_D10 | 100 | -70.000 [-87.000, -54.000] | 0.01 | 0.02 | "
+            "**resolved: full higher** | - |") in text
+    assert ("| streamingllm | full | 512 | L2000_D90 | 100 | +3.000 [-9.000, +19.000] | 0.04 | 0.04 | "
+            "**not resolved** |") in text
+    pp.write_tests_csv(rows, "L2000_D10,L2000_D90", tmp_path / "t.csv")
+    assert [(r["score"], r["p_holm"]) for r in csv.DictReader((tmp_path / "t.csv").open())] == [
+        ("L2000_D10", "0.02"), ("L2000_D90", "0.04")]
+    # several scores plan nothing (a plan sizes one score's family)
+    assert pp.main([str(tmp_path), "--out", str(tmp_path / "o.md"), "--score", "a,b", "--compare", "x:y",
+                    "--budgets", "512"]) == 2
