@@ -21,7 +21,8 @@ FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm
          evidence_qwen evidence_knorm evidence_lm_essays pilot_ruler evidence_ruler evidence_ruler_qwen)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs
-               results/evidence_niah/runs results/evidence_qwen/runs/grid)
+               results/evidence_niah/runs results/evidence_qwen/runs/grid results/pilot_ruler/runs
+               results/evidence_ruler/runs results/evidence_ruler_qwen/runs)
 
 # The designed NIAH grid's planned comparisons (the runs scripts/lib.sh's grid_claims queues), each within its claim's
 # folder, the block-wise ones at the grid's budget N ($1), the one-pass ones at 512
