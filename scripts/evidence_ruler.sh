@@ -14,6 +14,9 @@
 #                                  # SnapKV, H2O at N = 1024, 2048, 3072), then the final run at its pick; when no
 #                                  # budget passes, the most informative one where the full cache scores >= 90
 #                                  # (budget_choice.py --most-informative), else 3072, and RUN.md says so
+#   PILOT=run NAME=evidence_ruler_2k LENGTH=2048 NUM=75 OF=10 PILOT_BUDGETS=512,1024,1280 FALLBACK_N=1024 \
+#       scripts/evidence_ruler.sh  # SmolLM2 at 2K: the essays hold 75 disjoint 2K windows (the 76th would wrap); the
+#                                  # pilot is shard 9/10 (7 samples), the final runs the other 68
 #   QUICK=1 [PILOT=run] scripts/evidence_ruler.sh   # 1024-token samples, one in the final run (scratch output)
 #
 # Final runs, per shard: the full cache; KeyDiff and TOVA at N (one shared-work group: their prompt blocks before
@@ -22,18 +25,21 @@
 # Commands run in queue order, WORKERS at a time (lib.sh's DYNAMIC=1: the shards' commands are uneven).
 # CPU, stated before running (SmolLM2, 2 cores): the pilot measured 23.6 CPU-min for 7 samples x 13 runs (~15 s per
 # sample and run, the prompt blocks shared); the final: 28 samples x 5 runs at ~15-20 s: ~40 CPU-min, ~20 min wall
-# on two workers.
+# on two workers. At 2K (SmolLM2, stated before running): ~8 s per sample and run: the pilot 7 x 13 runs ~12 CPU-min,
+# the final 68 x 5 ~45 CPU-min; ~30 min wall on two workers.
 NAME=${NAME:-evidence_ruler}
 DYNAMIC=${DYNAMIC:-1}
 source "$(dirname "$0")/lib.sh"
 
 PILOT=${PILOT:-results/pilot_ruler/runs}  # a pilot's runs, or "run": run this model's pilot first
-PILOT_BUDGETS=1024,2048,3072
-FALLBACK_N=3072
-SHARDS="0 1 2 3"
-TASK=(task=ruler "task.tasks=[niah_single_2]" "task.lengths=[4096]" task.num_samples=35 task.windows=per_sample
+LENGTH=${LENGTH:-4096}  # the samples' length in tokens; NUM of them (as many disjoint windows as the essays hold)
+NUM=${NUM:-35}
+OF=${OF:-5}  # the samples' shards: the pilot takes the last, the final runs the others
+PILOT_BUDGETS=${PILOT_BUDGETS:-1024,2048,3072}
+FALLBACK_N=${FALLBACK_N:-3072}
+SHARDS=$(seq -s ' ' 0 $((OF - 2)))
+TASK=(task=ruler "task.tasks=[niah_single_2]" "task.lengths=[$LENGTH]" "task.num_samples=$NUM" task.windows=per_sample
       block=128)
-OF=5
 if [[ "$QUICK" == 1 ]]; then
     TASK=(task=ruler "task.tasks=[niah_single_2]" "task.lengths=[1024]" task.num_samples=3 task.windows=per_sample
           block=128)
