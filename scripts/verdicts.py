@@ -305,6 +305,8 @@ PLANNED: dict[str, tuple[Path, ...]] = {
                        ROOT / "results/evidence_ruler/final/tests_graded.csv"),
     "evidence_ruler_qwen": (ROOT / "results/evidence_ruler_qwen/final/tests.csv",
                             ROOT / "results/evidence_ruler_qwen/final/tests_graded.csv"),
+    "evidence_ruler_2k": (ROOT / "results/evidence_ruler_2k/final/tests.csv",
+                          ROOT / "results/evidence_ruler_2k/final/tests_graded.csv"),
 }
 BLOCKS: dict[str, Callable[[], list[str]]] = {
     **{name: paired_block(*spec) for name, spec in PAIRED.items()},
