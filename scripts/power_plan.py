@@ -184,8 +184,8 @@ def write_tests_csv(rows: list[dict[str, Any]], score: str, path: Path) -> None:
             if "p" not in r:
                 w.writerow([r["a"], r["b"], r["budget"], r.get("score", score), "", "", "", "", "", "", r["note"]])
                 continue
-            w.writerow([r["a"], r["b"], r["budget"], r.get("score", score), r["n"], f"{r['diff']:.6f}", f"{r['lo']:.6f}",
-                        f"{r['hi']:.6f}", f"{r['p']:.6g}", f"{r['holm']:.6g}", r["verdict"]])
+            w.writerow([r["a"], r["b"], r["budget"], r.get("score", score), r["n"], f"{r['diff']:.6f}",
+                        f"{r['lo']:.6f}", f"{r['hi']:.6f}", f"{r['p']:.6g}", f"{r['holm']:.6g}", r["verdict"]])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
