@@ -197,8 +197,9 @@ evidence_table() {
         --test-names "designed NIAH grid, 0/100 (SmolLM2)" "designed NIAH grid, graded score (SmolLM2)" \
         "real code, graded score (SmolLM2)" "LM score on code (SmolLM2)" "LM score on the essays (SmolLM2)" \
         "designed NIAH grid, 0/100 (Qwen)" "designed NIAH grid, graded score (Qwen)" "LM score on code (Qwen)" \
-        "real code, graded score (Qwen)" "designed RULER, 0/100 (SmolLM2)" "designed RULER, graded score (SmolLM2)" \
-        "designed RULER, 0/100 (Qwen)" "designed RULER, graded score (Qwen)" "designed RULER 2K, 0/100 (SmolLM2)" \
+        "real code, graded score (Qwen)" "designed RULER 4K, 0/100 (SmolLM2)" \
+        "designed RULER 4K, graded score (SmolLM2)" "designed RULER 4K, 0/100 (Qwen)" \
+        "designed RULER 4K, graded score (Qwen)" "designed RULER 2K, 0/100 (SmolLM2)" \
         "designed RULER 2K, graded score (SmolLM2)" --ruler 10 11 12 13 14 15 \
         --out results/evidence.md > /dev/null
 }
