@@ -92,14 +92,21 @@ def separations(dirs: Iterable[Path]) -> list[Separation]:
     return rows
 
 
+def percent(share: float) -> str:
+    """A share in whole percent, with a decimal where whole percent would read "100" or "0" for a share that is not
+    (0.998 is 99.8 %, not 100 %)."""
+    whole = f"{100 * share:.0f}"
+    return f"{100 * share:.1f}" if whole in ("100", "0") and 0 < share < 1 else whole
+
+
 def sentence(s: Separation) -> str:
     """What the row says, from its numbers alone."""
     if s.auc is None:
         return "no hits and misses to compare"
-    share = f"a hit's graded score is above a miss's in {100 * s.auc:.0f} % of (hit, miss) pairs"
+    share = f"a hit's graded score is above a miss's in {percent(s.auc)} % of (hit, miss) pairs"
     share += "" if s.p is not None and s.p < 0.05 else "; not distinguishable from chance (p >= 0.05)"
     if s.within is not None:
-        share += f"; within one run in {100 * s.within:.0f} %"
+        share += f"; within one run in {percent(s.within)} %"
     return share
 
 

@@ -52,3 +52,8 @@ def test_the_committed_table_is_what_the_script_writes(tmp_path: Path) -> None:
     out = tmp_path / "graded_validity.md"
     out.write_text(gv.markdown(gv.separations(runs), [str(r.relative_to(root)) for r in runs]), encoding="utf-8")
     assert out.read_text(encoding="utf-8") == (root / "results" / "graded_validity.md").read_text(encoding="utf-8")
+
+
+def test_a_share_short_of_all_never_reads_100_percent() -> None:
+    # 0.998 rounds to 100 in whole percent: one decimal instead; 0.823 -> 82; exactly 1 -> 100; 0.004 -> 0.4
+    assert [gv.percent(x) for x in (0.998, 0.823, 1.0, 0.004, 0.0)] == ["99.8", "82", "100", "0.4", "0"]
