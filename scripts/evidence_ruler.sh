@@ -38,16 +38,11 @@ OF=${OF:-5}  # the samples' shards: the pilot takes the last, the final runs the
 PILOT_BUDGETS=${PILOT_BUDGETS:-1024,2048,3072}
 FALLBACK_N=${FALLBACK_N:-3072}
 SHARDS=$(seq -s ' ' 0 $((OF - 2)))
+if [[ "$QUICK" == 1 ]]; then
+    LENGTH=1024 NUM=3 OF=3 SHARDS="0" PILOT_BUDGETS=512,768 FALLBACK_N=512
+fi
 TASK=(task=ruler "task.tasks=[niah_single_2]" "task.lengths=[$LENGTH]" "task.num_samples=$NUM" task.windows=per_sample
       block=128)
-if [[ "$QUICK" == 1 ]]; then
-    TASK=(task=ruler "task.tasks=[niah_single_2]" "task.lengths=[1024]" task.num_samples=3 task.windows=per_sample
-          block=128)
-    OF=3
-    SHARDS="0"
-    PILOT_BUDGETS=512,768
-    FALLBACK_N=512
-fi
 
 start_run
 if [[ "$PILOT" == run ]]; then

@@ -47,6 +47,17 @@ depth_tests() {
         --score L2000_D10,L2000_D50,L2000_D90 --compare "streamingllm:full@$3" streamingllm:full@512 > /dev/null
 }
 
+# both_scores RUNS DIR ARGS...: the planned comparisons' tests (power_plan.py --tests ARGS) on the 0/100 score
+# (DIR/tests.md, .csv) and on the graded score (DIR/tests_graded.md, .csv), one Holm family per score
+both_scores() {
+    local runs=$1 dir=$2
+    shift 2
+    python scripts/power_plan.py "$runs" --out "$dir/tests.md" --csv "$dir/tests.csv" --score avg --tests "$@" \
+        > /dev/null
+    python scripts/power_plan.py "$runs" --out "$dir/tests_graded.md" --csv "$dir/tests_graded.csv" \
+        --score answer_logprob --tests "$@" > /dev/null
+}
+
 # part_reports OUT PART...: a report of each part's runs (OUT/runs/PART -> OUT/PART), for the parts that were run
 part_reports() {
     local out=$1 part
@@ -77,10 +88,7 @@ tables() {
             # graded one
             local niah_compare
             read -ra niah_compare <<< "$(grid_comparisons 1024)"
-            python scripts/power_plan.py "$out/runs" --out "$out/tests.md" --csv "$out/tests.csv" --score avg --tests \
-                --compare "${niah_compare[@]}" > /dev/null
-            python scripts/power_plan.py "$out/runs" --out "$out/tests_graded.md" --csv "$out/tests_graded.csv" \
-                --score answer_logprob --tests --compare "${niah_compare[@]}" > /dev/null
+            both_scores "$out/runs" "$out" --compare "${niah_compare[@]}"
             depth_tests "$out/runs" "$out" 1024 ;;
         pilot_niah)
             # The budgets the final NIAH grid runs at: the full cache answers and the policies spread
@@ -104,11 +112,7 @@ tables() {
                 python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" > /dev/null
             fi
             rn=$(run_budgets "$out/runs/final")
-            python scripts/power_plan.py "$out/runs/final" --out "$out/final/tests.md" --csv "$out/final/tests.csv" \
-                --score avg --tests --budgets "$rn" --compare "${ruler_compare[@]}" > /dev/null
-            python scripts/power_plan.py "$out/runs/final" --out "$out/final/tests_graded.md" \
-                --csv "$out/final/tests_graded.csv" --score answer_logprob --tests --budgets "$rn" \
-                --compare "${ruler_compare[@]}" > /dev/null ;;
+            both_scores "$out/runs/final" "$out/final" --budgets "$rn" --compare "${ruler_compare[@]}" ;;
         evidence_lm | evidence_lm_essays)
             # The planned comparisons' tests, Holm over the table (the LM score: answer_logprob, nats per token), at the
             # budget the runs hold (code: N = 1024 of 2048 tokens; essays: 512 of 1024)
@@ -143,11 +147,7 @@ tables() {
             if [[ -d "$out/runs/grid" ]]; then
                 local qwen_niah
                 read -ra qwen_niah <<< "$(grid_comparisons "$n")"
-                python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests.md" --csv "$out/grid/tests.csv" \
-                    --score avg --tests --compare "${qwen_niah[@]}" > /dev/null
-                python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests_graded.md" \
-                    --csv "$out/grid/tests_graded.csv" --score answer_logprob --tests --compare "${qwen_niah[@]}" \
-                    > /dev/null
+                both_scores "$out/runs/grid" "$out/grid" --compare "${qwen_niah[@]}"
                 depth_tests "$out/runs/grid" "$out/grid" "$n"
             fi
             if [[ -d "$out/runs/lm" ]]; then
@@ -167,11 +167,7 @@ tables() {
             part_reports "$out" pilot grid
             python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" > /dev/null
             kn=$(run_budgets "$out/runs/grid")
-            python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests.md" --csv "$out/grid/tests.csv" \
-                --score avg --tests --budgets "$kn" --compare knorm:random > /dev/null
-            python scripts/power_plan.py "$out/runs/grid" --out "$out/grid/tests_graded.md" \
-                --csv "$out/grid/tests_graded.csv" --score answer_logprob --tests --budgets "$kn" \
-                --compare knorm:random > /dev/null ;;
+            both_scores "$out/runs/grid" "$out/grid" --budgets "$kn" --compare knorm:random ;;
         claims) python scripts/claims_table.py "$out/runs" "$NIAH_RUNS" "$RULER_RUNS" "$out" ;;
         qwen2.5-coder-1.5b)
             python scripts/claims_table.py "$out/runs" "$out/runs/niah" - "$out"
@@ -205,11 +201,7 @@ evidence_table() {
 }
 
 if [[ $# == 0 ]]; then
-    for name in "${FOLDERS[@]}"; do
-        # (a folder whose script has not been run yet, e.g. on a machine without the GPU it needs, is named and skipped)
-        if [[ ! -d "results/$name" ]]; then echo "tables.sh: results/$name not made yet: skipped" >&2; continue; fi
-        tables "$name" "results/$name"
-    done
+    for name in "${FOLDERS[@]}"; do tables "$name" "results/$name"; done
     # results/README.md's verdict blocks, from the CSVs just written (tests/test_verdicts.py checks them).
     python scripts/verdicts.py
     # Whether the graded score separates hits from misses, per model (tests/test_graded_validity.py checks it)
