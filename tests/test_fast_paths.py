@@ -5,13 +5,16 @@ Expected values are worked out by hand or come from the plain formula the fast p
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvbench.engine import attention
 from kvbench.engine.cache import EvictingCache, EvictingLayer
-from kvbench.policies.base import query_attention, top_slots
+from kvbench.policies.adakv import AdaKV
+from kvbench.policies.base import latest_mask, query_attention, top_slots
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
 from kvbench.policies.snapkv import SnapKV
@@ -44,6 +47,69 @@ def test_top_slots_drop_one_equals_topk_without_ties() -> None:
     scores = torch.randn(2, 3, 257, generator=torch.Generator().manual_seed(1))
     want = scores.topk(256, dim=-1).indices.sort(dim=-1).values
     assert torch.equal(top_slots(scores, 256), want)
+
+
+@pytest.mark.parametrize("n,count", [(9, 4), (64, 33), (130, 1), (130, 128)])
+def test_top_slots_of_many_over_are_the_stable_sorts_first(n: int, count: int) -> None:
+    g = torch.Generator().manual_seed(n + count)
+    scores = torch.randint(0, 5, (2, 3, n), generator=g).float()  # five values: ties everywhere, across the cut too
+    scores[0, 0, :3] = math.inf  # protected slots
+    scores[1, 2, -4:] = -math.inf  # padding
+    # the plain formula the cut replaces: a stable descending sort (ties to the earlier slot), its first `count`
+    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count].sort(dim=-1).values
+    assert torch.equal(top_slots(scores, count), want)
+
+
+def _padded_view(kept: list[list[int]], seen: int = 12, d: int = 4) -> EvictingLayer:
+    """A layer that saw `seen` tokens and keeps the positions `kept[h]` of KV head h (batch 1; heads of different
+    sizes, so it is stored flat per head), in its padded scoring view."""
+    g = torch.Generator().manual_seed(seen)
+    layer = EvictingLayer(0)
+    layer.update(torch.randn(1, len(kept), seen, d, generator=g), torch.randn(1, len(kept), seen, d, generator=g))
+    width = max(len(k) for k in kept)
+    idx = torch.tensor([[k + [0] * (width - len(k)) for k in kept]])
+    valid = torch.tensor([[[True] * len(k) + [False] * (width - len(k)) for k in kept]])
+    layer.keep(idx, valid)
+    assert layer.ragged
+    layer.unpack()
+    return layer
+
+
+def test_latest_mask_of_a_padded_view_is_each_heads_latest_real_tokens() -> None:
+    layer = _padded_view([[0, 2, 5, 7], [1, 3], [4, 6, 8]], seen=9)
+    assert latest_mask(layer, 2)[0].tolist() == [[False, False, True, True], [True, True, False, False],
+                                                  [False, True, True, False]]
+    assert latest_mask(layer, 3)[0].tolist() == [[False, True, True, True], [True, True, False, False],
+                                                  [True, True, True, False]]
+
+
+def test_query_attention_of_a_padded_view_masks_only_the_tail_like_the_full_mask() -> None:
+    # heads of 7, 3 and 5 tokens after a 12-token prompt; the queries at 9..11 cannot see the keys after them
+    # (positions 10 and 11, held by heads 0 and 2) nor the padding; head 1 holds none of them
+    layer = _padded_view([[0, 1, 4, 6, 9, 10, 11], [0, 5, 8], [2, 3, 7, 9, 11]])
+    layer.scaling, layer.softcap = 0.4, None
+    layer.stash.add(torch.randn(1, 6, 3, 4, generator=torch.Generator().manual_seed(2)), layer.seen, 3)
+    assert layer.stash.first == 9
+    fast = query_attention(layer)  # masks from slot min(7, 3, 5) - (11 - 9) = 1 on
+    layer.stash.first = None  # the general path: every key's visibility to every query
+    full = query_attention(layer)
+    assert torch.equal(fast, full)
+    # query 9 (row 0) of head 0's group: positions 10 and 11 (slots 5, 6) weigh exactly 0, as the padding of head 1
+    assert fast[0, :2, 0, 5:].abs().max().item() == 0.0 and fast[0, 2:4, :, 3:].abs().max().item() == 0.0
+
+
+def test_a_ragged_layer_under_its_total_budget_is_not_unpacked() -> None:
+    # AdaKV: 3 heads share 3 x 5 slots; 6 + 2 + 4 = 12 tokens fit although head 0 holds more than 5
+    layer = _padded_view([[0, 1, 2, 3, 4, 5], [0, 6], [1, 3, 5, 7]])
+    layer.pack()
+    keys = layer.keys  # (S, d): the flat storage
+    policy = AdaKV(budget=5, window=2, kernel=1)
+    assert layer.kv_heads == 3 and not policy.due(layer)
+    assert policy.evict(layer) is False
+    assert layer.ragged and layer.keys is keys  # no padded view built and stored back
+    over = _padded_view([[0, 1, 2, 3, 4, 5, 6], [0, 6, 7, 8, 9], [1, 3, 5, 7]])  # 16 > 15
+    over.pack()
+    assert policy.due(over)
 
 
 def test_protected_mask_of_chronological_slots_is_sinks_first_and_recent_last() -> None:

@@ -139,6 +139,13 @@ class RaggedStorage:
         return self.flat is None and self.padded is None
 
     @property
+    def kv_heads(self) -> int:
+        """KV heads per batch row, whatever the storage (flat per head, the keys are (S, d)); 0 while empty."""
+        if self.flat is not None:
+            return self.flat.lengths.shape[1]
+        return self.keys.shape[1] if self.keys is not None else 0
+
+    @property
     def lengths(self) -> torch.Tensor | None:
         """(b, h_kv) tokens per head of a ragged layer (None otherwise)."""
         return self.flat.lengths if self.flat is not None else None

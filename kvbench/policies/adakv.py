@@ -73,7 +73,7 @@ class AdaKV(SnapKV):
         budget = super().over_budget(layer)
         if budget is None:
             return None
-        h = layer.keys.shape[1]
+        h = layer.kv_heads  # the stored layer's (flat storage holds (S, d) keys)
         sizes = layer.head_lengths()  # on the host: no read of the device
         if max(sum(sizes[i:i + h]) for i in range(0, len(sizes), h)) <= budget * h:
             return None

@@ -155,6 +155,12 @@ class Policy:
         """(b, h_kv) tokens each head keeps: the budget, for every head (AdaKV allocates per head instead)."""
         return torch.full(scores.shape[:2], budget, dtype=torch.long, device=scores.device)
 
+    def due(self, layer: CacheLayer) -> bool:
+        """Whether `select` may evict from the layer now; False only where it surely selects nothing. Asked before a
+        ragged layer is turned into its padded view, so it reads what the stored layer tells on the host (head sizes,
+        `physical`, `kv_heads`), never the device. A policy whose `select` evicts on other terms says so here."""
+        return self.over_budget(layer) is not None
+
     def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Kept slot indices (b, h_kv, k) in chronological order, plus a validity mask for ragged heads (or None).
 
@@ -170,8 +176,12 @@ class Policy:
         """Prune `layer` to its budget; True if anything was evicted.
 
         `observe(layer, idx, valid)` (diagnostics) sees the selection while the layer still holds every token.
-        A ragged layer is scored in its padded view, built here and packed back before returning.
+        A ragged layer is scored in its padded view, built here and packed back before returning; not when the policy
+        is not `due` (AdaKV's layers stay under their total budget for many decoding steps: building the view and
+        storing it back unchanged cost ~0.6 ms a layer there, three quarters of its decoding eviction).
         """
+        if not self.due(layer):
+            return False
         layer.unpack()
         try:
             chosen = self.select(layer)
@@ -209,8 +219,26 @@ def top_slots(scores: torch.Tensor, count: int, positions: torch.Tensor | None =
             drop = positions.masked_fill(~lowest, -1).argmax(dim=-1, keepdim=True)
         j = torch.arange(count, device=scores.device)  # (count,)
         return j + (j >= drop)  # (b, h, count): every slot but `drop`
+    if positions is None and 0 < count < n:
+        return _top_in_slot_order(scores, count)
     ranked = _ranked(scores, positions)  # (b, h, n), ties in token order
     return ranked[..., :count].sort(dim=-1).values
+
+
+def _top_in_slot_order(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """(b, h, count) slots of the `count` highest `scores` (b, h, n) of each head, in slot order, ties to the earlier
+    slot: the selection a stable descending sort makes (`_ranked`), found without sorting. The count-th highest score
+    is the cut (one selection, `kthvalue`); every score above it is kept, then the earliest slots at the cut up to
+    `count`. The same slots by construction, ~2-4x cheaper on CPU than the two sorts (measured: 1024 of 1152 slots, 3
+    heads, 232 vs 126 us; of 4096, 834 vs 212 us). NaN ranks as +inf here (a sort ranks it above +inf: the two differ
+    only where NaN and +inf scores straddle the cut, which finite model scores never do)."""
+    b, h, n = scores.shape
+    s = scores.nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    cut = s.kthvalue(n - count + 1, dim=-1, keepdim=True).values  # (b, h, 1): the count-th highest
+    above = s > cut
+    at_cut = s == cut
+    keep = above | (at_cut & (at_cut.cumsum(dim=-1) <= count - above.sum(dim=-1, keepdim=True)))  # count per head
+    return keep.view(b * h, n).nonzero_static(size=b * h * count)[:, 1].view(b, h, count)  # no host read
 
 
 def _ranked(scores: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
@@ -266,6 +294,18 @@ def attention_probs(layer: CacheLayer, query: torch.Tensor, query_positions: tor
             hidden = layer.positions[..., n - tail:].unsqueeze(-2) > query_positions.view(1, 1, w, 1)
             logits.view(b, h_kv, g, w, n)[..., n - tail:].masked_fill_(hidden.unsqueeze(2), -math.inf)
         return torch.softmax(logits, dim=-1)
+    if layer.valid is not None and first is not None:
+        # The padded view: each head's real slots first, in position order, then padding. The keys some query cannot
+        # see are a suffix of every head (the tokens after the earliest query, at most seen - 1 - first of them, then
+        # the padding), so none lies before the shortest head's length less seen - 1 - first: the mask is built and
+        # applied in place on the slots from there on (the same -inf entries as masking every slot; a full-size
+        # masked_fill and its repeat over the query heads cost ~3x the softmax on CPU).
+        tail = max(0, min(layer.head_lengths()) - (layer.seen - 1 - first))
+        if tail < n:
+            hidden = layer.positions[..., tail:].unsqueeze(-2) > query_positions.view(1, 1, w, 1)  # (b, h_kv, w, n')
+            hidden |= ~layer.valid[..., tail:].unsqueeze(-2)
+            logits.view(b, h_kv, g, w, n)[..., tail:].masked_fill_(hidden.unsqueeze(2), -math.inf)
+        return torch.softmax(logits, dim=-1)
     visible = layer.positions.unsqueeze(-2) <= query_positions.view(1, 1, w, 1)  # (b, h_kv, w, n)
     if layer.valid is not None:
         visible = visible & layer.valid.unsqueeze(-2)
@@ -281,6 +321,12 @@ def attention_probs(layer: CacheLayer, query: torch.Tensor, query_positions: tor
 
 def latest_mask(layer: CacheLayer, count: int | torch.Tensor) -> torch.Tensor:
     """(b, h_kv, n) bool: each head's `count` latest real tokens (by position; padding never)."""
+    n = layer.positions.shape[-1]
+    if isinstance(count, int) and 0 < count < n:
+        # A head's real positions differ (padding is -1, below them all): the count latest are those at or above the
+        # count-th highest position, one `kthvalue` (what rank_mask selects, without its sort)
+        cut = layer.positions.kthvalue(n - count + 1, dim=-1, keepdim=True).values  # (b, h_kv, 1)
+        return (layer.positions >= cut) & (layer.positions >= 0)
     return rank_mask(layer.positions.float().masked_fill(layer.positions < 0, -math.inf), count)
 
 

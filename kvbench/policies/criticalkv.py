@@ -98,6 +98,9 @@ class CriticalKV(Policy):
     def score(self, layer: CacheLayer) -> torch.Tensor:
         return self.base.score(layer)  # (b, h_kv, n): A, the base's scores (stage 1)
 
+    def due(self, layer: CacheLayer) -> bool:
+        return self.base.due(layer)
+
     def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         budget = self.base.over_budget(layer)
         if budget is None:

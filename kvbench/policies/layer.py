@@ -51,6 +51,7 @@ class CacheLayer(Protocol):
     extras: dict[str, LayerExtra]
 
     # -- where the layer is --------------------------------------------------------------------------------------
+    kv_heads: int  # h_kv, whatever the storage: what `due` may read before a ragged layer is unpacked
     layer_idx: int  # the decoder layer's index in the model (per-layer budgets, per-layer random projections)
     seen: int  # tokens ever appended: the next token's absolute position
     decoding: bool  # True once the prompt is done (SAGE-KV slides its window only then)

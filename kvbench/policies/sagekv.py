@@ -52,6 +52,11 @@ class SageKV(Policy):
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"pinned": keys.new_zeros(keys.shape[:3], dtype=torch.float32)}  # (b, h_kv, q)
 
+    def due(self, layer: CacheLayer) -> bool:
+        """`select`'s own terms: while decoding once a selection was made (the window slides), else over budget."""
+        budget = self.layer_budget(layer.layer_idx, layer.seen)
+        return budget is not None and ((layer.decoding and layer.physical() < layer.seen) or layer.physical() > budget)
+
     def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         budget = self.layer_budget(layer.layer_idx, layer.seen)
         if budget is None:
