@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from kvbench.engine import attention
 from kvbench.engine.cache import EvictingCache, EvictingLayer
 from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import latest_mask, query_attention, top_slots
+from kvbench.policies.base import latest_mask, query_attention, rank_mask, top_slots
+from kvbench.policies.criticalkv import stage2_scores
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
 from kvbench.policies.snapkv import SnapKV
@@ -50,14 +51,28 @@ def test_top_slots_drop_one_equals_topk_without_ties() -> None:
 
 
 @pytest.mark.parametrize("n,count", [(9, 4), (64, 33), (130, 1), (130, 128)])
-def test_top_slots_of_many_over_are_the_stable_sorts_first(n: int, count: int) -> None:
+def test_top_slots_and_rank_mask_of_one_count_are_the_stable_sorts_first(n: int, count: int) -> None:
     g = torch.Generator().manual_seed(n + count)
     scores = torch.randint(0, 5, (2, 3, n), generator=g).float()  # five values: ties everywhere, across the cut too
     scores[0, 0, :3] = math.inf  # protected slots
     scores[1, 2, -4:] = -math.inf  # padding
     # the plain formula the cut replaces: a stable descending sort (ties to the earlier slot), its first `count`
-    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count].sort(dim=-1).values
-    assert torch.equal(top_slots(scores, count), want)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    assert torch.equal(top_slots(scores, count), order[..., :count].sort(dim=-1).values)
+    # rank_mask with one count for every head: the same ranks as a mask, padding (-inf) never selected
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n).expand_as(order))
+    assert torch.equal(rank_mask(scores, count), (rank < count) & (scores > -math.inf))
+
+
+@pytest.mark.parametrize("window", ["outside", "inside"])
+def test_criticalkv_stage2_with_host_counts_equals_per_head_counts(window: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    scores, vnorm = torch.rand(1, 3, 40, generator=g), torch.rand(1, 3, 40, generator=g)
+    scores[..., -4:] = math.inf  # 4 protected slots per head
+    want = stage2_scores(scores, vnorm, torch.full((1, 3), 25), torch.full((1, 3), 4), 0.5, 1e-4, window)
+    assert torch.equal(stage2_scores(scores, vnorm, 25, 4, 0.5, 1e-4, window), want)
+    # stage 1 by hand: outside 4 + floor(0.5 * 21) = 14 tokens at +inf per head, inside max(4, floor(12.5)) = 12
+    assert (want == math.inf).sum(dim=-1).tolist() == [[14 if window == "outside" else 12] * 3]
 
 
 def _padded_view(kept: list[list[int]], seen: int = 12, d: int = 4) -> EvictingLayer:

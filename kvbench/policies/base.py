@@ -219,26 +219,26 @@ def top_slots(scores: torch.Tensor, count: int, positions: torch.Tensor | None =
             drop = positions.masked_fill(~lowest, -1).argmax(dim=-1, keepdim=True)
         j = torch.arange(count, device=scores.device)  # (count,)
         return j + (j >= drop)  # (b, h, count): every slot but `drop`
-    if positions is None and 0 < count < n:
-        return _top_in_slot_order(scores, count)
+    if positions is None and 0 < count < n:  # the cut's mask, its slots in order (nonzero_static: no host read)
+        b, h = scores.shape[:2]
+        return _cut_mask(scores, count).view(b * h, n).nonzero_static(size=b * h * count)[:, 1].view(b, h, count)
     ranked = _ranked(scores, positions)  # (b, h, n), ties in token order
     return ranked[..., :count].sort(dim=-1).values
 
 
-def _top_in_slot_order(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """(b, h, count) slots of the `count` highest `scores` (b, h, n) of each head, in slot order, ties to the earlier
-    slot: the selection a stable descending sort makes (`_ranked`), found without sorting. The count-th highest score
-    is the cut (one selection, `kthvalue`); every score above it is kept, then the earliest slots at the cut up to
-    `count`. The same slots by construction, ~2-4x cheaper on CPU than the two sorts (measured: 1024 of 1152 slots, 3
-    heads, 232 vs 126 us; of 4096, 834 vs 212 us). NaN ranks as +inf here (a sort ranks it above +inf: the two differ
-    only where NaN and +inf scores straddle the cut, which finite model scores never do)."""
-    b, h, n = scores.shape
+def _cut_mask(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """(b, h, n) bool: the `count` (0 < count < n) highest `scores` (b, h, n) of each head, ties to the earlier slot:
+    what a stable descending sort ranks first (`_ranked`), found without sorting. The count-th highest score is the
+    cut (one selection, `kthvalue`); every score above it is kept, then the earliest slots at the cut up to `count`.
+    The same slots by construction, ~2-4x cheaper on CPU than sorting (top_slots, 1024 of 1152 slots, 3 heads: 126 vs
+    232 us; of 4096: 212 vs 834 us). NaN ranks as +inf here (a sort ranks it above +inf: the two differ only where
+    NaN and +inf scores straddle the cut, which finite model scores never do)."""
+    n = scores.shape[-1]
     s = scores.nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
     cut = s.kthvalue(n - count + 1, dim=-1, keepdim=True).values  # (b, h, 1): the count-th highest
     above = s > cut
     at_cut = s == cut
-    keep = above | (at_cut & (at_cut.cumsum(dim=-1) <= count - above.sum(dim=-1, keepdim=True)))  # count per head
-    return keep.view(b * h, n).nonzero_static(size=b * h * count)[:, 1].view(b, h, count)  # no host read
+    return above | (at_cut & (at_cut.cumsum(dim=-1) <= count - above.sum(dim=-1, keepdim=True)))  # count per head
 
 
 def _ranked(scores: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
@@ -321,12 +321,6 @@ def attention_probs(layer: CacheLayer, query: torch.Tensor, query_positions: tor
 
 def latest_mask(layer: CacheLayer, count: int | torch.Tensor) -> torch.Tensor:
     """(b, h_kv, n) bool: each head's `count` latest real tokens (by position; padding never)."""
-    n = layer.positions.shape[-1]
-    if isinstance(count, int) and 0 < count < n:
-        # A head's real positions differ (padding is -1, below them all): the count latest are those at or above the
-        # count-th highest position, one `kthvalue` (what rank_mask selects, without its sort)
-        cut = layer.positions.kthvalue(n - count + 1, dim=-1, keepdim=True).values  # (b, h_kv, 1)
-        return (layer.positions >= cut) & (layer.positions >= 0)
     return rank_mask(layer.positions.float().masked_fill(layer.positions < 0, -math.inf), count)
 
 
@@ -336,6 +330,8 @@ def rank_mask(scores: torch.Tensor, count: int | torch.Tensor, positions: torch.
     Ties are broken by slot order (earlier slot first), or by `positions` (b, h, n) when given (`tie_positions`), so
     selections are deterministic.
     """
+    if positions is None and isinstance(count, int) and 0 < count < scores.shape[-1]:
+        return _cut_mask(scores, count) & (scores > -math.inf)
     order = _ranked(scores, positions)  # (b, h, n)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device)
                                             .expand_as(order))

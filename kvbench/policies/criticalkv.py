@@ -106,20 +106,25 @@ class CriticalKV(Policy):
         if budget is None:
             return None
         scores = self.base.ranked_scores(layer)  # (b, h_kv, n): protected +inf, padding -inf
-        n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
-        counts = self.base.head_counts(layer, scores, budget)  # (b, h_kv)
         ties = tie_positions(layer)
-        stage2 = stage2_scores(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps,
-                               self.stage1_window, ties)
         if layer.valid is None and not isinstance(self.base, AdaKV):
             # SnapKV's budget on a layer without padding (no -inf score): every head keeps exactly `budget`, the
             # top of stage2 (a decoding step: all but its lowest, one argmin instead of a sort); nothing is read
-            # back from the device
+            # back from the device. The protected counts are the host's (the only +inf scores are the protected
+            # slots'): one count for every head, and stage 1 one count too (a cut, not a sort, when ties follow slots)
+            prot = set(self.base.protected_sizes(layer))
+            n_prot = prot.pop() if len(prot) == 1 else (scores == math.inf).sum(dim=-1)
+            stage2 = stage2_scores(scores, layer.state["vnorm"], budget, n_prot, self.alpha, self.eps,
+                                   self.stage1_window, ties)
             return top_slots(stage2, budget, ties), None
+        n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
+        counts = self.base.head_counts(layer, scores, budget)  # (b, h_kv)
+        stage2 = stage2_scores(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps,
+                               self.stage1_window, ties)
         return compact(rank_mask(stage2, counts, ties))
 
 
-def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor, n_prot: torch.Tensor,
+def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor | int, n_prot: torch.Tensor | int,
                   alpha: float, eps: float, stage1_window: str = "outside",
                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """CriticalKV Alg. 1 per head as one ranking (b, h, n): the stage-1 tokens (`counts` of them by score, protected
@@ -128,12 +133,18 @@ def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tenso
 
     Stage-1 count: n_prot + floor(alpha * (counts - n_prot)) (`outside`) or max(n_prot, floor(alpha * counts))
     (`inside`), floors of the double products as Python's int() takes them. `positions`: ties by position, not
-    slot (`tie_positions`).
+    slot (`tie_positions`). `counts` and `n_prot` may be ints, one for every head (known on the host): the same
+    floors in Python's double arithmetic.
     """
-    if stage1_window == "outside":
-        first = n_prot + ((counts - n_prot).double() * alpha).floor().long()  # (b, h)
+    if isinstance(counts, int) and isinstance(n_prot, int):
+        first: torch.Tensor | int = (n_prot + math.floor((counts - n_prot) * alpha) if stage1_window == "outside"
+                                     else max(n_prot, math.floor(counts * alpha)))
     else:
-        first = torch.maximum(n_prot, (counts.double() * alpha).floor().long())
+        counts, n_prot = torch.as_tensor(counts, device=scores.device), torch.as_tensor(n_prot, device=scores.device)
+        if stage1_window == "outside":
+            first = n_prot + ((counts - n_prot).double() * alpha).floor().long()  # (b, h)
+        else:
+            first = torch.maximum(n_prot, (counts.double() * alpha).floor().long())
     stage1 = rank_mask(scores, first, positions)
     return ((scores + eps) * vnorm).masked_fill(stage1, math.inf).masked_fill(scores == -math.inf, -math.inf)
 
