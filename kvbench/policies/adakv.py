@@ -50,8 +50,9 @@ class AdaKV(SnapKV):
     def window_scores(self, layer: CacheLayer) -> torch.Tensor:
         """SnapKV's pooled window scores (b, h_q, n), on ragged layers too.
 
-        Each head's real tokens are gathered into chronological order (padding last) so pooling never mixes a
-        token with padding or with a later block; the window is each head's latest `window` tokens.
+        The padded view holds each head's real tokens first, in position order, then padding, so pooling in slot
+        order never mixes a token with a later block; the window (each head's latest `window` tokens) and the
+        padding read as zero padding.
         """
         if layer.valid is None:
             return super().window_scores(layer)
@@ -59,13 +60,10 @@ class AdaKV(SnapKV):
         h_kv = layer.keys.shape[1]
         g = probs.shape[1] // h_kv
         window = latest_mask(layer, self.window).repeat_interleave(g, dim=1)  # (b, h_q, n)
-        chrono = layer.positions.masked_fill(layer.positions < 0, torch.iinfo(torch.long).max)
-        perm = chrono.argsort(dim=-1).repeat_interleave(g, dim=1)  # (b, h_q, n): real tokens by position first
-        prefix = probs.masked_fill(window, 0.0).gather(-1, perm)  # window and padding read as zero padding
+        prefix = probs.masked_fill(window, 0.0)
         b, h, n = prefix.shape
         pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
-        pooled = pool(prefix.reshape(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2).view(b, h, n)
-        scores = torch.empty_like(pooled).scatter_(-1, perm, pooled)  # back to slot order
+        scores = pool(prefix.reshape(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2).view(b, h, n)
         return scores.masked_fill(window, scores.max() if n else 0.0)  # a 0-d tensor: no host read
 
     def over_budget(self, layer: CacheLayer) -> int | None:
