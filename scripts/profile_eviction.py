@@ -24,7 +24,7 @@ from kvbench.engine.generate import GenerationSettings, Observer, generate
 FUNCS = ("evict", "_evict", "select", "score", "window_scores", "query_attention", "ranked_scores", "top_slots",
          "rank_mask", "adaptive_counts", "head_counts", "compact", "stage2_scores", "keep", "unpack", "pack", "on_append",
          "on_attention", "explicit_attention", "ragged_attention", "wrapped", "window_attention", "attention",
-         "_query_rows", "_apply_pending")
+         "_query_rows", "_apply_pending", "attention_probs", "_cut_mask", "pooled", "on_keep", "on_reuse")
 
 
 def profile(model, tok, name: str, prompt: list[int], budget: int, block: int, new_tokens: int) -> list[str]:

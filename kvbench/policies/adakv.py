@@ -66,6 +66,10 @@ class AdaKV(SnapKV):
         scores = pool(prefix.reshape(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2).view(b, h, n)
         return scores.masked_fill(window, scores.max() if n else 0.0)  # a 0-d tensor: no host read
 
+    def due(self, layer: CacheLayer) -> bool:
+        """Only over the layer's total budget (its heads sit under it for many decoding steps)."""
+        return self.over_budget(layer) is not None
+
     def over_budget(self, layer: CacheLayer) -> int | None:
         """N when the layer's heads hold more than h_kv * N tokens in all (heads share the layer's budget)."""
         budget = super().over_budget(layer)

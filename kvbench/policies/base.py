@@ -156,10 +156,12 @@ class Policy:
         return torch.full(scores.shape[:2], budget, dtype=torch.long, device=scores.device)
 
     def due(self, layer: CacheLayer) -> bool:
-        """Whether `select` may evict from the layer now; False only where it surely selects nothing. Asked before a
-        ragged layer is turned into its padded view, so it reads what the stored layer tells on the host (head sizes,
-        `physical`, `kv_heads`), never the device. A policy whose `select` evicts on other terms says so here."""
-        return self.over_budget(layer) is not None
+        """Whether `select` may evict from the layer now; False only where it surely selects nothing, so `evict`
+        leaves the layer alone (a per-head layer not even turned into its padded view). Asked first, it reads only
+        what the stored layer tells on the host (head sizes, `physical`, `kv_heads`), never the device. The default
+        asks `select` every time (a subclass's own `select` may evict on any terms); the per-head policies, whose
+        padded view costs the most, say when."""
+        return True
 
     def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Kept slot indices (b, h_kv, k) in chronological order, plus a validity mask for ragged heads (or None).
