@@ -287,26 +287,21 @@ def attention_probs(layer: CacheLayer, query: torch.Tensor, query_positions: tor
                            beta=0.0, alpha=layer.scaling).view(b, h_q, w, n)
     if layer.softcap:
         logits = torch.tanh(logits / layer.softcap) * layer.softcap
-    if layer.valid is None and first is not None and (layer.chronological or first >= layer.seen - 1):
-        # Chronological slots and gap-free query positions: only keys after the earliest query can be hidden from
-        # some query, and at most seen - 1 - first keys come after it, all in the last slots. Mask only those (none
-        # when every query is the latest token, whatever the slots' order).
-        tail = min(n, layer.seen - 1 - first)
-        if tail > 0:
-            hidden = layer.positions[..., n - tail:].unsqueeze(-2) > query_positions.view(1, 1, w, 1)
-            logits.view(b, h_kv, g, w, n)[..., n - tail:].masked_fill_(hidden.unsqueeze(2), -math.inf)
-        return torch.softmax(logits, dim=-1)
-    if layer.valid is not None and first is not None:
-        # The padded view: each head's real slots first, in position order, then padding. The keys some query cannot
-        # see are a suffix of every head (the tokens after the earliest query, at most seen - 1 - first of them, then
-        # the padding), so none lies before the shortest head's length less seen - 1 - first: the mask is built and
-        # applied in place on the slots from there on (the same -inf entries as masking every slot; a full-size
-        # masked_fill and its repeat over the query heads cost ~3x the softmax on CPU).
-        tail = max(0, min(layer.head_lengths()) - (layer.seen - 1 - first))
-        if tail < n:
-            hidden = layer.positions[..., tail:].unsqueeze(-2) > query_positions.view(1, 1, w, 1)  # (b, h_kv, w, n')
-            hidden |= ~layer.valid[..., tail:].unsqueeze(-2)
-            logits.view(b, h_kv, g, w, n)[..., tail:].masked_fill_(hidden.unsqueeze(2), -math.inf)
+    if first is not None and (layer.valid is not None or layer.chronological or first >= layer.seen - 1):
+        # Gap-free query positions: only the keys after the earliest query (at most seen - 1 - first of them) and
+        # padding can be hidden from some query, and they lie from slot `start` on. Chronological slots hold them
+        # last (none is hidden when every query is the latest token, whatever the slots' order); the padded view holds
+        # each head's real slots first, in position order, then padding, so none lies before the shortest head's
+        # length less seen - 1 - first. The mask is built and applied in place from `start` on: the same -inf entries
+        # as masking every slot (a full-size masked_fill and its repeat over the query heads cost ~3x the softmax on
+        # CPU).
+        after = layer.seen - 1 - first
+        start = n - min(n, after) if layer.valid is None else max(0, min(layer.head_lengths()) - after)
+        if start < n:
+            hidden = layer.positions[..., start:].unsqueeze(-2) > query_positions.view(1, 1, w, 1)  # (b, h_kv, w, n')
+            if layer.valid is not None:
+                hidden |= ~layer.valid[..., start:].unsqueeze(-2)
+            logits.view(b, h_kv, g, w, n)[..., start:].masked_fill_(hidden.unsqueeze(2), -math.inf)
         return torch.softmax(logits, dim=-1)
     visible = layer.positions.unsqueeze(-2) <= query_positions.view(1, 1, w, 1)  # (b, h_kv, w, n)
     if layer.valid is not None:

@@ -107,20 +107,18 @@ class CriticalKV(Policy):
             return None
         scores = self.base.ranked_scores(layer)  # (b, h_kv, n): protected +inf, padding -inf
         ties = tie_positions(layer)
-        if layer.valid is None and not isinstance(self.base, AdaKV):
-            # SnapKV's budget on a layer without padding (no -inf score): every head keeps exactly `budget`, the
-            # top of stage2 (a decoding step: all but its lowest, one argmin instead of a sort); nothing is read
-            # back from the device. The protected counts are the host's (the only +inf scores are the protected
-            # slots'): one count for every head, and stage 1 one count too (a cut, not a sort, when ties follow slots)
-            prot = set(self.base.protected_sizes(layer))
-            n_prot = prot.pop() if len(prot) == 1 else (scores == math.inf).sum(dim=-1)
-            stage2 = stage2_scores(scores, layer.state["vnorm"], budget, n_prot, self.alpha, self.eps,
-                                   self.stage1_window, ties)
-            return top_slots(stage2, budget, ties), None
-        n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
-        counts = self.base.head_counts(layer, scores, budget)  # (b, h_kv)
+        # SnapKV's budget on a layer without padding (no -inf score): every head keeps exactly `budget`, the top of
+        # stage2 (a decoding step: all but its lowest, one argmin instead of a sort); nothing is read back from the
+        # device. Its protected counts are the host's (the only +inf scores are the protected slots'): one count for
+        # every head, and stage 1 one count too (a cut, not a sort, when ties follow slots)
+        uniform = layer.valid is None and not isinstance(self.base, AdaKV)
+        prot = set(self.base.protected_sizes(layer)) if uniform else set()
+        n_prot = prot.pop() if len(prot) == 1 else (scores == math.inf).sum(dim=-1)  # int, or (b, h_kv)
+        counts = budget if uniform else self.base.head_counts(layer, scores, budget)  # int, or (b, h_kv)
         stage2 = stage2_scores(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps,
                                self.stage1_window, ties)
+        if uniform:
+            return top_slots(stage2, budget, ties), None
         return compact(rank_mask(stage2, counts, ties))
 
 
