@@ -61,6 +61,20 @@ def table_verdict(row: dict[str, str]) -> str:
     return f"{verdict(row.get('holds?', ''))}; graded: {verdict(row.get('graded score', ''))}"
 
 
+def oriented(row: dict[str, str], first: str) -> tuple[float, float, float, int]:
+    """A tests.csv row's diff and 95 % interval as `first` minus the other policy of the row, and the sign of a
+    resolved difference (0: not resolved)."""
+    flip = 1 if row["a"] == first else -1
+    diff, lo, hi = (flip * float(row[k]) for k in ("diff", "ci_low", "ci_high"))
+    sign = (1 if diff > 0 else -1) if row["verdict"].startswith("resolved") else 0
+    return diff, min(lo, hi), max(lo, hi), sign
+
+
+def numbers(row: dict[str, str], diff: float, lo: float, hi: float) -> str:
+    """The row's difference, interval, n and Holm p, as the evidence cells write them."""
+    return f"{signed(diff)} [{signed(lo)}, {signed(hi)}], n = {row['n']}, Holm p = {float(row['p_holm']):.2g}"
+
+
 def evidence_cell(winner: str, rivals: tuple[str, ...], tests: list[dict[str, str]]) -> str:
     """The claim on one folder's planned tests: its verdict, then each rival's comparison (one per budget the folder
     compared them at; the claim holds only where every one is resolved for the winner)."""
@@ -71,14 +85,10 @@ def evidence_cell(winner: str, rivals: tuple[str, ...], tests: list[dict[str, st
             parts.append(f"vs {rival}: not run")
             signs.append(None)
         for row in rows:
-            flip = -1 if row["a"] == rival else 1  # diff as winner - rival
-            diff, lo, hi = (flip * float(row[k]) for k in ("diff", "ci_low", "ci_high"))
-            lo, hi = min(lo, hi), max(lo, hi)
-            resolved = row["verdict"].startswith("resolved")
-            signs.append((1 if diff > 0 else -1) if resolved else 0)
-            word = f"{winner if diff > 0 else rival} higher" if resolved else "not resolved"
-            parts.append(f"vs {rival} (N={row['budget']}): {word}, {signed(diff)} [{signed(lo)}, {signed(hi)}], "
-                         f"n = {row['n']}, Holm p = {float(row['p_holm']):.2g}")
+            diff, lo, hi, sign = oriented(row, winner)  # winner - rival
+            signs.append(sign)
+            word = f"{winner if diff > 0 else rival} higher" if sign else "not resolved"
+            parts.append(f"vs {rival} (N={row['budget']}): {word}, {numbers(row, diff, lo, hi)}")
     if all(s is None for s in signs):
         return "not run"
     if any(s == -1 for s in signs):
@@ -107,14 +117,10 @@ def depth_cell(tests: list[dict[str, str]]) -> str:
     for budget, rows in sorted(by_budget.items(), key=lambda kv: int(kv[0])):
         cells, lost = [], []
         for depth, r in sorted(rows, key=lambda dr: dr[0]):
-            flip = 1 if r["a"] == "streamingllm" else -1  # diff as streamingllm - full
-            diff, lo, hi = (flip * float(r[k]) for k in ("diff", "ci_low", "ci_high"))
-            lo, hi = min(lo, hi), max(lo, hi)
-            lost.append(r["verdict"].startswith("resolved") and diff < 0)
-            kept = r["verdict"].startswith("resolved") and diff > 0
-            word = "lost" if lost[-1] else "StreamingLLM higher" if kept else "no loss resolved"
-            cells.append(f"depth {depth:g} %: {word}, {signed(diff)} [{signed(lo)}, {signed(hi)}], n = {r['n']}, "
-                         f"Holm p = {float(r['p_holm']):.2g}")
+            diff, lo, hi, sign = oriented(r, "streamingllm")  # streamingllm - full
+            lost.append(sign < 0)
+            word = "lost" if sign < 0 else "StreamingLLM higher" if sign > 0 else "no loss resolved"
+            cells.append(f"depth {depth:g} %: {word}, {numbers(r, diff, lo, hi)}")
         signs.append(-1 if lost[-1] else 1 if any(lost[:-1]) else 0)
         parts.append(f"N={budget}: " + "; ".join(cells))
     verdict = "reversed" if -1 in signs else "holds" if all(x == 1 for x in signs) else "not resolved"
