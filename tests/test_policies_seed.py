@@ -329,13 +329,16 @@ def test_sagekv_selection_then_sliding_window() -> None:
     layer = make_layer([keys], [[[1.0, 0.0]], [[0.0, 1.0]]])
     layer.state["pinned"] = torch.zeros(1, 1, 16)
     policy = SageKV(budget=12)
+    assert policy.due(layer)  # 16 tokens over a budget of 12: the selection
     layer.keep(*policy.select(layer))
     assert layer.positions[0].tolist() == [[0, 1, 2, 4, 5, 7, 9, 11, 13, 14, 15]]
     assert layer.state["pinned"][0].tolist() == [[1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]]
+    assert not policy.due(layer)  # 11 tokens, still in the prompt: nothing to do
     # decoding: a new token joins the recent window, whose oldest token (13) leaves; the selection stays
     layer.decoding = True
     new = torch.zeros(1, 1, 1, 2)
     layer.update(new, new)
+    assert policy.due(layer)  # 12 tokens (within the budget) of 17 seen: the window slides at every step
     layer.keep(*policy.select(layer))
     assert layer.positions[0].tolist() == [[0, 1, 2, 4, 5, 7, 9, 11, 14, 15, 16]]
 
