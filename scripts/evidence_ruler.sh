@@ -17,6 +17,11 @@
 #   PILOT=run NAME=evidence_ruler_2k LENGTH=2048 NUM=75 OF=10 PILOT_BUDGETS=512,1024,1280 FALLBACK_N=1024 \
 #       scripts/evidence_ruler.sh  # SmolLM2 at 2K: the essays hold 75 disjoint 2K windows (the 76th would wrap); the
 #                                  # pilot is shard 9/10 (7 samples), the final runs the other 68
+#   MODEL=qwen2.5-coder-1.5b PILOT=run NAME=evidence_ruler_qwen_2k LENGTH=2048 NUM=70 OF=10 \
+#       PILOT_BUDGETS=512,1024,1280 FALLBACK_N=1024 scripts/evidence_ruler.sh   # Qwen at 2K (a GPU machine:
+#                                  # scripts/gpu_qwen.sh's part ruler): its tokenizer's 2K windows take ~1,470 essay
+#                                  # words, so the essays hold 74 disjoint ones (the 75th wraps); 70 in 10 shards:
+#                                  # the pilot shard 9/10 (7 samples), the final runs the other 63
 #   QUICK=1 [PILOT=run] scripts/evidence_ruler.sh   # 1024-token samples, one in the final run (scratch output)
 #
 # Final runs, per shard: the full cache; KeyDiff and TOVA at N (one shared-work group: their prompt blocks before

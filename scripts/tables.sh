@@ -10,7 +10,7 @@
 #
 # NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm | evidence_code |
 # pilot_niah | evidence_niah | evidence_qwen | evidence_knorm | evidence_lm_essays | pilot_ruler | evidence_ruler |
-# evidence_ruler_qwen | evidence_ruler_2k. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS,
+# evidence_ruler_qwen | evidence_ruler_2k | evidence_ruler_qwen_2k. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS,
 # RULER_RUNS; default: the committed ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,7 +19,7 @@ NIAH_RUNS=${NIAH_RUNS:-results/niah_grid/runs}
 RULER_RUNS=${RULER_RUNS:-results/ruler_4k/runs}
 FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm evidence_code pilot_niah evidence_niah
          evidence_qwen evidence_knorm evidence_lm_essays pilot_ruler evidence_ruler evidence_ruler_qwen
-         evidence_ruler_2k)
+         evidence_ruler_2k evidence_ruler_qwen_2k)
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs
                results/evidence_niah/runs results/evidence_qwen/runs/grid results/pilot_ruler/runs
@@ -103,7 +103,7 @@ tables() {
             python scripts/power_plan.py "$out/runs" --out "$out/plan.md" --score avg --cap 28 \
                 --budgets "$(run_budgets "$out/runs")" --compare keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full \
                 > /dev/null ;;
-        evidence_ruler | evidence_ruler_qwen | evidence_ruler_2k)
+        evidence_ruler | evidence_ruler_qwen | evidence_ruler_2k | evidence_ruler_qwen_2k)
             # The designed RULER run: its own pilot's budgets where it ran one (SmolLM2's is results/pilot_ruler), then
             # the final runs' planned comparisons at the budget they hold, one Holm family per score
             local rn ruler_compare=(keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full)
