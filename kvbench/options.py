@@ -22,6 +22,14 @@ SCENARIOS = ("question_aware", "context_only")
 # The LM score's default token set (task=lm `lm_tokens`): the prompt tokens predicted after the first eviction at
 # N = budget, B = block; the run loop places it, and the report pairs runs only at equal N and B under it.
 LM_TOKENS_AFTER_EVICTION = "after_eviction"
+# The run settings' defaults, as a run records them (its config.yaml's top-level keys; kvbench.run.settings.RunSettings
+# has the same defaults, tests/test_settings.py holds them equal). A run made before a setting existed ran as its
+# default, so the report reads a setting absent from a run's config.yaml as this value.
+RUN_DEFAULTS: dict[str, Any] = {
+    "compare": [], "budget": None, "block": None, "protocol": "blockwise", "seed": 0, "scenario": "question_aware",
+    "save_prompts": False, "overwrite": False, "device": "auto", "shard": None, "diagnostics": [], "graded": True,
+    "progress": True, "batch_size": 1, "share": True, "slot_reuse": False,
+}
 
 
 def positive_int(what: str, value: Any, allow_none: bool = False) -> int | None:

@@ -23,7 +23,8 @@ FOLDERS=(niah_grid ruler_4k claims qwen2.5-coder-1.5b pilot_evidence evidence_lm
 # The runs with 0/100 scores and graded scores, for results/graded_validity.md
 VALIDITY_RUNS=(results/niah_grid/runs results/ruler_4k/runs results/claims/runs results/qwen2.5-coder-1.5b/runs
                results/evidence_niah/runs results/evidence_qwen/runs/grid results/pilot_ruler/runs
-               results/evidence_ruler/runs results/evidence_ruler_qwen/runs results/evidence_ruler_2k/runs)
+               results/evidence_ruler/runs results/evidence_ruler_qwen/runs results/evidence_ruler_2k/runs
+               results/evidence_ruler_qwen_2k/runs)
 
 # The designed NIAH grid's planned comparisons (the runs scripts/lib.sh's grid_claims queues), each within its claim's
 # folder, the block-wise ones at the grid's budget N ($1), the one-pass ones at 512
@@ -190,13 +191,15 @@ evidence_table() {
         results/evidence_ruler/final/tests.csv results/evidence_ruler/final/tests_graded.csv \
         results/evidence_ruler_qwen/final/tests.csv results/evidence_ruler_qwen/final/tests_graded.csv \
         results/evidence_ruler_2k/final/tests.csv results/evidence_ruler_2k/final/tests_graded.csv \
+        results/evidence_ruler_qwen_2k/final/tests.csv results/evidence_ruler_qwen_2k/final/tests_graded.csv \
         --test-names "designed NIAH grid, 0/100 (SmolLM2)" "designed NIAH grid, graded score (SmolLM2)" \
         "real code, graded score (SmolLM2)" "LM score on code (SmolLM2)" "LM score on the essays (SmolLM2)" \
         "designed NIAH grid, 0/100 (Qwen)" "designed NIAH grid, graded score (Qwen)" "LM score on code (Qwen)" \
         "real code, graded score (Qwen)" "designed RULER 4K, 0/100 (SmolLM2)" \
         "designed RULER 4K, graded score (SmolLM2)" "designed RULER 4K, 0/100 (Qwen)" \
         "designed RULER 4K, graded score (Qwen)" "designed RULER 2K, 0/100 (SmolLM2)" \
-        "designed RULER 2K, graded score (SmolLM2)" --ruler 10 11 12 13 14 15 \
+        "designed RULER 2K, graded score (SmolLM2)" "designed RULER 2K, 0/100 (Qwen)" \
+        "designed RULER 2K, graded score (Qwen)" --ruler 10 11 12 13 14 15 16 17 \
         --out results/evidence.md > /dev/null
 }
 

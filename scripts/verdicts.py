@@ -307,6 +307,8 @@ PLANNED: dict[str, tuple[Path, ...]] = {
                             ROOT / "results/evidence_ruler_qwen/final/tests_graded.csv"),
     "evidence_ruler_2k": (ROOT / "results/evidence_ruler_2k/final/tests.csv",
                           ROOT / "results/evidence_ruler_2k/final/tests_graded.csv"),
+    "evidence_ruler_qwen_2k": (ROOT / "results/evidence_ruler_qwen_2k/final/tests.csv",
+                               ROOT / "results/evidence_ruler_qwen_2k/final/tests_graded.csv"),
 }
 BLOCKS: dict[str, Callable[[], list[str]]] = {
     **{name: paired_block(*spec) for name, spec in PAIRED.items()},

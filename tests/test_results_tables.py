@@ -37,7 +37,8 @@ def test_every_committed_table_regenerates(folder: str, tmp_path: Path, monkeypa
 @pytest.mark.parametrize("part", ["evidence_qwen/pilot", "evidence_qwen/lm", "evidence_qwen/grid", "evidence_qwen/code",
                                   "evidence_knorm/pilot", "evidence_knorm/grid", "evidence_ruler/final",
                                   "evidence_ruler_qwen/pilot", "evidence_ruler_qwen/final", "evidence_ruler_2k/pilot",
-                                  "evidence_ruler_2k/final"])
+                                  "evidence_ruler_2k/final", "evidence_ruler_qwen_2k/pilot",
+                                  "evidence_ruler_qwen_2k/final"])
 def test_the_evidence_parts_regenerate(part: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # results/evidence_qwen, evidence_knorm and evidence_ruler* report each part of their runs apart (scripts/tables.sh)
     folder, name = part.split("/")

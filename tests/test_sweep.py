@@ -86,6 +86,22 @@ def test_shards_merge_into_the_unsharded_result(tmp_path: Path) -> None:
     assert entry.stats["samples"] == 3 and entry.stats["prompt_tokens"] == 96 + 128 + 160
     assert entry.label == ""
 
+    # A run made before a setting existed has no value for it in config.yaml and ran as its default: such a shard
+    # merges with one that records the default (slot_reuse: false); one that records another value does not
+    import yaml
+
+    cfg1 = sharded / "job" / "shard1of2" / "config.yaml"
+    recorded = yaml.safe_load(cfg1.read_text())
+    assert recorded["slot_reuse"] is False
+    cfg1.write_text(yaml.safe_dump({k: v for k, v in recorded.items() if k != "slot_reuse"}))
+    rep = report(sharded, plots=False, quiet=True)
+    assert len(rep.rows) == 1 and rep.notes == []
+    assert rep.rows[0].entries["fidelity"].stats["samples"] == 3
+    cfg1.write_text(yaml.safe_dump({**recorded, "slot_reuse": True}))
+    rep = report(sharded, plots=False, quiet=True)
+    assert [r.entries["fidelity"].label for r in rep.rows] == ["(1/2 shards)", "(1/2 shards)"]
+    cfg1.write_text(yaml.safe_dump(recorded))
+
     (sharded / "job" / "shard1of2" / "metrics.json").unlink()  # one shard unfinished
     rep = report(sharded, plots=False, quiet=True)
     assert rep.rows[0].entries["fidelity"].label == "(1/2 shards)"

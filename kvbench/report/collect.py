@@ -149,11 +149,17 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _settings(run: Run) -> dict[str, Any]:
-    from kvbench.options import resolve_protocol
+    from kvbench.options import RUN_DEFAULTS, resolve_protocol
 
     m = run.metrics
-    cfg = run.config or {"budget": m.get("budget"), "block": m.get("block"), "protocol": m.get("protocol"),
-                         "scenario": m.get("scenario")}
+    if run.config:
+        # A run setting added after the run was made is absent from its config.yaml: it ran as that setting's
+        # default, so it reads as the default here too, and its shards merge with those of a later run that records
+        # it (a run made before slot_reuse existed decoded chronologically, as one recording slot_reuse: false does)
+        cfg = {**RUN_DEFAULTS, **run.config}
+    else:
+        cfg = {"budget": m.get("budget"), "block": m.get("block"), "protocol": m.get("protocol"),
+               "scenario": m.get("scenario")}
     flat = {k: v for k, v in _flatten(cfg).items() if k.split(".")[0] not in IGNORED_SETTINGS}
     try:  # a block the protocol ignores does not apply
         flat["protocol"], block = resolve_protocol(str(cfg.get("protocol")), cfg.get("block"))
