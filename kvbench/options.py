@@ -22,9 +22,9 @@ SCENARIOS = ("question_aware", "context_only")
 # The LM score's default token set (task=lm `lm_tokens`): the prompt tokens predicted after the first eviction at
 # N = budget, B = block; the run loop places it, and the report pairs runs only at equal N and B under it.
 LM_TOKENS_AFTER_EVICTION = "after_eviction"
-# The run settings' defaults, as a run records them (its config.yaml's top-level keys; kvbench.run.settings.RunSettings
-# has the same defaults, tests/test_settings.py holds them equal). A run made before a setting existed ran as its
-# default, so the report reads a setting absent from a run's config.yaml as this value.
+# The run settings' defaults, as a run records them (its config.yaml's top-level keys): what RunSettings.from_config
+# takes for an absent key, and (a run made before a setting existed ran as its default) what the report reads for a
+# setting absent from an older run's config.yaml. RunSettings' field defaults are the same (tests/test_settings.py).
 RUN_DEFAULTS: dict[str, Any] = {
     "compare": [], "budget": None, "block": None, "protocol": "blockwise", "seed": 0, "scenario": "question_aware",
     "save_prompts": False, "overwrite": False, "device": "auto", "shard": None, "diagnostics": [], "graded": True,

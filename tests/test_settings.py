@@ -1,5 +1,6 @@
-"""The run settings' defaults in their two places: RunSettings (what a run does with an absent key) and
-kvbench.options.RUN_DEFAULTS (what the torch-free report reads for a key absent from an older run's config.yaml)."""
+"""The run settings' defaults in their two places: RunSettings' field defaults and kvbench.options.RUN_DEFAULTS (what
+RunSettings.from_config takes for an absent key, and what the torch-free report reads for a key absent from an older
+run's config.yaml)."""
 
 from __future__ import annotations
 

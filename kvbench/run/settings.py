@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from kvbench.engine.diagnostics import NAMES as DIAGNOSTICS
-from kvbench.options import SCENARIOS, positive_int, resolve_protocol
+from kvbench.options import RUN_DEFAULTS, SCENARIOS, positive_int, resolve_protocol
 from kvbench.policies.base import Policy, PolicyError
 from kvbench.tasks.base import Task, TaskError
 
@@ -74,26 +74,27 @@ class RunSettings:
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RunSettings:
-        """Validate a resolved config (a plain dict; absent keys take conf/config.yaml's defaults); ConfigError (one
-        line) on a bad value or an unknown top-level key."""
+        """Validate a resolved config (a plain dict; absent keys take their defaults, kvbench.options.RUN_DEFAULTS);
+        ConfigError (one line) on a bad value or an unknown top-level key."""
         unknown = sorted(set(cfg) - {f.name for f in fields(cls)})
         if unknown:
             raise ConfigError(f"unknown setting{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+        cfg = {**RUN_DEFAULTS, **cfg}  # an absent setting is its default: the one table the report reads too
         try:
-            block = positive_int("block", cfg.get("block"), allow_none=True)
-            budget = cfg.get("budget")
+            block = positive_int("block", cfg["block"], allow_none=True)
+            budget = cfg["budget"]
             budget = None if budget is None else positive_int("budget", budget)  # null: the full cache's
-            protocol, block = resolve_protocol(cfg.get("protocol", "blockwise"), block)
-            batch_size = positive_int("batch_size", cfg.get("batch_size", 1))
+            protocol, block = resolve_protocol(cfg["protocol"], block)
+            batch_size = positive_int("batch_size", cfg["batch_size"])
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        scenario = cfg.get("scenario", "question_aware")
+        scenario = cfg["scenario"]
         if scenario not in SCENARIOS:
             raise ConfigError(f"unknown scenario '{scenario}'; choose one of: {', '.join(SCENARIOS)}")
-        for d in cfg.get("diagnostics") or []:
+        for d in cfg["diagnostics"] or []:
             if d not in DIAGNOSTICS:
                 raise ConfigError(f"unknown diagnostic '{d}'; choose from: {', '.join(DIAGNOSTICS)}")
-        shard = cfg.get("shard")
+        shard = cfg["shard"]
         if shard is not None:
             try:
                 i, n = (int(x) for x in str(shard).split("/"))
@@ -101,20 +102,20 @@ class RunSettings:
             except (ValueError, AssertionError):
                 raise ConfigError(f"shard must look like i/n with 0 <= i < n, got {shard!r}") from None
             shard = (i, n)
-        seed = cfg.get("seed", 0)
+        seed = cfg["seed"]
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
         policy = cfg.get("policy")
         return cls(model=dict(cfg.get("model") or {}), policy=dict(policy) if policy else None,
-                   task=dict(cfg.get("task") or {}), compare=tuple(str(n) for n in cfg.get("compare") or ()),
+                   task=dict(cfg.get("task") or {}), compare=tuple(str(n) for n in cfg["compare"] or ()),
                    budget=budget, block=block, protocol=protocol, seed=seed, scenario=scenario,
-                   save_prompts=_flag("save_prompts", cfg.get("save_prompts", False)),
-                   overwrite=_flag("overwrite", cfg.get("overwrite", False)), device=str(cfg.get("device", "auto")),
-                   shard=shard, diagnostics=tuple(cfg.get("diagnostics") or ()),
-                   graded=_flag("graded", cfg.get("graded", True)),
-                   progress=_flag("progress", cfg.get("progress", True)), batch_size=batch_size,
-                   share=_flag("share", cfg.get("share", True)),
-                   slot_reuse=_flag("slot_reuse", cfg.get("slot_reuse", False)))
+                   save_prompts=_flag("save_prompts", cfg["save_prompts"]),
+                   overwrite=_flag("overwrite", cfg["overwrite"]), device=str(cfg["device"]),
+                   shard=shard, diagnostics=tuple(cfg["diagnostics"] or ()),
+                   graded=_flag("graded", cfg["graded"]),
+                   progress=_flag("progress", cfg["progress"]), batch_size=batch_size,
+                   share=_flag("share", cfg["share"]),
+                   slot_reuse=_flag("slot_reuse", cfg["slot_reuse"]))
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the run records them (config.yaml; the resume key; metrics): plain values in the
