@@ -7,6 +7,9 @@
 # SLOTS=1: the same, with every policy that can leave a hole measured twice, as it is and with slot reuse (rows
 # NAME+slots, measured one after the other in each round; AdaKV and SAGE-KV store heads flat and never reuse a slot,
 # so they run once): results/bench_smollm2/engine_4k_slots.{json,md}, ~50 CPU-min.
+# STACK=1: the policies whose decoding evictions stack (Policy.stackable: every layer in one call, with slot reuse,
+# kvbench/engine/stack.py), each as it is and with slot reuse: results/bench_smollm2/engine_4k_stack.{json,md},
+# ~15 CPU-min.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/bench_smollm2}
@@ -19,6 +22,13 @@ if [ "${SLOTS:-0}" = 1 ]; then
         policies="$policies$p,$p+slots,"
     done
     policies="${policies}adakv,sagekv"
+elif [ "${STACK:-0}" = 1 ]; then
+    name=engine_4k_stack
+    policies=""
+    for p in streamingllm knorm keydiff tova h2o h2o_original; do
+        policies="$policies$p,$p+slots,"
+    done
+    policies="${policies%,}"
 fi
 OMP_NUM_THREADS=1 python -m kvbench.bench --model smollm2-135m --lengths 4096 --budgets 1024 --block 128 \
     --new-tokens 32 --policies "$policies" --repeats 3 --threads 1 --clock cpu --out "$out/$name.json" "${@:2}"

@@ -65,6 +65,7 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         # Policy-owned per-layer objects (`LayerExtra`: SnapKV's WindowRing), created by the policies layer on first
         # use; the layer only calls their hooks where its storage changes (keep, unpack, pack, fork).
         self.extras: dict[str, LayerExtra] = {}
+        self.in_stack = False  # its arrays are views of a LayerStack's (kvbench/engine/stack.py), written in place
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
@@ -188,8 +189,9 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         place (set_block_state, H2O's accumulator), so it is cloned, and each extra makes its own copy
         (`LayerExtra.fork`), as the query stash does (its fields its own, its tensors shared)."""
         new = copy.copy(self)
-        if self.hole is not None:  # the next token is written in place into this layer's tensors: the copy's own
+        if self.hole is not None or self.in_stack:  # this layer's tensors are written in place: the copy's own
             new.keys, new.values, new.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
+            new.in_stack = False
         new.state = {k: v.clone() for k, v in self.state.items()}
         new.scratch = dict(self.scratch)
         new.extras = {k: extra.fork() for k, extra in self.extras.items()}
@@ -252,6 +254,10 @@ class EvictingCache(Cache):
         self.masks: dict[Any, torch.Tensor] = {}  # causal masks rebuilt for layers HF's mask does not fit (attention)
         # Latest queries to stash per layer (Policy.query_window; generate raises it to 1 for diagnostics).
         self.query_window = policy.query_window if policy is not None else 0
+        # Decoding evictions of many layers in one call (kvbench/engine/stack.py): the stacks by budget, and whether
+        # to use them (tests compare against layer by layer)
+        self.stacks: dict[int, Any] = {}
+        self.stacking = True
 
     def fork(self) -> EvictingCache:
         """A copy that evolves independently from here on, with its own copy of the policy (a stochastic policy's
@@ -261,6 +267,7 @@ class EvictingCache(Cache):
         new.layers = [layer.fork() if isinstance(layer, EvictingLayer) else copy.copy(layer) for layer in self.layers]
         new.policy = copy.deepcopy(self.policy)
         new.masks = dict(self.masks)
+        new.stacks = {}  # its layers hold their own copies (EvictingLayer.fork): nothing stacked
         return new
 
     def reuse_decoding_slots(self) -> None:

@@ -22,6 +22,7 @@ from kvbench.engine import attention
 from kvbench.engine.cache import BatchCache, EvictingCache, TrunkCache, batchable
 from kvbench.engine.diagnostics import Diagnostics
 from kvbench.engine.hf import greedy_processors
+from kvbench.engine.stack import eviction_units, open_stacks
 from kvbench.options import PROTOCOLS
 from kvbench.policies.base import Policy
 
@@ -248,7 +249,8 @@ def _evict(r: _Run, phase: str, device: torch.device) -> float:
     cache, diag = r.cache, r.diag
     t0 = r.obs.clock()
     spent = diag.elapsed if diag is not None else 0.0
-    for layer in cache.evicting_layers():
+    # diagnostics observe each layer's own selection; otherwise layers may be evicted stacked (engine/stack.py)
+    for layer in cache.evicting_layers() if diag is not None else eviction_units(cache):
         cache.policy.evict(layer, diag.observe if diag is not None else None)
     if phase == "prefill":
         cache.settle()  # new head sizes of every layer in one host read; decoding reads them with its token
@@ -335,6 +337,8 @@ def _decode(model: Any, runs: list[_Run], limits: list[int]) -> None:
     seqs = [torch.cat([r.ids, r.ids.new_zeros((1, max(n, 0)))], dim=1) for r, n in zip(runs, limits)]  # (1, T + n)
     stops = [set(r.settings.stop_ids) for r in runs]
     active = [j for j in range(len(runs)) if limits[j] > 0]
+    for j in active:
+        _open_stacks(runs[j])
     while active:
         t0 = runs[active[0]].obs.clock()
         picked = []
@@ -365,6 +369,20 @@ def _decode(model: Any, runs: list[_Run], limits: list[int]) -> None:
         for j in going:
             runs[j].steps += 1
         active = going
+
+
+def _open_stacks(r: _Run) -> None:
+    """Before r decodes: the layers its decoding evictions will take as one stack, stacked with a spare slot
+    (engine/stack.py), charged to its decoding eviction; not under diagnostics (they observe layer by layer) or when
+    decoding does not evict."""
+    if not _evicts(r, "decode") or r.diag is not None:
+        return
+    t0 = r.obs.clock()
+    open_stacks(r.cache)
+    sync(r.ids.device)
+    took = r.obs.clock() - t0
+    r.evict_s["decode"] += took
+    r.time_s["decode"] += took
 
 
 def _read(tokens: torch.Tensor | None, runs: list[_Run]) -> tuple[list[int] | None, float]:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 class H2O(Policy):
     name = "h2o"
+    stackable = True  # scores from the layer's own arrays, row by row (Policy.stackable)
     needs_attention = True
     state_names = ("acc",)
 

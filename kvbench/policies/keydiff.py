@@ -34,6 +34,7 @@ METRICS = ("cosine", "dot", "euclidean")
 
 class KeyDiff(Policy):
     name = "keydiff"
+    stackable = True  # scores from the layer's own arrays, row by row (Policy.stackable)
 
     def __init__(self, anchor: str = "mean_normalized", metric: str = "cosine", recent_ratio: float = 0.0,
                  budget: int | None = None, **kwargs) -> None:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 class KNorm(Policy):
     name = "knorm"
+    stackable = True  # scores from the layer's own arrays, row by row (Policy.stackable)
 
     state_names = ("norm",)
 

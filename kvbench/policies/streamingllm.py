@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 class StreamingLLM(Policy):
     name = "streamingllm"
+    stackable = True  # scores from the layer's own arrays, row by row (Policy.stackable)
 
     def __init__(self, n_sink: int = 4, **kwargs) -> None:
         super().__init__(n_sink=n_sink, **kwargs)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 class TOVA(Policy):
     name = "tova"
+    stackable = True  # scores from the layer's own arrays, row by row (Policy.stackable)
     query_window = 1
 
     def score(self, layer: CacheLayer) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""A decoding step's eviction of many layers in one call (kvbench/engine/stack.py): the stack's mechanics by hand, and
+the same kept tokens, tokens and logits as evicting layer by layer for every stackable policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvbench.engine.generate as generate_module
+from kvbench.engine import attention
+from kvbench.engine.cache import EvictingLayer
+from kvbench.engine.generate import GenerationSettings, Observer, generate
+from kvbench.engine.stack import LayerStack
+from kvbench.models.tiny import build_tiny_model
+from kvbench.policies.h2o import H2O
+from kvbench.policies.keydiff import KeyDiff
+from kvbench.policies.knorm import KNorm
+from kvbench.policies.pyramidkv import PyramidKV
+from kvbench.policies.streamingllm import StreamingLLM
+from kvbench.policies.tova import TOVA
+
+
+def _layer(norms: list[float]) -> EvictingLayer:
+    """A decoding layer (b = 1, h_kv = 1, d = 2) at positions 0.. whose key at position p is (norm_p, 0) and value
+    (p, -p), with slot reuse on."""
+    layer = EvictingLayer(0)
+    keys = torch.tensor([[n, 0.0] for n in norms]).view(1, 1, -1, 2)
+    pos = torch.arange(len(norms), dtype=torch.float32)
+    layer.update(keys, torch.stack([pos, -pos], dim=-1).view(1, 1, -1, 2))
+    layer.reuse_slots, layer.decoding = True, True
+    return layer
+
+
+def _token(norm: float, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor([norm, 0.0]).view(1, 1, 1, 2), torch.tensor([float(p), -float(p)]).view(1, 1, 1, 2)
+
+
+def test_a_stack_evicts_each_member_as_alone_and_its_members_write_into_it() -> None:
+    # K-norm keeps the lowest norms: with budget 4 of 5 slots each layer drops its highest norm, the first token a sink
+    first, second = _layer([9.0, 1.0, 5.0, 2.0, 3.0]), _layer([9.0, 4.0, 1.0, 2.0, 3.0])
+    stack = LayerStack([first, second])
+    assert stack.keys.shape == (2, 1, 5, 2) and stack.current([first, second])
+    policy = KNorm(budget=4, n_sink=1, skip_layers=())
+    stack.refresh()
+    assert policy.evict(stack)
+    # layer 0 drops position 2 (norm 5), layer 1 position 1 (norm 4): each a hole, nothing moved
+    assert first.hole.tolist() == [[[2]]] and second.hole.tolist() == [[[1]]]
+    assert first.positions.tolist() == [[[0, 1, -1, 3, 4]]] and second.positions.tolist() == [[[0, -1, 2, 3, 4]]]
+    assert stack.positions.tolist() == [[[0, 1, -1, 3, 4]], [[0, -1, 2, 3, 4]]]
+    # the next token goes into each layer's hole, in the stack's storage
+    first.update(*_token(0.5, 5))
+    second.update(*_token(8.0, 5))
+    assert stack.current([first, second])
+    assert stack.positions.tolist() == [[[0, 1, 5, 3, 4]], [[0, 5, 2, 3, 4]]]
+    assert stack.keys[:, 0, :, 0].tolist() == [[9.0, 1.0, 0.5, 2.0, 3.0], [9.0, 8.0, 1.0, 2.0, 3.0]]
+    assert stack.values[1, 0, 1].tolist() == [5.0, -5.0]
+    # the next step: layer 0 drops position 4 (norm 3, slot 4), layer 1 the new token (norm 8, slot 1)
+    stack.refresh()
+    assert policy.evict(stack)
+    assert first.hole.tolist() == [[[4]]] and second.hole.tolist() == [[[1]]]
+    assert [m.physical() for m in (first, second)] == [4, 4]
+
+
+def test_a_stack_opened_with_a_spare_slot_takes_the_next_token_there() -> None:
+    first, second = _layer([9.0, 1.0, 5.0]), _layer([9.0, 4.0, 1.0])
+    first.set_block_state("norm", torch.tensor([[[9.0, 1.0, 5.0]]]))
+    second.set_block_state("norm", torch.tensor([[[9.0, 4.0, 1.0]]]))
+    stack = LayerStack([first, second], spare=True)
+    assert stack.positions.tolist() == [[[0, 1, 2, -1]], [[0, 1, 2, -1]]]
+    assert first.hole.tolist() == [[[3]]] and first.physical() == 3
+    first.update(*_token(6.0, 3))
+    second.update(*_token(2.0, 3))
+    assert stack.current([first, second]) and first.hole is None
+    assert stack.keys[:, 0, :, 0].tolist() == [[9.0, 1.0, 5.0, 6.0], [9.0, 4.0, 1.0, 2.0]]
+    assert stack.positions.tolist() == [[[0, 1, 2, 3]], [[0, 1, 2, 3]]]
+    assert stack.state["norm"].tolist() == [[[9.0, 1.0, 5.0, 0.0]], [[9.0, 4.0, 1.0, 0.0]]]  # the policy fills it
+
+
+def test_a_member_whose_arrays_were_replaced_leaves_the_stack() -> None:
+    first, second = _layer([9.0, 1.0, 5.0]), _layer([9.0, 4.0, 1.0])
+    stack = LayerStack([first, second])
+    first.update(*_token(1.0, 3))  # no hole: appended, a new tensor
+    assert not stack.current([first, second])
+    assert first.keys[0, 0, :, 0].tolist() == [9.0, 1.0, 5.0, 1.0] and stack.keys.shape == (2, 1, 3, 2)
+
+
+def test_a_stack_refuses_a_selection_other_than_one_token_per_head() -> None:
+    stack = LayerStack([_layer([1.0, 2.0, 3.0, 4.0]), _layer([1.0, 2.0, 3.0, 4.0])])
+    with pytest.raises(RuntimeError, match="one token per head only"):
+        stack.keep(torch.tensor([[[0, 1]], [[0, 1]]]))  # two of four: a gather would leave the members behind
+
+
+def test_a_fork_of_a_stacked_layer_writes_its_own_tensors() -> None:
+    first, second = _layer([9.0, 1.0, 5.0]), _layer([9.0, 4.0, 1.0])
+    stack = LayerStack([first, second])
+    stack.refresh()
+    KNorm(budget=2, n_sink=1, skip_layers=()).evict(stack)
+    branch = first.fork()
+    first.update(*_token(7.0, 3))  # into the stack, in place
+    assert first.keys[0, 0, :, 0].tolist() == [9.0, 1.0, 7.0]
+    assert branch.keys[0, 0, :, 0].tolist() == [9.0, 1.0, 5.0] and branch.positions.tolist() == [[[0, 1, -1]]]
+
+
+def _model(layers: int = 4):
+    model, _ = build_tiny_model("tiny-llama", output_scale=1.0, num_hidden_layers=layers)
+    model.set_attn_implementation("sdpa")
+    attention.install(model)
+    return model.double()
+
+
+def _prompt(n: int) -> list[int]:
+    return torch.randint(8, 500, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def _held(trace: list[list[torch.Tensor | None]]) -> list[list[list[list[int]]]]:
+    """Per forward, layer and KV head: the positions held, sorted (a hole, position -1, left out)."""
+    return [[[] if t is None else [sorted(p for p in row if p >= 0) for row in t[0].tolist()] for t in step]
+            for step in trace]
+
+
+STACKABLE = {
+    "streamingllm": lambda: StreamingLLM(budget=24), "knorm": lambda: KNorm(budget=24, skip_layers=[0]),
+    "keydiff": lambda: KeyDiff(budget=24), "keydiff_median": lambda: KeyDiff(budget=24, anchor="median"),
+    "tova": lambda: TOVA(budget=24), "h2o": lambda: H2O(budget=24),
+    "h2o_original": lambda: H2O(budget=24, recent_ratio=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STACKABLE))
+def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float64, 4 layers (K-norm: 3 evicted), 20 new tokens and a graded branch: the same tokens held before every
+    forward, the same greedy tokens and logits, whether the layers are evicted as one stack or one by one; and the
+    stack really evicted every decoding step."""
+    model, ids = _model(), _prompt(90)
+    stacked = []
+    refresh = LayerStack.refresh
+
+    def counted(self: LayerStack) -> None:
+        stacked.append(len(self.members))
+        refresh(self)
+
+    monkeypatch.setattr(LayerStack, "refresh", counted)
+    runs = []
+    for stacking in (True, False):
+        if not stacking:
+            monkeypatch.setattr(generate_module, "eviction_units", lambda cache: cache.evicting_layers())
+            monkeypatch.setattr(generate_module, "open_stacks", lambda cache: None)
+        logits: list[torch.Tensor] = []
+        res = generate(model, STACKABLE[name](), ids, GenerationSettings(block=16, max_new_tokens=20, slot_reuse=True),
+                       answer_ids=[11, 12, 13, 14, 15],
+                       observer=Observer(trace=True, on_logits=lambda lg: logits.append(lg[0])))
+        runs.append((res, logits))
+    (on, l_on), (off, l_off) = runs
+    assert on.tokens == off.tokens and len(on.tokens) == 20
+    assert _held(on.trace) == _held(off.trace)
+    assert all(torch.equal(a, b) for a, b in zip(l_on, l_off, strict=True))
+    assert on.answer_logprob == off.answer_logprob
+    evicted = 3 if name == "knorm" else 4
+    # every decoding step (19 of the answer, 4 of the graded branch) evicted one stack of every evicted layer
+    assert stacked == [evicted] * (19 + 4)
+
+
+def test_only_stackable_policies_and_equal_budgets_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyramidKV (per-layer budgets, the observation window's ring) evicts layer by layer."""
+    stacked = []
+    monkeypatch.setattr(LayerStack, "refresh", lambda self: stacked.append(len(self.members)))
+    assert not PyramidKV.stackable
+    generate(_model(), PyramidKV(budget=24, window=4, kernel=3), _prompt(90),
+             GenerationSettings(block=16, max_new_tokens=6, slot_reuse=True))
+    assert stacked == []
