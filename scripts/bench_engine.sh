@@ -9,7 +9,7 @@
 # so they run once): results/bench_smollm2/engine_4k_slots.{json,md}, ~50 CPU-min.
 # STACK=1: the policies whose decoding evictions stack (Policy.stackable: every layer in one call, with slot reuse,
 # kvbench/engine/stack.py), each as it is and with slot reuse: results/bench_smollm2/engine_4k_stack.{json,md},
-# ~15 CPU-min.
+# ~20 CPU-min.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/bench_smollm2}
@@ -25,7 +25,7 @@ if [ "${SLOTS:-0}" = 1 ]; then
 elif [ "${STACK:-0}" = 1 ]; then
     name=engine_4k_stack
     policies=""
-    for p in streamingllm knorm keydiff tova h2o h2o_original; do
+    for p in streamingllm random knorm keydiff tova h2o h2o_original hashevict; do
         policies="$policies$p,$p+slots,"
     done
     policies="${policies%,}"

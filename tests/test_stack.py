@@ -13,9 +13,11 @@ from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.engine.stack import LayerStack
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.h2o import H2O
+from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
 from kvbench.policies.pyramidkv import PyramidKV
+from kvbench.policies.random import Random
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
 
@@ -120,17 +122,19 @@ def _held(trace: list[list[torch.Tensor | None]]) -> list[list[list[list[int]]]]
 
 STACKABLE = {
     "streamingllm": lambda: StreamingLLM(budget=24), "knorm": lambda: KNorm(budget=24, skip_layers=[0]),
+    "knorm_skip_middle": lambda: KNorm(budget=24, skip_layers=[1]),  # layer 0 alone, layers 2-3 one stack
     "keydiff": lambda: KeyDiff(budget=24), "keydiff_median": lambda: KeyDiff(budget=24, anchor="median"),
     "tova": lambda: TOVA(budget=24), "h2o": lambda: H2O(budget=24),
-    "h2o_original": lambda: H2O(budget=24, recent_ratio=0.5),
+    "h2o_original": lambda: H2O(budget=24, recent_ratio=0.5), "random": lambda: Random(budget=24),
+    "hashevict": lambda: HashEvict(budget=24),
 }
 
 
 @pytest.mark.parametrize("name", sorted(STACKABLE))
 def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """float64, 4 layers (K-norm: 3 evicted), 20 new tokens and a graded branch: the same tokens held before every
-    forward, the same greedy tokens and logits, whether the layers are evicted as one stack or one by one; and the
-    stack really evicted every decoding step."""
+    """float64, 4 layers (K-norm: 3 evicted, consecutive or not), 20 new tokens and a graded branch: the same tokens
+    held before every forward, the same greedy tokens and logits, whether the layers are evicted as stacks or one by
+    one; and a stack really evicted every decoding step."""
     model, ids = _model(), _prompt(90)
     stacked = []
     refresh = LayerStack.refresh
@@ -155,9 +159,8 @@ def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch
     assert _held(on.trace) == _held(off.trace)
     assert all(torch.equal(a, b) for a, b in zip(l_on, l_off, strict=True))
     assert on.answer_logprob == off.answer_logprob
-    evicted = 3 if name == "knorm" else 4
-    # every decoding step (19 of the answer, 4 of the graded branch) evicted one stack of every evicted layer
-    assert stacked == [evicted] * (19 + 4)
+    # every decoding step (19 of the answer, 4 of the graded branch) evicted one stack of consecutive evicted layers
+    assert stacked == [{"knorm": 3, "knorm_skip_middle": 2}.get(name, 4)] * (19 + 4)
 
 
 def test_only_stackable_policies_and_equal_budgets_stack(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,8 @@ so a run with slot reuse can differ from the chronological run where a greedy st
 Every other change of the layer (a prompt block, an eviction dropping 0 or >= 2 tokens of a head, a per-head selection
 with padding) goes the chronological way; a gather of a layer whose slots are out of order takes the kept slots in
 position order, so it is chronological again afterwards. `SlotReuse`, a base class of `EvictingLayer`, holds the
-bookkeeping.
+bookkeeping. With a policy that declares `stackable`, the layers of one budget are moreover stored in one tensor per
+array and evicted together, one call a step (kvbench/engine/stack.py).
 """
 
 from __future__ import annotations

@@ -4,10 +4,12 @@ With slot reuse (kvbench/engine/slots.py) every uniform layer of a decoding cach
 each step's eviction (its budget N + 1: one token in, one out), and a policy that declares `stackable` scores a layer
 from its own per-token arrays only, each (batch row, KV head) on its own (kvbench/policies/base.py). Such a policy
 selects in each of L layers what it selects in the matching batch rows of one layer of batch L * b holding the L
-layers' arrays. So the layers that share a budget are stored in one (L, b, h_kv, n, ...) tensor per array, each
-layer holding its row as a view, and evicted together as a layer of batch L * b: one chain of tensor operations per
-step instead of L. On CPU each operation costs a few microseconds of dispatch whatever its size, and a decoding
-eviction is ~15 of them per layer: one by one, StreamingLLM's took 3.4 ms of a 65 ms step over SmolLM2's 30 layers.
+layers' arrays. So consecutive layers that share a budget are stored in one (L, b, h_kv, n, ...) tensor per array,
+each layer holding its row as a view, and evicted together as a layer of batch L * b: one chain of tensor operations
+per step instead of L. On CPU each operation costs a few microseconds of dispatch whatever its size, and a decoding
+eviction is ~15 of them per layer: one by one, StreamingLLM's took 3.4 ms of a 65 ms step over SmolLM2's 30 layers,
+stacked 2.1 ms (results/bench_smollm2/engine_4k_stack.md). The stack is built before the first decoding step with a
+spare slot per layer (`open_stacks`), in place of that step's append: the same bytes copied once.
 
 The next token is written into each layer's freed slot in place (`SlotReuse._fill_hole`), so the views stay views and
 the stack stays current for the whole answer. A member whose arrays were replaced (a block of more than one token,
@@ -76,7 +78,7 @@ class LayerStack(EvictingLayer):
 
     def refresh(self) -> None:
         """Before an eviction: the members' bookkeeping (what a policy reads besides the arrays), and their stashed
-        queries stacked as the arrays are (TOVA's latest query)."""
+        queries (TOVA's latest query) and scratch (HashEvict's probe) stacked as the arrays are."""
         lead = self.members[0]
         self.seen, self.chronological, self.hole = lead.seen, lead.chronological, None
         self.scaling, self.softcap, self.module = lead.scaling, lead.softcap, lead.module
@@ -84,6 +86,8 @@ class LayerStack(EvictingLayer):
         if s.queries is not None:
             self.stash = QueryStash(torch.cat([m.stash.queries for m in self.members]), s.positions, s.first,
                                     s.window, s.end)  # (L*b, h_q, w, d)
+        # per-layer values from the forward (HashEvict's probe), (b, ...) each -> (L*b, ...)
+        self.scratch = {k: torch.cat([m.scratch[k] for m in self.members]) for k in lead.scratch}
 
     def _drop_one(self, idx: torch.Tensor) -> bool:
         if not super()._drop_one(idx):
@@ -102,51 +106,65 @@ class LayerStack(EvictingLayer):
 
 
 def eviction_units(cache: EvictingCache) -> list[EvictingLayer]:
-    """The layers of `cache` to evict now, in order, as `Policy.evict` takes them: its evicting layers one by one,
-    except that the layers sharing a budget are one `LayerStack` where that is exact and surely drops one token per
-    head: a stackable policy, slot reuse while decoding, every such layer uniform, at budget + 1, with the same shape,
-    state, `seen` and slot order, no hole, no policy extras. The cache keeps its stacks (`cache.stacks`) from step to
-    step; one is rebuilt when a member's arrays were replaced."""
-    layers = cache.evicting_layers()
-    policy = cache.policy
-    if not (cache.stacking and policy is not None and policy.stackable and not cache.frozen):
-        return layers
-    groups: dict[int, list[EvictingLayer]] = {}
-    for layer in layers:
-        budget = policy.layer_budget(layer.layer_idx, layer.seen)
-        if budget is not None and _stackable(layer, budget):
-            groups.setdefault(budget, []).append(layer)
+    """The layers of `cache` to evict now, in layer order, as `Policy.evict` takes them: one by one, except that each
+    run of consecutive layers of one budget (at least two) is one `LayerStack` where that is exact and surely drops
+    one token per head (`_runs`). Consecutive, so that a policy drawing random numbers per layer (Random) draws them
+    in the same order either way. The cache keeps its stacks (`cache.stacks`, by their first layer) from step to step;
+    one is rebuilt when a member's arrays were replaced."""
     units: list[EvictingLayer] = []
-    stacked: set[int] = set()
-    for budget, members in groups.items():
-        if len(members) < 2 or not _alike(members):
+    stacks: dict[int, LayerStack] = {}
+    for unit in _runs(cache, spare=False):
+        if isinstance(unit, EvictingLayer):
+            units.append(unit)
             continue
-        stack = cache.stacks.get(budget)
-        if stack is None or not stack.current(members):
-            stack = cache.stacks[budget] = LayerStack(members)
+        key = unit[0].layer_idx
+        stack = cache.stacks.get(key)
+        if stack is None or not stack.current(unit):
+            stack = LayerStack(unit)
         stack.refresh()
         units.append(stack)
-        stacked.update(id(m) for m in members)
-    # a stack no group uses now holds a stale copy of its members' arrays: let it go
-    cache.stacks = {budget: stack for budget, stack in cache.stacks.items() if stack in units}
-    return units + [layer for layer in layers if id(layer) not in stacked]
+        stacks[key] = stack
+    cache.stacks = stacks  # a stack no run uses now holds a stale copy of its members' arrays: let it go
+    return units
 
 
 def open_stacks(cache: EvictingCache) -> None:
-    """Before a decoding phase: the layers that `eviction_units` will stack (each at its budget now) stacked already,
-    with a spare slot each, so the first step writes its token into the spare slot instead of appending it (a copy of
-    every layer either way). A no-op where they would not stack."""
+    """Before a decoding phase: the runs of layers that `eviction_units` will stack (each layer at its budget now)
+    stacked already, with a spare slot each, so the first step writes its token into the spare slot instead of
+    appending it (a copy of every layer either way). A no-op where they would not stack."""
+    for unit in _runs(cache, spare=True):
+        if not isinstance(unit, EvictingLayer):
+            cache.stacks[unit[0].layer_idx] = LayerStack(unit, spare=True)
+
+
+def _runs(cache: EvictingCache, spare: bool) -> list[EvictingLayer | list[EvictingLayer]]:
+    """The cache's evicting layers in order, each maximal run of consecutive layers that may be evicted as one stack
+    (two or more) as a list: a stackable policy, slot reuse while decoding, each layer uniform, at its budget + 1
+    (`spare`: at its budget, before the step that appends), no hole, no policy extras, and alike (`_alike`) with the
+    same budget. No run at all unless the cache stacks (`cache.stacking`)."""
+    layers = cache.evicting_layers()
     policy = cache.policy
     if not (cache.stacking and policy is not None and policy.stackable and not cache.frozen):
-        return
-    groups: dict[int, list[EvictingLayer]] = {}
-    for layer in cache.evicting_layers():
+        return list(layers)
+    out: list[EvictingLayer | list[EvictingLayer]] = []
+    run: list[EvictingLayer] = []
+    run_budget = None
+
+    def close() -> None:
+        out.append(run) if len(run) >= 2 else out.extend(run)
+
+    for layer in layers:
         budget = policy.layer_budget(layer.layer_idx, layer.seen)
-        if budget is not None and _stackable(layer, budget - 1):
-            groups.setdefault(budget, []).append(layer)
-    for budget, members in groups.items():
-        if len(members) >= 2 and _alike(members):
-            cache.stacks[budget] = LayerStack(members, spare=True)
+        ok = budget is not None and _stackable(layer, budget - 1 if spare else budget)
+        if ok and run and budget == run_budget and _alike(run[0], layer):
+            run.append(layer)
+            continue
+        close()
+        run, run_budget = ([layer], budget) if ok else ([], None)
+        if not ok:
+            out.append(layer)
+    close()
+    return out
 
 
 def _stacked(arrays: list[torch.Tensor], spare: bool, fill: float) -> torch.Tensor:
@@ -162,19 +180,16 @@ def _stacked(arrays: list[torch.Tensor], spare: bool, fill: float) -> torch.Tens
 
 
 def _stackable(layer: EvictingLayer, budget: int) -> bool:
-    """A layer whose eviction now is one token per head by slot reuse, with nothing of its own beyond its arrays."""
+    """A layer whose eviction now is one token per head by slot reuse, with no policy extras."""
     return (layer.reuse_slots and layer.decoding and layer.uniform and layer.hole is None and not layer.extras
-            and not layer.scratch and layer.keys is not None and layer.keys.dim() == 4
-            and layer.keys.shape[-2] == budget + 1)
+            and layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[-2] == budget + 1)
 
 
-def _alike(members: list[EvictingLayer]) -> bool:
-    """Equal shapes, state names, `seen`, slot order and stash shapes: what one batch of L * b rows needs."""
-    lead = members[0]
-    names = sorted(lead.state)
-    q = lead.stash.queries
-    return all(m.keys.shape == lead.keys.shape and m.values.shape == lead.values.shape and m.seen == lead.seen
-               and m.chronological == lead.chronological and sorted(m.state) == names
-               and (m.stash.queries is None) == (q is None)
-               and (q is None or (m.stash.queries.shape == q.shape and m.stash.first == lead.stash.first))
-               for m in members)
+def _alike(lead: EvictingLayer, m: EvictingLayer) -> bool:
+    """Equal shapes, state names, `seen`, slot order, stash and scratch shapes: what one batch of rows needs."""
+    q, mq = lead.stash.queries, m.stash.queries
+    return (m.keys.shape == lead.keys.shape and m.values.shape == lead.values.shape and m.seen == lead.seen
+            and m.chronological == lead.chronological and sorted(m.state) == sorted(lead.state)
+            and (mq is None) == (q is None) and (q is None or (mq.shape == q.shape and m.stash.first == lead.stash.first))
+            and sorted(m.scratch) == sorted(lead.scratch)
+            and all(m.scratch[k].shape == v.shape for k, v in lead.scratch.items()))

@@ -45,10 +45,11 @@ class Policy:
     query_window: int = 0
     needs_attention: bool = False
     state_names: tuple[str, ...] = ()
-    # True: `score` reads only the layer's own per-token arrays (keys, positions, state, stashed queries) and treats
-    # each (batch row, KV head) on its own, `select` and `due` are the base ones, and the policy keeps no per-layer
-    # extras or scratch. Then a decoding step's eviction may score several layers of equal shape as one layer whose
-    # batch rows are theirs (kvbench/engine/stack.py): the same selections, one call instead of one per layer.
+    # True: `score` reads only the layer's own per-token arrays (keys, positions, state, stashed queries, scratch) and
+    # treats each (batch row, KV head) on its own, `select` and `due` are the base ones, the policy keeps no per-layer
+    # extras, and whatever it draws per layer it draws in layer order. Then a decoding step's eviction may score
+    # consecutive layers of equal shape as one layer whose batch rows are theirs (kvbench/engine/stack.py): the same
+    # selections, one call instead of one per layer.
     stackable: bool = False
 
     def __init__(self, budget: int | None = None, n_sink: int = 0, n_recent: int = 0,

@@ -29,6 +29,7 @@ CHUNK = 16  # bits per state entry (exact in float32)
 
 class HashEvict(Policy):
     name = "hashevict"
+    stackable = True  # scores from the layer's codes and its probe (scratch), row by row (Policy.stackable)
 
     def __init__(self, bits: int = 8, probe: str = "query", n_sink: int = 4, n_recent: int = 10,
                  **kwargs: Any) -> None:

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 
 class Random(Policy):
     name = "random"
+    # A stack of L layers (kvbench/engine/stack.py) draws its (L*b, h_kv, n) numbers in one call: the CPU generator
+    # fills a tensor in order, so they are the draws of the L layers one by one (tests/test_stack.py)
+    stackable = True
 
     def start_sample(self, sample_seed: int) -> None:
         # One generator per sample, seeded from (policy seed, sample): results do not depend on sample order.
