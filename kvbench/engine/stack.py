@@ -8,7 +8,7 @@ layers' arrays. So consecutive layers that share a budget are stored in one (L, 
 each layer holding its row as a view, and evicted together as a layer of batch L * b: one chain of tensor operations
 per step instead of L. On CPU each operation costs a few microseconds of dispatch whatever its size, and a decoding
 eviction is ~15 of them per layer: one by one, StreamingLLM's took 3.4 ms of a 65 ms step over SmolLM2's 30 layers,
-stacked 2.1 ms (results/bench_smollm2/engine_4k_stack.md). The stack is built before the first decoding step with a
+stacked 2.1-2.2 ms (results/bench_smollm2/engine_4k_stack.md). The stack is built before the first decoding step with a
 spare slot per layer (`open_stacks`), in place of that step's append: the same bytes copied once.
 
 The next token is written into each layer's freed slot in place (`SlotReuse._fill_hole`), so the views stay views and
