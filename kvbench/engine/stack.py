@@ -150,8 +150,11 @@ def _runs(cache: EvictingCache, spare: bool) -> list[EvictingLayer | list[Evicti
     run: list[EvictingLayer] = []
     run_budget = None
 
-    def close() -> None:
-        out.append(run) if len(run) >= 2 else out.extend(run)
+    def close() -> None:  # the run so far: a stack of two or more, else its one layer (or nothing)
+        if len(run) >= 2:
+            out.append(run)
+        else:
+            out.extend(run)
 
     for layer in layers:
         budget = policy.layer_budget(layer.layer_idx, layer.seen)
