@@ -33,6 +33,27 @@ def installed_model(arch: str = "tiny-llama", **kw: Any) -> tuple[Any, Any]:
     return model, tok
 
 
+def float64_model(layers: int) -> Any:
+    """tiny-llama with `layers` layers (output scale 1), sdpa with kvbench's attention installed, in float64: the
+    model the slot-reuse and stacking tests decode with, where attention summed in another order cannot swap a step."""
+    model, _ = build_tiny_model("tiny-llama", output_scale=1.0, num_hidden_layers=layers)
+    model.set_attn_implementation("sdpa")
+    attention.install(model)
+    return model.double()
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """n token ids drawn from 8..499 with a seeded generator."""
+    return torch.randint(8, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def held_positions(trace: list[list[torch.Tensor | None]]) -> list[list[list[list[int]] | None]]:
+    """A trace (Observer(trace=True)): per forward, layer and KV head, the positions held, sorted (holes and padding,
+    position -1, left out; None where the layer held nothing yet), whatever slots they sit in."""
+    return [[None if t is None else [sorted(p for p in row if p >= 0) for row in t[0].tolist()] for t in step]
+            for step in trace]
+
+
 def make_layer(keys: list, queries: list | None = None, values: list | None = None, layer_idx: int = 0,
                scaling: float = 1.0) -> EvictingLayer:
     """A layer holding `keys` (h_kv, n, d) at positions 0..n-1 (values zero unless given), and optionally stashed

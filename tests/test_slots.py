@@ -30,6 +30,7 @@ from kvbench.policies.tova import TOVA
 from kvbench.run.settings import ConfigError, RunSettings
 
 from float64_reference import reference_logits
+from helpers import float64_model, held_positions, random_prompt
 
 
 def _layer(positions: list[int]) -> EvictingLayer:
@@ -118,17 +119,6 @@ def test_ties_break_by_position_when_slots_are_out_of_order() -> None:
     assert rank_mask(scores, 1, torch.tensor([[[1, 3, 0, 2]]])).tolist() == [[[False, False, True, False]]]
 
 
-def _model(layers: int = 3):
-    model, _ = build_tiny_model("tiny-llama", output_scale=1.0, num_hidden_layers=layers)
-    model.set_attn_implementation("sdpa")
-    attention.install(model)
-    return model.double()
-
-
-def _prompt(n: int) -> list[int]:
-    return torch.randint(8, 500, (n,), generator=torch.Generator().manual_seed(0)).tolist()
-
-
 POLICIES = {
     "keydiff": lambda: KeyDiff(budget=24), "h2o": lambda: H2O(budget=24),
     "snapkv": lambda: SnapKV(budget=24, window=4, kernel=3), "streamingllm": lambda: StreamingLLM(budget=24),
@@ -141,17 +131,11 @@ POLICIES = {
 RAGGED = {"adakv", "sagekv"}  # per-head selections: stored flat per head, never a hole
 
 
-def _held(trace: list[list[torch.Tensor | None]]) -> list[list[list[int] | None]]:
-    """Per forward, per layer and KV head: the positions held, as a sorted list (holes and padding left out)."""
-    return [[None if t is None else [sorted(p for p in t[0, h].tolist() if p >= 0) for h in range(t.shape[1])]
-             for t in step] for step in trace]
-
-
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_slot_reuse_keeps_the_tokens_the_chronological_storage_keeps(name: str) -> None:
     """float64, so attention summed in another order cannot swap a greedy step: every forward holds the same tokens,
     every step's logits and the graded branch's log-probability agree to float64 rounding."""
-    model, ids = _model(), _prompt(90)
+    model, ids = float64_model(3), random_prompt(90, 0)
     runs = []
     for reuse in (False, True):
         logits: list[torch.Tensor] = []
@@ -161,7 +145,7 @@ def test_slot_reuse_keeps_the_tokens_the_chronological_storage_keeps(name: str) 
         runs.append((res, logits))
     (chrono, l0), (slots, l1) = runs
     assert slots.tokens == chrono.tokens and len(slots.tokens) == 20
-    assert _held(slots.trace) == _held(chrono.trace)
+    assert held_positions(slots.trace) == held_positions(chrono.trace)
     assert max((a - b).abs().max().item() for a, b in zip(l0, l1, strict=True)) < 1e-12
     assert abs(slots.answer_logprob - chrono.answer_logprob) < 1e-12
     assert slots.peak_kv_tokens == chrono.peak_kv_tokens and slots.kv_bytes_peak == chrono.kv_bytes_peak
@@ -180,7 +164,7 @@ def test_slot_reuse_keeps_the_tokens_the_chronological_storage_keeps(name: str) 
     (lambda: AdaKV(budget=24, window=4, kernel=3), 2),  # ragged per-head budgets beside the option
 ])
 def test_slot_reuse_matches_float64_reference(policy_factory, layers: int) -> None:
-    model, ids = _model(layers), _prompt(70)
+    model, ids = float64_model(layers), random_prompt(70, 0)
     logged: list[torch.Tensor] = []
     res = generate(model, policy_factory(), ids, GenerationSettings(block=16, max_new_tokens=8, slot_reuse=True),
                    observer=Observer(trace=True, on_logits=lambda lg: logged.append(lg[0])))
@@ -237,7 +221,7 @@ def test_a_decoding_step_copies_kv_of_the_new_token_only(name: str) -> None:
                "h2o": lambda: H2O(budget=40)}[name]
     model, _ = build_tiny_model("tiny-llama", output_scale=1.0)
     attention.install(model)
-    ids = _prompt(100)
+    ids = random_prompt(100, 0)
     per_step = {}
     for reuse in (False, True):
         mode = _KVWrites(head_dim=64, rows_at_least=40)
@@ -270,12 +254,12 @@ def test_the_setting_is_a_flag_recorded_with_every_run() -> None:
 def test_batched_samples_reuse_slots_as_alone() -> None:
     """batch_size's path (generate_batch: each sample its own cache, the model over the rows together) with slot reuse:
     float64, each sample's tokens and kept tokens are those of its own batch-1 run with slot reuse."""
-    model = _model()
-    prompts = [_prompt(90), _prompt(70)[::-1]]
+    model = float64_model(3)
+    prompts = [random_prompt(90, 0), random_prompt(70, 0)[::-1]]
     settings = GenerationSettings(block=16, max_new_tokens=12, slot_reuse=True)
     alone = [generate(model, KeyDiff(budget=24), ids, settings, observer=Observer(trace=True)) for ids in prompts]
     together = generate_batch(model, [Job(ids, KeyDiff(budget=24), settings, observer=Observer(trace=True))
                                       for ids in prompts])
     for a, b in zip(alone, together, strict=True):
         assert b.tokens == a.tokens and len(a.tokens) == 12
-        assert _held(b.trace) == _held(a.trace)
+        assert held_positions(b.trace) == held_positions(a.trace)

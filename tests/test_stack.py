@@ -7,11 +7,9 @@ import pytest
 import torch
 
 import kvbench.engine.generate as generate_module
-from kvbench.engine import attention
 from kvbench.engine.cache import EvictingLayer
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.engine.stack import LayerStack
-from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.h2o import H2O
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
@@ -20,6 +18,8 @@ from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.random import Random
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
+
+from helpers import float64_model, held_positions, random_prompt
 
 
 def _layer(norms: list[float]) -> EvictingLayer:
@@ -103,23 +103,6 @@ def test_a_fork_of_a_stacked_layer_writes_its_own_tensors() -> None:
     assert branch.keys[0, 0, :, 0].tolist() == [9.0, 1.0, 5.0] and branch.positions.tolist() == [[[0, 1, -1]]]
 
 
-def _model(layers: int = 4):
-    model, _ = build_tiny_model("tiny-llama", output_scale=1.0, num_hidden_layers=layers)
-    model.set_attn_implementation("sdpa")
-    attention.install(model)
-    return model.double()
-
-
-def _prompt(n: int) -> list[int]:
-    return torch.randint(8, 500, (n,), generator=torch.Generator().manual_seed(1)).tolist()
-
-
-def _held(trace: list[list[torch.Tensor | None]]) -> list[list[list[list[int]]]]:
-    """Per forward, layer and KV head: the positions held, sorted (a hole, position -1, left out)."""
-    return [[[] if t is None else [sorted(p for p in row if p >= 0) for row in t[0].tolist()] for t in step]
-            for step in trace]
-
-
 STACKABLE = {
     "streamingllm": lambda: StreamingLLM(budget=24), "knorm": lambda: KNorm(budget=24, skip_layers=[0]),
     "knorm_skip_middle": lambda: KNorm(budget=24, skip_layers=[1]),  # layer 0 alone, layers 2-3 one stack
@@ -135,7 +118,7 @@ def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch
     """float64, 4 layers (K-norm: 3 evicted, consecutive or not), 20 new tokens and a graded branch: the same tokens
     held before every forward, the same greedy tokens and logits, whether the layers are evicted as stacks or one by
     one; and a stack really evicted every decoding step."""
-    model, ids = _model(), _prompt(90)
+    model, ids = float64_model(4), random_prompt(90, 1)
     stacked = []
     refresh = LayerStack.refresh
 
@@ -156,7 +139,7 @@ def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch
         runs.append((res, logits))
     (on, l_on), (off, l_off) = runs
     assert on.tokens == off.tokens and len(on.tokens) == 20
-    assert _held(on.trace) == _held(off.trace)
+    assert held_positions(on.trace) == held_positions(off.trace)
     assert all(torch.equal(a, b) for a, b in zip(l_on, l_off, strict=True))
     assert on.answer_logprob == off.answer_logprob
     # every decoding step (19 of the answer, 4 of the graded branch) evicted one stack of consecutive evicted layers
@@ -168,6 +151,6 @@ def test_only_stackable_policies_and_equal_budgets_stack(monkeypatch: pytest.Mon
     stacked = []
     monkeypatch.setattr(LayerStack, "refresh", lambda self: stacked.append(len(self.members)))
     assert not PyramidKV.stackable
-    generate(_model(), PyramidKV(budget=24, window=4, kernel=3), _prompt(90),
+    generate(float64_model(4), PyramidKV(budget=24, window=4, kernel=3), random_prompt(90, 1),
              GenerationSettings(block=16, max_new_tokens=6, slot_reuse=True))
     assert stacked == []
