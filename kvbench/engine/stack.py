@@ -141,10 +141,10 @@ def _runs(cache: EvictingCache, spare: bool) -> list[EvictingLayer | list[Evicti
     """The cache's evicting layers in order, each maximal run of consecutive layers that may be evicted as one stack
     (two or more) as a list: a stackable policy, slot reuse while decoding, each layer uniform, at its budget + 1
     (`spare`: at its budget, before the step that appends), no hole, no policy extras, and alike (`_alike`) with the
-    same budget. No run at all unless the cache stacks (`cache.stacking`)."""
+    same budget."""
     layers = cache.evicting_layers()
     policy = cache.policy
-    if not (cache.stacking and policy is not None and policy.stackable and not cache.frozen):
+    if not (policy is not None and policy.stackable and not cache.frozen):
         return list(layers)
     out: list[EvictingLayer | list[EvictingLayer]] = []
     run: list[EvictingLayer] = []
