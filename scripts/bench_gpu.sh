@@ -14,11 +14,14 @@
 #   smollm2-4k   issue 29's setting: 4k-token prompt, N = 1024, B = 128, 32 new tokens, every policy
 #   smollm2-16k  a long prompt: 16k tokens, N = 4096, B = 128; keydiff, snapkv, h2o, adakv
 #   llama3b-16k  Llama-3.2-3B's geometry (tiny-llama3 at its full 28 layers, 24/8 heads, head_dim 128): 16k, N = 4096
+#   smollm2-4k-stack  smollm2-4k's setting for the policies whose decoding evictions stack (Policy.stackable), each
+#                as it is and with slot reuse (rows NAME+slots: one eviction call for all layers per decoding step,
+#                kvbench/engine/stack.py), measured one after the other in each round; ~5 min on an H100
 # Each part writes OUT/<part>.json and OUT/<part>.md (the table, the command, the goal lines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
-    echo "usage: bash scripts/bench_gpu.sh OUT CONFIG_DIR [smollm2-4k|smollm2-16k|llama3b-16k ...]" >&2
+    echo "usage: bash scripts/bench_gpu.sh OUT CONFIG_DIR [smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack ...]" >&2
     exit 2
 fi
 out=$1 config=$2
@@ -27,19 +30,23 @@ parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(smollm2-4k smollm2-16k llama3b-16k)
 for part in "${parts[@]}"; do  # every part checked before anything is written
     case $part in
-        smollm2-4k|smollm2-16k|llama3b-16k) ;;
-        *) echo "bench_gpu.sh: unknown part '$part' (smollm2-4k, smollm2-16k, llama3b-16k)" >&2; exit 2 ;;
+        smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack) ;;
+        *) echo "bench_gpu.sh: unknown part '$part' (smollm2-4k, smollm2-16k, llama3b-16k, smollm2-4k-stack)" >&2
+           exit 2 ;;
     esac
 done
 mkdir -p "$out"
 common=(--device cuda --dtype bfloat16 --clock wall --block 128 --new-tokens 32 --repeats 3
         --baselines full,hf,streamingllm)
 few=keydiff,snapkv,h2o,adakv
+stack=""
+for p in streamingllm random knorm keydiff tova h2o h2o_original hashevict; do stack="$stack$p,$p+slots,"; done
 for part in "${parts[@]}"; do
     case $part in
         smollm2-4k) args=(--config "$config" --lengths 4k --budgets 1024 --policies all) ;;
         smollm2-16k) args=(--config "$config" --lengths 16k --budgets 4096 --policies $few) ;;
         llama3b-16k) args=(--arch tiny-llama3 --layers 28 --lengths 16k --budgets 4096 --policies $few) ;;
+        smollm2-4k-stack) args=(--config "$config" --lengths 4k --budgets 1024 --policies "${stack%,}") ;;
     esac
     python3 -m kvbench.bench "${args[@]}" "${common[@]}" --out "$out/$part.json" --quiet
 done
