@@ -8,7 +8,7 @@
 # cache's entry for smollm2-135m): its geometry (30 layers, 9/3 heads, head_dim 64) with random weights, since a GPU
 # machine without the package registry cannot convert the GGUF. Speed and memory do not depend on what the weights
 # know (docs/bench.md); greedy tokens of random weights are meaningless, so no prediction is compared here.
-# Parts (default: all three). A 4k-token part of every policy took ~4 min on an H100, and block-wise prefill time
+# Parts (default: the first three). A 4k-token part of every policy took ~4 min on an H100, and block-wise prefill time
 # grows with the number of blocks, so the long parts time a subset of policies (one of each kind of score:
 # key-only, attention window, accumulated attention, per-head budgets) to end inside one 10-minute device call.
 #   smollm2-4k   issue 29's setting: 4k-token prompt, N = 1024, B = 128, 32 new tokens, every policy
@@ -16,7 +16,7 @@
 #   llama3b-16k  Llama-3.2-3B's geometry (tiny-llama3 at its full 28 layers, 24/8 heads, head_dim 128): 16k, N = 4096
 #   smollm2-4k-stack  smollm2-4k's setting for the policies whose decoding evictions stack (Policy.stackable), each
 #                as it is and with slot reuse (rows NAME+slots: one eviction call for all layers per decoding step,
-#                kvbench/engine/stack.py), measured one after the other in each round; ~5 min on an H100
+#                kvbench/engine/stack.py), measured one after the other in each round; ~3 min on an H100
 # Each part writes OUT/<part>.json and OUT/<part>.md (the table, the command, the goal lines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
