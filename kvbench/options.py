@@ -28,8 +28,18 @@ LM_TOKENS_AFTER_EVICTION = "after_eviction"
 RUN_DEFAULTS: dict[str, Any] = {
     "compare": [], "budget": None, "block": None, "protocol": "blockwise", "seed": 0, "scenario": "question_aware",
     "save_prompts": False, "overwrite": False, "device": "auto", "shard": None, "diagnostics": [], "graded": True,
-    "progress": True, "batch_size": 1, "share": True, "slot_reuse": False,
+    "progress": True, "batch_size": 1, "share": True, "slot_reuse": True,
 }
+# Settings whose default changed after runs were recorded without them: a stored config.yaml that lacks one of these
+# keys ran under the value here, not under today's default (RUN_DEFAULTS). slot_reuse was false until it became the
+# default; the runs written before it existed decoded chronologically.
+STORED_DEFAULTS: dict[str, Any] = {"slot_reuse": False}
+
+
+def stored_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config as a run recorded it (its config.yaml), with the settings it lacks that ran under an older default
+    (STORED_DEFAULTS) filled in as that default; every reader of a stored config goes through this."""
+    return {**STORED_DEFAULTS, **cfg}
 
 
 def positive_int(what: str, value: Any, allow_none: bool = False) -> int | None:

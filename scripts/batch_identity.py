@@ -24,7 +24,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
 
 # Compared exactly; the graded score (`answer_logprob`, 6 decimals) is compared by its difference: the teacher-forced
 # branch decodes the batch's answers together, so its products round as batched decoding steps do.
@@ -65,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None,
                    help="also write, per run, its samples and the ids of those that differ (for scripts/reproduce.py)")
     p.add_argument("--slot-reuse", action="store_true",
-                   help="rerun with slot_reuse=true (decoding writes each new token into the slot its head freed)")
+                   help="rerun with slot_reuse=true (decoding writes each new token into the slot its head freed); "
+                        "default: as each run recorded it (a config.yaml without the key decoded chronologically)")
     p.add_argument("--reuse", action="store_true",
                    help="take finished reruns already in --scratch as they are (redraw the table without rerunning)")
     a = p.parse_args(argv)
@@ -74,16 +74,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch_identity: {run} is not a run directory (config.yaml, predictions.jsonl)", file=sys.stderr)
             return 2
     from kvbench.run.app import Member, Session, run_members
+    from kvbench.run.score import read_run_config
     from kvbench.run.settings import RunSettings
 
     scratch = a.scratch or Path(tempfile.mkdtemp(prefix="kvbench-batch-"))
     session = Session()
     members = []
     for run in a.runs:
-        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        cfg = read_run_config(run)
         name = json.loads((run / "metrics.json").read_text())["policy"]
         cfg.update(batch_size=a.batch, shard=compose_shards(cfg.get("shard"), a.shard), overwrite=not a.reuse,
-                   progress=False, share=a.share, slot_reuse=a.slot_reuse)
+                   progress=False, share=a.share)
+        if a.slot_reuse:
+            cfg["slot_reuse"] = True
         members.append(Member(RunSettings.from_config(cfg), name, scratch / run.name))
     if a.share:
         run_members(members, session)  # one shared-work sweep (per group of runs differing in policy and budget)

@@ -4,31 +4,26 @@
 # N = 1024, B = 128, 32 new tokens, one thread, CPU time, medians of 3 interleaved rounds (one round is noisy: a
 # configuration's time moves by up to ~10 % between rounds on this machine). Writes
 # results/bench_smollm2/engine_4k.{json,md}. ~15 CPU-min; run it on a quiet machine (nothing else on the other core).
-# SLOTS=1: the same, with every policy that can leave a hole measured twice, as it is and with slot reuse (rows
-# NAME+slots, measured one after the other in each round; AdaKV and SAGE-KV store heads flat and never reuse a slot,
-# so they run once): results/bench_smollm2/engine_4k_slots.{json,md}, ~50 CPU-min.
-# STACK=1: the policies whose decoding evictions stack (Policy.stackable: every layer in one call, with slot reuse,
-# kvbench/engine/stack.py), each as it is and with slot reuse: results/bench_smollm2/engine_4k_stack.{json,md},
-# ~20 CPU-min.
+# Every policy decodes as the engine does by default: with slot reuse (no K/V copy per step; a stackable policy's
+# layers evicted in one call, kvbench/engine/stack.py).
+# CHRONO=1: the same, with every policy that can leave a hole measured twice, decoding chronologically (rows
+# NAME+chrono: each head's slots gathered after every eviction, how every run before slot reuse became the default
+# decoded) and as it is, one after the other in each round; AdaKV and SAGE-KV store heads flat and never reuse a slot,
+# so they run once: results/bench_smollm2/engine_4k_chrono.{json,md}, ~50 CPU-min. (The engine_4k_slots and
+# engine_4k_stack tables were made before slot reuse was the default, by SLOTS=1 and STACK=1 modes that wrote the
+# rows NAME and NAME+slots; results/bench_smollm2/RUN.md gives their commits.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/bench_smollm2}
 name=engine_4k
 policies=all
-if [ "${SLOTS:-0}" = 1 ]; then
-    name=engine_4k_slots
+if [ "${CHRONO:-0}" = 1 ]; then
+    name=engine_4k_chrono
     policies=""
     for p in streamingllm random knorm keydiff tova h2o h2o_original snapkv pyramidkv criticalkv hashevict; do
-        policies="$policies$p,$p+slots,"
+        policies="$policies$p+chrono,$p,"
     done
     policies="${policies}adakv,sagekv"
-elif [ "${STACK:-0}" = 1 ]; then
-    name=engine_4k_stack
-    policies=""
-    for p in streamingllm random knorm keydiff tova h2o h2o_original hashevict; do
-        policies="$policies$p,$p+slots,"
-    done
-    policies="${policies%,}"
 fi
 OMP_NUM_THREADS=1 python -m kvbench.bench --model smollm2-135m --lengths 4096 --budgets 1024 --block 128 \
     --new-tokens 32 --policies "$policies" --repeats 3 --threads 1 --clock cpu --out "$out/$name.json" "${@:2}"

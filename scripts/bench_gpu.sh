@@ -15,8 +15,9 @@
 #   smollm2-16k  a long prompt: 16k tokens, N = 4096, B = 128; keydiff, snapkv, h2o, adakv
 #   llama3b-16k  Llama-3.2-3B's geometry (tiny-llama3 at its full 28 layers, 24/8 heads, head_dim 128): 16k, N = 4096
 #   smollm2-4k-stack  smollm2-4k's setting for the policies whose decoding evictions stack (Policy.stackable), each
-#                as it is and with slot reuse (rows NAME+slots: one eviction call for all layers per decoding step,
-#                kvbench/engine/stack.py), measured one after the other in each round; ~3 min on an H100
+#                decoding chronologically (rows NAME+chrono: one eviction per layer per step) and as it is (slot
+#                reuse, the default: one eviction call for all layers per decoding step, kvbench/engine/stack.py),
+#                one after the other in each round; ~3 min on an H100
 # Each part writes OUT/<part>.json and OUT/<part>.md (the table, the command, the goal lines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +41,7 @@ common=(--device cuda --dtype bfloat16 --clock wall --block 128 --new-tokens 32 
         --baselines full,hf,streamingllm)
 few=keydiff,snapkv,h2o,adakv
 stack=""
-for p in streamingllm random knorm keydiff tova h2o h2o_original hashevict; do stack="$stack$p,$p+slots,"; done
+for p in streamingllm random knorm keydiff tova h2o h2o_original hashevict; do stack="$stack$p+chrono,$p,"; done
 for part in "${parts[@]}"; do
     case $part in
         smollm2-4k) args=(--config "$config" --lengths 4k --budgets 1024 --policies all) ;;

@@ -18,7 +18,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
 
 from kvbench.run.records import read_records
 
@@ -44,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvbench.engine.hf import describe_processors, greedy_processors
     from kvbench.run.app import Session, task_env
     from kvbench.run.loop import eos_ids, generation_settings, run_samples, sample_seed
+    from kvbench.run.score import read_run_config
     from kvbench.run.settings import RunSettings, build_policy, build_task
 
-    cfg = yaml.safe_load((a.run / "config.yaml").read_text())
+    cfg = read_run_config(a.run)
     cfg.update(shard=None, progress=False)
     settings = RunSettings.from_config(cfg)
     loaded = Session().model(settings)

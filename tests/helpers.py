@@ -54,6 +54,12 @@ def held_positions(trace: list[list[torch.Tensor | None]]) -> list[list[list[lis
             for step in trace]
 
 
+def held_counts(step: list[torch.Tensor | None]) -> list[int]:
+    """One traced step (Observer(trace=True)): per layer, the most tokens any KV head holds (holes and padding,
+    position -1, left out), whatever slots they sit in: the bound a budget sets, with or without slot reuse."""
+    return [0 if pos is None else int((pos >= 0).sum(dim=-1).max()) for pos in step]
+
+
 def make_layer(keys: list, queries: list | None = None, values: list | None = None, layer_idx: int = 0,
                scaling: float = 1.0) -> EvictingLayer:
     """A layer holding `keys` (h_kv, n, d) at positions 0..n-1 (values zero unless given), and optionally stashed

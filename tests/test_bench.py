@@ -141,9 +141,11 @@ def test_peak_memory_is_per_call() -> None:
     assert mem.rss_peak_mib() < start + 50
 
 
-def test_generate_splits_eviction_time_into_prefill_and_decode() -> None:
+@pytest.mark.parametrize("slot_reuse", [False, True])
+def test_generate_splits_eviction_time_into_prefill_and_decode(slot_reuse: bool) -> None:
     """A fake clock advanced only inside Policy.evict: 1 s per call while the prompt is processed, 100 s per call
-    while decoding. 40 prompt tokens in blocks of 8 = 5 blocks, 3 new tokens = 2 decoding steps, 2 layers."""
+    while decoding. 40 prompt tokens in blocks of 8 = 5 blocks, 3 new tokens = 2 decoding steps, 2 layers: one call
+    per layer per step decoding chronologically, one call for both layers with slot reuse (KeyDiff stacks them)."""
     from kvbench.engine import generate as engine_generate
     from kvbench.models.tiny import build_tiny_model
     from kvbench.policies.keydiff import KeyDiff
@@ -160,13 +162,15 @@ def test_generate_splits_eviction_time_into_prefill_and_decode() -> None:
 
     install(model)
     res = engine_generate.generate(model, Ticking(budget=16), list(range(10, 50)),
-                                   engine_generate.GenerationSettings(block=8, max_new_tokens=3),
+                                   engine_generate.GenerationSettings(block=8, max_new_tokens=3,
+                                                                      slot_reuse=slot_reuse),
                                    observer=engine_generate.Observer(clock=lambda: clock[0]))
+    calls = 1 if slot_reuse else 2  # evict calls per decoding step
     assert res.decode_steps == 2
     assert res.evict_prefill_s == 5 * 2 * 1.0
-    assert res.evict_decode_s == 2 * 2 * 100.0
+    assert res.evict_decode_s == 2 * calls * 100.0
     assert res.evict_s == res.evict_prefill_s + res.evict_decode_s
-    assert res.prefill_s == 5 * 2 * 1.0 and res.decode_s == 2 * 2 * 100.0  # the same clock times the phases
+    assert res.prefill_s == 5 * 2 * 1.0 and res.decode_s == 2 * calls * 100.0  # the same clock times the phases
 
 
 def _row(policy: str, n: int, prefill: float, decode: float, evict_pre: float, evict_dec: float,
@@ -319,17 +323,24 @@ def test_bad_workload_is_refused(tmp_path) -> None:
     assert e.value.code == 2 and not (tmp_path / "b.json").exists()
 
 
-def test_slot_reuse_rows_beside_each_policy(tmp_path, one_thread) -> None:
-    """--slot-reuse measures each policy twice, as it is and as NAME+slots (decoding with slot reuse): the same tokens
-    (tiny-llama, float32: the kept tokens are the same, the sums' order differs), each with its own goal lines."""
+def test_chronological_rows_beside_each_policy(tmp_path, one_thread) -> None:
+    """--chronological measures each policy twice, decoding chronologically (NAME+chrono) and as it is (slot reuse,
+    the engine's default): the same tokens (tiny-llama, float32: the kept tokens are the same, the sums' order
+    differs), each with its own goal lines."""
     out = tmp_path / "b.json"
     assert bench.main(["--arch", "tiny-llama", "--lengths", "40", "--budgets", "16", "--block", "8", "--new-tokens", "4",
-                       "--repeats", "1", "--policies", "keydiff", "--slot-reuse", "--baselines", "none",
+                       "--repeats", "1", "--policies", "keydiff", "--chronological", "--baselines", "none",
                        "--threads", "1", "--out", str(out), "--quiet"]) == 0
     data = json.loads(out.read_text())
     rows = {r["policy"]: r for r in data["rows"]}
-    assert list(rows) == ["keydiff", "keydiff+slots"]
-    assert rows["keydiff"]["first_tokens"] == rows["keydiff+slots"]["first_tokens"]
-    assert rows["keydiff+slots"]["peak_kv_tokens"] == rows["keydiff"]["peak_kv_tokens"] == 16 + 8
-    assert any("keydiff+slots" in line for line in out.with_suffix(".md").read_text().splitlines())
-    assert setup.slot_reuse("keydiff+slots") == ("keydiff", True) and setup.slot_reuse("keydiff") == ("keydiff", False)
+    assert list(rows) == ["keydiff+chrono", "keydiff"]
+    assert rows["keydiff"]["first_tokens"] == rows["keydiff+chrono"]["first_tokens"]
+    assert rows["keydiff+chrono"]["peak_kv_tokens"] == rows["keydiff"]["peak_kv_tokens"] == 16 + 8
+    assert any("keydiff+chrono" in line for line in out.with_suffix(".md").read_text().splitlines())
+
+
+def test_bench_names_say_how_a_row_decodes() -> None:
+    # a plain name decodes as the engine's default (slot reuse); +chrono chronologically; +slots names the default
+    assert setup.slot_reuse("keydiff") == ("keydiff", True)
+    assert setup.slot_reuse("keydiff+chrono") == ("keydiff", False)
+    assert setup.slot_reuse("keydiff+slots") == ("keydiff", True)

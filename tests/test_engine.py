@@ -23,6 +23,7 @@ from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
 
 from float64_reference import reference_logits
+from helpers import held_counts
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-gemma"]
 
@@ -96,17 +97,24 @@ def test_eviction_matches_float64_reference(policy_factory, layers: int) -> None
 
 
 # 3. The cache never exceeds N + B, and is cut back to N after every step -------------------------------------------
+@pytest.mark.parametrize("slot_reuse", [False, True])
 @pytest.mark.parametrize("policy", [KeyDiff(budget=40), StreamingLLM(budget=40), TOVA(budget=40), H2O(budget=40),
                                     SnapKV(budget=40), Random(budget=40), KNorm(budget=40, skip_layers=[])],
                          ids=lambda p: p.name)
-def test_cache_bounded(policy) -> None:
+def test_cache_bounded(policy, slot_reuse: bool) -> None:
     model, _ = _model("tiny-llama")
     ids = _prompt(300)[0].tolist()
-    res = generate(model, policy, ids, GenerationSettings(block=16, max_new_tokens=10), observer=Observer(trace=True))
+    res = generate(model, policy, ids, GenerationSettings(block=16, max_new_tokens=10, slot_reuse=slot_reuse),
+                   observer=Observer(trace=True))
     for step in res.trace[1:]:  # before every forward after the first: at most N held
+        assert all(n <= 40 for n in held_counts(step))
         for pos in step:
-            assert pos is not None and pos.shape[-1] <= 40
-            assert bool((pos.diff(dim=-1) > 0).all())  # chronological order kept
+            if slot_reuse:  # at most the N held and one hole (position -1), the slot the next token goes into
+                assert pos.shape[-1] <= 40 + 1
+            else:
+                assert pos.shape[-1] <= 40 and bool((pos.diff(dim=-1) > 0).all())  # chronological order kept
+    if slot_reuse:  # after the last decoding eviction: N held, one hole per head
+        assert all(int((pos < 0).sum()) == pos.shape[1] and pos.shape[-1] == 41 for pos in res.trace[-1])
     assert res.peak_kv_tokens == 40 + 16
     bytes_per_token = 2 * 2 * 64 * 4 * 2  # K+V x 2 kv heads x head_dim 64 x fp32 x 2 layers
     assert res.kv_bytes_peak == (40 + 16) * bytes_per_token
@@ -121,7 +129,7 @@ def test_knorm_default_skips_layers_0_and_1_and_bounds_the_rest() -> None:
     assert len(res.trace) == 7 + 4  # 7 prompt blocks (100 = 6 x 16 + 4), then 4 one-token decoding steps
     for k, step in enumerate(res.trace[1:], 1):  # before forward k: the tokens seen so far, or N after eviction
         seen = min(16 * k, 100) + max(0, k - 7)
-        assert [p.shape[-1] for p in step] == [seen, seen, min(seen, 40), min(seen, 40)]
+        assert held_counts(step) == [seen, seen, min(seen, 40), min(seen, 40)]
     assert res.peak_kv_tokens == 100 + 4  # the uncompressed layers hold the whole prompt plus 4 fed-back tokens
 
 
@@ -132,7 +140,7 @@ def test_block_null_is_one_forward_then_one_eviction() -> None:
                    observer=Observer(trace=True))
     assert len(res.trace) == 1 + 2  # prompt forward + two decoding steps
     assert res.peak_kv_tokens == 300
-    assert all(p.shape[-1] == 40 for p in res.trace[1])
+    assert held_counts(res.trace[1]) == [40, 40]
 
 
 # 4. The hand loop equals generate(prefill_chunk_size=B) with the same eviction in forward hooks -------------------

@@ -29,7 +29,7 @@ from kvbench.run.labels import model_label, protocol_label
 from kvbench.run.settings import RunSettings
 from kvbench.run.settings import ConfigError
 
-from helpers import run_config
+from helpers import held_counts, run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 T, N, NEW = 150, 40, 6
@@ -38,11 +38,6 @@ pytestmark = pytest.mark.tiny_model(output_scale=1.0)  # the `model` fixture (co
 
 def _ids(n: int = T, seed: int = 7) -> list[int]:
     return torch.randint(8, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _held(step: list[torch.Tensor | None]) -> list[int]:
-    """Physical tokens per KV head of each layer at one traced step (every head of a layer holds the same)."""
-    return [int(pos.shape[-1]) for pos in step]
 
 
 # --- prefill_once --------------------------------------------------------------------------------------------------
@@ -56,7 +51,7 @@ def test_prefill_once_cache_is_n_after_the_prompt_and_grows_by_one_per_token(mod
     assert len(res.trace) == 1 + NEW - 1
     assert res.trace[0] == [None] * model.config.num_hidden_layers  # empty cache before the prompt forward
     for k, step in enumerate(res.trace[1:]):  # before decoding forward k + 1: N kept + the k tokens fed back
-        assert _held(step) == [N + k] * model.config.num_hidden_layers
+        assert held_counts(step) == [N + k] * model.config.num_hidden_layers
         for pos in step:  # nothing decoded is ever evicted: positions T .. T + k - 1 all present, in order
             assert [p for p in pos[0, 0].tolist() if p >= T] == list(range(T, T + k))
     # The peak is the prompt forward's T tokens (evicted once, right after); the end state N + NEW - 1 is below it.
@@ -92,7 +87,7 @@ def test_prefill_once_equals_one_forward_one_eviction_then_plain_greedy(model) -
     evicting = generate(model, SnapKV(budget=N, window=8, kernel=3), ids,
                         GenerationSettings(block=None, max_new_tokens=NEW, protocol="prefill_once_decode_evict"),
                         observer=Observer(trace=True))
-    assert all(_held(step) == [N] * model.config.num_hidden_layers for step in evicting.trace[1:])
+    assert all(held_counts(step) == [N] * model.config.num_hidden_layers for step in evicting.trace[1:])
 
 
 def test_prefill_once_decode_evict_is_blockwise_with_block_none(model) -> None:

@@ -4,7 +4,10 @@ run's config.yaml)."""
 
 from __future__ import annotations
 
-from kvbench.options import RUN_DEFAULTS
+import yaml
+
+from kvbench.options import RUN_DEFAULTS, stored_config
+from kvbench.run.score import read_run_config
 from kvbench.run.settings import RunSettings
 
 
@@ -18,6 +21,15 @@ def test_the_reports_defaults_are_the_runs() -> None:
                                                                       if k != "protocol"}
 
 
-def test_slot_reuse_defaults_off() -> None:
-    # every committed result decoded chronologically: a run that records no slot_reuse ran without it
-    assert RUN_DEFAULTS["slot_reuse"] is False and RUN_DEFAULTS["batch_size"] == 1
+def test_slot_reuse_defaults_on_but_not_for_older_runs(tmp_path) -> None:
+    # a new run decodes with slot reuse; a stored config without the key was written before slot reuse existed and
+    # decoded chronologically, so every reader of a stored config reads it as false, and one that records it as it says
+    assert RUN_DEFAULTS["slot_reuse"] is True and RUN_DEFAULTS["batch_size"] == 1
+    assert RunSettings.from_config({}).slot_reuse is True
+    assert stored_config({"budget": 64}) == {"budget": 64, "slot_reuse": False}
+    assert stored_config({"slot_reuse": True})["slot_reuse"] is True
+    task = {"_target_": "kvbench.tasks.jsonl.JsonlTask"}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"task": task, "budget": 64}))
+    assert read_run_config(tmp_path)["slot_reuse"] is False
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"task": task, "budget": 64, "slot_reuse": True}))
+    assert read_run_config(tmp_path)["slot_reuse"] is True

@@ -243,9 +243,9 @@ def test_a_decoding_step_copies_kv_of_the_new_token_only(name: str) -> None:
 
 
 def test_the_setting_is_a_flag_recorded_with_every_run() -> None:
-    assert RunSettings.from_config({}).slot_reuse is False
-    s = RunSettings.from_config({"slot_reuse": True})
-    assert s.slot_reuse and s.recorded()["slot_reuse"] is True
+    assert RunSettings.from_config({}).slot_reuse is True  # the default
+    s = RunSettings.from_config({"slot_reuse": False})
+    assert not s.slot_reuse and s.recorded()["slot_reuse"] is False
     assert s.key() == RunSettings.from_config({}).key()  # like batch_size: the same results up to rounding
     with pytest.raises(ConfigError, match="slot_reuse must be true or false"):
         RunSettings.from_config({"slot_reuse": "yes"})

@@ -86,20 +86,23 @@ def test_shards_merge_into_the_unsharded_result(tmp_path: Path) -> None:
     assert entry.stats["samples"] == 3 and entry.stats["prompt_tokens"] == 96 + 128 + 160
     assert entry.label == ""
 
-    # A run made before a setting existed has no value for it in config.yaml and ran as its default: such a shard
-    # merges with one that records the default (slot_reuse: false); one that records another value does not
+    # A run made before a setting existed has no value for it in config.yaml and ran as the default of its day: a
+    # shard without slot_reuse (decoded chronologically, before slot reuse became the default) merges with one that
+    # records slot_reuse: false, and not with one that records today's default (true)
     import yaml
 
-    cfg1 = sharded / "job" / "shard1of2" / "config.yaml"
+    cfg0, cfg1 = (sharded / "job" / f"shard{i}of2" / "config.yaml" for i in (0, 1))
     recorded = yaml.safe_load(cfg1.read_text())
-    assert recorded["slot_reuse"] is False
+    assert recorded["slot_reuse"] is True
     cfg1.write_text(yaml.safe_dump({k: v for k, v in recorded.items() if k != "slot_reuse"}))
+    rep = report(sharded, plots=False, quiet=True)
+    assert [r.entries["fidelity"].label for r in rep.rows] == ["(1/2 shards)", "(1/2 shards)"]
+    recorded0 = yaml.safe_load(cfg0.read_text())
+    cfg0.write_text(yaml.safe_dump({**recorded0, "slot_reuse": False}))
     rep = report(sharded, plots=False, quiet=True)
     assert len(rep.rows) == 1 and rep.notes == []
     assert rep.rows[0].entries["fidelity"].stats["samples"] == 3
-    cfg1.write_text(yaml.safe_dump({**recorded, "slot_reuse": True}))
-    rep = report(sharded, plots=False, quiet=True)
-    assert [r.entries["fidelity"].label for r in rep.rows] == ["(1/2 shards)", "(1/2 shards)"]
+    cfg0.write_text(yaml.safe_dump(recorded0))
     cfg1.write_text(yaml.safe_dump(recorded))
 
     (sharded / "job" / "shard1of2" / "metrics.json").unlink()  # one shard unfinished

@@ -18,7 +18,7 @@ from kvbench.bench.batch import (BATCH_POLICIES, WORKLOADS, batch_goal_lines, ba
 from kvbench.bench.goals import goal_lines, goals, markdown_table
 from kvbench.bench.measure import CLOCKS, configurations, run_bench
 from kvbench.bench.sweep import DESIGNS, designs_from, run_sweep_bench, sweep_goal_lines, sweep_markdown
-from kvbench.bench.setup import (BASELINES, DEFAULT_POLICIES, FLOOR, FULL, HF, SLOTS, BenchError, all_policies,
+from kvbench.bench.setup import (BASELINES, CHRONO, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies,
                                  build_model, load_real_model, make_policy, prompt_ids)
 from kvbench.run.machine import cpu_info
 
@@ -95,9 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fork-batch", type=_int_list, default=None,
                    help="with --sweep: how many runs leaving the shared forwards together go through the model "
                         "together, one shared way per value, e.g. 1,12 (default 1: exact)")
-    p.add_argument("--slot-reuse", action="store_true",
-                   help="measure every policy twice: as it is and decoding with slot reuse (row NAME+slots; "
-                        "docs/running.md 'Slot reuse'); NAME+slots in --policies picks single ones")
+    p.add_argument("--chronological", action="store_true",
+                   help="measure every policy twice: as it is (slot reuse, the engine's default) and decoding "
+                        "chronologically (row NAME+chrono; docs/running.md 'Slot reuse'); NAME+chrono in --policies "
+                        "picks single ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json", help="rows and goals as JSON")
     p.add_argument("--markdown", default=None, help="markdown table file (default: --out with .md)")
@@ -162,8 +163,8 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
             return _sweep(a, log)
         if policies == ["all"]:
             policies = all_policies()
-        if a.slot_reuse:
-            policies = [p for name in policies for p in (name, name + SLOTS)]
+        if a.chronological:
+            policies = [p for name in policies for p in (name + CHRONO, name)]
         for name in policies:  # fail on bad names and budgets before anything is built
             for b in budgets:
                 make_policy(name, b, a.seed)

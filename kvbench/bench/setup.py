@@ -157,12 +157,18 @@ def _model_from_config(config: str, layers: int | None, dtype: torch.dtype, seed
     return model, src
 
 
-SLOTS = "+slots"  # a policy name ending so (`keydiff+slots`) decodes with slot reuse (GenerationSettings.slot_reuse)
+# A policy name ending so decodes chronologically (`keydiff+chrono`: GenerationSettings.slot_reuse false, each head's
+# slots gathered after every eviction); a plain name decodes as the engine does by default, with slot reuse. `+slots`
+# names the default explicitly: the rows of tables measured before slot reuse became the default.
+CHRONO, SLOTS = "+chrono", "+slots"
 
 
 def slot_reuse(name: str) -> tuple[str, bool]:
     """A bench policy name -> (the policy's own name, whether it decodes with slot reuse)."""
-    return (name[:-len(SLOTS)], True) if name.endswith(SLOTS) else (name, False)
+    for suffix, reuse in ((CHRONO, False), (SLOTS, True)):
+        if name.endswith(suffix):
+            return name[:-len(suffix)], reuse
+    return name, True
 
 
 def make_policy(name: str, budget: int | None, seed: int) -> Any:

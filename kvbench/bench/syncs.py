@@ -157,9 +157,9 @@ class SyncCount:
 
 
 def count_host_syncs(model: Any, policy: Any, ids: Sequence[int], block: int | None, new_tokens: int,
-                     protocol: str = "blockwise", slots: bool = False) -> SyncCount:
-    """Run `generate` once (greedy, no stop tokens; `slots`: with slot reuse) and count the host syncs of each
-    decoding step."""
+                     protocol: str = "blockwise", slots: bool = True) -> SyncCount:
+    """Run `generate` once (greedy, no stop tokens; `slots`: with slot reuse, the engine's default) and count the host
+    syncs of each decoding step."""
     from kvbench.engine import generate as engine_generate
 
     counter = SyncCounter()

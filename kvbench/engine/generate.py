@@ -41,7 +41,8 @@ class GenerationSettings:
     what the cache holds when position t goes in, for every prompt position t >= score_from (GenerationResult
     lm_logprobs; the task decides where scoring starts, kvbench.run.loop.lm_score_start). `slot_reuse`: a decoding
     step's eviction of one token per head leaves a hole the next token is written into, instead of gathering the kept
-    slots (kvbench/engine/slots.py): no O(N) copy per step, the same kept tokens, attention summed in another order.
+    slots (kvbench/engine/slots.py): no O(N) copy per step, the same kept tokens, attention summed in another order;
+    False keeps each head's slots in chronological order (a gather after every eviction).
     """
 
     block: int | None = None
@@ -53,7 +54,7 @@ class GenerationSettings:
     context_tokens: int | None = None
     diagnostics: tuple[str, ...] = ()
     score_from: int | None = None
-    slot_reuse: bool = False
+    slot_reuse: bool = True
 
 
 @dataclass

@@ -149,14 +149,14 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _settings(run: Run) -> dict[str, Any]:
-    from kvbench.options import RUN_DEFAULTS, resolve_protocol
+    from kvbench.options import RUN_DEFAULTS, resolve_protocol, stored_config
 
     m = run.metrics
     if run.config:
         # A run setting added after the run was made is absent from its config.yaml: it ran as that setting's
-        # default, so it reads as the default here too, and its shards merge with those of a later run that records
+        # default then, so it reads as that here too, and its shards merge with those of a later run that records
         # it (a run made before slot_reuse existed decoded chronologically, as one recording slot_reuse: false does)
-        cfg = {**RUN_DEFAULTS, **run.config}
+        cfg = {**RUN_DEFAULTS, **stored_config(run.config)}
     else:
         cfg = {"budget": m.get("budget"), "block": m.get("block"), "protocol": m.get("protocol"),
                "scenario": m.get("scenario")}

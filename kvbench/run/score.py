@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 from kvbench.errors import error_line
 from kvbench.metrics import longbench as lbm
+from kvbench.options import stored_config
 from kvbench.tasks.base import TaskError, parse_jsonl
 
 PREDICTIONS = "predictions.jsonl"  # a run directory's records (kvbench.run.loop)
@@ -110,7 +111,7 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
         raise ScoreError(f"{path}: not a readable YAML file ({error_line(e)})") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("task"), dict) or not cfg["task"].get("_target_"):
         raise ScoreError(f"{path}: no task section with a _target_ (not a kvbench run's config)")
-    return cfg
+    return stored_config(cfg)
 
 
 def rescore_run(run_dir: Path, fuzz_backend: str | None = None) -> dict[str, Any]:

@@ -69,8 +69,9 @@ class RunSettings:
     share: bool = _setting(True, changes_results=False)
     # Decoding steps write each new token into the slot the previous step's eviction freed (no O(N) copy per step;
     # kvbench/engine/slots.py): the same kept tokens, attention summed in another order, so a token may differ where
-    # the rounding decides a near-tie, as with batch_size; the key leaves it out and every record says it.
-    slot_reuse: bool = _setting(False, changes_results=False)
+    # the rounding decides a near-tie, as with batch_size; the key leaves it out and every record made with it says
+    # so. A stored config without the key decoded chronologically (kvbench.options.stored_config).
+    slot_reuse: bool = _setting(True, changes_results=False)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RunSettings:
