@@ -1,6 +1,6 @@
-"""Slot reuse while decoding (`slot_reuse=true`): a decoding step appends and evicts without rebuilding K/V.
+"""Slot reuse while decoding (`slot_reuse=true`, the default): a step appends and evicts without rebuilding K/V.
 
-In the default (chronological) storage every decoding step copies each layer's K/V twice: the new token is
+In chronological storage (`slot_reuse=false`) every decoding step copies each layer's K/V twice: the new token is
 concatenated at the end (a new (b, h_kv, n + 1, d) tensor) and the kept slots are gathered after the eviction (another
 (b, h_kv, n, d)). With slot reuse, a decoding eviction that drops exactly one token per head (the steady state: one
 token in, one out) leaves every other slot where it is and marks the dropped slot of each head as its `hole`

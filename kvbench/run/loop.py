@@ -367,7 +367,7 @@ def make_record(sample: Sample, prediction: str, res: GenerationResult, score: f
     if settings.batch_size > 1:
         rec["batch"] = {"size": res.batch_size, "kv_bytes_peak": res.batch_kv_bytes_peak}
     if settings.slot_reuse:
-        rec["slot_reuse"] = True  # decoded with slot reuse (kvbench/engine/slots.py): its rounding, not the default's
+        rec["slot_reuse"] = True  # decoded with slot reuse (kvbench/engine/slots.py): its rounding, not chronological
     if res.shared_with > 1:
         # generate_shared's shared forwards: how many runs one of them served, this run's equal share of their seconds
         # (inside prefill_s), and their seconds in full (what the group's shares add up to)
