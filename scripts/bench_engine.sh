@@ -11,7 +11,8 @@
 # decoded) and as it is, one after the other in each round; AdaKV and SAGE-KV store heads flat and never reuse a slot,
 # so they run once: results/bench_smollm2/engine_4k_chrono.{json,md}, ~50 CPU-min. (The engine_4k_slots and
 # engine_4k_stack tables were made before slot reuse was the default, by SLOTS=1 and STACK=1 modes that wrote the
-# rows NAME and NAME+slots; results/bench_smollm2/RUN.md gives their commits.)
+# rows NAME and NAME+slots; results/bench_smollm2/RUN.md gives their commits.) POLICIES="a b ...": only these
+# policies, each both ways (a shorter paired run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/bench_smollm2}
@@ -20,10 +21,11 @@ policies=all
 if [ "${CHRONO:-0}" = 1 ]; then
     name=engine_4k_chrono
     policies=""
-    for p in streamingllm random knorm keydiff tova h2o h2o_original snapkv pyramidkv criticalkv hashevict; do
+    for p in ${POLICIES:-streamingllm random knorm keydiff tova h2o h2o_original snapkv pyramidkv criticalkv hashevict}; do
         policies="$policies$p+chrono,$p,"
     done
-    policies="${policies}adakv,sagekv"
+    policies="${policies%,}"
+    [ -n "${POLICIES:-}" ] || policies="$policies,adakv,sagekv"
 fi
 OMP_NUM_THREADS=1 python -m kvbench.bench --model smollm2-135m --lengths 4096 --budgets 1024 --block 128 \
     --new-tokens 32 --policies "$policies" --repeats 3 --threads 1 --clock cpu --out "$out/$name.json" "${@:2}"
