@@ -11,8 +11,9 @@ log-probability, decoding steps, peak tokens and bytes).
 in policy and budget form one group, run sample-major with their common prompt forwards done once (--batch 1: each
 run exact by construction).
 
-Each run directory's own config.yaml is rerun (shard i/n: its samples with index % n == i) into a scratch directory
-(--scratch, default a temporary one); the table says, per run, how many samples are identical in every field above,
+Each run directory's own config.yaml (as the run recorded it: kvbench.options.stored_config) is rerun (shard i/n: its
+samples with index % n == i) into a scratch directory (--scratch, default a temporary one; under it, the shortest
+tail of the run's path no other run given shares: scratch_names); the table says, per run, how many samples are identical in every field above,
 and for the others where the tokens first differ and by how much the graded score moved.
 """
 
@@ -39,6 +40,22 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def scratch_names(runs: list[Path]) -> list[Path]:
+    """Where each run's rerun goes under --scratch (and is looked up under --reference): the shortest tail of its path
+    that no other run given shares, so runs of one leaf name (e.g. every `shard6of11` of a sweep) never share a
+    rerun directory; a unique leaf name is just that name."""
+    def tail(run: Path, k: int) -> Path:
+        return Path(*run.parts[-k:])
+
+    out = []
+    for run in runs:
+        k = 1
+        while k < len(run.parts) and sum(tail(r, k) == tail(run, k) for r in runs) > 1:
+            k += 1
+        out.append(tail(run, k))
+    return out
+
+
 def compose_shards(own: str | None, sub: str | None) -> str | None:
     """The shard of a run's own shard `own` (i/n, the run's samples: index % n == i) that holds its samples at
     positions j, j + m, ... of that shard (`sub` = j/m): (i + n j)/(n m); either may be None (all)."""
@@ -54,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--share", action="store_true", help="rerun the runs together as one shared-work sweep")
     p.add_argument("--reference", type=Path, default=None,
-                   help="compare with the runs of the same names in this directory (e.g. another rerun's --scratch) "
-                        "instead of the committed ones")
+                   help="compare with the runs of the same names in this directory (e.g. another rerun's --scratch "
+                        "of the same runs) instead of the committed ones")
     p.add_argument("--shard", default=None,
                    help="i/n: rerun only the run's samples with index %% n == i (a run of a shard: the index within "
                         "its shard; e.g. 0/1000 reruns each run's first sample)")
@@ -80,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = a.scratch or Path(tempfile.mkdtemp(prefix="kvbench-batch-"))
     session = Session()
     members = []
+    where = dict(zip(a.runs, scratch_names(a.runs)))
     for run in a.runs:
         cfg = read_run_config(run)
         name = json.loads((run / "metrics.json").read_text())["policy"]
@@ -87,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                    progress=False, share=a.share)
         if a.slot_reuse:
             cfg["slot_reuse"] = True
-        members.append(Member(RunSettings.from_config(cfg), name, scratch / run.name))
+        members.append(Member(RunSettings.from_config(cfg), name, scratch / where[run]))
     if a.share:
         run_members(members, session)  # one shared-work sweep (per group of runs differing in policy and budget)
     rows, differing = [], []
@@ -95,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         name = member.name
         if not a.share:
             run_members([member], session)
-        ref = a.reference / run.name if a.reference else run
-        old, new = _records(ref / "predictions.jsonl"), _records(scratch / run.name / "predictions.jsonl")
+        ref = a.reference / where[run] if a.reference else run
+        old, new = _records(ref / "predictions.jsonl"), _records(scratch / where[run] / "predictions.jsonl")
         # the rerun's own time, from its records (each sample's share of its batches): also right with --reuse
         took = sum(r["prefill_s"] + r["decode_s"] + r.get("graded_s", 0.0) for r in new.values())
         same, diffs, moved = 0, [], 0.0

@@ -10,6 +10,7 @@ prompt forward; blocks of >= 4 tokens: see generate._MIN_BATCH_ROWS).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -246,6 +247,28 @@ def test_batch_identity_script_counts_identical_and_differing_samples(tmp_path, 
     capsys.readouterr()
     assert script.main(["--out", str(out), str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err.strip().endswith("is not a run directory (config.yaml, predictions.jsonl)")
+
+
+def test_batch_identity_keeps_runs_of_one_leaf_name_apart(tmp_path) -> None:
+    """Two committed runs in directories of one leaf name (as every `shard6of11` of a sweep), KeyDiff and
+    StreamingLLM, rerun together (--share): each rerun has its own scratch directory and is compared with its own
+    committed run, so both are identical; sharing one directory, one would be compared with the other's records."""
+    from kvbench.run.app import Session, run_one
+    from test_resume import _cfg, _data
+
+    script = load_script("batch_identity")
+    data, session = _data(tmp_path), Session()
+    runs = [tmp_path / p / "committed" for p in ("keydiff", "streamingllm")]
+    for run, name in zip(runs, ("keydiff", "streamingllm")):
+        run_one(_cfg(data, **{"model.dtype": "float64", "policy": name}), name, run, session)
+    assert script.scratch_names(runs) == [Path("keydiff/committed"), Path("streamingllm/committed")]
+    assert script.scratch_names([runs[0], tmp_path / "other"]) == [Path("committed"), Path("other")]
+    out = tmp_path / "identity.md"
+    assert script.main(["--batch", "1", "--share", "--scratch", str(tmp_path / "scratch"), "--out", str(out),
+                        *map(str, runs)]) == 0
+    for run, name in zip(runs, ("keydiff", "streamingllm")):
+        assert f"| `{run.as_posix()}` | {name} | 8 | 8 | 0.0e+00 | - |" in out.read_text()
+    assert (tmp_path / "scratch" / "streamingllm" / "committed" / "predictions.jsonl").is_file()
 
 
 def test_compose_shards_by_hand() -> None:
