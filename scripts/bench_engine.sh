@@ -3,7 +3,8 @@
 # HF's own loop on SmolLM2-135M-Instruct (float32, CPU) at one 4096-token prompt (the built-in filler prose),
 # N = 1024, B = 128, 32 new tokens, one thread, CPU time, medians of 3 interleaved rounds (one round is noisy: a
 # configuration's time moves by up to ~10 % between rounds on this machine). Writes
-# results/bench_smollm2/engine_4k.{json,md}. ~15 CPU-min; run it on a quiet machine (nothing else on the other core).
+# results/bench_smollm2/engine_4k.{json,md}. ~15-21 CPU-min (17 on an AMD EPYC, 21 on an Intel Xeon); run it on a
+# quiet machine (nothing else on the other core).
 # Every policy decodes as the engine does by default: with slot reuse (no K/V copy per step; a stackable policy's
 # layers evicted in one call, kvbench/engine/stack.py).
 # CHRONO=1: the same, with every policy that can leave a hole measured twice, decoding chronologically (rows

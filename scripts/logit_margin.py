@@ -36,6 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     if committed is None:
         print(f"logit_margin: no sample '{a.sample}' in {pred}", file=sys.stderr)
         return 2
+    from kvbench.run.score import ScoreError, read_run_config
+
+    try:
+        cfg = read_run_config(a.run)
+    except ScoreError as e:
+        print(f"logit_margin: {e}", file=sys.stderr)
+        return 2
 
     import torch
 
@@ -43,10 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvbench.engine.hf import describe_processors, greedy_processors
     from kvbench.run.app import Session, task_env
     from kvbench.run.loop import eos_ids, generation_settings, run_samples, sample_seed
-    from kvbench.run.score import read_run_config
     from kvbench.run.settings import RunSettings, build_policy, build_task
 
-    cfg = read_run_config(a.run)
     cfg.update(shard=None, progress=False)
     settings = RunSettings.from_config(cfg)
     loaded = Session().model(settings)

@@ -247,6 +247,15 @@ def test_batch_identity_script_counts_identical_and_differing_samples(tmp_path, 
     capsys.readouterr()
     assert script.main(["--out", str(out), str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err.strip().endswith("is not a run directory (config.yaml, predictions.jsonl)")
+    bad = tmp_path / "bad"  # a run directory whose config.yaml is not a kvbench run's: one line, nothing rerun
+    bad.mkdir()
+    (bad / "config.yaml").write_text("budget: 64\n")
+    (bad / "predictions.jsonl").write_text("")
+    assert script.main(["--scratch", str(tmp_path / "scratch_bad"), "--out", str(tmp_path / "bad.md"), str(run),
+                        str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("no task section with a _target_ (not a kvbench run's config)") and "\n" not in err
+    assert not (tmp_path / "scratch_bad").exists() and not (tmp_path / "bad.md").exists()
 
 
 def test_batch_identity_keeps_runs_of_one_leaf_name_apart(tmp_path) -> None:
@@ -306,6 +315,11 @@ def test_logit_margin_names_the_step_where_a_committed_token_is_not_the_argmax(t
     step3 = next(ln for ln in text.splitlines() if ln.startswith("| 3 |")).split(" | ")
     assert step3[1].startswith(f"{planted} ") and float(step3[-1].rstrip(" |")) > 0
     assert script.main([str(run), "--sample", "nope"]) == 2
+    (run / "config.yaml").write_text("budget: 64\n")  # not a kvbench run's config: one line, exit 2
+    capsys.readouterr()
+    assert script.main([str(run), "--sample", "s5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("no task section with a _target_ (not a kvbench run's config)") and "\n" not in err
 
 
 def test_reproduce_summary_by_hand(tmp_path) -> None:
