@@ -18,11 +18,15 @@
 #                decoding chronologically (rows NAME+chrono: one eviction per layer per step) and as it is (slot
 #                reuse, the default: one eviction call for all layers per decoding step, kvbench/engine/stack.py),
 #                one after the other in each round; ~3 min on an H100
+#   smollm2-niah-batch  samples per hour at batch 1 and 8 (--batch, one round) on the NIAH-shaped workload (8 prompts
+#                of 1957-2048 random tokens, 32 new tokens, N = 1024, B = 128) for five stackable policies, each
+#                twice: a batch's decoding evictions in one call for all its samples (the default, SampleStacks) and
+#                each sample on its own (rows NAME+alone), next to HF's batched generate; ~2-3 min on an H100
 # Each part writes OUT/<part>.json and OUT/<part>.md (the table, the command, the goal lines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
-    echo "usage: bash scripts/bench_gpu.sh OUT CONFIG_DIR [smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack ...]" >&2
+    echo "usage: bash scripts/bench_gpu.sh OUT CONFIG_DIR [smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack|smollm2-niah-batch ...]" >&2
     exit 2
 fi
 out=$1 config=$2
@@ -31,8 +35,9 @@ parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(smollm2-4k smollm2-16k llama3b-16k)
 for part in "${parts[@]}"; do  # every part checked before anything is written
     case $part in
-        smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack) ;;
-        *) echo "bench_gpu.sh: unknown part '$part' (smollm2-4k, smollm2-16k, llama3b-16k, smollm2-4k-stack)" >&2
+        smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack|smollm2-niah-batch) ;;
+        *) echo "bench_gpu.sh: unknown part '$part' (smollm2-4k, smollm2-16k, llama3b-16k, smollm2-4k-stack," \
+                "smollm2-niah-batch)" >&2
            exit 2 ;;
     esac
 done
@@ -42,12 +47,15 @@ common=(--device cuda --dtype bfloat16 --clock wall --block 128 --new-tokens 32 
 few=keydiff,snapkv,h2o,adakv
 stack=""
 for p in streamingllm random knorm keydiff tova h2o h2o_original hashevict; do stack="$stack$p+chrono,$p,"; done
+batch=""
+for p in streamingllm keydiff tova h2o hashevict; do batch="$batch$p,$p+alone,"; done
 for part in "${parts[@]}"; do
     case $part in
         smollm2-4k) args=(--config "$config" --lengths 4k --budgets 1024 --policies all) ;;
         smollm2-16k) args=(--config "$config" --lengths 16k --budgets 4096 --policies $few) ;;
         llama3b-16k) args=(--arch tiny-llama3 --layers 28 --lengths 16k --budgets 4096 --policies $few) ;;
         smollm2-4k-stack) args=(--config "$config" --lengths 4k --budgets 1024 --policies "${stack%,}") ;;
+        smollm2-niah-batch) args=(--config "$config" --batch 1,8 --workloads niah --budgets 1024 --policies "${batch%,}") ;;
     esac
     python3 -m kvbench.bench "${args[@]}" "${common[@]}" --out "$out/$part.json" --quiet
 done

@@ -344,3 +344,6 @@ def test_bench_names_say_how_a_row_decodes() -> None:
     assert setup.slot_reuse("keydiff") == ("keydiff", True)
     assert setup.slot_reuse("keydiff+chrono") == ("keydiff", False)
     assert setup.slot_reuse("keydiff+slots") == ("keydiff", True)
+    # +alone (--batch): each sample of a batch evicts on its own
+    assert setup.variant("keydiff+alone") == ("keydiff", {"evict_together": False})
+    assert setup.variant("keydiff+chrono") == ("keydiff", {"slot_reuse": False}) and setup.variant("h2o") == ("h2o", {})

@@ -8,7 +8,7 @@ import torch
 
 import kvbench.engine.generate as generate_module
 from kvbench.engine.cache import EvictingLayer
-from kvbench.engine.generate import GenerationSettings, Observer, generate
+from kvbench.engine.generate import GenerationSettings, Job, Observer, generate, generate_batch
 from kvbench.engine.stack import LayerStack
 from kvbench.policies.h2o import H2O
 from kvbench.policies.hashevict import HashEvict
@@ -154,3 +154,74 @@ def test_only_stackable_policies_and_equal_budgets_stack(monkeypatch: pytest.Mon
     generate(float64_model(4), PyramidKV(budget=24, window=4, kernel=3), random_prompt(90, 1),
              GenerationSettings(block=16, max_new_tokens=6, slot_reuse=True))
     assert stacked == []
+
+
+# -- several samples' layers in one stack (a batch's decoding evictions: SampleStacks) ---------------------------------
+
+def test_a_stack_of_samples_protects_each_rows_own_latest_tokens() -> None:
+    # K-norm keeps the lowest norms, with the first position a sink and each sample's latest token protected. Sample A
+    # saw 5 tokens (positions 0-4), sample B 7, of which it holds positions 0, 2, 3, 5, 6 (norms 9, 1, 6, 7, 3).
+    a = _layer([9.0, 1.0, 5.0, 2.0, 3.0])
+    b = _layer([9.0, 8.0, 1.0, 6.0, 2.0, 7.0, 3.0])
+    b.decoding = False  # a prompt's eviction: gathered, chronological
+    b.keep(torch.tensor([[[0, 2, 3, 5, 6]]]))
+    b.decoding = True
+    assert b.positions.tolist() == [[[0, 2, 3, 5, 6]]] and (a.seen, b.seen) == (5, 7)
+    stack = LayerStack([a, b])
+    stack.refresh()
+    assert stack.row_seen.view(-1).tolist() == [5, 7]
+    assert KNorm(budget=4, n_sink=1, n_recent=1, skip_layers=()).evict(stack)
+    # A drops position 2 (norm 5; position 4 is its latest). B drops position 5 (norm 7): its latest is 6, so 5 is not
+    # protected; read with A's count (5), positions 4 and up would be, and B would drop position 3 (norm 6) instead.
+    assert a.positions.tolist() == [[[0, 1, -1, 3, 4]]] and b.positions.tolist() == [[[0, 2, 3, -1, 6]]]
+    # the members of a stack step together: a member whose count moved apart from the others leaves it
+    a.update(*_token(1.0, 5))
+    assert not stack.current([a, b])
+
+
+def test_a_policy_with_per_sample_state_is_never_batched() -> None:
+    assert Random(budget=8).batch_key() is None and PyramidKV(budget=24).batch_key() is None
+    assert KeyDiff(budget=8).batch_key() == KeyDiff(budget=8).batch_key()
+    assert KeyDiff(budget=8).batch_key() != KeyDiff(budget=9).batch_key()
+    assert KeyDiff(budget=8).batch_key() != KeyDiff(budget=8, anchor="median").batch_key()
+    assert HashEvict(budget=24).batch_key() != HashEvict(budget=24, seed=1).batch_key()
+    assert H2O(budget=8).batch_key() != H2O(budget=8, recent_ratio=0.5).batch_key()
+
+
+@pytest.mark.parametrize("name", sorted(STACKABLE))
+def test_a_batchs_eviction_in_one_call_keeps_what_each_sample_keeps(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float64, 4 layers, three samples of 90, 77 and 101 tokens decoded together (20 new tokens, a graded branch
+    each): evicting every sample's layers in one stack per step gives each sample the tokens held before every forward,
+    the greedy tokens and the logits that evicting sample by sample gives; and it really did (one stack of 3 samples x
+    the evicted layers per step, but for Random, whose generator is each sample's own)."""
+    model = float64_model(4)
+    prompts = [random_prompt(90, 1), random_prompt(77, 2), random_prompt(101, 3)]
+    stacked = []
+    refresh = LayerStack.refresh
+
+    def counted(self: LayerStack) -> None:
+        stacked.append(len(self.members))
+        refresh(self)
+
+    monkeypatch.setattr(LayerStack, "refresh", counted)
+    outs = []
+    for together in (True, False):
+        logits: list[list[torch.Tensor]] = [[], [], []]
+        settings = GenerationSettings(block=16, max_new_tokens=20, slot_reuse=True, evict_together=together)
+        jobs = [Job(ids, STACKABLE[name](), settings,
+                    answer_ids=[11, 12, 13, 14, 15],
+                    observer=Observer(trace=True, on_logits=lambda lg, k=k: logits[k].append(lg[0])))
+                for k, ids in enumerate(prompts)]
+        outs.append((generate_batch(model, jobs), logits))
+        if together:
+            per_step, stacked[:] = list(stacked), []
+    (on, l_on), (off, l_off) = outs
+    for a, b, la, lb in zip(on, off, l_on, l_off, strict=True):
+        assert a.tokens == b.tokens and len(a.tokens) == 20
+        assert held_positions(a.trace) == held_positions(b.trace)
+        assert all(torch.equal(x, y) for x, y in zip(la, lb, strict=True))
+        assert a.answer_logprob == b.answer_logprob
+    # 19 steps of the answers, 4 of the graded branches: all three samples' evicted layers each time, in one stack per
+    # run of layers (K-norm skipping layer 1: layer 0 of each sample, then layers 2-3 of each)
+    stacks = {"knorm": [9], "knorm_skip_middle": [3, 6], "random": [4, 4, 4]}.get(name, [12])
+    assert per_step == stacks * (19 + 4)  # Random: each sample its own stack, its own generator

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvbench.bench.setup import HF, make_policy, prompt_ids
+from kvbench.bench.setup import HF, make_policy, prompt_ids, variant
 from kvbench.engine.cache import kv_bytes
 from kvbench.engine.generate import GenerationSettings, Job, Observer, generate_batch, sync
 
@@ -41,10 +41,11 @@ def _kvbench(model: Any, name: str, budget: int, block: int, prompts: list[list[
              clock: Callable[[], float], seed: int) -> dict[str, Any]:
     """The prompts in batches of k through kvbench; time, tokens and the batches' peak K+V."""
     jobs = []
+    engine = variant(name)[1]  # NAME+alone: each sample evicts on its own; NAME+chrono: chronological decoding
     for ids in prompts:
         policy = make_policy(name, budget, seed)
         policy.start_sample(seed)
-        jobs.append(Job(ids, policy, GenerationSettings(block=block, max_new_tokens=new_tokens),
+        jobs.append(Job(ids, policy, GenerationSettings(block=block, max_new_tokens=new_tokens, **engine),
                         observer=Observer(clock=clock)))
     sync(model.device)
     t0 = clock()

@@ -159,16 +159,25 @@ def _model_from_config(config: str, layers: int | None, dtype: torch.dtype, seed
 
 # A policy name ending so decodes chronologically (`keydiff+chrono`: GenerationSettings.slot_reuse false, each head's
 # slots gathered after every eviction); a plain name decodes as the engine does by default, with slot reuse. `+slots`
-# names the default explicitly: the rows of tables measured before slot reuse became the default.
-CHRONO, SLOTS = "+chrono", "+slots"
+# names the default explicitly: the rows of tables measured before slot reuse became the default. `+alone` (--batch):
+# each sample of a batch evicts on its own (GenerationSettings.evict_together false), not in one call with the others.
+CHRONO, SLOTS, ALONE = "+chrono", "+slots", "+alone"
+VARIANTS: dict[str, dict[str, bool]] = {CHRONO: {"slot_reuse": False}, SLOTS: {"slot_reuse": True},
+                                        ALONE: {"evict_together": False}}
+
+
+def variant(name: str) -> tuple[str, dict[str, bool]]:
+    """A bench policy name -> (the policy's own name, the GenerationSettings its suffix sets)."""
+    for suffix, settings in VARIANTS.items():
+        if name.endswith(suffix):
+            return name[:-len(suffix)], dict(settings)
+    return name, {}
 
 
 def slot_reuse(name: str) -> tuple[str, bool]:
     """A bench policy name -> (the policy's own name, whether it decodes with slot reuse)."""
-    for suffix, reuse in ((CHRONO, False), (SLOTS, True)):
-        if name.endswith(suffix):
-            return name[:-len(suffix)], reuse
-    return name, True
+    base, settings = variant(name)
+    return base, settings.get("slot_reuse", True)
 
 
 def make_policy(name: str, budget: int | None, seed: int) -> Any:

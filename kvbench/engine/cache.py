@@ -49,6 +49,7 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         super().__init__()
         self.layer_idx = layer_idx
         self.seen = 0  # tokens ever appended (logical length)
+        self.row_seen: torch.Tensor | None = None  # (b, 1, 1) per-row counts: only a stack of several samples' layers
         self.positions: torch.Tensor | None = None  # (b, h_kv, n) or ragged (S,): absolute position of each token
         self.state: dict[str, torch.Tensor] = {}  # name -> (b, h_kv, n) or ragged (S,) per-token policy state
         self.stash = QueryStash()  # the latest queries the policy asked for (Policy.query_window)

@@ -22,7 +22,7 @@ from kvbench.engine import attention
 from kvbench.engine.cache import BatchCache, EvictingCache, TrunkCache, batchable
 from kvbench.engine.diagnostics import Diagnostics
 from kvbench.engine.hf import greedy_processors
-from kvbench.engine.stack import eviction_units, open_stacks
+from kvbench.engine.stack import SampleStacks, eviction_units, open_stacks
 from kvbench.options import PROTOCOLS
 from kvbench.policies.base import Policy
 
@@ -42,7 +42,10 @@ class GenerationSettings:
     lm_logprobs; the task decides where scoring starts, kvbench.run.loop.lm_score_start). `slot_reuse`: a decoding
     step's eviction of one token per head leaves a hole the next token is written into, instead of gathering the kept
     slots (kvbench/engine/slots.py): no O(N) copy per step, the same kept tokens, attention summed in another order;
-    False keeps each head's slots in chronological order (a gather after every eviction).
+    False keeps each head's slots in chronological order (a gather after every eviction). `evict_together`: in a
+    batch (`generate_batch`), the decoding evictions of the samples whose policies select alike go in one call per
+    run of layers (kvbench/engine/stack.py: `SampleStacks`), the same selections as each sample's own; False: each
+    sample evicts on its own (what kvbench-bench compares it with, rows NAME+alone).
     """
 
     block: int | None = None
@@ -55,6 +58,7 @@ class GenerationSettings:
     diagnostics: tuple[str, ...] = ()
     score_from: int | None = None
     slot_reuse: bool = True
+    evict_together: bool = True
 
 
 @dataclass
@@ -274,22 +278,71 @@ def _evicting(runs: list[_Run], phase: str, device: torch.device) -> list[bool]:
     return evicting
 
 
-def _step(model: Any, runs: list[_Run], chunk: torch.Tensor, phase: str, since: float | None = None) -> None:
+def _step(model: Any, runs: list[_Run], chunk: torch.Tensor, phase: str, since: float | None = None,
+          together: dict[Any, SampleStacks] | None = None) -> None:
     """One forward of `runs` together, then each sample's own eviction (decoding: if its protocol evicts then).
     Each sample is charged its own eviction and an equal share of the rest of the step's time (from `since`, when
-    the step's own host work began, else from the forward); sets each run's logits. On a GPU the timers synchronise
-    after the forward and after each eviction, and only when something evicts (a step that only appends waits for
-    nothing but its token)."""
+    the step's own host work began, else from the forward); sets each run's logits. `together` (decoding): the
+    samples whose evictions go in one call (`_evict_together`). On a GPU the timers synchronise after the forward
+    and after each eviction, and only when something evicts (a step that only appends waits for nothing but its
+    token)."""
     device, clock = chunk.device, runs[0].obs.clock
     t0 = clock() if since is None else since
     logits = _forward(model, runs, chunk)
     evicting = _evicting(runs, phase, device)
     shared = clock() - t0
+    done = set() if together is None else _evict_together([r for r, e in zip(runs, evicting) if e], together, device)
     for j, r in enumerate(runs):
         r.logits = logits[j:j + 1]
-        if evicting[j]:
+        if evicting[j] and id(r) not in done:
             r.time_s[phase] += _evict(r, phase, device)
         r.time_s[phase] += shared / len(runs)
+
+
+def _together_key(r: _Run) -> Any:
+    """Runs with the same key that is not None evict their decoding steps in one call: their policies select alike
+    (`Policy.batch_key`), no diagnostics observe them layer by layer, and their settings let them."""
+    if r.diag is not None or not r.settings.evict_together or not _evicts(r, "decode"):
+        return None
+    return r.cache.policy.batch_key()
+
+
+def _groups(runs: list[_Run]) -> dict[Any, list[_Run]]:
+    """The runs that evict together, by key: two or more each."""
+    groups: dict[Any, list[_Run]] = {}
+    for r in runs:
+        key = _together_key(r)
+        if key is not None:
+            groups.setdefault(key, []).append(r)
+    return {k: g for k, g in groups.items() if len(g) >= 2}
+
+
+def _evict_together(runs: list[_Run], together: dict[Any, SampleStacks], device: torch.device) -> set[int]:
+    """A decoding step's evictions of the runs whose policies select alike, each group in one call per run of layers
+    (engine/stack.py: `SampleStacks`), its seconds shared equally among its runs; returns the ids of the runs evicted
+    so. A group's stacks are kept for the next step (`together`, by key); a group gone lets its stacks go."""
+    groups = _groups(runs)
+    for key in [k for k in together if k not in groups]:
+        del together[key]
+    done: set[int] = set()
+    for key, group in groups.items():
+        t0 = group[0].obs.clock()
+        units = together.setdefault(key, SampleStacks()).units([r.cache for r in group])
+        if units is None:
+            continue  # their layers run differently: each evicts on its own
+        for policy, unit in units:
+            policy.evict(unit)
+        sync(device)
+        _charge(group, group[0].obs.clock() - t0)
+        done |= {id(r) for r in group}
+    return done
+
+
+def _charge(runs: list[_Run], seconds: float) -> None:
+    """Decoding eviction work done for `runs` together: each is charged an equal share, as eviction and as time."""
+    for r in runs:
+        r.evict_s["decode"] += seconds / len(runs)
+        r.time_s["decode"] += seconds / len(runs)
 
 
 def _chunks(r: _Run) -> list[tuple[int, int, bool]]:
@@ -338,8 +391,8 @@ def _decode(model: Any, runs: list[_Run], limits: list[int]) -> None:
     seqs = [torch.cat([r.ids, r.ids.new_zeros((1, max(n, 0)))], dim=1) for r, n in zip(runs, limits)]  # (1, T + n)
     stops = [set(r.settings.stop_ids) for r in runs]
     active = [j for j in range(len(runs)) if limits[j] > 0]
-    for j in active:
-        _open_stacks(runs[j])
+    together: dict[Any, SampleStacks] = {}  # the stacks of the samples that evict together (_evict_together)
+    _open_stacks([runs[j] for j in active], together)
     while active:
         t0 = runs[active[0]].obs.clock()
         picked = []
@@ -366,24 +419,32 @@ def _decode(model: Any, runs: list[_Run], limits: list[int]) -> None:
         if not going:
             break
         chunk = torch.cat([seqs[j][:, T[j] + len(runs[j].new) - 1:T[j] + len(runs[j].new)] for j in going])  # (k, 1)
-        _step(model, [runs[j] for j in going], chunk, "decode", since=t0)
+        _step(model, [runs[j] for j in going], chunk, "decode", since=t0, together=together)
         for j in going:
             runs[j].steps += 1
         active = going
 
 
-def _open_stacks(r: _Run) -> None:
-    """Before r decodes: the layers its decoding evictions will take as one stack, stacked with a spare slot
-    (engine/stack.py), charged to its decoding eviction; not under diagnostics (they observe layer by layer) or when
-    decoding does not evict."""
-    if not _evicts(r, "decode") or r.diag is not None:
-        return
-    t0 = r.obs.clock()
-    open_stacks(r.cache)
-    sync(r.ids.device)
-    took = r.obs.clock() - t0
-    r.evict_s["decode"] += took
-    r.time_s["decode"] += took
+def _open_stacks(runs: list[_Run], together: dict[Any, SampleStacks]) -> None:
+    """Before the runs decode: the layers their decoding evictions will take as one stack, stacked with a spare slot
+    (engine/stack.py), charged to their decoding eviction: the runs that evict together in stacks of every sample
+    (`together`, the time shared equally), each other one in its own; not under diagnostics (they observe layer by
+    layer) or when decoding does not evict."""
+    groups = _groups(runs)
+    grouped = {id(r) for g in groups.values() for r in g}
+    for key, group in groups.items():
+        t0 = group[0].obs.clock()
+        together[key] = SampleStacks()
+        together[key].open([r.cache for r in group])
+        sync(group[0].ids.device)
+        _charge(group, group[0].obs.clock() - t0)
+    for r in runs:
+        if id(r) in grouped or not _evicts(r, "decode") or r.diag is not None:
+            continue
+        t0 = r.obs.clock()
+        open_stacks(r.cache)
+        sync(r.ids.device)
+        _charge([r], r.obs.clock() - t0)
 
 
 def _read(tokens: torch.Tensor | None, runs: list[_Run]) -> tuple[list[int] | None, float]:

@@ -31,6 +31,7 @@ from kvbench.engine.stash import QueryStash
 
 if TYPE_CHECKING:
     from kvbench.engine.cache import EvictingCache
+    from kvbench.policies.base import Policy
 
 
 class LayerStack(EvictingLayer):
@@ -64,6 +65,12 @@ class LayerStack(EvictingLayer):
         self.is_initialized, self.dtype, self.device = True, lead.dtype, lead.device
         self.reuse_slots = self.decoding = True
         self._views = [self._pointers(m) for m in members]
+        # Members of several samples (`SampleStacks`) have seen different numbers of tokens; they step together, so
+        # each keeps its offset to the lead's count, and each row's own count (`row_seen`) is the lead's plus its
+        # offset: (L*b, 1, 1), built on the host once, then one addition per step. None when every member saw as many.
+        self._offsets = [m.seen - lead.seen for m in members]
+        self._row_offsets = None if not any(self._offsets) else torch.tensor(
+            self._offsets, device=lead.positions.device).repeat_interleave(b).view(-1, 1, 1)
 
     @staticmethod
     def _pointers(layer: EvictingLayer) -> tuple[int, ...]:
@@ -73,14 +80,17 @@ class LayerStack(EvictingLayer):
 
     def current(self, members: list[EvictingLayer]) -> bool:
         """Whether `members` are this stack's members and still hold views of its arrays."""
+        lead = self.members[0]
         return (len(members) == len(self.members) and all(a is b for a, b in zip(members, self.members))
-                and all(self._pointers(m) == p for m, p in zip(members, self._views)))
+                and all(self._pointers(m) == p for m, p in zip(members, self._views))
+                and all(m.seen - lead.seen == o for m, o in zip(members, self._offsets)))
 
     def refresh(self) -> None:
         """Before an eviction: the members' bookkeeping (what a policy reads besides the arrays), and their stashed
         queries (TOVA's latest query) and scratch (HashEvict's probe) stacked as the arrays are."""
         lead = self.members[0]
         self.seen, self.chronological, self.hole = lead.seen, lead.chronological, None
+        self.row_seen = None if self._row_offsets is None else self._row_offsets + lead.seen  # (L*b, 1, 1)
         self.scaling, self.softcap, self.module = lead.scaling, lead.softcap, lead.module
         s = lead.stash
         if s.queries is not None:
@@ -113,17 +123,11 @@ def eviction_units(cache: EvictingCache) -> list[EvictingLayer]:
     one is rebuilt when a member's arrays were replaced."""
     units: list[EvictingLayer] = []
     stacks: dict[int, LayerStack] = {}
-    for unit in _runs(cache, spare=False):
-        if isinstance(unit, EvictingLayer):
-            units.append(unit)
-            continue
-        key = unit[0].layer_idx
-        stack = cache.stacks.get(key)
-        if stack is None or not stack.current(unit):
-            stack = LayerStack(unit)
-        stack.refresh()
-        units.append(stack)
-        stacks[key] = stack
+    for ok, run in _runs(cache, spare=False):
+        if ok and len(run) >= 2:
+            units.append(_held(cache.stacks, stacks, run))
+        else:
+            units.extend(run)
     cache.stacks = stacks  # a stack no run uses now holds a stale copy of its members' arrays: let it go
     return units
 
@@ -132,41 +136,112 @@ def open_stacks(cache: EvictingCache) -> None:
     """Before a decoding phase: the runs of layers that `eviction_units` will stack (each layer at its budget now)
     stacked already, with a spare slot each, so the first step writes its token into the spare slot instead of
     appending it (a copy of every layer either way). A no-op where they would not stack."""
-    for unit in _runs(cache, spare=True):
-        if not isinstance(unit, EvictingLayer):
-            cache.stacks[unit[0].layer_idx] = LayerStack(unit, spare=True)
+    for ok, run in _runs(cache, spare=True):
+        if ok and len(run) >= 2:
+            cache.stacks[run[0].layer_idx] = LayerStack(run, spare=True)
 
 
-def _runs(cache: EvictingCache, spare: bool) -> list[EvictingLayer | list[EvictingLayer]]:
-    """The cache's evicting layers in order, each maximal run of consecutive layers that may be evicted as one stack
-    (two or more) as a list: a stackable policy, slot reuse while decoding, each layer uniform, at its budget + 1
-    (`spare`: at its budget, before the step that appends), no hole, no policy extras, and alike (`_alike`) with the
-    same budget."""
+class SampleStacks:
+    """The decoding evictions of several samples of a batch in one call per run of layers: each run's layers of every
+    sample in one `LayerStack` (K samples x L layers as one layer of batch K * L * b). For samples whose policies
+    select alike (`Policy.batch_key`: the same stackable policy and settings, no per-sample state) and whose caches
+    stack the same runs of layers; each row is scored on its own as in a stack of one sample's layers, so every
+    sample keeps what it keeps alone (tests/test_stack.py). Samples that saw different numbers of tokens (prompts of
+    other lengths) stack too: each row has its own `row_seen`. The stacks are kept from step to step and rebuilt
+    when the batch's members change (a sample leaves) or a member's arrays were replaced."""
+
+    def __init__(self) -> None:
+        self.stacks: dict[int, LayerStack] = {}  # by the run's first layer
+
+    def open(self, caches: list[EvictingCache]) -> None:
+        """Before the samples decode together: their runs stacked with a spare slot each (as `open_stacks`), or each
+        cache's own where the samples' runs differ."""
+        plan = _sample_runs(caches, spare=True)
+        if plan is None:
+            for cache in caches:
+                open_stacks(cache)
+            return
+        for cache in caches:
+            cache.stacks = {}  # their layers are the samples' stacks' views now
+        self.stacks = {run[0].layer_idx: LayerStack(run, spare=True) for ok, run in plan if ok}
+
+    def units(self, caches: list[EvictingCache]) -> list[tuple[Policy, EvictingLayer]] | None:
+        """The layers of the samples' caches to evict now with the policy that evicts each: one stack per run of
+        layers over every sample (the first sample's policy, which selects as each sample's own does) and each other
+        layer with its own cache's policy; None when the samples' runs of layers differ (each evicts on its own)."""
+        plan = _sample_runs(caches, spare=False)
+        if plan is None:
+            self.stacks = {}
+            return None
+        units: list[tuple[Policy, EvictingLayer]] = []
+        stacks: dict[int, LayerStack] = {}
+        for ok, run in plan:
+            if ok:
+                units.append((caches[0].policy, _held(self.stacks, stacks, run)))
+            else:
+                units += [(cache.policy, layer) for cache, layer in zip(caches, run)]
+        self.stacks = stacks
+        for cache in caches:
+            cache.stacks = {}
+        return units
+
+
+def _held(old: dict[int, LayerStack], new: dict[int, LayerStack], members: list[EvictingLayer]) -> LayerStack:
+    """The stack of `members` from `old` when it is still current, else a new one; refreshed, and noted in `new`."""
+    key = members[0].layer_idx
+    stack = old.get(key)
+    if stack is None or not stack.current(members):
+        stack = LayerStack(members)
+    stack.refresh()
+    new[key] = stack
+    return stack
+
+
+def _sample_runs(caches: list[EvictingCache], spare: bool) -> list[tuple[bool, list[EvictingLayer]]] | None:
+    """The runs of layers of several samples' caches side by side: for each run of one sample's layers that stacks,
+    (True, that run's layers of every sample, sample by sample); for each other layer, (False, that layer of every
+    sample). None when the caches do not run alike: other runs, or members a stack cannot hold together (`_alike`)."""
+    plans = [_runs(cache, spare) for cache in caches]
+    shape = [(ok, [m.layer_idx for m in run]) for ok, run in plans[0]]
+    if any([(ok, [m.layer_idx for m in run]) for ok, run in plan] != shape for plan in plans[1:]):
+        return None
+    out: list[tuple[bool, list[EvictingLayer]]] = []
+    for i, (ok, run) in enumerate(plans[0]):
+        if ok:
+            members = [m for plan in plans for m in plan[i][1]]
+            if not all(_alike(members[0], m) for m in members[1:]):
+                return None
+            out.append((True, members))
+        else:
+            out += [(False, [plan[i][1][j] for plan in plans]) for j in range(len(run))]
+    return out
+
+
+def _runs(cache: EvictingCache, spare: bool) -> list[tuple[bool, list[EvictingLayer]]]:
+    """The cache's evicting layers in order: each maximal run of consecutive layers that may be evicted as one stack
+    as (True, its layers), and each other layer as (False, [layer]). Stackable: a stackable policy, slot reuse while
+    decoding, each layer uniform, at its budget + 1 (`spare`: at its budget, before the step that appends), no hole,
+    no policy extras, and alike (`_alike`) with the same budget."""
     layers = cache.evicting_layers()
     policy = cache.policy
     if not (policy is not None and policy.stackable and not cache.frozen):
-        return list(layers)
-    out: list[EvictingLayer | list[EvictingLayer]] = []
+        return [(False, [layer]) for layer in layers]
+    out: list[tuple[bool, list[EvictingLayer]]] = []
     run: list[EvictingLayer] = []
     run_budget = None
-
-    def close() -> None:  # the run so far: a stack of two or more, else its one layer (or nothing)
-        if len(run) >= 2:
-            out.append(run)
-        else:
-            out.extend(run)
-
     for layer in layers:
         budget = policy.layer_budget(layer.layer_idx, layer.seen)
         ok = budget is not None and _stackable(layer, budget - 1 if spare else budget)
         if ok and run and budget == run_budget and _alike(run[0], layer):
             run.append(layer)
             continue
-        close()
+        if run:
+            out.append((True, run))
         run, run_budget = ([layer], budget) if ok else ([], None)
         if not ok:
-            out.append(layer)
-    close()
+            out.append((False, [layer]))
+    if run:
+        out.append((True, run))
     return out
 
 
@@ -189,10 +264,17 @@ def _stackable(layer: EvictingLayer, budget: int) -> bool:
 
 
 def _alike(lead: EvictingLayer, m: EvictingLayer) -> bool:
-    """Equal shapes, state names, `seen`, slot order, stash and scratch shapes: what one batch of rows needs."""
+    """Equal shapes, state names, slot order, stash and scratch shapes: what one batch of rows needs. Layers of one
+    cache have seen as many tokens; layers of samples that saw different numbers stack as well (each row its own
+    `row_seen`), unless they hold stashed queries other than their latest one, whose causal mask reads absolute
+    positions (the stack's stash holds the lead's)."""
     q, mq = lead.stash.queries, m.stash.queries
-    return (m.keys.shape == lead.keys.shape and m.values.shape == lead.values.shape and m.seen == lead.seen
+    if m.seen == lead.seen:
+        same_stash = q is None or m.stash.first == lead.stash.first
+    else:
+        same_stash = q is None or (lead.stash.first == lead.seen - 1 and m.stash.first == m.seen - 1)
+    return (m.keys.shape == lead.keys.shape and m.values.shape == lead.values.shape and same_stash
             and m.chronological == lead.chronological and sorted(m.state) == sorted(lead.state)
-            and (mq is None) == (q is None) and (q is None or (mq.shape == q.shape and m.stash.first == lead.stash.first))
+            and (mq is None) == (q is None) and (q is None or mq.shape == q.shape)
             and sorted(m.scratch) == sorted(lead.scratch)
             and all(m.scratch[k].shape == v.shape for k, v in lead.scratch.items()))

@@ -51,6 +51,9 @@ class Policy:
     # consecutive layers of equal shape as one layer whose batch rows are theirs (kvbench/engine/stack.py): the same
     # selections, one call instead of one per layer.
     stackable: bool = False
+    # True: the policy object holds per-sample state that its score reads (Random's generator, reseeded per sample), so
+    # the layers of two samples are never scored by one instance (`batch_key`)
+    sample_state: bool = False
 
     def __init__(self, budget: int | None = None, n_sink: int = 0, n_recent: int = 0,
                  skip_layers: Sequence[int] = (), seed: int = 0, **kwargs: Any) -> None:
@@ -88,6 +91,16 @@ class Policy:
         """Called when a cache is built for a model: its number of decoder layers (sliding ones included)."""
         self.num_layers = int(num_layers)
 
+    def batch_key(self) -> tuple[Any, ...] | None:
+        """Two samples' layers may be evicted in one call by one of their policies (a batch's decoding evictions,
+        kvbench/engine/stack.py: `SampleStacks`) when both policies give the same key and it is not None: a stackable
+        policy without per-sample state, of one class, with the same settings (every plain value the instance holds:
+        budget, protected tokens, seed, options; not its caches)."""
+        if not self.stackable or self.sample_state:
+            return None
+        plain = (bool, int, float, str, tuple, frozenset, type(None))
+        return (type(self), tuple(sorted((k, v) for k, v in vars(self).items() if isinstance(v, plain))))
+
     def start_sample(self, sample_seed: int) -> None:
         """Called before each sample; stochastic policies reseed here so results do not depend on sample order."""
 
@@ -114,7 +127,8 @@ class Policy:
         if layer.valid is None:  # slots out of order (slot reuse): by position. Protected tokens are never evicted, so
             # a head holds every sink and every one of the latest n_recent positions
             prot = layer.positions < self.n_sink  # (b, h_kv, n)
-            return prot | (layer.positions >= layer.seen - self.n_recent) if self.n_recent > 0 else prot
+            seen = layer.seen if layer.row_seen is None else layer.row_seen  # int, or (b, 1, 1): each row's own
+            return prot | (layer.positions >= seen - self.n_recent) if self.n_recent > 0 else prot
         prot = (layer.positions >= 0) & (layer.positions < self.n_sink)  # (b, h_kv, n); padding has position -1
         if self.n_recent > 0:
             prot |= latest_mask(layer, self.n_recent)

@@ -54,6 +54,9 @@ class CacheLayer(Protocol):
     kv_heads: int  # h_kv, whatever the storage: what `due` may read before a ragged layer is unpacked
     layer_idx: int  # the decoder layer's index in the model (per-layer budgets, per-layer random projections)
     seen: int  # tokens ever appended: the next token's absolute position
+    # (b, 1, 1) each batch row's own `seen` where the rows saw different numbers (a stack of several samples' layers,
+    # kvbench/engine/stack.py); None: every row saw `seen`
+    row_seen: torch.Tensor | None
     decoding: bool  # True once the prompt is done (SAGE-KV slides its window only then)
     # True while every head's slots are in position order (the latest tokens the last slots); False once a decoding
     # step wrote a token into a slot an eviction freed (slot_reuse): then read the order from `positions`

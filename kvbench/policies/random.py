@@ -17,6 +17,7 @@ class Random(Policy):
     # A stack of L layers (kvbench/engine/stack.py) draws its (L*b, h_kv, n) numbers in one call: the CPU generator
     # fills a tensor in order, so they are the draws of the L layers one by one (tests/test_stack.py)
     stackable = True
+    sample_state = True  # each sample's own generator: two samples' layers are never drawn for by one instance
 
     def start_sample(self, sample_seed: int) -> None:
         # One generator per sample, seeded from (policy seed, sample): results do not depend on sample order.
