@@ -54,7 +54,7 @@ def _kvbench(model: Any, name: str, budget: int, block: int, prompts: list[list[
     seconds = clock() - t0
     return {"seconds": seconds, "tokens": [r.tokens for r in results],
             "prefill_s": sum(r.prefill_s for r in results), "decode_s": sum(r.decode_s for r in results),
-            "evict_s": sum(r.evict_s for r in results),
+            "evict_s": sum(r.evict_s for r in results), "evict_decode_s": sum(r.evict_decode_s for r in results),
             "kv_bytes_peak": max(r.batch_kv_bytes_peak for r in results)}
 
 
@@ -83,7 +83,7 @@ def _hf(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int, k
         kv = max(kv, kv_bytes(out.past_key_values))
     sync(device)
     return {"seconds": clock() - t0, "tokens": tokens, "prefill_s": None, "decode_s": None, "evict_s": None,
-            "kv_bytes_peak": kv}
+            "evict_decode_s": None, "kv_bytes_peak": kv}
 
 
 def run_batch_bench(model: Any, tokenizer: Any, policies: Sequence[str], batches: Sequence[int],
@@ -116,6 +116,7 @@ def run_batch_bench(model: Any, tokenizer: Any, policies: Sequence[str], batches
                     "prefill_s": None if m["prefill_s"] is None else round(m["prefill_s"], 3),
                     "decode_s": None if m["decode_s"] is None else round(m["decode_s"], 3),
                     "evict_s": None if m["evict_s"] is None else round(m["evict_s"], 3),
+                    "evict_decode_s": None if m["evict_decode_s"] is None else round(m["evict_decode_s"], 3),
                     "kv_bytes_peak": m["kv_bytes_peak"],
                     "same_as_batch1": sum(same),
                     "first_difference": None if diverged is None else {
@@ -159,7 +160,7 @@ def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, 
 def batch_markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table (times in the run's clock)."""
     head = ("| workload | prompt / new tokens | policy | N | K | samples | time (s) | samples / h | vs K=1 | "
-            "prefill (s) | decode (s) | evict (s) | K+V peak (MiB) | same tokens as K=1 |")
+            "prefill (s) | decode (s) | evict (s) | of it decoding (s) | K+V peak (MiB) | same tokens as K=1 |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lengths = r["prompt_tokens"]
@@ -169,6 +170,7 @@ def batch_markdown(rows: list[dict[str, Any]]) -> str:
         out.append(f"| {r['workload']} | {span} | {r['policy']} | {r['budget'] or '-'} | {r['batch']} | "
                    f"{r['samples']} | {r['seconds']:.1f} | {r['samples_per_hour']:.0f} | {r['vs_batch1']:.2f} | "
                    f"{fmt(r['prefill_s'])} | {fmt(r['decode_s'])} | {fmt(r['evict_s'])} | "
+                   f"{'-' if r.get('evict_decode_s') is None else format(r['evict_decode_s'], '.2f')} | "
                    f"{r['kv_bytes_peak'] / 2 ** 20:.0f} | {same} |")
     return "\n".join(out)
 
