@@ -28,7 +28,7 @@ LM_TOKENS_AFTER_EVICTION = "after_eviction"
 RUN_DEFAULTS: dict[str, Any] = {
     "compare": [], "budget": None, "block": None, "protocol": "blockwise", "seed": 0, "scenario": "question_aware",
     "save_prompts": False, "overwrite": False, "device": "auto", "shard": None, "diagnostics": [], "graded": True,
-    "progress": True, "batch_size": 1, "share": True, "slot_reuse": True,
+    "progress": True, "batch_size": 1, "share": True, "slot_reuse": True, "evict_together": True,
 }
 # Settings whose default changed after runs were recorded without them: a stored config.yaml that lacks one of these
 # keys ran under the value here, not under today's default (RUN_DEFAULTS). slot_reuse was false until it became the

@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slot-reuse", action="store_true",
                    help="rerun with slot_reuse=true (decoding writes each new token into the slot its head freed); "
                         "default: as each run recorded it (a config.yaml without the key decoded chronologically)")
+    p.add_argument("--alone", action="store_true",
+                   help="rerun with evict_together=false: each sample of a batch evicts on its own (default: the "
+                        "samples whose policies select alike in one call per decoding step)")
     p.add_argument("--reuse", action="store_true",
                    help="take finished reruns already in --scratch as they are (redraw the table without rerunning)")
     a = p.parse_args(argv)
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                    progress=False, share=a.share)
         if a.slot_reuse:
             cfg["slot_reuse"] = True
+        if a.alone:
+            cfg["evict_together"] = False
         members.append(Member(RunSettings.from_config(cfg), name, scratch / where[run]))
     if a.share:
         run_members(members, session)  # one shared-work sweep (per group of runs differing in policy and budget)
@@ -144,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             else f"Batched (batch_size={a.batch}) reruns")
     if a.slot_reuse:
         what += " with slot reuse (slot_reuse=true)"
+    if a.alone:
+        what += ", each sample evicting on its own (evict_together=false)"
     against = (f" compared with the runs of the same names in `{a.reference.name}/` (not the committed ones)"
                if a.reference else " of committed batch-1 runs")
     lines = [f"{what}{against}"

@@ -27,7 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run", type=Path, help="a committed run directory (config.yaml, metrics.json, predictions.jsonl)")
     p.add_argument("--sample", required=True, help="the sample id")
     p.add_argument("--out", type=Path, default=None, help="also write the table here (markdown)")
+    p.add_argument("--steps", default="",
+                   help="comma-separated decoding steps to show too (e.g. where a batched rerun parted): the committed "
+                        "token's logit against the best other token's, so a near tie shows where today agrees")
     a = p.parse_args(argv)
+    try:
+        extra = sorted({int(v) for v in a.steps.split(",") if v.strip()})
+    except ValueError:
+        print(f"logit_margin: --steps takes comma-separated step numbers, got '{a.steps}'", file=sys.stderr)
+        return 2
     pred = a.run / "predictions.jsonl"
     if not (a.run / "config.yaml").is_file() or not pred.is_file():
         print(f"logit_margin: {a.run} is not a run directory (config.yaml, predictions.jsonl)", file=sys.stderr)
@@ -69,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     parted = [i for i, (lg, t) in enumerate(zip(steps, tokens)) if int(lg.argmax()) != t]
-    for i in sorted({j for k in parted[:3] for j in (k - 1, k) if j >= 0}):
+    for i in sorted({j for k in parted[:3] for j in (k - 1, k) if j >= 0} | {j for j in extra if j < len(steps)}):
         lg, t = steps[i], tokens[i]
-        best = int(lg.argmax())
+        # today's argmax, or where it is the committed token the best other one (a positive gap: how far ahead)
+        best = int(lg.argmax()) if int(lg.argmax()) != t else int(lg.topk(2).indices[1])
         rows.append(f"| {i} | {t} {loaded.tokenizer.decode([t])!r} | {lg[t].item():.6f} | {best} "
                     f"{loaded.tokenizer.decode([best])!r} | {lg[best].item():.6f} | {lg[best].item() - lg[t].item():.2e} |")
     lines = [f"`{a.run.as_posix()}`, sample `{a.sample}`: the committed tokens fed back through today's code "
@@ -79,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
              + (f"today's argmax parts from the committed token at step(s) {parted[:3]}" if parted
                 else "today's argmax is the committed token at every step") + ".", ""]
     if rows:
-        lines += ["| step | committed token | its logit | today's argmax | its logit | gap |", "|---|---|---|---|---|---|",
-                  *rows]
+        lines += ["| step | committed token | its logit | today's argmax (else the best other token) | its logit | gap |",
+                  "|---|---|---|---|---|---|", *rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -303,6 +303,11 @@ def test_logit_margin_names_the_step_where_a_committed_token_is_not_the_argmax(t
     run_one(_cfg(_data(tmp_path), **{"model.dtype": "float64"}), "keydiff", run, Session())
     assert script.main([str(run), "--sample", "s5"]) == 0
     assert "today's argmax is the committed token at every step" in capsys.readouterr().out
+    # --steps shows a step where today agrees: the best other token, behind the committed one (a negative gap)
+    assert script.main([str(run), "--sample", "s5", "--steps", "2"]) == 0
+    step2 = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 2 |")).split(" | ")
+    assert float(step2[-1].rstrip(" |")) < 0
+    assert script.main([str(run), "--sample", "s5", "--steps", "two"]) == 2
 
     rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
     planted = rows[5]["tokens"][3] + 1

@@ -225,3 +225,32 @@ def test_a_batchs_eviction_in_one_call_keeps_what_each_sample_keeps(name: str, m
     # run of layers (K-norm skipping layer 1: layer 0 of each sample, then layers 2-3 of each)
     stacks = {"knorm": [9], "knorm_skip_middle": [3, 6], "random": [4, 4, 4]}.get(name, [12])
     assert per_step == stacks * (19 + 4)  # Random: each sample its own stack, its own generator
+
+
+@pytest.mark.parametrize("name", ["h2o_original", "tova"])
+def test_samples_leaving_a_batch_leave_its_stacks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three samples asking for 20, 9 and 14 new tokens: after each leaves, the others' layers are stacked again
+    without it (3, then 2 samples, then the last one's own stack of its 4 layers), and every sample keeps what it
+    keeps evicting on its own."""
+    model = float64_model(4)
+    prompts = [random_prompt(90, 4), random_prompt(77, 5), random_prompt(101, 6)]
+    stacked = []
+    refresh = LayerStack.refresh
+
+    def counted(self: LayerStack) -> None:
+        stacked.append(len(self.members))
+        refresh(self)
+
+    monkeypatch.setattr(LayerStack, "refresh", counted)
+    outs = []
+    for together in (True, False):
+        jobs = [Job(ids, STACKABLE[name](), GenerationSettings(block=16, max_new_tokens=n, evict_together=together),
+                    observer=Observer(trace=True)) for ids, n in zip(prompts, (20, 9, 14))]
+        outs.append(generate_batch(model, jobs))
+        if together:
+            per_step, stacked[:] = list(stacked), []
+    for a, b in zip(*outs, strict=True):
+        assert a.tokens == b.tokens and held_positions(a.trace) == held_positions(b.trace)
+    assert [len(a.tokens) for a in outs[0]] == [20, 9, 14]
+    # steps 1-8 all three samples, 9-13 the first and third, 14-19 the first alone
+    assert per_step == [12] * 8 + [8] * 5 + [4] * 6

@@ -293,7 +293,7 @@ def generation_settings(settings: RunSettings, sample: Sample, stop_ids: Any,
     return GenerationSettings(block=settings.block, protocol=settings.protocol, scenario=settings.scenario,
                               diagnostics=settings.diagnostics, context_tokens=sample.context_tokens,
                               stop_ids=tuple(stop_ids), min_new_tokens=sample.min_new_tokens,
-                              slot_reuse=settings.slot_reuse,
+                              slot_reuse=settings.slot_reuse, evict_together=settings.evict_together,
                               max_new_tokens=sample.max_new_tokens if max_new_tokens is None else max_new_tokens)
 
 

@@ -72,6 +72,10 @@ class RunSettings:
     # the rounding decides a near-tie, as with batch_size; the key leaves it out and every record made with it says
     # so. A stored config without the key decoded chronologically (kvbench.options.stored_config).
     slot_reuse: bool = _setting(True, changes_results=False)
+    # batch_size > 1: a decoding step's evictions of the samples whose policies select alike in one call
+    # (kvbench/engine/stack.py: SampleStacks), each keeping what it keeps alone; false: each sample on its own. The
+    # same results either way (tests/test_stack.py), so the key leaves it out.
+    evict_together: bool = _setting(True, changes_results=False)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RunSettings:
@@ -116,7 +120,8 @@ class RunSettings:
                    graded=_flag("graded", cfg["graded"]),
                    progress=_flag("progress", cfg["progress"]), batch_size=batch_size,
                    share=_flag("share", cfg["share"]),
-                   slot_reuse=_flag("slot_reuse", cfg["slot_reuse"]))
+                   slot_reuse=_flag("slot_reuse", cfg["slot_reuse"]),
+                   evict_together=_flag("evict_together", cfg["evict_together"]))
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the run records them (config.yaml; the resume key; metrics): plain values in the
