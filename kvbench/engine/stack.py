@@ -18,6 +18,9 @@ A stack is only used where its eviction is surely one token per head (each membe
 (the first eviction of a decoding phase that appended several tokens, diagnostics, a policy that is not stackable)
 evicts layer by layer. The selections are the same as layer by layer: every operation of a stackable score works
 row by row (tests/test_stack.py compares the kept positions step by step, and the float64 reference holds).
+
+In a batch, the samples whose policies select alike (`Policy.batch_key`) go further: their layers of one run are one
+stack across the samples (`SampleStacks`), a decoding step's evictions of the whole batch one call per run of layers.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ if TYPE_CHECKING:
 
 
 class LayerStack(EvictingLayer):
-    """`members` (uniform layers of one cache with equal shapes, per-token state names, `seen` and slot order) as one
-    layer of batch L * b whose arrays the members' arrays are views of. It is evicted as any layer is
+    """`members` (uniform layers with equal shapes, per-token state names and slot order: of one cache, or of several
+    samples' caches, `SampleStacks`, whose counts `seen` may differ) as one layer of batch L * b whose arrays the
+    members' arrays are views of. It is evicted as any layer is
     (`Policy.evict`); its one-token-per-head drop hands each member its own hole, and a wider selection raises (the
     members' arrays are views: a gather would leave them behind)."""
 
