@@ -3,6 +3,8 @@ the same kept tokens, tokens and logits as evicting layer by layer for every sta
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import pytest
 import torch
 
@@ -103,6 +105,30 @@ def test_a_fork_of_a_stacked_layer_writes_its_own_tensors() -> None:
     assert branch.keys[0, 0, :, 0].tolist() == [9.0, 1.0, 5.0] and branch.positions.tolist() == [[[0, 1, -1]]]
 
 
+def _count_stacks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The member count of every stack evicted from now on, in order (LayerStack.refresh, called once per stack before
+    its eviction, still runs)."""
+    stacked: list[int] = []
+    refresh = LayerStack.refresh
+
+    def counted(self: LayerStack) -> None:
+        stacked.append(len(self.members))
+        refresh(self)
+
+    monkeypatch.setattr(LayerStack, "refresh", counted)
+    return stacked
+
+
+def _together_and_alone(monkeypatch: pytest.MonkeyPatch, model: Any,
+                        jobs: Callable[[bool], list[Job]]) -> tuple[list[int], list[Any], list[Any]]:
+    """generate_batch of jobs(True) (a batch's decoding evictions in one call), then of jobs(False) (each sample on its
+    own): the member counts of the stacks the first way evicted, and both ways' results."""
+    stacked = _count_stacks(monkeypatch)
+    together = generate_batch(model, jobs(True))
+    per_step = list(stacked)
+    return per_step, together, generate_batch(model, jobs(False))
+
+
 STACKABLE = {
     "streamingllm": lambda: StreamingLLM(budget=24), "knorm": lambda: KNorm(budget=24, skip_layers=[0]),
     "knorm_skip_middle": lambda: KNorm(budget=24, skip_layers=[1]),  # layer 0 alone, layers 2-3 one stack
@@ -119,14 +145,7 @@ def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch
     held before every forward, the same greedy tokens and logits, whether the layers are evicted as stacks or one by
     one; and a stack really evicted every decoding step."""
     model, ids = float64_model(4), random_prompt(90, 1)
-    stacked = []
-    refresh = LayerStack.refresh
-
-    def counted(self: LayerStack) -> None:
-        stacked.append(len(self.members))
-        refresh(self)
-
-    monkeypatch.setattr(LayerStack, "refresh", counted)
+    stacked = _count_stacks(monkeypatch)
     runs = []
     for stacking in (True, False):
         if not stacking:
@@ -148,8 +167,7 @@ def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch
 
 def test_only_stackable_policies_and_equal_budgets_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     """PyramidKV (per-layer budgets, the observation window's ring) evicts layer by layer."""
-    stacked = []
-    monkeypatch.setattr(LayerStack, "refresh", lambda self: stacked.append(len(self.members)))
+    stacked = _count_stacks(monkeypatch)
     assert not PyramidKV.stackable
     generate(float64_model(4), PyramidKV(budget=24, window=4, kernel=3), random_prompt(90, 1),
              GenerationSettings(block=16, max_new_tokens=6, slot_reuse=True))
@@ -194,29 +212,17 @@ def test_a_batchs_eviction_in_one_call_keeps_what_each_sample_keeps(name: str, m
     each): evicting every sample's layers in one stack per step gives each sample the tokens held before every forward,
     the greedy tokens and the logits that evicting sample by sample gives; and it really did (one stack of 3 samples x
     the evicted layers per step, but for Random, whose generator is each sample's own)."""
-    model = float64_model(4)
     prompts = [random_prompt(90, 1), random_prompt(77, 2), random_prompt(101, 3)]
-    stacked = []
-    refresh = LayerStack.refresh
+    logits: dict[bool, list[list[torch.Tensor]]] = {True: [[], [], []], False: [[], [], []]}
 
-    def counted(self: LayerStack) -> None:
-        stacked.append(len(self.members))
-        refresh(self)
-
-    monkeypatch.setattr(LayerStack, "refresh", counted)
-    outs = []
-    for together in (True, False):
-        logits: list[list[torch.Tensor]] = [[], [], []]
+    def jobs(together: bool) -> list[Job]:
         settings = GenerationSettings(block=16, max_new_tokens=20, slot_reuse=True, evict_together=together)
-        jobs = [Job(ids, STACKABLE[name](), settings,
-                    answer_ids=[11, 12, 13, 14, 15],
-                    observer=Observer(trace=True, on_logits=lambda lg, k=k: logits[k].append(lg[0])))
+        return [Job(ids, STACKABLE[name](), settings, answer_ids=[11, 12, 13, 14, 15],
+                    observer=Observer(trace=True, on_logits=lambda lg, k=k: logits[together][k].append(lg[0])))
                 for k, ids in enumerate(prompts)]
-        outs.append((generate_batch(model, jobs), logits))
-        if together:
-            per_step, stacked[:] = list(stacked), []
-    (on, l_on), (off, l_off) = outs
-    for a, b, la, lb in zip(on, off, l_on, l_off, strict=True):
+
+    per_step, on, off = _together_and_alone(monkeypatch, float64_model(4), jobs)
+    for a, b, la, lb in zip(on, off, logits[True], logits[False], strict=True):
         assert a.tokens == b.tokens and len(a.tokens) == 20
         assert held_positions(a.trace) == held_positions(b.trace)
         assert all(torch.equal(x, y) for x, y in zip(la, lb, strict=True))
@@ -232,25 +238,15 @@ def test_samples_leaving_a_batch_leave_its_stacks(name: str, monkeypatch: pytest
     """Three samples asking for 20, 9 and 14 new tokens: after each leaves, the others' layers are stacked again
     without it (3, then 2 samples, then the last one's own stack of its 4 layers), and every sample keeps what it
     keeps evicting on its own."""
-    model = float64_model(4)
     prompts = [random_prompt(90, 4), random_prompt(77, 5), random_prompt(101, 6)]
-    stacked = []
-    refresh = LayerStack.refresh
 
-    def counted(self: LayerStack) -> None:
-        stacked.append(len(self.members))
-        refresh(self)
-
-    monkeypatch.setattr(LayerStack, "refresh", counted)
-    outs = []
-    for together in (True, False):
-        jobs = [Job(ids, STACKABLE[name](), GenerationSettings(block=16, max_new_tokens=n, evict_together=together),
+    def jobs(together: bool) -> list[Job]:
+        return [Job(ids, STACKABLE[name](), GenerationSettings(block=16, max_new_tokens=n, evict_together=together),
                     observer=Observer(trace=True)) for ids, n in zip(prompts, (20, 9, 14))]
-        outs.append(generate_batch(model, jobs))
-        if together:
-            per_step, stacked[:] = list(stacked), []
-    for a, b in zip(*outs, strict=True):
+
+    per_step, on, off = _together_and_alone(monkeypatch, float64_model(4), jobs)
+    for a, b in zip(on, off, strict=True):
         assert a.tokens == b.tokens and held_positions(a.trace) == held_positions(b.trace)
-    assert [len(a.tokens) for a in outs[0]] == [20, 9, 14]
+    assert [len(a.tokens) for a in on] == [20, 9, 14]
     # steps 1-8 all three samples, 9-13 the first and third, 14-19 the first alone
     assert per_step == [12] * 8 + [8] * 5 + [4] * 6

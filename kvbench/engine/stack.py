@@ -129,7 +129,10 @@ def eviction_units(cache: EvictingCache) -> list[EvictingLayer]:
     stacks: dict[int, LayerStack] = {}
     for ok, run in _runs(cache, spare=False):
         if ok and len(run) >= 2:
-            units.append(_held(cache.stacks, stacks, run))
+            stack = _current(cache.stacks, run) or LayerStack(run)  # _runs made the run's layers alike
+            stack.refresh()
+            stacks[run[0].layer_idx] = stack
+            units.append(stack)
         else:
             units.extend(run)
     cache.stacks = stacks  # a stack no run uses now holds a stale copy of its members' arrays: let it go
@@ -161,7 +164,7 @@ class SampleStacks:
         """Before the samples decode together: their runs stacked with a spare slot each (as `open_stacks`), or each
         cache's own where the samples' runs differ."""
         plan = _sample_runs(caches, spare=True)
-        if plan is None:
+        if plan is None or not all(_alike_all(run) for ok, run in plan if ok):
             for cache in caches:
                 open_stacks(cache)
             return
@@ -172,7 +175,9 @@ class SampleStacks:
     def units(self, caches: list[EvictingCache]) -> list[tuple[Policy, EvictingLayer]] | None:
         """The layers of the samples' caches to evict now with the policy that evicts each: one stack per run of
         layers over every sample (the first sample's policy, which selects as each sample's own does) and each other
-        layer with its own cache's policy; None when the samples' runs of layers differ (each evicts on its own)."""
+        layer with its own cache's policy; None when the samples' runs of layers differ, or a stack to build would
+        hold members that are not alike (each evicts on its own). A held stack still current needs no check: its
+        members are the same layers, holding the same arrays, at the same offsets of their counts."""
         plan = _sample_runs(caches, spare=False)
         if plan is None:
             self.stacks = {}
@@ -180,31 +185,40 @@ class SampleStacks:
         units: list[tuple[Policy, EvictingLayer]] = []
         stacks: dict[int, LayerStack] = {}
         for ok, run in plan:
-            if ok:
-                units.append((caches[0].policy, _held(self.stacks, stacks, run)))
-            else:
+            if not ok:
                 units += [(cache.policy, layer) for cache, layer in zip(caches, run)]
+                continue
+            stack = _current(self.stacks, run)
+            if stack is None:
+                if not _alike_all(run):
+                    self.stacks = {}
+                    return None
+                stack = LayerStack(run)
+            stack.refresh()
+            stacks[run[0].layer_idx] = stack
+            units.append((caches[0].policy, stack))
         self.stacks = stacks
         for cache in caches:
             cache.stacks = {}
         return units
 
 
-def _held(old: dict[int, LayerStack], new: dict[int, LayerStack], members: list[EvictingLayer]) -> LayerStack:
-    """The stack of `members` from `old` when it is still current, else a new one; refreshed, and noted in `new`."""
-    key = members[0].layer_idx
-    stack = old.get(key)
-    if stack is None or not stack.current(members):
-        stack = LayerStack(members)
-    stack.refresh()
-    new[key] = stack
-    return stack
+def _current(held: dict[int, LayerStack], members: list[EvictingLayer]) -> LayerStack | None:
+    """The held stack of `members` (by their first layer) when it is still current, else None."""
+    stack = held.get(members[0].layer_idx)
+    return stack if stack is not None and stack.current(members) else None
+
+
+def _alike_all(members: list[EvictingLayer]) -> bool:
+    """Whether one stack can hold `members` (`_alike` with the first)."""
+    return all(_alike(members[0], m) for m in members[1:])
 
 
 def _sample_runs(caches: list[EvictingCache], spare: bool) -> list[tuple[bool, list[EvictingLayer]]] | None:
     """The runs of layers of several samples' caches side by side: for each run of one sample's layers that stacks,
     (True, that run's layers of every sample, sample by sample); for each other layer, (False, that layer of every
-    sample). None when the caches do not run alike: other runs, or members a stack cannot hold together (`_alike`)."""
+    sample). None when the caches run other layers; whether the samples' layers of a run are alike across the samples
+    (`_alike_all`) the callers check where they build a stack."""
     plans = [_runs(cache, spare) for cache in caches]
     shape = [(ok, [m.layer_idx for m in run]) for ok, run in plans[0]]
     if any([(ok, [m.layer_idx for m in run]) for ok, run in plan] != shape for plan in plans[1:]):
@@ -212,10 +226,7 @@ def _sample_runs(caches: list[EvictingCache], spare: bool) -> list[tuple[bool, l
     out: list[tuple[bool, list[EvictingLayer]]] = []
     for i, (ok, run) in enumerate(plans[0]):
         if ok:
-            members = [m for plan in plans for m in plan[i][1]]
-            if not all(_alike(members[0], m) for m in members[1:]):
-                return None
-            out.append((True, members))
+            out.append((True, [m for plan in plans for m in plan[i][1]]))
         else:
             out += [(False, [plan[i][1][j] for plan in plans]) for j in range(len(run))]
     return out
