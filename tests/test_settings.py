@@ -33,3 +33,19 @@ def test_slot_reuse_defaults_on_but_not_for_older_runs(tmp_path) -> None:
     assert read_run_config(tmp_path)["slot_reuse"] is False
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"task": task, "budget": 64, "slot_reuse": True}))
     assert read_run_config(tmp_path)["slot_reuse"] is True
+
+
+def test_evict_together_reaches_the_engine_and_is_not_in_the_key() -> None:
+    # on by default; evict_together=false is each sample's decoding evictions on their own (GenerationSettings), and a
+    # run made either way resumes the other (the same results: tests/test_stack.py), as with slot_reuse
+    from kvbench.run.loop import generation_settings
+    from kvbench.tasks.base import Sample
+
+    sample = Sample(id="s0", input_ids=[1, 2, 3], answers=["x"], max_new_tokens=4)
+    on, off = RunSettings.from_config({}), RunSettings.from_config({"evict_together": False})
+    assert RUN_DEFAULTS["evict_together"] is True and on.evict_together is True and off.evict_together is False
+    assert generation_settings(on, sample, ()).evict_together is True
+    assert generation_settings(off, sample, ()).evict_together is False
+    assert off.recorded()["evict_together"] is False
+    assert off.key("keydiff") == on.key("keydiff")  # the resume key leaves it out
+    assert RunSettings.from_config({"budget": 64}).key("keydiff") != on.key("keydiff")  # where a setting changes it
