@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from kvbench.bench.setup import make_policy
 from kvbench.engine.generate import GenerationSettings, Job, Observer, generate, generate_batch
@@ -234,6 +235,14 @@ def test_batch_identity_script_counts_identical_and_differing_samples(tmp_path, 
     args = ["--batch", "2", "--scratch", str(tmp_path / "scratch"), "--out", str(out), str(run)]
     assert script.main(args) == 0
     assert f"| `{run.as_posix()}` | keydiff | 8 | 8 | 0.0e+00 | - |" in out.read_text()
+    # --alone: each sample of a batch evicts on its own (the rerun's config says so), the same records
+    alone = tmp_path / "alone.md"
+    assert script.main(["--batch", "2", "--slot-reuse", "--alone", "--scratch", str(tmp_path / "scratch_alone"),
+                        "--out", str(alone), str(run)]) == 0
+    assert "each sample evicting on its own (evict_together=false)" in alone.read_text()
+    assert f"| `{run.as_posix()}` | keydiff | 8 | 8 |" in alone.read_text()
+    rerun_cfg = yaml.safe_load((tmp_path / "scratch_alone" / "committed" / "config.yaml").read_text())
+    assert rerun_cfg["evict_together"] is False and rerun_cfg["slot_reuse"] is True and rerun_cfg["batch_size"] == 2
 
     rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
     rows[5]["tokens"][3] += 1

@@ -289,6 +289,9 @@ def test_batch_rows_per_workload_policy_and_k(tmp_path, one_thread) -> None:
         assert r["prompt_tokens"] == [2048, 2035] and r["new_tokens"] == 32 and r["samples"] == 2
         assert r["samples_per_hour"] == pytest.approx(2 / r["seconds"] * 3600, rel=1e-2)
     assert rows[("keydiff", 1)]["vs_batch1"] == 1.0 and rows[("keydiff", 1)]["same_as_batch1"] == 2
+    # decoding's share of the eviction seconds: a part of them for kvbench's rows, none for HF's (it evicts nothing)
+    assert all(0 < r["evict_decode_s"] < r["evict_s"] for k, r in rows.items() if k[0] == "keydiff")
+    assert rows[("hf", 1)]["evict_decode_s"] is None
     # K+V of a batch: K samples x 2 layers x (K, V) x 2 heads x (N + B = 80 tokens) x 64 dims x 4 bytes
     assert rows[("keydiff", 1)]["kv_bytes_peak"] == 1 * 2 * 2 * 2 * 80 * 64 * 4
     assert rows[("keydiff", 2)]["kv_bytes_peak"] == 2 * 2 * 2 * 2 * 80 * 64 * 4
