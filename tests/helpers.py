@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import io
 import json
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -104,6 +105,28 @@ def _composed(overrides: tuple[str, ...]) -> dict[str, Any]:
         cfg = OmegaConf.to_container(compose(config_name="config", overrides=list(overrides)), resolve=True)
     assert isinstance(cfg, dict)
     return cfg
+
+
+def kvbench_main(*args: str) -> subprocess.CompletedProcess:
+    """`kvbench ARGS` run in this process: kvbench.cli.main with ARGS as its argv, as the installed command runs it
+    from there on; its exit code and printed output as subprocess.run(capture_output=True, text=True) returns them.
+    A subprocess pays the imports (~4-8 s) at every call, so most tests of the command call this; tests/test_cli.py
+    still runs the real command once, so that nothing its imports print goes unseen."""
+    import contextlib
+
+    from kvbench import cli
+
+    out, err, code, argv, threads = io.StringIO(), io.StringIO(), 0, sys.argv, torch.get_num_threads()
+    sys.argv = ["kvbench", *args]
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            cli.main()
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)  # a run may set the thread count of the process it runs in
+    return subprocess.CompletedProcess(["kvbench", *args], code, out.getvalue(), err.getvalue())
 
 
 def load_script(name: str) -> ModuleType:

@@ -11,6 +11,8 @@ import pytest
 
 from kvbench.models.tiny import build_tiny_model
 
+from helpers import kvbench_main
+
 TIMING = {"prefill_s", "decode_s", "evict_s", "graded_s"}
 
 
@@ -48,8 +50,9 @@ def predictions(run_dir: Path) -> list[dict]:
 
 def test_run_directory_and_bound(model_dir: Path, data_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    r = run_cli("model=hf", f"model.path={model_dir}", "task=jsonl", f"task.path={data_file}", "policy=keydiff",
-                "budget=128", "block=32", "save_prompts=true", f"hydra.run.dir={out}")
+    r = kvbench_main("model=hf", f"model.path={model_dir}", "task=jsonl", f"task.path={data_file}",
+                             "policy=keydiff", "budget=128", "block=32", "save_prompts=true", "progress=false",
+                             f"hydra.run.dir={out}")
     assert r.returncode == 0, r.stderr
     assert {"config.yaml", "predictions.jsonl", "metrics.json"} <= {p.name for p in out.iterdir()}
     m = json.loads((out / "metrics.json").read_text())
@@ -97,17 +100,28 @@ def test_determinism_and_block_null_under_full(model_dir: Path, data_file: Path,
 ])
 def test_bad_input_is_one_line_and_writes_nothing(args: list[str], message: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    r = run_cli(*args, f"hydra.run.dir={out}")
+    r = kvbench_main(*args, "progress=false", f"hydra.run.dir={out}")
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("kvbench: error: ") and message in lines[0], r.stderr
     assert not out.exists()
 
 
+def test_bad_input_to_the_installed_command_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    # The cases above run kvbench's main in this process; this one runs the command itself, so that nothing its
+    # imports print (a warning, a log line) goes unseen.
+    out = tmp_path / "run"
+    r = run_cli("policy=nope", f"hydra.run.dir={out}")
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0].startswith("kvbench: error: unknown policy 'nope'; choose one of: ")
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    assert not out.exists()
+
+
 def test_jsonl_line_without_prompt(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "prompt": "x", "answers": ["y"]}\n{"id": "b", "answers": ["y"]}\n')
-    r = run_cli("task=jsonl", f"task.path={bad}", f"hydra.run.dir={tmp_path / 'run'}")
+    r = kvbench_main("task=jsonl", f"task.path={bad}", "progress=false", f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 2
     assert r.stderr.strip() == f"kvbench: error: {bad}: line 2 needs a string 'prompt' (or 'context' and 'question')"
     assert not (tmp_path / "run").exists()
@@ -133,7 +147,7 @@ def test_binary_input_file_is_one_line_and_writes_nothing(task_args: list[str], 
     bad.write_bytes(data)
     target = bad.parent if bad_name == "task.haystack_dir" else bad
     out = tmp_path / "run"
-    r = run_cli(*task_args, f"{bad_name}={target}", f"hydra.run.dir={out}")
+    r = kvbench_main(*task_args, f"{bad_name}={target}", "progress=false", f"hydra.run.dir={out}")
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("Loading weights")]
     assert lines == [f"kvbench: error: {bad}:2: not UTF-8 text (byte 0xff at offset 68); expected a UTF-8 "

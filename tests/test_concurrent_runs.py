@@ -12,16 +12,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Two processes each import everything the job needs once, then run the same command once per round (so a round
-# costs the job, not the imports): a process says it is ready, waits for the round's go file, runs `kvbench`
-# (kvbench.cli.main, with the command's argv) and writes its exit code and stderr. Inside the command a second
-# barrier holds each process just before it takes the run lock, until both are there: on a loaded machine one
-# process can otherwise fall behind by more than the whole job, and then (correctly) find the run finished and exit
-# 0. Both processes have set up Hydra's files in the directory by then; which one gets the lock is left to the race.
+# Two processes each import everything the job needs once, then run the same command once per round (so a round costs
+# the job, not the imports): a process says it is ready, waits for the round's go file, runs `kvbench`
+# (helpers.kvbench_main: kvbench.cli.main with the command's argv) and writes its exit code and stderr. Inside the
+# command a second barrier holds each process just before it takes the run lock, until both are there: on a loaded
+# machine one process can otherwise fall behind by more than the whole job, and then (correctly) find the run finished
+# and exit 0. Both processes have set up Hydra's files in the directory by then; which one gets the lock is left to the
+# race.
 LAUNCHER = """
-import contextlib, io, json, pathlib, sys, time
+import json, pathlib, sys, time
+sys.path.insert(0, "tests")  # (the launcher runs in the repository root)
 import kvbench.cli, kvbench.run.app, kvbench.report.cli, kvbench.tasks.niah
 import transformers.models.llama.modeling_llama
+from helpers import kvbench_main
 tmp, me, rounds, args = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 app, real_lock, now = kvbench.run.app, kvbench.run.app.run_lock, {}
 
@@ -40,15 +43,9 @@ for k in range(rounds):
     now["k"] = k
     (tmp / f"ready{k}_{me}").touch()
     wait(f"go{k}")
-    sys.argv = ["kvbench", *args, f"hydra.run.dir={tmp / f'run{k}'}"]
-    err, code = io.StringIO(), 0
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            kvbench.cli.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    r = kvbench_main(*args, f"hydra.run.dir={tmp / f'run{k}'}")
     part = tmp / f"result{k}_{me}.part"  # renamed whole: the test never reads half a file
-    part.write_text(json.dumps({"code": code, "stderr": err.getvalue()}))
+    part.write_text(json.dumps({"code": r.returncode, "stderr": r.stderr}))
     part.rename(tmp / f"result{k}_{me}.json")
 """
 COMMAND = ["model=tiny-llama", "task=niah", "task.context_lengths=[300]", "task.depths=[50]", "task.haystack=filler",

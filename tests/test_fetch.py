@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import pytest
 
 from kvbench.models import fetch, packaged
 from kvbench.models.tiny import build_tiny_tokenizer
+
+from helpers import kvbench_main
 
 # Three parts with distinct bytes; concatenated in part order (1, 2, 3) they are CONTENT, written out by hand.
 PARTS = [b"GGUF\x01\x01\x01", b"\x02\x02\x02\x02\x02", b"\x03\x03"]
@@ -284,12 +285,12 @@ def test_console_script_is_declared() -> None:
     assert 'kvbench-fetch = "kvbench.models.fetch:main"' in text
 
 
-def test_kvbench_without_the_fetched_model_names_the_fetch_command(tmp_path: Path) -> None:
+def test_kvbench_without_the_fetched_model_names_the_fetch_command(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
-    env = {**os.environ, "KVBENCH_CACHE": str(tmp_path / "cache")}
-    r = subprocess.run([sys.executable, "-m", "kvbench.cli", "model=qwen2.5-coder-1.5b", "policy=full", "task=niah",
-                        "task.context_lengths=[1000]", "task.depths=[50]", f"hydra.run.dir={out}", "progress=false"],
-                       capture_output=True, text=True, timeout=300, env=env)
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    r = kvbench_main("model=qwen2.5-coder-1.5b", "policy=full", "task=niah", "task.context_lengths=[1000]",
+                     "task.depths=[50]", f"hydra.run.dir={out}", "progress=false")
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines == ["kvbench: error: model 'qwen2.5-coder-1.5b' has not been fetched "

@@ -28,6 +28,7 @@ from kvbench.tasks.base import TaskEnv, TaskError
 from kvbench.tasks.lm import LMTask
 
 from float64_reference import reference_logits
+from helpers import kvbench_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,11 +207,10 @@ def test_task_samples_from_a_jsonl(tmp_path: Path) -> None:
 
 
 def _kvbench(tmp_path: Path, run: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "kvbench.cli", "model=tiny-llama", "task=lm", "task.source=jsonl",
-                           f"task.path={tmp_path / 'texts.jsonl'}", "task.tokens=96", "budget=32", "block=16",
-                           f"hydra.run.dir={tmp_path / 'runs' / run}", "progress=false", *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    """`kvbench` on the texts in tmp_path, in this process (helpers.kvbench_main)."""
+    return kvbench_main("model=tiny-llama", "task=lm", "task.source=jsonl", f"task.path={tmp_path / 'texts.jsonl'}",
+                        "task.tokens=96", "budget=32", "block=16", f"hydra.run.dir={tmp_path / 'runs' / run}",
+                        "progress=false", *args)
 
 
 @pytest.mark.slow  # 22 s of CLI runs; test_the_full_cache_pairs_at_its_own_budget covers the CLI-to-report path in CI

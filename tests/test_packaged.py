@@ -22,6 +22,8 @@ from kvbench.models.common import ModelError
 from kvbench.models.loading import load_model
 from kvbench.models.tiny import build_tiny_tokenizer
 
+from helpers import kvbench_main
+
 SPEC = "package:kvbench_fakemodels/toy.Q4_1.gguf"
 
 
@@ -174,10 +176,9 @@ def test_missing_package_message(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_missing_package_through_the_cli(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "kvbench.cli", "model=smollm2-135m",
-                        "model.path=package:kvbench_absent_models/model.gguf", "policy=full", "task=niah",
-                        "task.context_lengths=[1000]", "task.depths=[50]", f"hydra.run.dir={out}", "progress=false"],
-                       capture_output=True, text=True, timeout=300)
+    r = kvbench_main("model=smollm2-135m", "model.path=package:kvbench_absent_models/model.gguf", "policy=full",
+                     "task=niah", "task.context_lengths=[1000]", "task.depths=[50]", f"hydra.run.dir={out}",
+                     "progress=false")
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines == ["kvbench: error: the model package 'kvbench-absent-models' is not installed; install it with: "

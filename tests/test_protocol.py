@@ -10,9 +10,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +26,7 @@ from kvbench.run.labels import model_label, protocol_label
 from kvbench.run.settings import RunSettings
 from kvbench.run.settings import ConfigError
 
-from helpers import held_counts, run_config
+from helpers import held_counts, kvbench_main, run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 T, N, NEW = 150, 40, 6
@@ -133,7 +130,8 @@ def test_model_label_names_the_hf_model() -> None:
 
 
 @pytest.mark.slow  # 23 s of CLI runs (CI time; make test-all runs it)
-def test_run_directories_metrics_and_report_rows_carry_the_protocol(tmp_path: Path) -> None:
+def test_run_directories_metrics_and_report_rows_carry_the_protocol(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from kvbench.report.cli import report
 
     model_dir = tmp_path / "Tiny-Chat-7"  # model=hf: the directory's name labels the run
@@ -147,9 +145,10 @@ def test_run_directories_metrics_and_report_rows_carry_the_protocol(tmp_path: Pa
     base = ["model=hf", f"model.path={model_dir}", "task=jsonl", f"task.path={data}", "policy=snapkv", "budget=64",
             "progress=false"]
     for extra in (["protocol=prefill_once"], ["block=32"]):  # the default protocol is blockwise
-        # cwd: the default run directory (results/runs/...) lands below tmp_path; this checkout's kvbench runs
-        r = subprocess.run([sys.executable, "-m", "kvbench.cli", *base, *extra], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        # cwd: the default run directory (results/runs/...) lands below tmp_path
+        with monkeypatch.context() as m:
+            m.chdir(tmp_path)
+            r = kvbench_main(*base, *extra)
         assert r.returncode == 0, r.stderr
     runs = tmp_path / "results" / "runs"
     names = sorted(p.name.split("_", 2)[2] for p in runs.iterdir())  # drop the date and time

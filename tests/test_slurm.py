@@ -31,6 +31,8 @@ from kvbench.run import slurm
 from kvbench.run.slurm import Failure, NodeGroup, check_resources, wait_for_jobs
 from kvbench.run.threads import allocation_threads, use_allocation
 
+from helpers import kvbench_main
+
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "scripts" / "slurm_cluster.sh"
 DOCS = ROOT / "docs" / "sweeps.md"
@@ -252,18 +254,12 @@ def cluster() -> Iterator[None]:
         subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
 
 
-def kvbench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    # (the timeout only detects a hang)
-    return subprocess.run([sys.executable, "-m", "kvbench.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 @pytest.mark.slurm
 def test_a_sweep_slurm_cannot_run_stops_with_one_line_and_writes_nothing(cluster: None, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     job = ["model=tiny-llama", "task=fidelity", "policy=keydiff", "budget=64", f"hydra.sweep.dir={sweep}"]
     # The GPU preset on the CPU partition: found before anything is submitted or written.
-    res = kvbench("-m", "hydra/launcher=slurm", f"hydra.launcher.partition={PARTITION}", *job)
+    res = kvbench_main("-m", "hydra/launcher=slurm", f"hydra.launcher.partition={PARTITION}", *job)
     line = ("kvbench: error: partition 'debug' has no GPUs and hydra/launcher=slurm asks for 1 per job: use "
             "hydra/launcher=slurm_cpu for CPU nodes (or hydra.launcher.gpus_per_node=null)")
     assert (res.returncode, res.stderr) == (2, line + "\n")
@@ -271,7 +267,7 @@ def test_a_sweep_slurm_cannot_run_stops_with_one_line_and_writes_nothing(cluster
     assert line in DOCS.read_text()  # the docs show the line as it is
     # What only sbatch finds (a node feature no node has): its reason in one line, and the files made for the
     # submission (sweep directory, submitit folder) removed again.
-    res = kvbench("-m", "hydra/launcher=slurm_cpu", f"hydra.launcher.partition={PARTITION}",
+    res = kvbench_main("-m", "hydra/launcher=slurm_cpu", f"hydra.launcher.partition={PARTITION}",
                   "hydra.launcher.constraint=avx1024", *job)
     assert (res.returncode, res.stderr) == (2, "kvbench: error: SLURM refused the sweep (1 job): sbatch: error: Batch "
                                                "job submission failed: Invalid feature specification\n")
@@ -380,7 +376,7 @@ def test_preempted_job_resumes_cancelled_job_fails_fast_and_a_relaunch_finishes(
     assert 1 <= cancelled_lines < 24 and not (runs[128] / "metrics.json").exists()  # its finished samples are kept
     finished = {b: (runs[b] / "metrics.json").read_bytes() for b in (64, 192)}
 
-    res = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = kvbench_main(*command[3:])  # the same command again, in this process
     assert res.returncode == 0, res.stderr
     # Only what was missing ran: the finished runs are untouched, the cancelled one resumed and finished.
     assert {b: (runs[b] / "metrics.json").read_bytes() for b in (64, 192)} == finished
@@ -425,7 +421,7 @@ def test_a_group_is_one_array_task_and_its_runs_equal_separate_local_runs(cluste
                         max_new_tokens=4)
     sweep = tmp_path / "sweep"
     job = ["model=tiny-llama", "task=jsonl", f"task.path={data}", "block=16", "progress=false"]
-    res = kvbench("-m", *LAUNCH[:3], "hydra.launcher.mem_gb=2", *job, "policy=keydiff,tova", "budget=64,96",
+    res = kvbench_main("-m", *LAUNCH[:3], "hydra.launcher.mem_gb=2", *job, "policy=keydiff,tova", "budget=64,96",
                   "seed=0,1", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra:runtime.choices.policy}_N${budget}_s${seed}")
     assert res.returncode == 0, res.stderr
     assert "kvbench: 8 sweep jobs in 2 jobs (runs that differ only in policy and budget share work" in res.stdout

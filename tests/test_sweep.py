@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from kvbench.run import config
 from kvbench.tasks.longbench import LongBench
 from kvbench.tasks.niah import NIAH
 
-from helpers import run_config
+from helpers import kvbench_main, run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 FIDELITY = ["model=tiny-llama", "task=fidelity", "task.new_tokens=4", "progress=false"]
@@ -31,9 +29,8 @@ def _csv(path: Path) -> list[dict[str, str]]:
 
 def test_multirun_2x2_gives_a_4_row_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sweep = tmp_path / "sweep"
-    res = subprocess.run([sys.executable, "-m", "kvbench.cli", "--multirun", *FIDELITY, "task.lengths=[128]",
-                          "policy=keydiff,streamingllm", "budget=64,128", f"hydra.sweep.dir={sweep}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    res = kvbench_main("--multirun", *FIDELITY, "task.lengths=[128]", "policy=keydiff,streamingllm", "budget=64,128",
+                       f"hydra.sweep.dir={sweep}")
     assert res.returncode == 0, res.stderr
     assert len(list(sweep.rglob("metrics.json"))) == 4
     report_main([str(sweep), "--no-plots"])
