@@ -320,6 +320,48 @@ def test_batch_goal_lines_judge_batch_8_against_the_workload_goal() -> None:
                      "niah: hf batch 8 vs 1: 2.00x samples per hour; tokens identical to batch 1: K=8 8/8"]
 
 
+def test_batch_rounds_interleave_and_rows_give_medians_of_paired_ratios(monkeypatch) -> None:
+    """rounds=3: each round runs every (policy, K) once, round r starting r places along the list; a row's time is
+    the median of its rounds, its speed-up the median of the same-round ratios (worked by hand below), and its
+    tokens are checked against every round's."""
+    from kvbench.bench import batch
+
+    times = {("keydiff", 1): [10.0, 12.0, 11.0], ("keydiff", 8): [8.0, 8.0, 10.0]}
+    calls: list[tuple[str, int]] = []
+
+    def fake(model, name, budget, block, prompts, new_tokens, k, clock, seed):
+        calls.append((name, k))
+        seconds = times[(name, k)][sum(c == (name, k) for c in calls) - 1]
+        return {"seconds": seconds, "tokens": [[1, 2]] * 8, "prefill_s": seconds / 2, "decode_s": seconds / 4,
+                "evict_s": 1.0, "evict_decode_s": 0.5, "kv_bytes_peak": 100 * k}
+
+    monkeypatch.setattr(batch, "_kvbench", fake)
+    monkeypatch.setattr(batch, "batch_prompts", lambda model, tok, length, count, seed: [[0] * length] * count)
+    rows = batch.run_batch_bench(None, None, ["keydiff"], [8], ["niah"], 64, 16, None, False, 0, lambda: 0.0,
+                                 rounds=3)
+    assert calls == [("keydiff", 1), ("keydiff", 8), ("keydiff", 8), ("keydiff", 1), ("keydiff", 1), ("keydiff", 8)]
+    one, eight = rows
+    assert (one["rounds"], one["seconds"], one["vs_batch1"], one["round_vs_batch1"]) == (3, 11.0, 1.0, [1.0] * 3)
+    # per round 10/8, 12/8, 11/10 = 1.25, 1.5, 1.1: median 1.25 (the ratio of the medians, 11/8, would be 1.375)
+    assert eight["round_vs_batch1"] == [1.25, 1.5, 1.1] and eight["vs_batch1"] == 1.25
+    assert eight["seconds"] == 8.0 and eight["samples_per_hour"] == 8 / 8.0 * 3600 and eight["prefill_s"] == 4.0
+    assert eight["same_as_batch1"] == 8 and eight["repeatable"] and eight["kv_bytes_peak"] == 800
+    line = batch.batch_goal_lines(rows)[0]
+    assert line.startswith("niah: keydiff batch 8 vs 1: 1.25x samples per hour (median of 3 rounds: 1.25, 1.50, "
+                           "1.10) NOT RESOLVED (goal >= 1.35x)")
+    md = batch.batch_markdown(rows)
+    assert md.splitlines()[0].endswith("| time by round (s) | vs K=1 by round |")
+    assert md.splitlines()[-1].endswith("| 8.0, 8.0, 10.0 | 1.25, 1.50, 1.10 |")
+
+
+@pytest.mark.parametrize("ratios,verdict", [([1.36, 1.39, 1.41], "PASS"), ([1.35], "PASS"), ([1.34, 1.2], "MISS"),
+                                            ([1.30, 1.36, 1.40], "NOT RESOLVED")])
+def test_batch_goal_verdict_needs_every_round_on_one_side(ratios: list[float], verdict: str) -> None:
+    from kvbench.bench.batch import _verdict
+
+    assert _verdict(ratios, 1.35) == verdict
+
+
 def test_bad_workload_is_refused(tmp_path) -> None:
     with pytest.raises(SystemExit) as e:
         bench.main(["--batch", "1,2", "--workloads", "ruler", "--out", str(tmp_path / "b.json")])

@@ -15,6 +15,7 @@ near-tie between two logits (or two eviction scores) can go the other way; the f
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable, Sequence
 
@@ -88,47 +89,71 @@ def _hf(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int, k
 
 def run_batch_bench(model: Any, tokenizer: Any, policies: Sequence[str], batches: Sequence[int],
                     workloads: Sequence[str], budget: int, block: int, samples: int | None, hf: bool, seed: int,
-                    clock: Callable[[], float], log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """One row per (workload, policy or hf, K); K = 1 first in each (policy, workload), so every later row is compared
-    with it (speed-up, identical tokens)."""
+                    clock: Callable[[], float], log: Callable[[str], None] | None = None,
+                    rounds: int = 1) -> list[dict[str, Any]]:
+    """One row per (workload, policy or hf, K), K = 1 first in each (workload, policy): every later row is compared
+    with it (speed-up, identical tokens). With `rounds` > 1 every (policy, K) of a workload runs once per round, the
+    rounds interleaved (round r starts r places further along the list, as kvbench.bench.measure does), and a row
+    gives the medians over the rounds; its speed-up is the median of the per-round ratios (K = 1 and K of the same
+    round: a slow stretch of the machine weighs on both), with every round's ratio beside it."""
     rows: list[dict[str, Any]] = []
     batches = sorted(set(batches) | {1})
     count = samples or max(batches)
     for workload in workloads:
         length, new_tokens = WORKLOADS[workload]
         prompts = batch_prompts(model, tokenizer, length, count, seed)
-        for name in [*policies, *([HF] if hf else [])]:
-            first: dict[str, Any] | None = None
-            for k in batches:
+        cells = [(name, k) for name in [*policies, *([HF] if hf else [])] for k in batches]
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
+        for r in range(rounds):
+            for name, k in cells[r % len(cells):] + cells[:r % len(cells)]:
                 t0 = time.perf_counter()
                 m = (_hf(model, tokenizer, prompts, new_tokens, k, clock) if name == HF else
                      _kvbench(model, name, budget, block, prompts, new_tokens, k, clock, seed))
-                first = first or m
-                same = [a == b for a, b in zip(m["tokens"], first["tokens"])]
-                diverged = next((j for j, s in enumerate(same) if not s), None)
-                row = {
-                    "workload": workload, "policy": name, "batch": k, "samples": count,
-                    "prompt_tokens": [len(p) for p in prompts], "new_tokens": new_tokens,
-                    "budget": None if name == HF else budget, "block": None if name == HF else block,
-                    "seconds": round(m["seconds"], 3),
-                    "samples_per_hour": round(count / m["seconds"] * 3600, 1),
-                    "vs_batch1": round(first["seconds"] / m["seconds"], 3),
-                    "prefill_s": None if m["prefill_s"] is None else round(m["prefill_s"], 3),
-                    "decode_s": None if m["decode_s"] is None else round(m["decode_s"], 3),
-                    "evict_s": None if m["evict_s"] is None else round(m["evict_s"], 3),
-                    "evict_decode_s": None if m["evict_decode_s"] is None else round(m["evict_decode_s"], 3),
-                    "kv_bytes_peak": m["kv_bytes_peak"],
-                    "same_as_batch1": sum(same),
-                    "first_difference": None if diverged is None else {
-                        "sample": diverged, "token": _first_diff(m["tokens"][diverged], first["tokens"][diverged])},
-                    "wall_s": round(time.perf_counter() - t0, 3),
-                }
-                rows.append(row)
-                if log:
-                    log(f"  {workload:9s} {name:13s} K={k}: {row['seconds']:.1f} s, {row['samples_per_hour']:.0f} "
-                        f"samples/h ({row['vs_batch1']:.2f}x batch 1), same tokens as batch 1: "
-                        f"{row['same_as_batch1']}/{count}")
+                m["wall_s"] = time.perf_counter() - t0
+                runs[(name, k)].append(m)
+                if log and rounds > 1:
+                    log(f"  round {r + 1}/{rounds} {workload:9s} {name:13s} K={k}: {m['seconds']:.1f} s")
+        for name, k in cells:
+            row = _row(workload, name, k, runs[(name, k)], runs[(name, 1)], prompts, new_tokens, budget, block)
+            rows.append(row)
+            if log:
+                log(f"  {workload:9s} {name:13s} K={k}: {row['seconds']:.1f} s, {row['samples_per_hour']:.0f} "
+                    f"samples/h ({row['vs_batch1']:.2f}x batch 1), same tokens as batch 1: "
+                    f"{row['same_as_batch1']}/{count}")
     return rows
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    return None if values[0] is None else statistics.median(values)
+
+
+def _row(workload: str, name: str, k: int, runs: list[dict[str, Any]], first: list[dict[str, Any]],
+         prompts: list[list[int]], new_tokens: int, budget: int, block: int) -> dict[str, Any]:
+    """One (workload, policy, K) row from its rounds' measurements `runs` and the K = 1 rounds `first`: medians over
+    the rounds, the tokens of the first round (each later round's tokens must equal them: `repeatable`)."""
+    count = len(prompts)
+    same = [a == b for a, b in zip(runs[0]["tokens"], first[0]["tokens"])]
+    diverged = next((j for j, s in enumerate(same) if not s), None)
+    seconds = statistics.median(m["seconds"] for m in runs)
+    ratios = [f["seconds"] / m["seconds"] for f, m in zip(first, runs)]  # the same round's K = 1 over K
+    rnd = (lambda v: None if v is None else round(v, 3))
+    return {
+        "workload": workload, "policy": name, "batch": k, "samples": count,
+        "prompt_tokens": [len(p) for p in prompts], "new_tokens": new_tokens,
+        "budget": None if name == HF else budget, "block": None if name == HF else block,
+        "rounds": len(runs), "seconds": round(seconds, 3),
+        "samples_per_hour": round(count / seconds * 3600, 1),
+        "vs_batch1": round(statistics.median(ratios), 3),
+        "round_seconds": [round(m["seconds"], 3) for m in runs],
+        "round_vs_batch1": [round(x, 3) for x in ratios],
+        **{key: rnd(_median([m[key] for m in runs])) for key in ("prefill_s", "decode_s", "evict_s", "evict_decode_s")},
+        "kv_bytes_peak": max(m["kv_bytes_peak"] for m in runs),
+        "same_as_batch1": sum(same),
+        "first_difference": None if diverged is None else {
+            "sample": diverged, "token": _first_diff(runs[0]["tokens"][diverged], first[0]["tokens"][diverged])},
+        "repeatable": all(m["tokens"] == runs[0]["tokens"] for m in runs),
+        "wall_s": round(sum(m["wall_s"] for m in runs), 3),
+    }
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
@@ -143,11 +168,21 @@ def batch_goal_lines(rows: list[dict[str, Any]]) -> list[str]:
         if top["batch"] == 1:
             continue
         goal = GOALS.get(workload) if top["batch"] >= GOAL_BATCH and name != HF else None
-        verdict = "" if goal is None else (" PASS" if top["vs_batch1"] >= goal else " MISS") + f" (goal >= {goal}x)"
+        each = top.get("round_vs_batch1") or [top["vs_batch1"]]
+        verdict = "" if goal is None else f" {_verdict(each, goal)} (goal >= {goal}x)"
+        spread = f" (median of {len(each)} rounds: {', '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else ""
         same = ", ".join(f"K={r['batch']} {r['same_as_batch1']}/{r['samples']}" for r in group if r["batch"] > 1)
         lines.append(f"{workload}: {name} batch {top['batch']} vs 1: {top['vs_batch1']:.2f}x samples per hour"
-                     f"{verdict}; tokens identical to batch 1: {same}")
+                     f"{spread}{verdict}; tokens identical to batch 1: {same}")
     return lines
+
+
+def _verdict(ratios: Sequence[float], goal: float) -> str:
+    """PASS when every round's ratio meets the goal, MISS when none does, NOT RESOLVED when the rounds fall on both
+    sides of it (a median a hair over the line is not a pass while a round says otherwise)."""
+    if all(x >= goal for x in ratios):
+        return "PASS"
+    return "MISS" if all(x < goal for x in ratios) else "NOT RESOLVED"
 
 
 def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
@@ -161,6 +196,9 @@ def batch_markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table (times in the run's clock)."""
     head = ("| workload | prompt / new tokens | policy | N | K | samples | time (s) | samples / h | vs K=1 | "
             "prefill (s) | decode (s) | evict (s) | of it decoding (s) | K+V peak (MiB) | same tokens as K=1 |")
+    rounds = max(r.get("rounds", 1) for r in rows) if rows else 1
+    if rounds > 1:  # each round's time and its ratio to the same round's K = 1
+        head += " time by round (s) | vs K=1 by round |"
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lengths = r["prompt_tokens"]
@@ -171,6 +209,8 @@ def batch_markdown(rows: list[dict[str, Any]]) -> str:
                    f"{r['samples']} | {r['seconds']:.1f} | {r['samples_per_hour']:.0f} | {r['vs_batch1']:.2f} | "
                    f"{fmt(r['prefill_s'])} | {fmt(r['decode_s'])} | {fmt(r['evict_s'])} | "
                    f"{'-' if r.get('evict_decode_s') is None else format(r['evict_decode_s'], '.2f')} | "
-                   f"{r['kv_bytes_peak'] / 2 ** 20:.0f} | {same} |")
+                   f"{r['kv_bytes_peak'] / 2 ** 20:.0f} | {same} |" +
+                   (f" {', '.join(f'{x:.1f}' for x in r['round_seconds'])} | "
+                    f"{', '.join(f'{x:.2f}' for x in r['round_vs_batch1'])} |" if rounds > 1 else ""))
     return "\n".join(out)
 
