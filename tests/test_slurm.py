@@ -268,7 +268,7 @@ def test_a_sweep_slurm_cannot_run_stops_with_one_line_and_writes_nothing(cluster
     # What only sbatch finds (a node feature no node has): its reason in one line, and the files made for the
     # submission (sweep directory, submitit folder) removed again.
     res = kvbench_main("-m", "hydra/launcher=slurm_cpu", f"hydra.launcher.partition={PARTITION}",
-                  "hydra.launcher.constraint=avx1024", *job)
+                       "hydra.launcher.constraint=avx1024", *job)
     assert (res.returncode, res.stderr) == (2, "kvbench: error: SLURM refused the sweep (1 job): sbatch: error: Batch "
                                                "job submission failed: Invalid feature specification\n")
     assert not sweep.exists()
@@ -422,7 +422,8 @@ def test_a_group_is_one_array_task_and_its_runs_equal_separate_local_runs(cluste
     sweep = tmp_path / "sweep"
     job = ["model=tiny-llama", "task=jsonl", f"task.path={data}", "block=16", "progress=false"]
     res = kvbench_main("-m", *LAUNCH[:3], "hydra.launcher.mem_gb=2", *job, "policy=keydiff,tova", "budget=64,96",
-                  "seed=0,1", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra:runtime.choices.policy}_N${budget}_s${seed}")
+                       "seed=0,1", f"hydra.sweep.dir={sweep}",
+                       "hydra.sweep.subdir=${hydra:runtime.choices.policy}_N${budget}_s${seed}")
     assert res.returncode == 0, res.stderr
     assert "kvbench: 8 sweep jobs in 2 jobs (runs that differ only in policy and budget share work" in res.stdout
     assert re.search(r"submitted 2 jobs to SLURM as job \d+", res.stdout)
