@@ -300,10 +300,11 @@ def test_the_documented_walk_through_runs_as_written(cluster: None, tmp_path: Pa
     assert len([r for r in (sweep / "table.csv").read_text().splitlines()[1:] if r]) == 4  # kvbench-report's rows
 
 
-# 3 jobs, 2 at a time, 1 CPU each: long enough (24 samples) to be preempted and cancelled mid-run. share=false: one
+# 3 jobs, 2 at a time, 1 CPU each: long enough (SAMPLES samples) to be preempted and cancelled mid-run. share=false: one
 # array task per job (a shared-work group would put all three in one task: test_a_group_is_one_array_task_...).
-SWEEP = ["model=tiny-llama", "task=fidelity", "task.lengths=[384]", "task.samples_per_length=24", "task.new_tokens=8",
-         "progress=false", "policy=keydiff", "budget=64,128,192", "share=false"]
+SAMPLES = 16
+SWEEP = ["model=tiny-llama", "task=fidelity", "task.lengths=[384]", f"task.samples_per_length={SAMPLES}",
+         "task.new_tokens=8", "progress=false", "policy=keydiff", "budget=64,128,192", "share=false"]
 LAUNCH = ["hydra/launcher=slurm_cpu", f"hydra.launcher.partition={PARTITION}", "hydra.launcher.cpus_per_task=1",
           "hydra.launcher.mem_gb=2", "hydra.launcher.array_parallelism=2"]
 TIMING = {"prefill_s", "decode_s", "evict_s", "graded_s"}
@@ -319,11 +320,19 @@ def _untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-def _until(condition: Callable[[], object], what: str, timeout: float = 180) -> None:
+def _until(condition: Callable[[], object], what: str, timeout: float = 180, poll: float = 0.2) -> None:
     end = time.monotonic() + timeout  # (only to detect a hang)
     while not condition():
         assert time.monotonic() < end, f"waited {timeout:.0f} s for {what}"
-        time.sleep(0.2)
+        time.sleep(poll)
+
+
+def _signal_mid_run(signals: dict[int, list[str]], runs: dict[int, Path]) -> dict[int, list[str]]:
+    """Runs `signals[b]` (an scancel command) for each run b that has a finished sample on disk, and drops it from
+    `signals`; returns what is left to signal."""
+    for b in [b for b in signals if _lines(runs[b] / "predictions.jsonl")]:
+        subprocess.run(signals.pop(b), check=True, timeout=30)
+    return signals
 
 
 def _states(array: str) -> dict[str, str]:
@@ -348,11 +357,11 @@ def test_preempted_job_resumes_cancelled_job_fails_fast_and_a_relaunch_finishes(
     try:
         _until(lambda: "as job " in out.read_text() or proc.poll() is not None, "the submission")
         array = re.search(r"as job (\d+)", out.read_text()).group(1)
-        # Both running jobs are mid-run (finished samples on disk): preempt the first, cancel the second.
-        _until(lambda: _lines(runs[64] / "predictions.jsonl") and _lines(runs[128] / "predictions.jsonl"),
-               "both jobs to finish a sample")
-        subprocess.run(["scancel", "--signal=TERM", f"{array}_0"], check=True, timeout=30)
-        subprocess.run(["scancel", f"{array}_1"], check=True, timeout=30)
+        # Each of the first two jobs mid-run (a finished sample on disk): the first preempted, the second cancelled,
+        # each as soon as it is there. Not both at once: SLURM can start the second seconds after the first, and on a
+        # quiet machine the first then finishes all its samples before the second has one.
+        signals = {64: ["scancel", "--signal=TERM", f"{array}_0"], 128: ["scancel", f"{array}_1"]}
+        _until(lambda: not _signal_mid_run(signals, runs), "both jobs to finish a sample", poll=0.02)
         proc.wait(timeout=120)  # the issue's bound: a cancelled job ends the sweep within two minutes, never hangs
     finally:
         if proc.poll() is None:
@@ -373,7 +382,7 @@ def test_preempted_job_resumes_cancelled_job_fails_fast_and_a_relaunch_finishes(
         in job0_log
     assert f"kvbench: job {array}_1 got SIGTERM while" in log.read_text() and "not requeued" in log.read_text()
     cancelled_lines = len(_lines(runs[128] / "predictions.jsonl"))
-    assert 1 <= cancelled_lines < 24 and not (runs[128] / "metrics.json").exists()  # its finished samples are kept
+    assert 1 <= cancelled_lines < SAMPLES and not (runs[128] / "metrics.json").exists()  # its finished samples are kept
     finished = {b: (runs[b] / "metrics.json").read_bytes() for b in (64, 192)}
 
     res = kvbench_main(*command[3:])  # the same command again, in this process
@@ -399,7 +408,7 @@ def test_preempted_job_resumes_cancelled_job_fails_fast_and_a_relaunch_finishes(
             local = run_one(cfg, "keydiff", tmp_path / "local" / str(budget), session)
             assert metrics["scores"] == local["scores"]
             slurm_rows = _lines(run / "predictions.jsonl")
-            assert len({r["id"] for r in slurm_rows}) == len(slurm_rows) == 24
+            assert len({r["id"] for r in slurm_rows}) == len(slurm_rows) == SAMPLES
             assert _untimed(slurm_rows) == _untimed(_lines(tmp_path / "local" / str(budget) / "predictions.jsonl"))
     finally:
         torch.set_num_threads(threads)
