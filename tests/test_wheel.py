@@ -14,6 +14,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -21,6 +23,9 @@ def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: int = 600) ->
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+# Slow (20-30 s): CI runs it in its virtualenv stage (.ci/run: `-m "slow or not slow"`), the newcomer's environment,
+# so `make test` does not run it a second time; `make test-all` does.
+@pytest.mark.slow
 def test_wheel_installs_apart_from_the_checkout_and_runs(tmp_path: Path) -> None:
     # Build from a copy of the sources, so the checkout gets no build/ or egg-info from this test.
     src = tmp_path / "src"
