@@ -68,8 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=_int_list, default=None, help="budgets N, e.g. 512,1024")
     p.add_argument("--block", type=int, default=None, help="block size B")
     p.add_argument("--new-tokens", type=int, default=None, help="greedy tokens decoded per configuration")
-    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds; medians are reported (default: the preset's; "
-                                                              "with --batch: 1)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="interleaved rounds; medians are reported (default: the preset's; with --batch: 1)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
     p.add_argument("--dtype", default=None,
                    help="float32 (default on CPU; with --model: the preset's) | bfloat16 (default on CUDA) | float16")
@@ -227,7 +227,7 @@ def _sweep(a: argparse.Namespace, log) -> int:
 
 def _write_batch(a: argparse.Namespace, rows: list[dict], desc: str, device: torch.device, log, t0: float) -> int:
     """--batch: bench.json (rows and goal lines) and the markdown table."""
-    rounds = a.repeats or 1
+    rounds = max((r["rounds"] for r in rows), default=1)  # as the rows were measured (run_batch_bench)
     return _write_rows(a, rows, batch_goal_lines(rows), batch_markdown(rows), desc, device, log, t0, "batch",
                        ("one round" if rounds == 1 else f"medians of {rounds} interleaved rounds") +
                        "; samples decode exactly their new tokens")
