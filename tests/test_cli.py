@@ -50,9 +50,8 @@ def predictions(run_dir: Path) -> list[dict]:
 
 def test_run_directory_and_bound(model_dir: Path, data_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    r = kvbench_main("model=hf", f"model.path={model_dir}", "task=jsonl", f"task.path={data_file}",
-                             "policy=keydiff", "budget=128", "block=32", "save_prompts=true", "progress=false",
-                             f"hydra.run.dir={out}")
+    r = kvbench_main("model=hf", f"model.path={model_dir}", "task=jsonl", f"task.path={data_file}", "policy=keydiff",
+                     "budget=128", "block=32", "save_prompts=true", "progress=false", f"hydra.run.dir={out}")
     assert r.returncode == 0, r.stderr
     assert {"config.yaml", "predictions.jsonl", "metrics.json"} <= {p.name for p in out.iterdir()}
     m = json.loads((out / "metrics.json").read_text())

@@ -61,7 +61,9 @@ def _wait(ready: list[list[Path]], procs: list[subprocess.Popen], deadline: floa
         made = [any(p.exists() for p in paths) for paths in ready]
         if all(made):
             return
-        assert not any(e and not m for e, m in zip(exited, made)), [p.communicate()[1][-3000:] for p in procs]
+        # (the stderr of the exited processes only: one still running waits for a go file, communicate() would hang)
+        assert not any(e and not m for e, m in zip(exited, made)), [
+            p.communicate()[1][-3000:] for p, e in zip(procs, exited) if e]
         assert time.monotonic() < deadline, f"timed out waiting for {ready}"
         time.sleep(0.01)
 
