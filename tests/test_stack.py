@@ -12,12 +12,14 @@ import kvbench.engine.generate as generate_module
 from kvbench.engine.cache import EvictingLayer
 from kvbench.engine.generate import GenerationSettings, Job, Observer, generate, generate_batch
 from kvbench.engine.stack import LayerStack
+from kvbench.policies.adakv import AdaKV
 from kvbench.policies.h2o import H2O
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
 from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.random import Random
+from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
 
@@ -136,6 +138,9 @@ STACKABLE = {
     "tova": lambda: TOVA(budget=24), "h2o": lambda: H2O(budget=24),
     "h2o_original": lambda: H2O(budget=24, recent_ratio=0.5), "random": lambda: Random(budget=24),
     "hashevict": lambda: HashEvict(budget=24),
+    # the observation window's ring (a stackable extra): the stack's own over all its rows
+    "snapkv": lambda: SnapKV(budget=24, window=6, kernel=5),
+    "snapkv_max": lambda: SnapKV(budget=24, window=4, kernel=3, pooling="max"),
 }
 
 
@@ -166,9 +171,10 @@ def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch
 
 
 def test_only_stackable_policies_and_equal_budgets_stack(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PyramidKV (per-layer budgets, the observation window's ring) evicts layer by layer."""
+    """PyramidKV scores as SnapKV does (stackable), but its layers' budgets differ: it evicts layer by layer. AdaKV
+    (per-head budgets, its own selection) is not stackable."""
     stacked = _count_stacks(monkeypatch)
-    assert not PyramidKV.stackable
+    assert PyramidKV.stackable and not AdaKV.stackable
     generate(float64_model(4), PyramidKV(budget=24, window=4, kernel=3), random_prompt(90, 1),
              GenerationSettings(block=16, max_new_tokens=6, slot_reuse=True))
     assert stacked == []
@@ -198,7 +204,7 @@ def test_a_stack_of_samples_protects_each_rows_own_latest_tokens() -> None:
 
 
 def test_a_policy_with_per_sample_state_is_never_batched() -> None:
-    assert Random(budget=8).batch_key() is None and PyramidKV(budget=24).batch_key() is None
+    assert Random(budget=8).batch_key() is None and AdaKV(budget=48).batch_key() is None
     assert KeyDiff(budget=8).batch_key() == KeyDiff(budget=8).batch_key()
     assert KeyDiff(budget=8).batch_key() != KeyDiff(budget=9).batch_key()
     assert KeyDiff(budget=8).batch_key() != KeyDiff(budget=8, anchor="median").batch_key()
@@ -228,9 +234,28 @@ def test_a_batchs_eviction_in_one_call_keeps_what_each_sample_keeps(name: str, m
         assert all(torch.equal(x, y) for x, y in zip(la, lb, strict=True))
         assert a.answer_logprob == b.answer_logprob
     # 19 steps of the answers, 4 of the graded branches: all three samples' evicted layers each time, in one stack per
-    # run of layers (K-norm skipping layer 1: layer 0 of each sample, then layers 2-3 of each)
-    stacks = {"knorm": [9], "knorm_skip_middle": [3, 6], "random": [4, 4, 4]}.get(name, [12])
-    assert per_step == stacks * (19 + 4)  # Random: each sample its own stack, its own generator
+    # run of layers (K-norm skipping layer 1: layer 0 of each sample, then layers 2-3 of each). Random: each sample its
+    # own stack, its own generator. SnapKV: each sample its own stack too, as its stashed window of queries sits at
+    # other positions in samples of other lengths (a stack's causal mask reads one set of positions; `_alike`)
+    own = [4, 4, 4]
+    stacks = {"knorm": [9], "knorm_skip_middle": [3, 6], "random": own, "snapkv": own, "snapkv_max": own}.get(name, [12])
+    assert per_step == stacks * (19 + 4)
+
+
+def test_samples_of_one_length_stack_their_observation_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SnapKV on three samples of 90 tokens each (other tokens) decoded together: every step's evictions of all three
+    in one stack of 3 x 4 layers, each sample keeping what it keeps on its own."""
+    prompts = [random_prompt(90, seed) for seed in (1, 2, 3)]
+
+    def jobs(together: bool) -> list[Job]:
+        settings = GenerationSettings(block=16, max_new_tokens=12, slot_reuse=True, evict_together=together)
+        return [Job(ids, STACKABLE["snapkv"](), settings, observer=Observer(trace=True)) for ids in prompts]
+
+    per_step, on, off = _together_and_alone(monkeypatch, float64_model(4), jobs)
+    for a, b in zip(on, off, strict=True):
+        assert a.tokens == b.tokens and len(a.tokens) == 12
+        assert held_positions(a.trace) == held_positions(b.trace)
+    assert per_step == [12] * 11
 
 
 @pytest.mark.parametrize("name", ["h2o_original"])  # per-row protection (n_recent) across the stacks rebuilt

@@ -60,6 +60,10 @@ class LayerStack(EvictingLayer):
         for i, m in enumerate(members):
             m.keys, m.values, m.positions = keys[i], values[i], positions[i]
             m.state = {k: state[k][i] for k in names}
+            # Stackable extras (SnapKV's window ring) cache what the arrays determine: the stack builds its own over
+            # all its rows at its first eviction, and a member evicted on its own later builds its own again (a
+            # member's kept while the stack evicts would go stale)
+            m.extras = {}
             m.in_stack = True  # its arrays are written in place from now on (see EvictingLayer.fork)
             if spare:
                 m.hole = hole  # read only (SlotReuse._fill_hole): one tensor for every member
@@ -236,7 +240,7 @@ def _runs(cache: EvictingCache, spare: bool) -> list[tuple[bool, list[EvictingLa
     """The cache's evicting layers in order: each maximal run of consecutive layers that may be evicted as one stack
     as (True, its layers), and each other layer as (False, [layer]). Stackable: a stackable policy, slot reuse while
     decoding, each layer uniform, at its budget + 1 (`spare`: at its budget, before the step that appends), no hole,
-    no policy extras, and alike (`_alike`) with the same budget."""
+    no policy extras but stackable ones (`LayerExtra.stackable`), and alike (`_alike`) with the same budget."""
     layers = cache.evicting_layers()
     policy = cache.policy
     if not (policy is not None and policy.stackable and not cache.frozen):
@@ -273,8 +277,9 @@ def _stacked(arrays: list[torch.Tensor], spare: bool, fill: float) -> torch.Tens
 
 
 def _stackable(layer: EvictingLayer, budget: int) -> bool:
-    """A layer whose eviction now is one token per head by slot reuse, with no policy extras."""
-    return (layer.reuse_slots and layer.decoding and layer.uniform and layer.hole is None and not layer.extras
+    """A layer whose eviction now is one token per head by slot reuse, with no policy extras but stackable ones."""
+    return (layer.reuse_slots and layer.decoding and layer.uniform and layer.hole is None
+            and all(extra.stackable for extra in layer.extras.values())
             and layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[-2] == budget + 1)
 
 

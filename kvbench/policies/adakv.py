@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 class AdaKV(SnapKV):
     name = "adakv"
+    stackable = False  # its own `due` and `select` (per-head budgets over a layer's total, Policy.stackable)
 
     def __init__(self, alpha_safeguard: float = 0.2, allocation: str = "adakv", pooling: str = "max",
                  **kwargs) -> None:

@@ -47,9 +47,9 @@ class Policy:
     state_names: tuple[str, ...] = ()
     # True: `score` reads only the layer's own per-token arrays (keys, positions, state, stashed queries, scratch) and
     # treats each (batch row, KV head) on its own, `select` and `due` are the base ones, the policy keeps no per-layer
-    # extras, and whatever it draws per layer it draws in layer order. Then a decoding step's eviction may score
-    # consecutive layers of equal shape as one layer whose batch rows are theirs (kvbench/engine/stack.py): the same
-    # selections, one call instead of one per layer.
+    # extras but stackable ones (`LayerExtra.stackable`: SnapKV's window ring), and whatever it draws per layer it draws
+    # in layer order. Then a decoding step's eviction may score consecutive layers of equal shape as one layer whose
+    # batch rows are theirs (kvbench/engine/stack.py): the same selections, one call instead of one per layer.
     stackable: bool = False
     # True: the policy object holds per-sample state that its score reads (Random's generator, reseeded per sample), so
     # the layers of two samples are never scored by one instance (`batch_key`)

@@ -100,6 +100,11 @@ class LayerExtra(Protocol):
     an extra notes `layer.seen` when its rows were complete and gives the tokens appended since their entries when it
     next needs them (the layer's `seen` tells it how many)."""
 
+    # True when the extra only caches what the layer's arrays and stash determine, so that it may be dropped at any
+    # time (its owner builds it again from the layer on next use): then layers holding it may be evicted as one stack
+    # (kvbench/engine/stack.py), which drops its members' extras and builds one of its own over all its rows
+    stackable: bool
+
     def on_keep(self, layer: CacheLayer, idx: torch.Tensor, packed: bool) -> None:
         """`layer.keep` keeps the slots `idx` (b, h_kv, k) of the current layout (uniform or the padded view).
         `packed` False: a uniform layer that stays uniform, stored at once (the extra prunes its rows here, now or

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 class SnapKV(Policy):
     name = "snapkv"
+    # Scores from the layer's own stashed queries, keys and positions, row by row (Policy.stackable); its window ring
+    # is a stackable extra. In a stack the window's own slots get the stack's maximum rather than the layer's: they
+    # are protected (ranked +inf), so no selection reads it
+    stackable = True
 
     def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", **kwargs) -> None:
         if pooling not in ("avg", "max"):

@@ -53,6 +53,10 @@ class WindowRing:
     """
 
     key = "window_attention"  # the ring's name in `layer.extras`
+    # The rows are a cache of what the layer's stashed queries, keys and positions determine (`attention` recomputes
+    # them whenever `probs` is None): a layer stack (kvbench/engine/stack.py) may drop its members' rings and keep one
+    # of its own over all its rows (`LayerExtra.stackable`)
+    stackable = True
 
     def __init__(self) -> None:
         self.probs: torch.Tensor | None = None
