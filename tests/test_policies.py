@@ -14,7 +14,7 @@ from kvbench.policies.h2o import H2O
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
 from kvbench.policies.random import Random
-from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.snapkv import SnapKV, pool
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
 
@@ -105,6 +105,23 @@ def test_snapkv_window_attention_pooled() -> None:
     assert kept(SnapKV(budget=3, window=1, kernel=3), layer) == [[0, 1, 5]]
     # max pooling: [8, 8, 8, 4, 4] -> ties among 0-2; kernel 1 (no smoothing): prefix p -> slots 1, 4
     assert kept(SnapKV(budget=3, window=1, kernel=1), layer) == [[1, 4, 5]]
+
+
+def test_pooling_by_hand_and_bit_for_bit_as_torchs() -> None:
+    # [3, 8, 1, 1, 4], kernel 3, zero padding, always / 3: [11, 12, 10, 6, 5] / 3; max [8, 8, 8, 4, 4]
+    x = torch.tensor([[3.0, 8.0, 1.0, 1.0, 4.0]])
+    assert torch.equal(pool(x, 3, "avg") * 3, torch.tensor([[11.0, 12.0, 10.0, 6.0, 5.0]]))
+    assert pool(x, 3, "max").tolist() == [[8.0, 8.0, 8.0, 4.0, 4.0]]
+    # The sum of shifted slices adds each window in avg_pool1d's own order: the same bits, padding and short rows too
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        for n in (1, 3, 40, 1153):
+            x = torch.rand(2, 9, n, generator=gen, dtype=dtype) ** 3  # probabilities: small, of many magnitudes
+            for kernel in (1, 3, 5, 7):
+                flat = x.reshape(-1, 1, n)
+                avg = torch.nn.functional.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2).view(x.shape)
+                mx = torch.nn.functional.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).view(x.shape)
+                assert torch.equal(pool(x, kernel, "avg"), avg) and torch.equal(pool(x, kernel, "max"), mx)
 
 
 def test_snapkv_window_queries_are_causal() -> None:

@@ -23,11 +23,10 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from kvbench.policies.base import (ALLOCATIONS, PolicyError, adaptive_counts, adaptive_total, compact, latest_mask,
                                    rank_mask)
-from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.snapkv import SnapKV, pool
 from kvbench.policies.window import window_attention
 
 if TYPE_CHECKING:
@@ -62,9 +61,8 @@ class AdaKV(SnapKV):
         g = probs.shape[1] // h_kv
         window = latest_mask(layer, self.window).repeat_interleave(g, dim=1)  # (b, h_q, n)
         prefix = probs.masked_fill(window, 0.0)
-        b, h, n = prefix.shape
-        pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
-        scores = pool(prefix.reshape(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2).view(b, h, n)
+        n = prefix.shape[-1]
+        scores = pool(prefix, self.kernel, self.pooling)  # (b, h_q, n)
         return scores.masked_fill(window, scores.max() if n else 0.0)  # a 0-d tensor: no host read
 
     def due(self, layer: CacheLayer) -> bool:
