@@ -10,7 +10,7 @@ import pytest
 
 from kvbench.metrics.stats import (MeanSE, PairedResult, Stratum, bootstrap_ci, holm, mcnemar_exact,
                                    mcnemar_min_discordant, mcnemar_n, mean_of, min_detectable_diff, required_n,
-                                   mean_se, paired_compare, resolved, sign_flip_p)
+                                   mean_se, one_sided_bounds, paired_compare, resolved, sign_flip_p)
 
 
 def _one(a: list[float], b: list[float]) -> list[Stratum]:
@@ -186,3 +186,12 @@ def test_a_single_pair_in_a_stratum_by_hand() -> None:
     two = paired_compare([Stratum(np.array([2.0]), np.array([0.0]), 0.5),
                           Stratum(np.array([1.0, 3.0]), np.array([0.0, 0.0]), 0.5)])
     assert two.diff == 2.0 and two.p_value == 0.25 and (two.ci_low, two.ci_high) == (1.5, 2.5)
+
+
+def test_one_sided_bounds_by_hand() -> None:
+    # 1, 2, 3: mean 2, sd 1, se 1 / sqrt(3) = 0.57735; t(0.95, 2) = 2.91999 (tables): 2 -/+ 1.68585
+    lower, upper = one_sided_bounds([1.0, 2.0, 3.0])
+    assert lower == pytest.approx(0.31415, abs=1e-4) and upper == pytest.approx(3.68585, abs=1e-4)
+    # alpha 0.10: t(0.90, 2) = 1.88562: 2 -/+ 1.08866
+    assert one_sided_bounds([1.0, 2.0, 3.0], alpha=0.10)[0] == pytest.approx(0.91134, abs=1e-4)
+    assert one_sided_bounds([4.0]) is None and one_sided_bounds([]) is None

@@ -74,6 +74,17 @@ def mean_se(values: Sequence[float]) -> MeanSE:
     return MeanSE(mean, se, n)
 
 
+def one_sided_bounds(values: Sequence[float], alpha: float = ALPHA) -> tuple[float, float] | None:
+    """(lower, upper): the mean of `values` less and plus t(1 - alpha, n - 1) standard errors (`mean_se`), each a
+    one-sided 1 - alpha bound: a claim that the mean is over a line holds at that level when `lower` is over it, that it
+    is under a line when `upper` is under it. None for n < 2 (no standard error)."""
+    m = mean_se(values)
+    if m.se is None:
+        return None
+    half = float(stats.t.ppf(1 - alpha, m.n - 1)) * m.se
+    return m.mean - half, m.mean + half  # type: ignore[operator]
+
+
 def mean_of(parts: Sequence[MeanSE]) -> MeanSE:
     """A mean of k component means: n = sum of the components' n, se = sqrt(sum se_c^2) / k (the components are
     independent samples), None when any component has none."""
