@@ -258,6 +258,23 @@ def test_samples_of_one_length_stack_their_observation_windows(monkeypatch: pyte
     assert per_step == [12] * 11
 
 
+def test_pyramidkv_samples_of_one_length_stack_each_layer_across_the_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyramidKV's layers have budgets of their own, so one sample's layers never stack; the same layer of three
+    samples of one length does: each decoding step evicts 4 stacks of 3, and every sample keeps what it keeps alone."""
+    prompts = [random_prompt(90, seed) for seed in (1, 2, 3)]
+
+    def jobs(together: bool) -> list[Job]:
+        settings = GenerationSettings(block=16, max_new_tokens=12, slot_reuse=True, evict_together=together)
+        return [Job(ids, PyramidKV(budget=24, window=4, kernel=3), settings, answer_ids=[11, 12, 13],
+                    observer=Observer(trace=True)) for ids in prompts]
+
+    per_step, on, off = _together_and_alone(monkeypatch, float64_model(4), jobs)
+    for a, b in zip(on, off, strict=True):
+        assert a.tokens == b.tokens and len(a.tokens) == 12
+        assert held_positions(a.trace) == held_positions(b.trace) and a.answer_logprob == b.answer_logprob
+    assert per_step == [3] * 4 * (11 + 2)  # 11 steps of the answers, 2 of the graded branches
+
+
 @pytest.mark.parametrize("name", ["h2o_original"])  # per-row protection (n_recent) across the stacks rebuilt
 def test_samples_leaving_a_batch_leave_its_stacks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three samples asking for 20, 9 and 14 new tokens: after each leaves, the others' layers are stacked again
