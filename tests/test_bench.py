@@ -221,6 +221,30 @@ def test_goals_are_ratios_of_rows_of_one_run() -> None:
     assert sum(ln.startswith("FAIL") for ln in lines) == 7
 
 
+def test_the_decoding_goal_over_rounds_is_a_one_sided_t_bound_of_the_paired_ratios() -> None:
+    # HF's decoding 3.0 s in each of 3 rounds (10 steps: 300 ms per token). Per-round ratios, worked by hand:
+    # tova 3.30, 3.40, 3.20 s -> 1.10, 1.1333, 1.0667: mean 1.10, sd 0.0333, se 0.01925, t(0.95, 2) = 2.920: bounds
+    # 1.04x and 1.16x, on both sides of 1.10x. h2o 3.00, 3.06, 3.03 -> 1.00, 1.02, 1.01: 1.01 -/+ 2.920 x 0.005774 =
+    # 0.99x and 1.03x, within 1.10x. snapkv 3.60, 3.66, 3.63 -> 1.20, 1.22, 1.21: bounds 1.19x and 1.23x, over it.
+    def row(policy: str, rounds: list[float]) -> dict:
+        median = sorted(rounds)[1]
+        return {**_row(policy, 2000, 2.0, median, 0.05, 0.05), "decode_s_rounds": rounds}
+
+    rows = [{**row(setup.HF_DECODE, [3.0, 3.0, 3.0]), "budget": 64}, row("tova", [3.30, 3.40, 3.20]),
+            row("h2o", [3.00, 3.06, 3.03]), row("snapkv", [3.60, 3.66, 3.63])]
+    goals.add_ratios(rows)
+    lines = [ln for ln in goals.goal_lines(goals.goals(rows)) if ln.split("  ")[1].startswith("decode")]
+    assert lines == [
+        "NOT RESOLVED  decode per token <= 1.10x HF's at cache size N: tova (2000: 1.10x, one-sided 95 % bounds 1.04x "
+        "and 1.16x over 3 paired rounds)",
+        "PASS  decode per token <= 1.10x HF's at cache size N: h2o (2000: 1.01x, one-sided 95 % bounds 0.99x and 1.03x "
+        "over 3 paired rounds)",
+        "FAIL  decode per token <= 1.10x HF's at cache size N: snapkv (2000: 1.21x, one-sided 95 % bounds 1.19x and "
+        "1.23x over 3 paired rounds)"]
+    by = {g["policy"]: g["passed"] for g in goals.goals(rows) if g["goal"].startswith("decode")}
+    assert by == {"tova": None, "h2o": True, "snapkv": False}
+
+
 def test_host_sync_goal_reads_the_worst_step_per_budget() -> None:
     def row(policy: str, n: int, mean: float | None, worst: int | None) -> dict:
         return {**_row(policy, n, 2.0, 1.0, 0.05, 0.05), "peak_kv_tokens": 80, "host_syncs_per_step": mean,
