@@ -120,12 +120,12 @@ def _decode_check(r: dict[str, Any], hf: dict[str, Any] | None, limit: float) ->
     t bound of their mean is within the limit, failed when the lower bound is over it, None (not resolved) otherwise.
     With one round, the ratio of the row's medians against the limit."""
     text = f"{r['prompt_tokens']}: {r['decode_vs_hf']:.2f}x"
-    mine, theirs = r.get("decode_s_rounds") or [], (hf or {}).get("decode_s_rounds") or []
-    if len(mine) < 2 or len(mine) != len(theirs) or not (r["decode_s"] and hf["decode_s"]):
+    mine = r.get("decode_s_rounds") or []
+    theirs = [] if hf is None else hf.get("decode_s_rounds") or []
+    if len(mine) < 2 or len(mine) != len(theirs) or not (r["decode_steps"] and hf["decode_steps"]):
         return r["decode_vs_hf"] <= limit, text
-    # per token: each round's decoding seconds over its steps (the medians' ms per token over their seconds)
-    per_step = (r["decode_ms_per_token"] / r["decode_s"]) / (hf["decode_ms_per_token"] / hf["decode_s"])
-    lower, upper = one_sided_bounds([a / b * per_step for a, b in zip(mine, theirs)])
+    # per token: each round's decoding seconds over the row's decoding steps
+    lower, upper = one_sided_bounds([(a / r["decode_steps"]) / (b / hf["decode_steps"]) for a, b in zip(mine, theirs)])
     passed = True if upper <= limit else False if lower > limit else None
     return passed, f"{text}, one-sided 95 % bounds {lower:.2f}x and {upper:.2f}x over {len(mine)} paired rounds"
 
