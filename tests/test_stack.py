@@ -13,6 +13,7 @@ from kvbench.engine.cache import EvictingLayer
 from kvbench.engine.generate import GenerationSettings, Job, Observer, generate, generate_batch
 from kvbench.engine.stack import LayerStack
 from kvbench.policies.adakv import AdaKV
+from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.h2o import H2O
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
@@ -141,6 +142,10 @@ STACKABLE = {
     # the observation window's ring (a stackable extra): the stack's own over all its rows
     "snapkv": lambda: SnapKV(budget=24, window=6, kernel=5),
     "snapkv_max": lambda: SnapKV(budget=24, window=4, kernel=3, pooling="max"),
+    # SnapKV's scores, then the two stages' cuts head by head over the value norms (per-token state)
+    "criticalkv": lambda: CriticalKV(budget=24, window=6, kernel=5),
+    "criticalkv_inside": lambda: CriticalKV(budget=24, window=4, kernel=3, pooling="avg", stage1_window="inside",
+                                            alpha=0.25),
 }
 
 
@@ -172,9 +177,10 @@ def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch
 
 def test_only_stackable_policies_and_equal_budgets_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     """PyramidKV scores as SnapKV does (stackable), but its layers' budgets differ: it evicts layer by layer. AdaKV
-    (per-head budgets, its own selection) is not stackable."""
+    (per-head budgets, its own selection) is not stackable, nor CriticalKV over it."""
     stacked = _count_stacks(monkeypatch)
     assert PyramidKV.stackable and not AdaKV.stackable
+    assert CriticalKV(budget=48).stackable and not CriticalKV(budget=48, base="adakv").stackable
     generate(float64_model(4), PyramidKV(budget=24, window=4, kernel=3), random_prompt(90, 1),
              GenerationSettings(block=16, max_new_tokens=6, slot_reuse=True))
     assert stacked == []
@@ -210,6 +216,11 @@ def test_a_policy_with_per_sample_state_is_never_batched() -> None:
     assert KeyDiff(budget=8).batch_key() != KeyDiff(budget=8, anchor="median").batch_key()
     assert HashEvict(budget=24).batch_key() != HashEvict(budget=24, seed=1).batch_key()
     assert H2O(budget=8).batch_key() != H2O(budget=8, recent_ratio=0.5).batch_key()
+    # CriticalKV's window, kernel and pooling are its base's settings
+    assert CriticalKV(budget=48).batch_key() == CriticalKV(budget=48).batch_key()
+    for other in ({"window": 8}, {"kernel": 5}, {"pooling": "avg"}, {"alpha": 0.25}):
+        assert CriticalKV(budget=48).batch_key() != CriticalKV(budget=48, **other).batch_key()
+    assert CriticalKV(budget=48, base="adakv").batch_key() is None
 
 
 @pytest.mark.parametrize("name", sorted(STACKABLE))
@@ -236,9 +247,11 @@ def test_a_batchs_eviction_in_one_call_keeps_what_each_sample_keeps(name: str, m
     # 19 steps of the answers, 4 of the graded branches: all three samples' evicted layers each time, in one stack per
     # run of layers (K-norm skipping layer 1: layer 0 of each sample, then layers 2-3 of each). Random: each sample its
     # own stack, its own generator. SnapKV: each sample its own stack too, as its stashed window of queries sits at
-    # other positions in samples of other lengths (a stack's causal mask reads one set of positions; `_alike`)
+    # other positions in samples of other lengths (a stack's causal mask reads one set of positions; `_alike`), and so
+    # does CriticalKV over SnapKV
     own = [4, 4, 4]
-    stacks = {"knorm": [9], "knorm_skip_middle": [3, 6], "random": own, "snapkv": own, "snapkv_max": own}.get(name, [12])
+    stacks = {"knorm": [9], "knorm_skip_middle": [3, 6], "random": own, "snapkv": own, "snapkv_max": own,
+              "criticalkv": own, "criticalkv_inside": own}.get(name, [12])
     assert per_step == stacks * (19 + 4)
 
 

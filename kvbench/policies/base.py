@@ -46,7 +46,8 @@ class Policy:
     needs_attention: bool = False
     state_names: tuple[str, ...] = ()
     # True: `score` reads only the layer's own per-token arrays (keys, positions, state, stashed queries, scratch) and
-    # treats each (batch row, KV head) on its own, `select` and `due` are the base ones, the policy keeps no per-layer
+    # treats each (batch row, KV head) on its own, `due` is the base one and `select` keeps each head's top `budget`
+    # of a ranking made head by head (the base one, or CriticalKV's two stages), the policy keeps no per-layer
     # extras but stackable ones (`LayerExtra.stackable`: SnapKV's window ring), and whatever it draws per layer it draws
     # in layer order. Then a decoding step's eviction may score consecutive layers of equal shape as one layer whose
     # batch rows are theirs (kvbench/engine/stack.py): the same selections, one call instead of one per layer.

@@ -63,12 +63,21 @@ class CriticalKV(Policy):
         self.base: Policy = BASES[base](pooling=pooling, **kwargs, **extra)  # max pooling: CriticalKV 4.3
         b = self.base
         self.query_window = b.query_window  # the engine stashes the queries the base scores with
+        # Over SnapKV every (batch row, KV head) is ranked on its own (SnapKV's scores, the value norms kept per
+        # token, the two stages' cuts) and a decoding step drops one token per head: a layer stack (engine/stack.py)
+        # selects what each layer selects alone. Over AdaKV the heads of a layer share its budget: never stacked
+        self.stackable = b.stackable
         super().__init__(budget=b.budget, n_sink=b.n_sink, n_recent=b.n_recent, skip_layers=b.skip_layers,
                          seed=b.seed)
 
     def attach(self, num_layers: int) -> None:
         super().attach(num_layers)
         self.base.attach(num_layers)
+
+    def batch_key(self) -> tuple[Any, ...] | None:
+        """Policy.batch_key with the base's settings (window, kernel, pooling), which live in `base`."""
+        key, base = super().batch_key(), self.base.batch_key()
+        return None if key is None or base is None else (*key, base)
 
     def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
