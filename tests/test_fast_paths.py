@@ -50,6 +50,42 @@ def test_top_slots_drop_one_equals_topk_without_ties() -> None:
     assert torch.equal(top_slots(scores, 256), want)
 
 
+def test_ties_by_position_keep_the_earlier_token_whatever_its_slot() -> None:
+    # One head, slots out of position order (slot reuse): slot -> position 0:40, 1:7, 2:12, 3:3, 4:25, 5:9.
+    pos = torch.tensor([[[40, 7, 12, 3, 25, 9]]])
+    scores = torch.tensor([[[2.0, 0.0, -1.5, -0.0, 2.0, 0.0]]])
+    # By score: 2.0 at slots 0 (position 40) and 4 (25): 25 is earlier, so slot 4 ranks first; then the three zeros
+    # (-0.0 equals 0.0) at positions 7 (slot 1), 3 (slot 3), 9 (slot 5): slot 3, slot 1, slot 5; then -1.5 (slot 2).
+    # Ranking: 4, 0, 3, 1, 5, 2
+    assert top_slots(scores, 2, pos).tolist() == [[[0, 4]]]
+    assert top_slots(scores, 3, pos).tolist() == [[[0, 3, 4]]]
+    assert top_slots(scores, 4, pos).tolist() == [[[0, 1, 3, 4]]]
+    assert rank_mask(scores, 3, pos).int().tolist() == [[[1, 0, 0, 1, 1, 0]]]
+    # by slot instead: the zeros at slots 1, 3, 5 rank in that order
+    assert top_slots(scores, 3).tolist() == [[[0, 1, 4]]]
+    # infinities and negative scores: +inf first, -inf last and never in rank_mask
+    inf = torch.tensor([[[-math.inf, -2.0, math.inf, -3.0, math.inf, -2.0]]])
+    assert top_slots(inf, 3, pos).tolist() == [[[1, 2, 4]]]  # +inf at slots 2 and 4, then -2.0 at position 7 (slot 1)
+    assert rank_mask(inf, 5, pos).int().tolist() == [[[0, 1, 1, 1, 1, 1]]]
+
+
+@pytest.mark.parametrize("n,count", [(9, 4), (64, 33), (130, 1), (130, 128)])
+def test_ties_by_position_are_the_stable_sorts_first_in_position_order(n: int, count: int) -> None:
+    g = torch.Generator().manual_seed(n * count)
+    scores = torch.randint(-2, 3, (2, 3, n), generator=g).float()  # five values: ties everywhere, across the cut too
+    scores[scores == 0] = torch.tensor([0.0, -0.0])[torch.randint(0, 2, (int((scores == 0).sum()),), generator=g)]
+    scores[0, 0, :3] = math.inf
+    scores[1, 2, -4:] = -math.inf
+    pos = torch.stack([torch.randperm(3 * n, generator=g)[:n] for _ in range(6)]).view(2, 3, n)  # distinct per head
+    # the plain formula: slots in position order, a stable descending sort of their scores, its first `count`
+    by_pos = pos.argsort(dim=-1)
+    order = by_pos.gather(-1, torch.sort(scores.gather(-1, by_pos), dim=-1, descending=True, stable=True).indices)
+    if count < n - 1:  # (n - 1: the drop-one path, tested above)
+        assert torch.equal(top_slots(scores, count, pos), order[..., :count].sort(dim=-1).values)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n).expand_as(order))
+    assert torch.equal(rank_mask(scores, count, pos), (rank < count) & (scores > -math.inf))
+
+
 @pytest.mark.parametrize("n,count", [(9, 4), (64, 33), (130, 1), (130, 128)])
 def test_top_slots_and_rank_mask_of_one_count_are_the_stable_sorts_first(n: int, count: int) -> None:
     g = torch.Generator().manual_seed(n + count)

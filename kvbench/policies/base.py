@@ -242,9 +242,11 @@ def top_slots(scores: torch.Tensor, count: int, positions: torch.Tensor | None =
             drop = positions.masked_fill(~lowest, -1).argmax(dim=-1, keepdim=True)
         j = torch.arange(count, device=scores.device)  # (count,)
         return j + (j >= drop)  # (b, h, count): every slot but `drop`
-    if positions is None and 0 < count < n:  # the cut's mask, its slots in order (nonzero_static: no host read)
+    if 0 < count < n and (positions is None or scores.dtype == torch.float32):
+        # the cut's mask, its slots in order (nonzero_static: no host read)
         b, h = scores.shape[:2]
-        return _cut_mask(scores, count).view(b * h, n).nonzero_static(size=b * h * count)[:, 1].view(b, h, count)
+        cut = _cut_mask(scores, count) if positions is None else _position_cut_mask(scores, count, positions)
+        return cut.view(b * h, n).nonzero_static(size=b * h * count)[:, 1].view(b, h, count)
     ranked = _ranked(scores, positions)  # (b, h, n), ties in token order
     return ranked[..., :count].sort(dim=-1).values
 
@@ -262,6 +264,24 @@ def _cut_mask(scores: torch.Tensor, count: int) -> torch.Tensor:
     above = s > cut
     at_cut = s == cut
     return above | (at_cut & (at_cut.cumsum(dim=-1) <= count - above.sum(dim=-1, keepdim=True)))  # count per head
+
+
+def _position_cut_mask(scores: torch.Tensor, count: int, positions: torch.Tensor) -> torch.Tensor:
+    """`_cut_mask` with ties to the earlier position (slot reuse leaves slots out of position order): the `count`
+    (0 < count < n) highest float32 `scores` (b, h, n) of each head, what a stable descending sort of the scores in
+    position order ranks first (`_ranked`), found without sorting. Each slot gets one int64 key, its score's order in
+    the high 32 bits (the float32 bits made order-preserving, -0.0 as +0.0) and its position reversed in the low 32,
+    so keys differ within a head (positions do; -1 marks the one hole a decoding head may have) and order the slots as
+    that sort does; the count-th highest key is the cut (`kthvalue`). ~3x cheaper on CPU than the sort (CriticalKV's
+    stage 1 over 30 stacked layers, 3 KV heads, N = 1024: 3.3-3.9 vs 10.8-11.0 ms, one thread). NaN ranks as +inf (as
+    `_cut_mask`)."""
+    n = scores.shape[-1]
+    s = scores.nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    bits = torch.where(s == 0, 0.0, s).view(torch.int32)  # (b, h, n); -0.0 ties +0.0 in a sort: one key for both
+    # Negative floats' bits grow with their magnitude: flipping the 31 low bits reverses them, below every positive
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # (b, h, n), ascending as the scores are
+    keys = order * 2**32 + ((2**32 - 2) - positions.long())  # earlier position, higher key; |keys| < 2^63
+    return keys >= keys.kthvalue(n - count + 1, dim=-1, keepdim=True).values
 
 
 def _ranked(scores: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
@@ -348,8 +368,11 @@ def rank_mask(scores: torch.Tensor, count: int | torch.Tensor, positions: torch.
     Ties are broken by slot order (earlier slot first), or by `positions` (b, h, n) when given (`tie_positions`), so
     selections are deterministic.
     """
-    if positions is None and isinstance(count, int) and 0 < count < scores.shape[-1]:
-        return _cut_mask(scores, count) & (scores > -math.inf)
+    if isinstance(count, int) and 0 < count < scores.shape[-1]:
+        if positions is None:
+            return _cut_mask(scores, count) & (scores > -math.inf)
+        if scores.dtype == torch.float32:
+            return _position_cut_mask(scores, count, positions) & (scores > -math.inf)
     order = _ranked(scores, positions)  # (b, h, n)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device)
                                             .expand_as(order))
