@@ -5,6 +5,8 @@ Tiny model (tiny-llama: 2 layers, 2 KV heads, head_dim 64, float32) and very sho
 
 from __future__ import annotations
 
+import math
+
 import json
 
 import pytest
@@ -233,7 +235,8 @@ def test_the_decoding_goal_over_rounds_is_a_one_sided_t_bound_of_the_paired_rati
     rows = [{**row(setup.HF_DECODE, [3.0, 3.0, 3.0]), "budget": 64}, row("tova", [3.30, 3.40, 3.20]),
             row("h2o", [3.00, 3.06, 3.03]), row("snapkv", [3.60, 3.66, 3.63])]
     goals.add_ratios(rows)
-    lines = [ln for ln in goals.goal_lines(goals.goals(rows)) if ln.split("  ")[1].startswith("decode")]
+    lines = [ln for ln in goals.goal_lines(goals.goals(rows))
+             if ln.split("  ")[1].startswith("decode") and not ln.startswith("HOLM")]
     assert lines == [
         "NOT RESOLVED  decode per token <= 1.10x HF's at cache size N: tova (2000: 1.10x, one-sided 95 % bounds 1.04x "
         "and 1.16x over 3 paired rounds)",
@@ -243,6 +246,65 @@ def test_the_decoding_goal_over_rounds_is_a_one_sided_t_bound_of_the_paired_rati
         "1.23x over 3 paired rounds)"]
     by = {g["policy"]: g["passed"] for g in goals.goals(rows) if g["goal"].startswith("decode")}
     assert by == {"tova": None, "h2o": True, "snapkv": False}
+
+
+def test_the_decoding_lines_over_rounds_are_corrected_as_one_family_by_holm() -> None:
+    # The rows of the test above, and h2o_original at 3.00, 3.06, 3.18 s: ratios 1.00, 1.02, 1.06, mean 1.02667, sd
+    # 0.030551, se 0.017638, upper bound 1.02667 + 2.920 x 0.017638 = 1.078x: PASS at 95 % on its own.
+    # One-sided p values by hand, with 2 degrees of freedom (CDF 1/2 + t / (2 sqrt(2 + t^2))):
+    def cdf2(t: float) -> float:
+        return 0.5 + t / (2 * math.sqrt(2 + t * t))
+
+    se = 0.01 / math.sqrt(3)  # h2o and snapkv: sd 0.01
+    p_h2o = cdf2((1.01 - 1.10) / se)  # under the line: 0.00204
+    p_snap = 1 - cdf2((1.21 - 1.10) / se)  # over it: 0.00137
+    sd_orig = math.sqrt(((-2 / 75) ** 2 + (-1 / 150) ** 2 + (1 / 30) ** 2) / 2)  # deviations from 1.02667
+    p_orig = cdf2((3.08 / 3 - 1.10) / (sd_orig / math.sqrt(3)))
+    assert round(p_h2o, 5) == 0.00204 and round(p_snap, 5) == 0.00137 and round(p_orig, 4) == 0.0266
+    # tova (mean exactly 1.10): 0.5 either way. Holm over 4, by hand: snapkv 4 x 0.00137 = 0.0055, h2o 3 x 0.00204 =
+    # 0.0061, h2o_original 2 x 0.0266 = 0.053 (over 5 %: its PASS does not survive), tova 0.5
+    def row(policy: str, rounds: list[float]) -> dict:
+        return {**_row(policy, 2000, 2.0, sorted(rounds)[1], 0.05, 0.05), "decode_s_rounds": rounds}
+
+    rows = [{**row(setup.HF_DECODE, [3.0, 3.0, 3.0]), "budget": 64}, row("tova", [3.30, 3.40, 3.20]),
+            row("h2o", [3.00, 3.06, 3.03]), row("snapkv", [3.60, 3.66, 3.63]), row("h2o_original", [3.00, 3.06, 3.18])]
+    goals.add_ratios(rows)
+    results = goals.goals(rows)
+    assert {g["policy"]: g["passed"] for g in results if g["goal"].startswith("decode")} == {
+        "tova": None, "h2o": True, "snapkv": False, "h2o_original": True}
+    adjusted = {"snapkv": 4 * p_snap, "h2o": 3 * p_h2o, "h2o_original": 2 * p_orig, "tova": 0.5}
+    assert goals.holm_line(results) == (
+        "HOLM  decode per token, the 4 lines over rounds as one family (family-wise 5 %, adjusted p): "
+        f"PASS h2o ({adjusted['h2o']:.2g}); FAIL snapkv ({adjusted['snapkv']:.2g}); "
+        f"not resolved tova (0.5), h2o_original ({adjusted['h2o_original']:.2g})")
+    assert f"{adjusted['h2o_original']:.2g}" == "0.053"
+    lines = goals.goal_lines(results)
+    decode = [i for i, ln in enumerate(lines) if ln.split("  ")[1].startswith("decode") and not ln.startswith("HOLM")]
+    assert lines[decode[-1] + 1] == goals.holm_line(results)  # right after the lines it corrects
+    # one round: no p value, no family line
+    assert goals.holm_line(goals.goals([{**r, "decode_s_rounds": r["decode_s_rounds"][:1]} for r in rows])) is None
+
+
+def test_regoal_rewrites_a_tables_goal_lines_from_its_rows(tmp_path) -> None:
+    from helpers import load_script
+
+    regoal = load_script("bench_regoal")
+    rows = [{**_row(setup.HF_DECODE, 2000, 2.0, 3.0, 0, 0), "budget": 64, "decode_s_rounds": [3.0, 3.0, 3.0]},
+            {**_row("h2o", 2000, 2.0, 3.03, 0.05, 0.05), "decode_s_rounds": [3.00, 3.06, 3.03]},
+            {**_row("snapkv", 2000, 2.0, 3.63, 0.05, 0.05), "decode_s_rounds": [3.60, 3.66, 3.63]}]
+    goals.add_ratios(rows)
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"rows": rows, "goals": []}))
+    md = tmp_path / "t.md"
+    md.write_text("header\n\nCommand: `x`\n\n| table |\n\n## Goals\n\n- an old line\n")
+    assert regoal.main([str(table)]) == 0
+    results = goals.goals(rows)
+    assert json.loads(table.read_text()) == {"rows": rows, "goals": results}
+    assert md.read_text() == ("header\n\nCommand: `x`\n\n| table |\n\n## Goals\n\n"
+                              + "".join(f"- {ln}\n" for ln in goals.goal_lines(results)))
+    assert md.read_text().count("HOLM") == 1
+    (tmp_path / "bad.json").write_text("{")
+    assert regoal.main([str(tmp_path / "bad.json")]) == 2
 
 
 def test_host_sync_goal_reads_the_worst_step_per_budget() -> None:

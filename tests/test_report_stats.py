@@ -10,7 +10,7 @@ import pytest
 
 from kvbench.metrics.stats import (MeanSE, PairedResult, Stratum, bootstrap_ci, holm, mcnemar_exact,
                                    mcnemar_min_discordant, mcnemar_n, mean_of, min_detectable_diff, required_n,
-                                   mean_se, one_sided_bounds, paired_compare, resolved, sign_flip_p)
+                                   mean_se, one_sided_bounds, one_sided_p, paired_compare, resolved, sign_flip_p)
 
 
 def _one(a: list[float], b: list[float]) -> list[Stratum]:
@@ -195,3 +195,15 @@ def test_one_sided_bounds_by_hand() -> None:
     # alpha 0.10: t(0.90, 2) = 1.88562: 2 -/+ 1.08866
     assert one_sided_bounds([1.0, 2.0, 3.0], alpha=0.10)[0] == pytest.approx(0.91134, abs=1e-4)
     assert one_sided_bounds([4.0]) is None and one_sided_bounds([]) is None
+
+
+def test_one_sided_p_by_hand() -> None:
+    # 1, 2, 3 against the line 4: t = (2 - 4) / (1 / sqrt(3)) = -3.4641. With 2 degrees of freedom the t distribution's
+    # CDF is 1/2 + t / (2 sqrt(2 + t^2)): 1/2 - 3.4641 / (2 sqrt(14)) = 1/2 - 0.46291 = 0.03709 under the line
+    under, over = one_sided_p([1.0, 2.0, 3.0], 4.0)
+    assert under == pytest.approx(0.5 - 3.4641016 / (2 * math.sqrt(14)), abs=1e-7) and round(under, 4) == 0.0371
+    assert over == pytest.approx(1 - under)
+    # the upper 95 % bound (3.686, above) is under 4: p under the line within 5 %, as it must be
+    assert under <= 0.05 and one_sided_bounds([1.0, 2.0, 3.0])[1] <= 4.0
+    assert one_sided_p([5.0, 5.0], 4.0) == (1.0, 0.0) and one_sided_p([3.0, 3.0], 4.0) == (0.0, 1.0)  # no spread
+    assert one_sided_p([1.0], 4.0) is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvbench.bench.setup import FLOOR, FULL, HF_DECODE, HF_FORWARD, slot_reuse
-from kvbench.metrics.stats import one_sided_bounds
+from kvbench.metrics.stats import ALPHA, holm, one_sided_bounds, one_sided_p
 
 # The lean-engine goals (issue 29). Eviction share of the whole run (prefill + decode), the same limit for every
 # policy. Decoding per token against HF's plain decoding at cache size N: policies that need no attention scores
@@ -86,8 +86,12 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         add(f"eviction <= {100 * EVICT_SHARE:.0f} % of the run", name,
             [(r["evict_share"] <= EVICT_SHARE, f"{r['prompt_tokens']}: {100 * r['evict_share']:.1f} %") for r in mine])
         limit = DECODE_VS_HF_SCORE_FREE if slot_reuse(name)[0] in SCORE_FREE_POLICIES else DECODE_VS_HF
+        decoded = [r for r in mine if r.get("decode_vs_hf") is not None]
         add(f"decode per token <= {limit:.2f}x HF's at cache size N", name,
-            [_decode_check(r, hf_dec.get(r["budget"]), limit) for r in mine if r.get("decode_vs_hf") is not None])
+            [_decode_check(r, hf_dec.get(r["budget"]), limit) for r in decoded])
+        tests = [_decode_p(r, hf_dec.get(r["budget"]), limit) for r in decoded]
+        if decoded and all(t is not None for t in tests):
+            out[-1]["p"] = _line_p(out[-1]["passed"], tests)  # type: ignore[arg-type]
         add(f"prefill <= {PREFILL_VS_HF:.1f}x HF's one forward at >= {PREFILL_GOAL_TOKENS} tokens", name,
             [(r["vs_hf_forward"] <= PREFILL_VS_HF, f"{r['prompt_tokens']}: {r['vs_hf_forward']:.2f}x") for r in mine
              if r.get("vs_hf_forward") is not None and r["prompt_tokens"] >= PREFILL_GOAL_TOKENS])
@@ -114,20 +118,60 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _decode_check(r: dict[str, Any], hf: dict[str, Any] | None, limit: float) -> tuple[bool | None, str]:
-    """A row's decoding goal. With rounds (--repeats >= 2, interleaved: round i of the row and of HF's decoding ran in
-    the same stretch of the machine), a test at 95 % on the paired per-round ratios: passed when the one-sided upper
-    t bound of their mean is within the limit, failed when the lower bound is over it, None (not resolved) otherwise.
-    With one round, the ratio of the row's medians against the limit."""
-    text = f"{r['prompt_tokens']}: {r['decode_vs_hf']:.2f}x"
+def _round_ratios(r: dict[str, Any], hf: dict[str, Any] | None) -> list[float] | None:
+    """A row's per-round decoding time per token over HF's in the same round (--repeats >= 2, interleaved: round i of
+    the row and of HF's decoding ran in the same stretch of the machine); None with one round."""
     mine = r.get("decode_s_rounds") or []
     theirs = [] if hf is None else hf.get("decode_s_rounds") or []
     if len(mine) < 2 or len(mine) != len(theirs) or not (r["decode_steps"] and hf["decode_steps"]):
-        return r["decode_vs_hf"] <= limit, text
+        return None
     # per token: each round's decoding seconds over the row's decoding steps
-    lower, upper = one_sided_bounds([(a / r["decode_steps"]) / (b / hf["decode_steps"]) for a, b in zip(mine, theirs)])
+    return [(a / r["decode_steps"]) / (b / hf["decode_steps"]) for a, b in zip(mine, theirs)]
+
+
+def _decode_check(r: dict[str, Any], hf: dict[str, Any] | None, limit: float) -> tuple[bool | None, str]:
+    """A row's decoding goal. With rounds, a test at 95 % on the paired per-round ratios (`_round_ratios`): passed when
+    the one-sided upper t bound of their mean is within the limit, failed when the lower bound is over it, None (not
+    resolved) otherwise. With one round, the ratio of the row's medians against the limit."""
+    text = f"{r['prompt_tokens']}: {r['decode_vs_hf']:.2f}x"
+    ratios = _round_ratios(r, hf)
+    if ratios is None:
+        return r["decode_vs_hf"] <= limit, text
+    lower, upper = one_sided_bounds(ratios)
     passed = True if upper <= limit else False if lower > limit else None
-    return passed, f"{text}, one-sided 95 % bounds {lower:.2f}x and {upper:.2f}x over {len(mine)} paired rounds"
+    return passed, f"{text}, one-sided 95 % bounds {lower:.2f}x and {upper:.2f}x over {len(ratios)} paired rounds"
+
+
+def _decode_p(r: dict[str, Any], hf: dict[str, Any] | None, limit: float) -> tuple[float, float] | None:
+    """The one-sided p values (under the limit, over it) of `_decode_check`'s test; None with one round."""
+    ratios = _round_ratios(r, hf)
+    return None if ratios is None else one_sided_p(ratios, limit)
+
+
+def _line_p(passed: bool | None, tests: list[tuple[float, float]]) -> float:
+    """One decoding line's p value for a family of lines, in the direction of its own verdict: a pass needs every row
+    under the limit (the largest p under it), a failure one row over it (the smallest p over it); a line not resolved
+    at 95 % takes the smaller of the two, which is over 5 % either way."""
+    under, over = max(t[0] for t in tests), min(t[1] for t in tests)
+    return under if passed is True else over if passed is False else min(under, over)
+
+
+def holm_line(results: Sequence[dict[str, Any]], alpha: float = ALPHA) -> str | None:
+    """The decoding lines tested over rounds, as one family: what each line's verdict is once Holm's correction
+    (`kvbench.metrics.stats.holm`) keeps the family-wise error at `alpha`; None with fewer than two such lines. A line
+    keeps its PASS or FAIL when its adjusted p value is within alpha, else it is not resolved after the correction."""
+    lines = [g for g in results if g["goal"].startswith("decode") and g.get("p") is not None]
+    if len(lines) < 2:
+        return None
+    adjusted = holm([g["p"] for g in lines])
+    groups: dict[str, list[str]] = {"PASS": [], "FAIL": [], "not resolved": []}
+    for g, p in zip(lines, adjusted):
+        kept = g["passed"] is not None and p <= alpha
+        groups["PASS" if kept and g["passed"] else "FAIL" if kept else "not resolved"].append(
+            f"{g['policy']} ({p:.2g})")
+    body = "; ".join(f"{k} {', '.join(v)}" for k, v in groups.items() if v)
+    return (f"HOLM  decode per token, the {len(lines)} lines over rounds as one family (family-wise "
+            f"{100 * alpha:.0f} %, adjusted p): {body}")
 
 
 def goal_lines(results: Sequence[dict[str, Any]]) -> list[str]:
@@ -135,7 +179,12 @@ def goal_lines(results: Sequence[dict[str, Any]]) -> list[str]:
     rank = {k: i for i, k in enumerate(("eviction", "decode", "prefill", "end", "peak", "host"))}
     ordered = sorted(results, key=lambda g: rank.get(g["goal"].split(" ")[0], len(rank)))  # stable: run order kept
     label = {True: "PASS", False: "FAIL", None: "NOT RESOLVED"}
-    return [f"{label[g['passed']]}  {g['goal']}: {g['policy']} ({g['detail']})" for g in ordered]
+    lines = [f"{label[g['passed']]}  {g['goal']}: {g['policy']} ({g['detail']})" for g in ordered]
+    family = holm_line(ordered)
+    if family is not None:  # right after the decoding lines it corrects
+        last = max(i for i, g in enumerate(ordered) if g["goal"].startswith("decode"))
+        lines.insert(last + 1, family)
+    return lines
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:

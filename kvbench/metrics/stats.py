@@ -7,6 +7,8 @@ Conventions (what lm-evaluation-harness and the usual paired analyses do):
   samples, the components weigh equally, se = sqrt(sum se_c^2) / k;
 - paired statistics work on per-sample differences, grouped in strata with weights that sum to 1 (one stratum of
   weight 1 for a plain mean): the difference is sum_s w_s * mean(d_s);
+- a mean against a line (the bench's goals over rounds): one-sided t bounds (`one_sided_bounds`) and the matching
+  one-sided p values (`one_sided_p`);
 - a family of tests is corrected by Holm's step-down method (`holm`); the power of a paired comparison
   (`required_n`, `min_detectable_diff`) is the usual normal approximation at alpha = 0.05 (two-sided), 80 % power.
 """
@@ -83,6 +85,20 @@ def one_sided_bounds(values: Sequence[float], alpha: float = ALPHA) -> tuple[flo
         return None
     half = float(stats.t.ppf(1 - alpha, m.n - 1)) * m.se
     return m.mean - half, m.mean + half  # type: ignore[operator]
+
+
+def one_sided_p(values: Sequence[float], line: float) -> tuple[float, float] | None:
+    """(p_under, p_over): one-sided t-test p values (n - 1 degrees of freedom) that the mean of `values` is under
+    `line` and that it is over it; p_under <= alpha exactly when `one_sided_bounds`' upper bound is within the line,
+    p_over <= alpha when its lower bound is over it. None for n < 2. With no spread (se 0) the mean decides: p 0 on its
+    side of the line, 1 on the other."""
+    m = mean_se(values)
+    if m.se is None:
+        return None
+    if m.se == 0:
+        return (0.0 if m.mean <= line else 1.0), (0.0 if m.mean > line else 1.0)  # type: ignore[operator]
+    t = (m.mean - line) / m.se  # type: ignore[operator]
+    return float(stats.t.cdf(t, m.n - 1)), float(stats.t.sf(t, m.n - 1))
 
 
 def mean_of(parts: Sequence[MeanSE]) -> MeanSE:
