@@ -406,6 +406,35 @@ def test_batch_goal_lines_judge_batch_8_against_the_workload_goal() -> None:
                      "niah: hf batch 8 vs 1: 2.00x samples per hour; tokens identical to batch 1: K=8 8/8"]
 
 
+def test_batch_goals_over_rounds_are_corrected_as_one_family_by_holm() -> None:
+    from kvbench.bench.batch import batch_goal_lines
+
+    def row(policy: str, k: int, rounds: list[float]) -> dict:
+        return {"workload": "niah", "policy": policy, "batch": k, "vs_batch1": sorted(rounds)[1], "samples": 8,
+                "same_as_batch1": 8, "round_vs_batch1": rounds}
+
+    # 3 rounds against 1.35x, t with 2 degrees of freedom (CDF 1/2 + t / (2 sqrt(2 + t^2))), worked by hand:
+    # keydiff 1.40, 1.42, 1.44: mean 1.42, sd 0.02, t = 0.07 / (0.02 / sqrt(3)) = 6.062, p over the goal 0.01310;
+    # snapkv 1.29, 1.31, 1.33: mean 1.31, sd 0.02, t = -3.464, p under it 0.03709 (MISS on its own: upper bound 1.344x);
+    # tova 1.30, 1.35, 1.40: mean 1.35, t = 0: p 0.5 (not resolved). Holm over 3: keydiff 3 x 0.01310 = 0.039 (kept),
+    # snapkv 2 x 0.03709 = 0.074 (not kept), tova 0.5
+    def sf2(t: float) -> float:
+        return 0.5 - t / (2 * math.sqrt(2 + t * t))
+
+    p_kd, p_sn = sf2(0.07 / (0.02 / math.sqrt(3))), sf2(0.04 / (0.02 / math.sqrt(3)))
+    assert round(p_kd, 4) == 0.0131 and round(p_sn, 4) == 0.0371
+    rows = [row("keydiff", 1, [1.0] * 3), row("keydiff", 8, [1.40, 1.42, 1.44]), row("snapkv", 1, [1.0] * 3),
+            row("snapkv", 8, [1.29, 1.31, 1.33]), row("tova", 1, [1.0] * 3), row("tova", 8, [1.30, 1.35, 1.40])]
+    lines = batch_goal_lines(rows)
+    assert [ln.split(") ")[1].split(" (goal")[0] for ln in lines[:3]] == ["PASS at 95 %", "MISS at 95 %",
+                                                                       "NOT RESOLVED at 95 %"]
+    assert lines[3] == ("HOLM  batch goals, the 3 lines over rounds as one family (family-wise 5 %, adjusted p): "
+                        f"PASS niah keydiff ({3 * p_kd:.2g}); not resolved niah snapkv ({2 * p_sn:.2g}), niah tova (0.5)")
+    assert f"{3 * p_kd:.2g}, {2 * p_sn:.2g}" == "0.039, 0.074"
+    # one goal over rounds: no family line
+    assert not any(ln.startswith("HOLM") for ln in batch_goal_lines(rows[:2]))
+
+
 def test_batch_rounds_interleave_and_rows_give_medians_of_paired_ratios(monkeypatch) -> None:
     """rounds=3: each round runs every (policy, K) once, round r starting r places along the list; a row's time is
     the median of its rounds, its speed-up the median of the same-round ratios (worked by hand below), and its

@@ -24,7 +24,8 @@ import torch
 from kvbench.bench.setup import HF, make_policy, prompt_ids, variant
 from kvbench.engine.cache import kv_bytes
 from kvbench.engine.generate import GenerationSettings, Job, Observer, generate_batch, sync
-from kvbench.metrics.stats import one_sided_bounds
+from kvbench.bench.goals import family_line
+from kvbench.metrics.stats import one_sided_bounds, one_sided_p
 
 WORKLOADS: dict[str, tuple[int, int]] = {"niah": (2048, 32), "longbench": (4096, 256)}  # prompt tokens, new tokens
 LENGTH_STEP = 13  # sample j's prompt is j x 13 tokens shorter: distinct tails, as a task's samples have
@@ -162,8 +163,10 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 
 def batch_goal_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Pass/fail lines: the largest K vs K = 1 per (workload, policy) against GOALS, and identical tokens."""
+    """Pass/fail lines: the largest K vs K = 1 per (workload, policy) against GOALS, and identical tokens; with two or
+    more goals judged over rounds, a HOLM line after them (the goals as one family, `family_line`)."""
     lines = []
+    family: list[tuple[str, bool | None, float]] = []
     for (workload, name), group in _groups(rows).items():
         top = max(group, key=lambda r: r["batch"])
         if top["batch"] == 1:
@@ -175,7 +178,18 @@ def batch_goal_lines(rows: list[dict[str, Any]]) -> list[str]:
         same = ", ".join(f"K={r['batch']} {r['same_as_batch1']}/{r['samples']}" for r in group if r["batch"] > 1)
         lines.append(f"{workload}: {name} batch {top['batch']} vs 1: {top['vs_batch1']:.2f}x samples per hour"
                      f"{spread}{verdict}; tokens identical to batch 1: {same}")
-    return lines
+        if goal is not None and len(each) > 1:
+            family.append((f"{workload} {name}", *_tested(each, goal)))
+    held = family_line(family, "batch goals", ("PASS", "MISS"))
+    return lines if held is None else [*lines, held]
+
+
+def _tested(ratios: Sequence[float], goal: float) -> tuple[bool | None, float]:
+    """`_verdict`'s test as (verdict: PASS True, MISS False, None; its one-sided p value in that direction, the
+    smaller of the two when not resolved)."""
+    lower, upper = one_sided_bounds(ratios)
+    under, over = one_sided_p(ratios, goal)
+    return (True, over) if lower >= goal else (False, under) if upper < goal else (None, min(under, over))
 
 
 def _verdict(ratios: Sequence[float], goal: float) -> str:

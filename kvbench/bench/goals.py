@@ -157,21 +157,29 @@ def _line_p(passed: bool | None, tests: list[tuple[float, float]]) -> float:
 
 
 def holm_line(results: Sequence[dict[str, Any]], alpha: float = ALPHA) -> str | None:
-    """The decoding lines tested over rounds, as one family: what each line's verdict is once Holm's correction
-    (`kvbench.metrics.stats.holm`) keeps the family-wise error at `alpha`; None with fewer than two such lines. A line
-    keeps its PASS or FAIL when its adjusted p value is within alpha, else it is not resolved after the correction."""
+    """The decoding lines tested over rounds (those with a p value), as one family (`family_line`)."""
     lines = [g for g in results if g["goal"].startswith("decode") and g.get("p") is not None]
+    return family_line([(g["policy"], g["passed"], g["p"]) for g in lines], "decode per token", ("PASS", "FAIL"),
+                       alpha)
+
+
+def family_line(lines: Sequence[tuple[str, bool | None, float]], what: str, labels: tuple[str, str],
+                alpha: float = ALPHA) -> str | None:
+    """Lines of one run, each a test at 1 - alpha on its own, as one family: what each line's verdict is once Holm's
+    correction (`kvbench.metrics.stats.holm`) keeps the family-wise error at `alpha`; None with fewer than two lines.
+    `lines`: (name, verdict: True / False / None for not resolved, its p value in the direction of its verdict);
+    `labels`: the words for True and False. A line keeps its verdict when its adjusted p value is within alpha, else
+    it is not resolved after the correction."""
     if len(lines) < 2:
         return None
-    adjusted = holm([g["p"] for g in lines])
-    groups: dict[str, list[str]] = {"PASS": [], "FAIL": [], "not resolved": []}
-    for g, p in zip(lines, adjusted):
-        kept = g["passed"] is not None and p <= alpha
-        groups["PASS" if kept and g["passed"] else "FAIL" if kept else "not resolved"].append(
-            f"{g['policy']} ({p:.2g})")
+    adjusted = holm([p for _, _, p in lines])
+    groups: dict[str, list[str]] = {labels[0]: [], labels[1]: [], "not resolved": []}
+    for (name, passed, _), p in zip(lines, adjusted):
+        kept = passed is not None and p <= alpha
+        groups[labels[0] if kept and passed else labels[1] if kept else "not resolved"].append(f"{name} ({p:.2g})")
     body = "; ".join(f"{k} {', '.join(v)}" for k, v in groups.items() if v)
-    return (f"HOLM  decode per token, the {len(lines)} lines over rounds as one family (family-wise "
-            f"{100 * alpha:.0f} %, adjusted p): {body}")
+    return (f"HOLM  {what}, the {len(lines)} lines over rounds as one family (family-wise {100 * alpha:.0f} %, "
+            f"adjusted p): {body}")
 
 
 def goal_lines(results: Sequence[dict[str, Any]]) -> list[str]:
