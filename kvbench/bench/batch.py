@@ -21,10 +21,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvbench.bench.goals import family_line
 from kvbench.bench.setup import HF, make_policy, prompt_ids, variant
 from kvbench.engine.cache import kv_bytes
 from kvbench.engine.generate import GenerationSettings, Job, Observer, generate_batch, sync
-from kvbench.bench.goals import family_line
 from kvbench.metrics.stats import one_sided_bounds, one_sided_p
 
 WORKLOADS: dict[str, tuple[int, int]] = {"niah": (2048, 32), "longbench": (4096, 256)}  # prompt tokens, new tokens
