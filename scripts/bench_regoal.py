@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvbench.bench.goals import goal_lines, goals
+from kvbench.bench.goals import goal_lines, goals, goals_markdown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     results = goals(rows)
     lines = goal_lines(results)
     a.json.write_text(json.dumps({**data, "goals": results}, indent=1) + "\n", encoding="utf-8")
-    md.write_text(head + "\n" + ("\n## Goals\n\n" + "\n".join(f"- {ln}" for ln in lines) + "\n" if lines else ""),
-                  encoding="utf-8")
+    md.write_text(head + "\n" + goals_markdown(lines), encoding="utf-8")
     return 0
 
 

@@ -485,7 +485,7 @@ def test_batch_goal_verdict_is_a_one_sided_t_bound_over_the_rounds(ratios: list[
                                                                     bounds: str) -> None:
     from kvbench.bench.batch import _verdict
 
-    assert _verdict(ratios, 1.35) == f"{verdict} (goal >= 1.35x; {bounds})"
+    assert _verdict(ratios, 1.35)[0] == f"{verdict} (goal >= 1.35x; {bounds})"
 
 
 def test_bad_workload_is_refused(tmp_path) -> None:

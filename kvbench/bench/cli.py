@@ -15,7 +15,7 @@ import torch
 
 from kvbench.bench.batch import (BATCH_POLICIES, WORKLOADS, batch_goal_lines, batch_markdown,
                                  run_batch_bench)
-from kvbench.bench.goals import goal_lines, goals, markdown_table
+from kvbench.bench.goals import goal_lines, goals, goals_markdown, markdown_table
 from kvbench.bench.measure import CLOCKS, configurations, run_bench
 from kvbench.bench.sweep import DESIGNS, designs_from, run_sweep_bench, sweep_goal_lines, sweep_markdown
 from kvbench.bench.setup import (BASELINES, CHRONO, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies,
@@ -253,8 +253,7 @@ def _write(a: argparse.Namespace, payload: dict, table: str, lines: list[str], d
     cpu = cpu_info()
     md.write_text(f"{desc} on {device} ({cpu['model']}, {cpu['isa']}, torch {torch.__version__}, "
                   f"{torch.get_num_threads()} threads); {a.clock} clock, {about}.\n\nCommand: `{a.command}`" +
-                  f"\n\n{table}\n" + ("\n## Goals\n\n" + "\n".join(f"- {ln}" for ln in lines) + "\n"
-                                      if lines else ""), encoding="utf-8")
+                  f"\n\n{table}\n" + goals_markdown(lines), encoding="utf-8")
     print(table)
     for ln in lines:
         print(ln)

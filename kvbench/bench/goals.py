@@ -86,12 +86,10 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         add(f"eviction <= {100 * EVICT_SHARE:.0f} % of the run", name,
             [(r["evict_share"] <= EVICT_SHARE, f"{r['prompt_tokens']}: {100 * r['evict_share']:.1f} %") for r in mine])
         limit = DECODE_VS_HF_SCORE_FREE if slot_reuse(name)[0] in SCORE_FREE_POLICIES else DECODE_VS_HF
-        decoded = [r for r in mine if r.get("decode_vs_hf") is not None]
-        add(f"decode per token <= {limit:.2f}x HF's at cache size N", name,
-            [_decode_check(r, hf_dec.get(r["budget"]), limit) for r in decoded])
-        tests = [_decode_p(r, hf_dec.get(r["budget"]), limit) for r in decoded]
-        if decoded and all(t is not None for t in tests):
-            out[-1]["p"] = _line_p(out[-1]["passed"], tests)  # type: ignore[arg-type]
+        decoded = [_decode_check(r, hf_dec.get(r["budget"]), limit) for r in mine if r.get("decode_vs_hf") is not None]
+        add(f"decode per token <= {limit:.2f}x HF's at cache size N", name, [(ok, d) for ok, d, _ in decoded])
+        if decoded and all(t is not None for _, _, t in decoded):
+            out[-1]["p"] = _line_p(out[-1]["passed"], [t for _, _, t in decoded])  # type: ignore[misc]
         add(f"prefill <= {PREFILL_VS_HF:.1f}x HF's one forward at >= {PREFILL_GOAL_TOKENS} tokens", name,
             [(r["vs_hf_forward"] <= PREFILL_VS_HF, f"{r['prompt_tokens']}: {r['vs_hf_forward']:.2f}x") for r in mine
              if r.get("vs_hf_forward") is not None and r["prompt_tokens"] >= PREFILL_GOAL_TOKENS])
@@ -129,23 +127,20 @@ def _round_ratios(r: dict[str, Any], hf: dict[str, Any] | None) -> list[float] |
     return [(a / r["decode_steps"]) / (b / hf["decode_steps"]) for a, b in zip(mine, theirs)]
 
 
-def _decode_check(r: dict[str, Any], hf: dict[str, Any] | None, limit: float) -> tuple[bool | None, str]:
+def _decode_check(r: dict[str, Any], hf: dict[str, Any] | None,
+                  limit: float) -> tuple[bool | None, str, tuple[float, float] | None]:
     """A row's decoding goal. With rounds, a test at 95 % on the paired per-round ratios (`_round_ratios`): passed when
     the one-sided upper t bound of their mean is within the limit, failed when the lower bound is over it, None (not
-    resolved) otherwise. With one round, the ratio of the row's medians against the limit."""
+    resolved) otherwise. With one round, the ratio of the row's medians against the limit.
+    Returns (passed, the words, the test's one-sided p values under the limit and over it; None with one round)."""
     text = f"{r['prompt_tokens']}: {r['decode_vs_hf']:.2f}x"
     ratios = _round_ratios(r, hf)
     if ratios is None:
-        return r["decode_vs_hf"] <= limit, text
+        return r["decode_vs_hf"] <= limit, text, None
     lower, upper = one_sided_bounds(ratios)
     passed = True if upper <= limit else False if lower > limit else None
-    return passed, f"{text}, one-sided 95 % bounds {lower:.2f}x and {upper:.2f}x over {len(ratios)} paired rounds"
-
-
-def _decode_p(r: dict[str, Any], hf: dict[str, Any] | None, limit: float) -> tuple[float, float] | None:
-    """The one-sided p values (under the limit, over it) of `_decode_check`'s test; None with one round."""
-    ratios = _round_ratios(r, hf)
-    return None if ratios is None else one_sided_p(ratios, limit)
+    return (passed, f"{text}, one-sided 95 % bounds {lower:.2f}x and {upper:.2f}x over {len(ratios)} paired rounds",
+            one_sided_p(ratios, limit))
 
 
 def _line_p(passed: bool | None, tests: list[tuple[float, float]]) -> float:
@@ -193,6 +188,11 @@ def goal_lines(results: Sequence[dict[str, Any]]) -> list[str]:
         last = max(i for i, g in enumerate(ordered) if g["goal"].startswith("decode"))
         lines.insert(last + 1, family)
     return lines
+
+
+def goals_markdown(lines: Sequence[str]) -> str:
+    """The markdown file's "## Goals" section that follows a bench table: one item per goal line; "" without lines."""
+    return "\n## Goals\n\n" + "\n".join(f"- {ln}" for ln in lines) + "\n" if lines else ""
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
