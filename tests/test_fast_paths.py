@@ -69,6 +69,15 @@ def test_ties_by_position_keep_the_earlier_token_whatever_its_slot() -> None:
     assert rank_mask(inf, 5, pos).int().tolist() == [[[0, 1, 1, 1, 1, 1]]]
 
 
+def test_drop_one_by_position_reads_a_hole_as_the_earliest_token() -> None:
+    # slot -> position 0:5, 1:-1 (a hole), 2:7. The hole alone lowest: it goes (the old mask of -1 dropped slot 0).
+    pos = torch.tensor([[[5, -1, 7]]])
+    assert top_slots(torch.tensor([[[1.0, 0.0, 2.0]]]), 2, pos).tolist() == [[[0, 2]]]
+    # tied lowest with position 5: the latest of the two goes (5), the hole stays, as the sort ranks them
+    assert top_slots(torch.tensor([[[0.0, 0.0, 2.0]]]), 2, pos).tolist() == [[[1, 2]]]
+    assert rank_mask(torch.tensor([[[0.0, 0.0, 2.0]]]), 2, pos).int().tolist() == [[[0, 1, 1]]]
+
+
 @pytest.mark.parametrize("n,count", [(9, 4), (64, 33), (130, 1), (130, 128)])
 def test_ties_by_position_are_the_stable_sorts_first_in_position_order(n: int, count: int) -> None:
     g = torch.Generator().manual_seed(n * count)

@@ -237,9 +237,10 @@ def top_slots(scores: torch.Tensor, count: int, positions: torch.Tensor | None =
     if n - count == 1:
         if positions is None:
             drop = (n - 1) - scores.flip(-1).argmin(dim=-1, keepdim=True)  # (b, h, 1)
-        else:  # the latest position among the lowest scores
+        else:  # the latest position among the lowest scores; a hole (position -1) ranks as the earliest token, so
+            # the others are masked below it: it goes only when it alone holds the lowest score
             lowest = scores == scores.amin(dim=-1, keepdim=True)  # (b, h, n)
-            drop = positions.masked_fill(~lowest, -1).argmax(dim=-1, keepdim=True)
+            drop = positions.masked_fill(~lowest, -2).argmax(dim=-1, keepdim=True)
         j = torch.arange(count, device=scores.device)  # (count,)
         return j + (j >= drop)  # (b, h, count): every slot but `drop`
     if 0 < count < n and (positions is None or scores.dtype == torch.float32):
