@@ -114,6 +114,20 @@ def test_model_from_config_file_with_layer_override(tmp_path, one_thread) -> Non
     assert kd["peak_kv_tokens"] == 12 and kd["kv_bytes_peak"] == 12 * 2 * 1 * 2 * 32 * 4
 
 
+def test_warm_ups_run_hf_at_its_own_shape_on_a_gpu_only() -> None:
+    # HF rows: hf-decode at N = 8 (its prompt is the first 8 tokens), hf-forward at each length; keydiff's first
+    # configuration is (N 8, B 4, 24 tokens), warmed on min(24, 8 + 2 * 4) = 16 tokens with 2 new tokens.
+    configs = measure.configurations(["keydiff"], [8], [24, 48], 4, baselines=["hf"])
+    C = measure.Config
+    short = (C("keydiff", 8, 4, 16), 2)
+    assert measure.warm_ups(configs, 5, "cuda") == [
+        (C("hf-decode", 8, None, 8), 5), (C("hf-forward", None, None, 24), 5), (C("hf-forward", None, None, 48), 5),
+        short]
+    # On a CPU one short call per policy: hf-decode on min(8, 8 + 128) = 8 tokens, hf-forward on min(24, 128).
+    assert measure.warm_ups(configs, 5, "cpu") == [
+        (C("hf-decode", 8, None, 8), 2), (C("hf-forward", None, None, 24), 2), short]
+
+
 def test_preset_names_a_builtin_architecture() -> None:
     assert setup._preset_builtin("tiny-llama3") == "tiny-llama3"
     assert setup._preset_builtin("llama3.2-3b") is None
@@ -518,3 +532,38 @@ def test_bench_names_say_how_a_row_decodes() -> None:
     # +alone (--batch): each sample of a batch evicts on its own
     assert setup.variant("keydiff+alone") == ("keydiff", {"evict_together": False})
     assert setup.variant("keydiff+chrono") == ("keydiff", {"slot_reuse": False}) and setup.variant("h2o") == ("h2o", {})
+
+
+def test_stack_pairs_pairs_rounds_and_corrects_over_policies(tmp_path, capsys) -> None:
+    from helpers import load_script
+
+    pairs = load_script("stack_pairs")
+
+    def row(policy: str, rounds: list[float], evict: float) -> dict:
+        return {"policy": policy, "decode_s_rounds": rounds, "evict_decode_s": evict, "decode_steps": 31,
+                "decode_ms_per_token": 1000 * rounds[0] / 31}
+
+    e = math.e
+    # tova: chrono takes twice the stacked time in every round (log ratios all ln 2: no spread, p 0).
+    # h2o: log ratios 0, 1, 2 over runs 1 and 2: mean 1, sd 1, t = 1 / (1 / sqrt 3) = sqrt 3 on 2 df, and the t
+    # distribution with 2 df has sf(t) = 1/2 - t / (2 sqrt(2 + t^2)) = 1/2 - sqrt 3 / (2 sqrt 5) = 0.1127.
+    run1 = [row("tova+chrono", [2.0, 4.0], 0.062), row("tova", [1.0, 2.0], 0.031),
+            row("h2o+chrono", [1.0, e], 0.31), row("h2o", [1.0, 1.0], 0.031)]
+    run2 = [row("tova+chrono", [6.0], 0.062), row("tova", [3.0], 0.031),
+            row("h2o+chrono", [e * e], 0.31), row("h2o", [1.0], 0.031)]
+    out = pairs.pairs([run1, run2])
+    assert [x["policy"] for x in out] == ["tova", "h2o"]
+    tova, h2o = out
+    assert tova["rounds"] == 3 and tova["ratio"] == pytest.approx(2.0) and tova["p"] == 0.0
+    assert tova["evict_ms"] == [[pytest.approx(2.0)] * 2, [pytest.approx(1.0)] * 2]
+    assert h2o["ratio"] == pytest.approx(e) and h2o["p"] == pytest.approx(0.5 - math.sqrt(3) / (2 * math.sqrt(5)))
+    assert (tova["holm"], h2o["holm"]) == (0.0, pytest.approx(0.1127, abs=1e-4))  # 0 x 2, then 0.1127 x 1
+    md = pairs.markdown(out, ["a.json", "b.json"])
+    assert "| tova | 2.00 / 2.00 | 1.00 / 1.00 |" in md and "| 3 | 2.00x | 0 | 0 | yes |" in md
+    assert md.rstrip().endswith("| 3 | 2.72x | 0.11 | 0.11 | not resolved |")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"rows": run1}))
+    b.write_text(json.dumps({"rows": run2[:2]}))  # h2o missing from run 2
+    assert pairs.main([str(a), str(b)]) == 2
+    assert "policy 'h2o' lacks" in capsys.readouterr().err
+    assert pairs.main([str(a), "--out", str(tmp_path / "t.md")]) == 0 and (tmp_path / "t.md").exists()
