@@ -19,6 +19,7 @@ DISTRIBUTION_OF = {"yaml": "pyyaml", "hydra": "hydra-core", "Levenshtein": "pyth
 USED_WITHOUT_IMPORT = {
     "accelerate": "transformers refuses to load a GGUF file without it (model=smollm2-135m)",
     "hydra-joblib-launcher": "Hydra finds it as hydra/launcher=joblib (conf/hydra/launcher/parallel.yaml)",
+    "pytest-xdist": "`make test` runs the suite on two workers (pytest -n, Makefile)",
 }
 # Imported but not a dependency of kvbench: the peer a comparison script measures kvbench against.
 SOURCES = ("kvbench", "hydra_plugins", "tests", "scripts")
@@ -95,3 +96,8 @@ def test_every_declared_dependency_is_used() -> None:
 def test_the_joblib_launcher_said_to_be_used_is_named_by_a_launcher_preset() -> None:
     presets = "".join(p.read_text() for p in (ROOT / "conf" / "hydra" / "launcher").glob("*.yaml"))
     assert "- joblib" in presets
+
+
+def test_xdist_said_to_be_used_runs_make_test() -> None:
+    recipe = (ROOT / "Makefile").read_text().split("\ntest: install\n", 1)[1].split("\n\n", 1)[0]
+    assert "-m pytest -n $(TEST_WORKERS)" in recipe
