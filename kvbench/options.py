@@ -29,6 +29,7 @@ RUN_DEFAULTS: dict[str, Any] = {
     "compare": [], "budget": None, "block": None, "protocol": "blockwise", "seed": 0, "scenario": "question_aware",
     "save_prompts": False, "overwrite": False, "device": "auto", "shard": None, "diagnostics": [], "graded": True,
     "progress": True, "batch_size": 1, "share": True, "slot_reuse": True, "evict_together": True,
+    "stack_prefill": False,
 }
 # Settings whose default changed after runs were recorded without them: a stored config.yaml that lacks one of these
 # keys ran under the value here, not under today's default (RUN_DEFAULTS). slot_reuse was false until it became the

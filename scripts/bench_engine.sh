@@ -14,6 +14,9 @@
 # engine_4k_stack tables were made before slot reuse was the default, by SLOTS=1 and STACK=1 modes that wrote the
 # rows NAME and NAME+slots; results/bench_smollm2/RUN.md gives their commits.) POLICIES="a b ...": only these
 # policies, each both ways (a shorter paired run).
+# PREFILL=1: each policy of POLICIES (default: keydiff snapkv) as it is and with its prompt evictions stacked over the
+# layers too (rows NAME+stackprefill, GenerationSettings.stack_prefill), one after the other in each round:
+# results/bench_smollm2/engine_4k_prefill_stack.{json,md}, ~4 CPU-min per policy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/bench_smollm2}
@@ -27,6 +30,12 @@ if [ "${CHRONO:-0}" = 1 ]; then
     done
     policies="${policies%,}"
     [ -n "${POLICIES:-}" ] || policies="$policies,adakv,sagekv"
+fi
+if [ "${PREFILL:-0}" = 1 ]; then
+    name=engine_4k_prefill_stack
+    policies=""
+    for p in ${POLICIES:-keydiff snapkv}; do policies="$policies$p,$p+stackprefill,"; done
+    policies="${policies%,}"
 fi
 OMP_NUM_THREADS=1 python -m kvbench.bench --model smollm2-135m --lengths 4096 --budgets 1024 --block 128 \
     --new-tokens 32 --policies "$policies" --repeats 3 --threads 1 --clock cpu --out "$out/$name.json" "${@:2}"

@@ -23,11 +23,14 @@
 #                of 1957-2048 random tokens, 32 new tokens, N = 1024, B = 128) for five stackable policies, each
 #                twice: a batch's decoding evictions in one call for all its samples (the default, SampleStacks) and
 #                each sample on its own (rows NAME+alone), next to HF's batched generate; ~2-3 min on an H100
+#   smollm2-4k-prefill-stack  smollm2-4k's setting for five stackable policies, each as it is and with its prompt
+#                evictions stacked over the layers too (rows NAME+stackprefill: GenerationSettings.stack_prefill, off
+#                by default; slower on the CPU, meant for a GPU), one after the other in each round
 # Each part writes OUT/<part>.json and OUT/<part>.md (the table, the command, the goal lines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
-    echo "usage: bash scripts/bench_gpu.sh OUT CONFIG_DIR [smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack|smollm2-niah-batch ...]" >&2
+    echo "usage: bash scripts/bench_gpu.sh OUT CONFIG_DIR [smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack|smollm2-niah-batch|smollm2-4k-prefill-stack ...]" >&2
     exit 2
 fi
 out=$1 config=$2
@@ -36,9 +39,9 @@ parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(smollm2-4k smollm2-16k llama3b-16k)
 for part in "${parts[@]}"; do  # every part checked before anything is written
     case $part in
-        smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack|smollm2-niah-batch) ;;
+        smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack|smollm2-niah-batch|smollm2-4k-prefill-stack) ;;
         *) echo "bench_gpu.sh: unknown part '$part' (smollm2-4k, smollm2-16k, llama3b-16k, smollm2-4k-stack," \
-                "smollm2-niah-batch)" >&2
+                "smollm2-niah-batch, smollm2-4k-prefill-stack)" >&2
            exit 2 ;;
     esac
 done
@@ -50,6 +53,8 @@ stack=""
 for p in streamingllm random knorm keydiff tova h2o h2o_original hashevict snapkv criticalkv; do stack="$stack$p+chrono,$p,"; done
 batch=""
 for p in streamingllm keydiff tova h2o hashevict; do batch="$batch$p,$p+alone,"; done
+prefill=""
+for p in keydiff tova h2o snapkv criticalkv; do prefill="$prefill$p,$p+stackprefill,"; done
 for part in "${parts[@]}"; do
     case $part in
         smollm2-4k) args=(--config "$config" --lengths 4k --budgets 1024 --policies all) ;;
@@ -57,6 +62,7 @@ for part in "${parts[@]}"; do
         llama3b-16k) args=(--arch tiny-llama3 --layers 28 --lengths 16k --budgets 4096 --policies $few) ;;
         smollm2-4k-stack) args=(--config "$config" --lengths 4k --budgets 1024 --policies "${stack%,}") ;;
         smollm2-niah-batch) args=(--config "$config" --batch 1,8 --workloads niah --budgets 1024 --policies "${batch%,}") ;;
+        smollm2-4k-prefill-stack) args=(--config "$config" --lengths 4k --budgets 1024 --policies "${prefill%,}") ;;
     esac
     python3 -m kvbench.bench "${args[@]}" "${common[@]}" --out "$out/$part.json" --quiet
 done

@@ -532,6 +532,31 @@ def test_bench_names_say_how_a_row_decodes() -> None:
     # +alone (--batch): each sample of a batch evicts on its own
     assert setup.variant("keydiff+alone") == ("keydiff", {"evict_together": False})
     assert setup.variant("keydiff+chrono") == ("keydiff", {"slot_reuse": False}) and setup.variant("h2o") == ("h2o", {})
+    # +stackprefill: the prompt's evictions stacked over the layers too
+    assert setup.variant("snapkv+stackprefill") == ("snapkv", {"stack_prefill": True})
+
+
+def test_stacked_prompt_eviction_rows_beside_each_policy(tmp_path, one_thread, monkeypatch) -> None:
+    """NAME+stackprefill measures the policy with its prompt evictions stacked (GenerationSettings.stack_prefill):
+    tiny-llama's 4 layers, 40 tokens in blocks of 8 over N = 16: the same kept tokens and first tokens as the plain
+    row."""
+    seen: set[tuple[str, bool]] = set()
+    real = measure.generate
+
+    def recording(model, policy, ids, settings, **kw):
+        seen.add((policy.name, settings.stack_prefill))
+        return real(model, policy, ids, settings, **kw)
+
+    monkeypatch.setattr(measure, "generate", recording)
+    out = tmp_path / "b.json"
+    assert bench.main(["--arch", "tiny-llama", "--layers", "4", "--lengths", "40", "--budgets", "16", "--block", "8",
+                       "--new-tokens", "4", "--repeats", "1", "--policies", "tova,tova+stackprefill",
+                       "--baselines", "none", "--threads", "1", "--out", str(out), "--quiet"]) == 0
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["tova", "tova+stackprefill"]
+    assert rows["tova"]["first_tokens"] == rows["tova+stackprefill"]["first_tokens"]
+    assert rows["tova"]["peak_kv_tokens"] == rows["tova+stackprefill"]["peak_kv_tokens"] == 16 + 8
+    assert seen == {("tova", False), ("tova", True)}  # each row's setting reached the engine
 
 
 def test_stack_pairs_pairs_rounds_and_corrects_over_policies(tmp_path, capsys) -> None:

@@ -4,11 +4,12 @@ run's config.yaml)."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from kvbench.options import RUN_DEFAULTS, stored_config
 from kvbench.run.score import read_run_config
-from kvbench.run.settings import RunSettings
+from kvbench.run.settings import ConfigError, RunSettings
 
 
 def test_the_reports_defaults_are_the_runs() -> None:
@@ -33,6 +34,22 @@ def test_slot_reuse_defaults_on_but_not_for_older_runs(tmp_path) -> None:
     assert read_run_config(tmp_path)["slot_reuse"] is False
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"task": task, "budget": 64, "slot_reuse": True}))
     assert read_run_config(tmp_path)["slot_reuse"] is True
+
+
+def test_stack_prefill_reaches_the_engine_and_is_not_in_the_key() -> None:
+    # off by default; stack_prefill=true stacks the prompt's evictions over the layers (GenerationSettings), the same
+    # selections (tests/test_stack.py), so a run made either way resumes the other
+    from kvbench.run.loop import generation_settings
+    from kvbench.tasks.base import Sample
+
+    sample = Sample(id="s0", input_ids=[1, 2, 3], answers=["x"], max_new_tokens=4)
+    off, on = RunSettings.from_config({}), RunSettings.from_config({"stack_prefill": True})
+    assert RUN_DEFAULTS["stack_prefill"] is False and off.stack_prefill is False and on.stack_prefill is True
+    assert generation_settings(off, sample, ()).stack_prefill is False
+    assert generation_settings(on, sample, ()).stack_prefill is True
+    assert on.recorded()["stack_prefill"] is True and on.key("keydiff") == off.key("keydiff")
+    with pytest.raises(ConfigError, match="stack_prefill"):
+        RunSettings.from_config({"stack_prefill": "yes please"})
 
 
 def test_evict_together_reaches_the_engine_and_is_not_in_the_key() -> None:

@@ -108,6 +108,26 @@ def test_a_fork_of_a_stacked_layer_writes_its_own_tensors() -> None:
     assert branch.keys[0, 0, :, 0].tolist() == [9.0, 1.0, 5.0] and branch.positions.tolist() == [[[0, 1, -1]]]
 
 
+def test_a_prompt_blocks_stack_gathers_and_hands_each_member_its_rows() -> None:
+    # Two layers after a prompt block (not decoding, no slot reuse), K-norm at budget 3 of 5 with the first token a
+    # sink: each drops its two highest norms after the sink. Layer 0 (norms 9, 1, 5, 2, 3) keeps positions 0, 1, 3;
+    # layer 1 (9, 4, 1, 2, 3) keeps 0, 2, 3.
+    first, second = _layer([9.0, 1.0, 5.0, 2.0, 3.0]), _layer([9.0, 4.0, 1.0, 2.0, 3.0])
+    for m in (first, second):
+        m.reuse_slots, m.decoding = False, False
+    stack = LayerStack([first, second])
+    stack.refresh()
+    assert KNorm(budget=3, n_sink=1, skip_layers=()).evict(stack)
+    assert first.positions.tolist() == [[[0, 1, 3]]] and second.positions.tolist() == [[[0, 2, 3]]]
+    assert first.keys[0, 0, :, 0].tolist() == [9.0, 1.0, 2.0] and second.values[0, 0, :, 0].tolist() == [0.0, 2.0, 3.0]
+    # the members hold views of the stack's new arrays, in order and contiguous (what attention reads next)
+    assert first.keys.data_ptr() == stack.keys.data_ptr() and first.keys.is_contiguous()
+    assert stack.current([first, second]) and first.hole is None and first.chronological
+    assert not first.in_stack  # nothing writes into a prompt's stack: a fork shares the arrays
+    first.update(*_token(1.0, 5))  # the next block appends: a new tensor, the stack left behind
+    assert not stack.current([first, second]) and first.positions.tolist() == [[[0, 1, 3, 5]]]
+
+
 def _count_stacks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The member count of every stack evicted from now on, in order (LayerStack.refresh, called once per stack before
     its eviction, still runs)."""
@@ -173,6 +193,32 @@ def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch
     assert on.answer_logprob == off.answer_logprob
     # every decoding step (19 of the answer, 4 of the graded branch) evicted one stack of consecutive evicted layers
     assert stacked == [{"knorm": 3, "knorm_skip_middle": 2}.get(name, 4)] * (19 + 4)
+
+
+@pytest.mark.parametrize("name", sorted(STACKABLE))
+def test_stacked_prompt_evictions_keep_what_layer_by_layer_keeps(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same float64 run with the prompt's evictions stacked too (stack_prefill, on a GPU by default) and with
+    every eviction layer by layer: the same tokens held before every forward, greedy tokens, logits and graded score;
+    and a stack evicted after each of the five blocks past the budget (90 tokens, B = 16, N = 24: blocks 2-6)."""
+    model, ids = float64_model(4), random_prompt(90, 1)
+    stacked = _count_stacks(monkeypatch)
+    runs = []
+    for stacking in (True, False):
+        if not stacking:
+            monkeypatch.setattr(generate_module, "eviction_units", lambda cache: cache.evicting_layers())
+            monkeypatch.setattr(generate_module, "open_stacks", lambda cache: None)
+        logits: list[torch.Tensor] = []
+        res = generate(model, STACKABLE[name](), ids,
+                       GenerationSettings(block=16, max_new_tokens=8, stack_prefill=stacking),
+                       answer_ids=[11, 12, 13], observer=Observer(trace=True, on_logits=lambda lg: logits.append(lg[0])))
+        runs.append((res, logits))
+    (on, l_on), (off, l_off) = runs
+    assert on.tokens == off.tokens and len(on.tokens) == 8
+    assert held_positions(on.trace) == held_positions(off.trace)
+    assert all(torch.equal(a, b) for a, b in zip(l_on, l_off, strict=True))
+    assert on.answer_logprob == off.answer_logprob
+    width = {"knorm": 3, "knorm_skip_middle": 2}.get(name, 4)
+    assert stacked == [width] * (5 + 7 + 2)  # 5 prompt blocks, then 7 decoding steps and 2 of the graded branch
 
 
 def test_only_stackable_policies_and_equal_budgets_stack(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,7 +28,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvbench.bench.goals import add_ratios
-from kvbench.bench.setup import FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, make_policy, prompt_ids, slot_reuse
+from kvbench.bench.setup import (FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, make_policy, prompt_ids, slot_reuse,
+                                  variant)
 from kvbench.bench.syncs import count_host_syncs
 from kvbench.engine.cache import kv_bytes
 from kvbench.engine.generate import GenerationSettings, Observer, generate, sync
@@ -157,7 +158,7 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
         policy.start_sample(seed)
         rss0 = mem.start()
         c0, w0 = time.process_time(), time.perf_counter()
-        settings = GenerationSettings(block=cfg.block, max_new_tokens=new_tokens, slot_reuse=slot_reuse(cfg.policy)[1])
+        settings = GenerationSettings(block=cfg.block, max_new_tokens=new_tokens, **variant(cfg.policy)[1])
         res = generate(model, policy, ids, settings, observer=Observer(clock=CLOCKS[clock]))
         m = {"prefill_s": res.prefill_s, "decode_s": res.decode_s, "decode_steps": res.decode_steps,
              "tokens": res.tokens, "evict_prefill_s": res.evict_prefill_s, "evict_decode_s": res.evict_decode_s,

@@ -161,9 +161,10 @@ def _model_from_config(config: str, layers: int | None, dtype: torch.dtype, seed
 # slots gathered after every eviction); a plain name decodes as the engine does by default, with slot reuse. `+slots`
 # names the default explicitly: the rows of tables measured before slot reuse became the default. `+alone` (--batch):
 # each sample of a batch evicts on its own (GenerationSettings.evict_together false), not in one call with the others.
-CHRONO, SLOTS, ALONE = "+chrono", "+slots", "+alone"
+# `+stackprefill`: the prompt's evictions stacked over the layers too (GenerationSettings.stack_prefill).
+CHRONO, SLOTS, ALONE, STACK_PREFILL = "+chrono", "+slots", "+alone", "+stackprefill"
 VARIANTS: dict[str, dict[str, bool]] = {CHRONO: {"slot_reuse": False}, SLOTS: {"slot_reuse": True},
-                                        ALONE: {"evict_together": False}}
+                                        ALONE: {"evict_together": False}, STACK_PREFILL: {"stack_prefill": True}}
 
 
 def variant(name: str) -> tuple[str, dict[str, bool]]:

@@ -255,8 +255,10 @@ class EvictingCache(Cache):
         self.masks: dict[Any, torch.Tensor] = {}  # causal masks rebuilt for layers HF's mask does not fit (attention)
         # Latest queries to stash per layer (Policy.query_window; generate raises it to 1 for diagnostics).
         self.query_window = policy.query_window if policy is not None else 0
-        # Decoding evictions of many layers in one call (kvbench/engine/stack.py): the stacks by their first layer
+        # Evictions of many layers in one call (kvbench/engine/stack.py): the stacks by their first layer; the
+        # prompt's too with `stack_prefill` (GenerationSettings.stack_prefill)
         self.stacks: dict[int, Any] = {}
+        self.stack_prefill = False
 
     def fork(self) -> EvictingCache:
         """A copy that evolves independently from here on, with its own copy of the policy (a stochastic policy's

@@ -45,7 +45,12 @@ class GenerationSettings:
     False keeps each head's slots in chronological order (a gather after every eviction). `evict_together`: in a
     batch (`generate_batch`), the decoding evictions of the samples whose policies select alike go in one call per
     run of layers (kvbench/engine/stack.py: `SampleStacks`), the same selections as each sample's own; False: each
-    sample evicts on its own (what kvbench-bench compares it with, rows NAME+alone).
+    sample evicts on its own (what kvbench-bench compares it with, rows NAME+alone). `stack_prefill`: the prompt's
+    evictions of a run of layers of one budget go in one call too (kvbench/engine/stack.py), the same selections as
+    layer by layer. Off by default: on the CPU it is slower (the stack copies every layer per block; SnapKV's prompt
+    evictions at 4k tokens took 3.3 s against 2.1-2.3 s layer by layer), and a GPU, where each layer's eviction is a
+    chain of small kernel launches and where it should pay, has not measured it yet (kvbench-bench rows
+    NAME+stackprefill, scripts/bench_gpu.sh part smollm2-4k-prefill-stack).
     """
 
     block: int | None = None
@@ -59,6 +64,7 @@ class GenerationSettings:
     score_from: int | None = None
     slot_reuse: bool = True
     evict_together: bool = True
+    stack_prefill: bool = False
 
 
 @dataclass
@@ -481,6 +487,7 @@ def _new_run(model: Any, job: Job) -> _Run:
     cache.defer_packing()  # one host read per step for every layer's new head sizes (see _read)
     if s.slot_reuse:
         cache.reuse_decoding_slots()
+    cache.stack_prefill = s.stack_prefill
     diag = Diagnostics(tuple(s.diagnostics)) if s.diagnostics else None
     if diag is not None and not cache.query_window:
         cache.query_window = diag.query_window

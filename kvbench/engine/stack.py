@@ -19,6 +19,15 @@ A stack is only used where its eviction is surely one token per head (each membe
 evicts layer by layer. The selections are the same as layer by layer: every operation of a stackable score works
 row by row (tests/test_stack.py compares the kept positions step by step, and the float64 reference holds).
 
+The prompt's evictions stack too with `cache.stack_prefill` (GenerationSettings.stack_prefill, the run setting
+`stack_prefill=true`; off by default): after a block every layer of one budget holds as many slots, so its run is
+copied into one stack and evicted as one layer; the stack's gather leaves each member its rows of the kept arrays as
+views (`LayerStack._gather`), and the next block's append replaces them. The selections are the same as layer by layer
+(tests/test_stack.py, float64). It is meant for a GPU, where each layer's eviction is a chain of small kernel launches
+(a decoding step's: 22 ms for SnapKV's 30 layers one by one, 1.5 ms stacked, results/bench_gpu), and not measured
+there yet; on the CPU the copy of every layer per block costs more than it saves (SnapKV's prompt evictions at 4k
+tokens: 3.3 s stacked against 2.1-2.3 s).
+
 In a batch, the samples whose policies select alike (`Policy.batch_key`) go further: their layers of one run are one
 stack across the samples (`SampleStacks`), a decoding step's evictions of the whole batch one call per run of layers.
 """
@@ -64,14 +73,16 @@ class LayerStack(EvictingLayer):
             # all its rows at its first eviction, and a member evicted on its own later builds its own again (a
             # member's kept while the stack evicts would go stale)
             m.extras = {}
-            m.in_stack = True  # its arrays are written in place from now on (see EvictingLayer.fork)
+            # a decoding stack's arrays are written in place from now on (see EvictingLayer.fork); a prompt's stack
+            # only gathers, into new arrays
+            m.in_stack = lead.decoding
             if spare:
                 m.hole = hole  # read only (SlotReuse._fill_hole): one tensor for every member
         self.keys, self.values = keys.flatten(0, 1), values.flatten(0, 1)  # (L*b, h_kv, n, d)
         self.positions = positions.flatten(0, 1)  # (L*b, h_kv, n)
         self.state = {k: s.flatten(0, 1) for k, s in state.items()}
         self.is_initialized, self.dtype, self.device = True, lead.dtype, lead.device
-        self.reuse_slots = self.decoding = True
+        self.reuse_slots, self.decoding = lead.reuse_slots, lead.decoding
         self._views = [self._pointers(m) for m in members]
         # Members of several samples (`SampleStacks`) have seen different numbers of tokens; they step together, so
         # each keeps its offset to the lead's count, and each row's own count (`row_seen`) is the lead's plus its
@@ -90,6 +101,7 @@ class LayerStack(EvictingLayer):
         """Whether `members` are this stack's members and still hold views of its arrays."""
         lead = self.members[0]
         return (len(members) == len(self.members) and all(a is b for a, b in zip(members, self.members))
+                and self.decoding == lead.decoding
                 and all(self._pointers(m) == p for m, p in zip(members, self._views))
                 and all(m.seen - lead.seen == o for m, o in zip(members, self._offsets)))
 
@@ -117,7 +129,20 @@ class LayerStack(EvictingLayer):
         return True
 
     def _gather(self, idx: torch.Tensor, valid: None = None) -> None:
-        raise RuntimeError("a layer stack drops one token per head only; evict its members one by one otherwise")
+        """A prompt block's eviction (`idx` (L*b, h_kv, k)): the kept slots gathered as one layer's are (new arrays),
+        each member then holding its rows of them as views. A decoding stack's members write into its arrays in place,
+        so a gather there would leave them behind: it drops one token per head only."""
+        if self.decoding:
+            raise RuntimeError("a decoding layer stack drops one token per head only; evict its members one by one "
+                               "otherwise")
+        super()._gather(idx)
+        b = self.members[0].keys.shape[0]
+        for i, m in enumerate(self.members):
+            rows = slice(i * b, (i + 1) * b)
+            m.keys, m.values, m.positions = self.keys[rows], self.values[rows], self.positions[rows]
+            m.state = {k: s[rows] for k, s in self.state.items()}
+            m.chronological = True
+        self._views = [self._pointers(m) for m in self.members]
 
     def _keep_padded(self, idx: torch.Tensor, valid: torch.Tensor | None, rows: torch.Tensor) -> None:
         raise RuntimeError("a layer stack drops one token per head only; evict its members one by one otherwise")
@@ -238,9 +263,10 @@ def _sample_runs(caches: list[EvictingCache], spare: bool) -> list[tuple[bool, l
 
 def _runs(cache: EvictingCache, spare: bool) -> list[tuple[bool, list[EvictingLayer]]]:
     """The cache's evicting layers in order: each maximal run of consecutive layers that may be evicted as one stack
-    as (True, its layers), and each other layer as (False, [layer]). Stackable: a stackable policy, slot reuse while
-    decoding, each layer uniform, at its budget + 1 (`spare`: at its budget, before the step that appends), no hole,
-    no policy extras but stackable ones (`LayerExtra.stackable`), and alike (`_alike`) with the same budget."""
+    as (True, its layers), and each other layer as (False, [layer]). Stackable: a stackable policy, each layer uniform,
+    no hole, no policy extras but stackable ones (`LayerExtra.stackable`), alike (`_alike`) with the same budget, and
+    either decoding with slot reuse at its budget + 1 (`spare`: at its budget, before the step that appends), or, with
+    `cache.stack_prefill`, a prompt block's layer over its budget in chronological order."""
     layers = cache.evicting_layers()
     policy = cache.policy
     if not (policy is not None and policy.stackable and not cache.frozen):
@@ -250,7 +276,8 @@ def _runs(cache: EvictingCache, spare: bool) -> list[tuple[bool, list[EvictingLa
     run_budget = None
     for layer in layers:
         budget = policy.layer_budget(layer.layer_idx, layer.seen)
-        ok = budget is not None and _stackable(layer, budget - 1 if spare else budget)
+        prefill = cache.stack_prefill and not spare  # (a spare slot only opens a decoding phase)
+        ok = budget is not None and _stackable(layer, budget - 1 if spare else budget, prefill)
         if ok and run and budget == run_budget and _alike(run[0], layer):
             run.append(layer)
             continue
@@ -276,11 +303,15 @@ def _stacked(arrays: list[torch.Tensor], spare: bool, fill: float) -> torch.Tens
     return out
 
 
-def _stackable(layer: EvictingLayer, budget: int) -> bool:
-    """A layer whose eviction now is one token per head by slot reuse, with no policy extras but stackable ones."""
-    return (layer.reuse_slots and layer.decoding and layer.uniform and layer.hole is None
-            and all(extra.stackable for extra in layer.extras.values())
-            and layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[-2] == budget + 1)
+def _stackable(layer: EvictingLayer, budget: int, prefill: bool = False) -> bool:
+    """A uniform layer with no hole and no policy extras but stackable ones, whose eviction now is either a decoding
+    step's one token per head by slot reuse, or (`prefill`) a prompt block's gather of its chronological slots."""
+    if not (layer.uniform and layer.hole is None and all(extra.stackable for extra in layer.extras.values())
+            and layer.keys is not None and layer.keys.dim() == 4):
+        return False
+    if layer.decoding:
+        return layer.reuse_slots and layer.keys.shape[-2] == budget + 1
+    return prefill and layer.chronological and layer.keys.shape[-2] > budget
 
 
 def _alike(lead: EvictingLayer, m: EvictingLayer) -> bool:

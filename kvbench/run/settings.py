@@ -76,6 +76,10 @@ class RunSettings:
     # (kvbench/engine/stack.py: SampleStacks), each keeping what it keeps alone; false: each sample on its own. The
     # same results either way (tests/test_stack.py), so the key leaves it out.
     evict_together: bool = _setting(True, changes_results=False)
+    # The prompt's evictions of a run of layers of one budget in one call too (kvbench/engine/stack.py): the same
+    # selections as layer by layer (tests/test_stack.py), so the key leaves it out; off by default (slower on the CPU,
+    # meant for a GPU, not measured there yet).
+    stack_prefill: bool = _setting(False, changes_results=False)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RunSettings:
@@ -121,7 +125,8 @@ class RunSettings:
                    progress=_flag("progress", cfg["progress"]), batch_size=batch_size,
                    share=_flag("share", cfg["share"]),
                    slot_reuse=_flag("slot_reuse", cfg["slot_reuse"]),
-                   evict_together=_flag("evict_together", cfg["evict_together"]))
+                   evict_together=_flag("evict_together", cfg["evict_together"]),
+                   stack_prefill=_flag("stack_prefill", cfg["stack_prefill"]))
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the run records them (config.yaml; the resume key; metrics): plain values in the
