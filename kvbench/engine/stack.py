@@ -26,7 +26,7 @@ views (`LayerStack._gather`), and the next block's append replaces them. The sel
 (tests/test_stack.py, float64). It is meant for a GPU, where each layer's eviction is a chain of small kernel launches
 (a decoding step's: 22 ms for SnapKV's 30 layers one by one, 1.5 ms stacked, results/bench_gpu), and not measured
 there yet; on the CPU the copy of every layer per block costs more than it saves (SnapKV's prompt evictions at 4k
-tokens: 3.3 s stacked against 2.1-2.3 s).
+tokens: 2.96 s stacked against 2.13 s, results/bench_smollm2/engine_4k_prefill_stack).
 
 In a batch, the samples whose policies select alike (`Policy.batch_key`) go further: their layers of one run are one
 stack across the samples (`SampleStacks`), a decoding step's evictions of the whole batch one call per run of layers.
