@@ -36,33 +36,21 @@ def test_slot_reuse_defaults_on_but_not_for_older_runs(tmp_path) -> None:
     assert read_run_config(tmp_path)["slot_reuse"] is True
 
 
-def test_stack_prefill_reaches_the_engine_and_is_not_in_the_key() -> None:
-    # off by default; stack_prefill=true stacks the prompt's evictions over the layers (GenerationSettings), the same
-    # selections (tests/test_stack.py), so a run made either way resumes the other
+@pytest.mark.parametrize("name, default", [("evict_together", True), ("stack_prefill", False)])
+def test_engine_settings_reach_the_engine_and_are_not_in_the_key(name: str, default: bool) -> None:
+    # evict_together (on by default; false: each sample's decoding evictions on their own) and stack_prefill (off by
+    # default; true: the prompt's evictions stacked over the layers) go to GenerationSettings, and a run made either
+    # way resumes the other (the same selections: tests/test_stack.py), as with slot_reuse
     from kvbench.run.loop import generation_settings
     from kvbench.tasks.base import Sample
 
     sample = Sample(id="s0", input_ids=[1, 2, 3], answers=["x"], max_new_tokens=4)
-    off, on = RunSettings.from_config({}), RunSettings.from_config({"stack_prefill": True})
-    assert RUN_DEFAULTS["stack_prefill"] is False and off.stack_prefill is False and on.stack_prefill is True
-    assert generation_settings(off, sample, ()).stack_prefill is False
-    assert generation_settings(on, sample, ()).stack_prefill is True
-    assert on.recorded()["stack_prefill"] is True and on.key("keydiff") == off.key("keydiff")
-    with pytest.raises(ConfigError, match="stack_prefill"):
-        RunSettings.from_config({"stack_prefill": "yes please"})
-
-
-def test_evict_together_reaches_the_engine_and_is_not_in_the_key() -> None:
-    # on by default; evict_together=false is each sample's decoding evictions on their own (GenerationSettings), and a
-    # run made either way resumes the other (the same results: tests/test_stack.py), as with slot_reuse
-    from kvbench.run.loop import generation_settings
-    from kvbench.tasks.base import Sample
-
-    sample = Sample(id="s0", input_ids=[1, 2, 3], answers=["x"], max_new_tokens=4)
-    on, off = RunSettings.from_config({}), RunSettings.from_config({"evict_together": False})
-    assert RUN_DEFAULTS["evict_together"] is True and on.evict_together is True and off.evict_together is False
-    assert generation_settings(on, sample, ()).evict_together is True
-    assert generation_settings(off, sample, ()).evict_together is False
-    assert off.recorded()["evict_together"] is False
-    assert off.key("keydiff") == on.key("keydiff")  # the resume key leaves it out
-    assert RunSettings.from_config({"budget": 64}).key("keydiff") != on.key("keydiff")  # where a setting changes it
+    plain, flipped = RunSettings.from_config({}), RunSettings.from_config({name: not default})
+    assert RUN_DEFAULTS[name] is default and getattr(plain, name) is default and getattr(flipped, name) is not default
+    assert getattr(generation_settings(plain, sample, ()), name) is default
+    assert getattr(generation_settings(flipped, sample, ()), name) is not default
+    assert flipped.recorded()[name] is not default
+    assert flipped.key("keydiff") == plain.key("keydiff")  # the resume key leaves it out
+    assert RunSettings.from_config({"budget": 64}).key("keydiff") != plain.key("keydiff")  # where a setting changes it
+    with pytest.raises(ConfigError, match=name):
+        RunSettings.from_config({name: "yes please"})

@@ -169,54 +169,47 @@ STACKABLE = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(STACKABLE))
-def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """float64, 4 layers (K-norm: 3 evicted, consecutive or not), 20 new tokens and a graded branch: the same tokens
-    held before every forward, the same greedy tokens and logits, whether the layers are evicted as stacks or one by
-    one; and a stack really evicted every decoding step."""
+def _stacked_and_layer_by_layer(name: str, monkeypatch: pytest.MonkeyPatch, settings: GenerationSettings,
+                                 answer_ids: list[int]) -> list[int]:
+    """float64, 4 layers, a 90-token prompt: `generate` with `settings` (its stacks), then with every eviction layer by
+    layer; the same tokens held before every forward, the same greedy tokens, logits and graded score. Returns the
+    member counts of the stacks the first run evicted."""
     model, ids = float64_model(4), random_prompt(90, 1)
     stacked = _count_stacks(monkeypatch)
     runs = []
     for stacking in (True, False):
         if not stacking:
+            counted = list(stacked)
             monkeypatch.setattr(generate_module, "eviction_units", lambda cache: cache.evicting_layers())
             monkeypatch.setattr(generate_module, "open_stacks", lambda cache: None)
         logits: list[torch.Tensor] = []
-        res = generate(model, STACKABLE[name](), ids, GenerationSettings(block=16, max_new_tokens=20, slot_reuse=True),
-                       answer_ids=[11, 12, 13, 14, 15],
+        res = generate(model, STACKABLE[name](), ids, settings, answer_ids=answer_ids,
                        observer=Observer(trace=True, on_logits=lambda lg: logits.append(lg[0])))
         runs.append((res, logits))
     (on, l_on), (off, l_off) = runs
-    assert on.tokens == off.tokens and len(on.tokens) == 20
+    assert on.tokens == off.tokens and len(on.tokens) == settings.max_new_tokens
     assert held_positions(on.trace) == held_positions(off.trace)
     assert all(torch.equal(a, b) for a, b in zip(l_on, l_off, strict=True))
     assert on.answer_logprob == off.answer_logprob
+    return counted
+
+
+@pytest.mark.parametrize("name", sorted(STACKABLE))
+def test_stacked_eviction_keeps_what_layer_by_layer_keeps(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K-norm: 3 layers evicted, consecutive or not; 20 new tokens and a graded branch: the same whether the layers
+    are evicted as stacks or one by one, and a stack really evicted every decoding step."""
+    stacked = _stacked_and_layer_by_layer(name, monkeypatch, GenerationSettings(block=16, max_new_tokens=20),
+                                          [11, 12, 13, 14, 15])
     # every decoding step (19 of the answer, 4 of the graded branch) evicted one stack of consecutive evicted layers
     assert stacked == [{"knorm": 3, "knorm_skip_middle": 2}.get(name, 4)] * (19 + 4)
 
 
 @pytest.mark.parametrize("name", sorted(STACKABLE))
 def test_stacked_prompt_evictions_keep_what_layer_by_layer_keeps(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same float64 run with the prompt's evictions stacked too (stack_prefill, on a GPU by default) and with
-    every eviction layer by layer: the same tokens held before every forward, greedy tokens, logits and graded score;
-    and a stack evicted after each of the five blocks past the budget (90 tokens, B = 16, N = 24: blocks 2-6)."""
-    model, ids = float64_model(4), random_prompt(90, 1)
-    stacked = _count_stacks(monkeypatch)
-    runs = []
-    for stacking in (True, False):
-        if not stacking:
-            monkeypatch.setattr(generate_module, "eviction_units", lambda cache: cache.evicting_layers())
-            monkeypatch.setattr(generate_module, "open_stacks", lambda cache: None)
-        logits: list[torch.Tensor] = []
-        res = generate(model, STACKABLE[name](), ids,
-                       GenerationSettings(block=16, max_new_tokens=8, stack_prefill=stacking),
-                       answer_ids=[11, 12, 13], observer=Observer(trace=True, on_logits=lambda lg: logits.append(lg[0])))
-        runs.append((res, logits))
-    (on, l_on), (off, l_off) = runs
-    assert on.tokens == off.tokens and len(on.tokens) == 8
-    assert held_positions(on.trace) == held_positions(off.trace)
-    assert all(torch.equal(a, b) for a, b in zip(l_on, l_off, strict=True))
-    assert on.answer_logprob == off.answer_logprob
+    """With the prompt's evictions stacked too (stack_prefill, off by default): the same as layer by layer, and a
+    stack evicted after each of the five blocks past the budget (90 tokens, B = 16, N = 24: blocks 2-6)."""
+    settings = GenerationSettings(block=16, max_new_tokens=8, stack_prefill=True)
+    stacked = _stacked_and_layer_by_layer(name, monkeypatch, settings, [11, 12, 13])
     width = {"knorm": 3, "knorm_skip_middle": 2}.get(name, 4)
     assert stacked == [width] * (5 + 7 + 2)  # 5 prompt blocks, then 7 decoding steps and 2 of the graded branch
 
