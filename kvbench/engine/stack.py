@@ -74,8 +74,8 @@ class LayerStack(EvictingLayer):
             # member's kept while the stack evicts would go stale)
             m.extras = {}
             # a decoding stack's arrays are written in place from now on (see EvictingLayer.fork); a prompt's stack
-            # only gathers, into new arrays
-            m.in_stack = lead.decoding
+            # only gathers, into new arrays (a spare slot only opens a decoding phase)
+            m.in_stack = spare or lead.decoding
             if spare:
                 m.hole = hole  # read only (SlotReuse._fill_hole): one tensor for every member
         self.keys, self.values = keys.flatten(0, 1), values.flatten(0, 1)  # (L*b, h_kv, n, d)
