@@ -43,6 +43,10 @@ def test_rows_schema_and_baselines(rows) -> None:
         assert r["peak_rss_mib"] > 0 and r["evict_s"] >= 0
         assert r["repeats"] == 2 and r["decode_steps"] == NEW - 1
         assert r["evict_s"] >= 0 and r["evict_prefill_s"] >= 0 and r["evict_decode_s"] >= 0
+        # the eviction medians are those of the rounds (2 rounds: the mean of the two)
+        for part in ("evict_prefill_s", "evict_decode_s"):
+            assert len(r[f"{part}_rounds"]) == 2
+            assert r[part] == pytest.approx(sum(r[f"{part}_rounds"]) / 2, abs=2e-6)
     full = [r for r in rows if r["policy"] == "full"]
     assert all(r["budget"] is None and r["block"] is None and r["evict_s"] == 0 for r in full)
     assert all(r["evict_prefill_s"] == 0 and r["evict_decode_s"] == 0 for r in full)
