@@ -18,7 +18,7 @@
 #                decoding chronologically (rows NAME+chrono: one eviction per layer per step) and as it is (slot
 #                reuse, the default: one eviction call for all layers per decoding step, kvbench/engine/stack.py),
 #                one after the other in each round; ~3 min on an H100 for the eight before SnapKV (69cadc6) and
-#                CriticalKV (60d6daf) joined them
+#                CriticalKV (60d6daf) joined them, ~4 min on an H200 for all ten (scripts/stack_pairs.py pairs them)
 #   smollm2-niah-batch  samples per hour at batch 1 and 8 (--batch, one round) on the NIAH-shaped workload (8 prompts
 #                of 1957-2048 random tokens, 32 new tokens, N = 1024, B = 128) for five stackable policies, each
 #                twice: a batch's decoding evictions in one call for all its samples (the default, SampleStacks) and
