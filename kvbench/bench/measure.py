@@ -291,11 +291,8 @@ def _row(c: Config, ms: list[dict[str, Any]], model: Any, model_desc: str, rss_m
         "peak_gpu_mib": round(max(gpu), 1) if gpu else None,
         "evict_share": round(evict / total, 4),
         "prefill_evict_share": round(statistics.median(m["evict_prefill_s"] / m["prefill_s"] for m in ms), 4),
-        "prefill_s_rounds": [round(m["prefill_s"], 6) for m in ms],
-        "decode_s_rounds": [round(m["decode_s"], 6) for m in ms],
-        # each round's eviction seconds, so two ways of evicting measured in one run compare round by round (paired)
-        "evict_prefill_s_rounds": [round(m["evict_prefill_s"], 6) for m in ms],
-        "evict_decode_s_rounds": [round(m["evict_decode_s"], 6) for m in ms],
+        # each round's times (the eviction's too, so two ways of evicting in one run compare round by round)
+        **{f"{k}_rounds": [round(m[k], 6) for m in ms] for k in keys},
         "cpu_per_wall": round(statistics.median(m["cpu_per_wall"] for m in ms), 3),
         "first_tokens": ms[0]["tokens"][:8],
         "repeats": len(ms), "decode_steps": steps, "device": str(model.device), "model": model_desc,

@@ -274,9 +274,9 @@ def _runs(cache: EvictingCache, spare: bool) -> list[tuple[bool, list[EvictingLa
     out: list[tuple[bool, list[EvictingLayer]]] = []
     run: list[EvictingLayer] = []
     run_budget = None
+    prefill = cache.stack_prefill and not spare  # (a spare slot only opens a decoding phase)
     for layer in layers:
         budget = policy.layer_budget(layer.layer_idx, layer.seen)
-        prefill = cache.stack_prefill and not spare  # (a spare slot only opens a decoding phase)
         ok = budget is not None and _stackable(layer, budget - 1 if spare else budget, prefill)
         if ok and run and budget == run_budget and _alike(run[0], layer):
             run.append(layer)
