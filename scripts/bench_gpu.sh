@@ -25,7 +25,8 @@
 #                each sample on its own (rows NAME+alone), next to HF's batched generate; ~2-3 min on an H100
 #   smollm2-4k-prefill-stack  smollm2-4k's setting for five stackable policies, each as it is and with its prompt
 #                evictions stacked over the layers too (rows NAME+stackprefill: GenerationSettings.stack_prefill, off
-#                by default; slower on the CPU, meant for a GPU), one after the other in each round
+#                by default; SnapKV's prompt slower with it on the CPU, meant for a GPU), one after the other in each
+#                round
 # Each part writes OUT/<part>.json and OUT/<part>.md (the table, the command, the goal lines).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -47,10 +47,11 @@ class GenerationSettings:
     run of layers (kvbench/engine/stack.py: `SampleStacks`), the same selections as each sample's own; False: each
     sample evicts on its own (what kvbench-bench compares it with, rows NAME+alone). `stack_prefill`: the prompt's
     evictions of a run of layers of one budget go in one call too (kvbench/engine/stack.py), the same selections as
-    layer by layer. Off by default: on the CPU it is slower (the stack copies every layer per block; at 4k tokens
-    SnapKV's prompt evictions took 2.96 s against 2.13 s layer by layer, KeyDiff's 1.47 against 0.93 s:
-    results/bench_smollm2/engine_4k_prefill_stack), and a GPU, where each layer's eviction is a chain of small kernel
-    launches and where it should pay, has not measured it yet (scripts/bench_gpu.sh part smollm2-4k-prefill-stack).
+    layer by layer. Off by default: on the CPU it made SnapKV's prompt slower (the stack copies every layer per
+    block; at 4k tokens SnapKV's prompt evictions took 2.96 s against 2.13 s layer by layer, its prompt 1.07-1.22x as
+    long in 3 paired rounds: results/bench_smollm2/engine_4k_prefill_stack), and a GPU, where each layer's eviction
+    is a chain of small kernel launches and where it should pay, has not measured it yet (scripts/bench_gpu.sh part
+    smollm2-4k-prefill-stack).
     """
 
     block: int | None = None

@@ -77,8 +77,8 @@ class RunSettings:
     # same results either way (tests/test_stack.py), so the key leaves it out.
     evict_together: bool = _setting(True, changes_results=False)
     # The prompt's evictions of a run of layers of one budget in one call too (kvbench/engine/stack.py): the same
-    # selections as layer by layer (tests/test_stack.py), so the key leaves it out; off by default (slower on the CPU,
-    # meant for a GPU, not measured there yet).
+    # selections as layer by layer (tests/test_stack.py), so the key leaves it out; off by default (SnapKV's prompt
+    # slower on the CPU, meant for a GPU, not measured there yet).
     stack_prefill: bool = _setting(False, changes_results=False)
 
     @classmethod
