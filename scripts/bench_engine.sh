@@ -7,13 +7,14 @@
 # quiet machine (nothing else on the other core).
 # Every policy decodes as the engine does by default: with slot reuse (no K/V copy per step; a stackable policy's
 # layers evicted in one call, kvbench/engine/stack.py).
-# CHRONO=1: the same, with every policy that can leave a hole measured twice, decoding chronologically (rows
-# NAME+chrono: each head's slots gathered after every eviction, how every run before slot reuse became the default
-# decoded) and as it is, one after the other in each round; AdaKV and SAGE-KV store heads flat and never reuse a slot,
-# so they run once: results/bench_smollm2/engine_4k_chrono.{json,md}, ~50 CPU-min. (The engine_4k_slots and
-# engine_4k_stack tables were made before slot reuse was the default, by SLOTS=1 and STACK=1 modes that wrote the
-# rows NAME and NAME+slots; results/bench_smollm2/RUN.md gives their commits.) POLICIES="a b ...": only these
-# policies, each both ways (a shorter paired run).
+# CHRONO=1: the same, with every policy measured twice, decoding chronologically (rows NAME+chrono: each head's slots
+# gathered after every eviction, how every run before slot reuse became the default decoded) and as it is, one after the
+# other in each round (AdaKV and SAGE-KV, stored flat per head, leave no hole: their NAME+chrono rows concatenate every
+# layer per decoding step, their NAME rows write the token into the free rows after each head,
+# kvbench/engine/ragged.py): results/bench_smollm2/engine_4k_chrono.{json,md}, ~50 CPU-min. (The engine_4k_slots and
+# engine_4k_stack tables were made before slot reuse was the default, by SLOTS=1 and STACK=1 modes that wrote the rows
+# NAME and NAME+slots; results/bench_smollm2/RUN.md gives their commits.) POLICIES="a b ...": only these policies, each
+# both ways (a shorter paired run).
 # PREFILL=1: each policy of POLICIES (default: keydiff snapkv) as it is and with its prompt evictions stacked over the
 # layers too (rows NAME+stackprefill, GenerationSettings.stack_prefill), one after the other in each round:
 # results/bench_smollm2/engine_4k_prefill_stack.{json,md}, ~4 CPU-min per policy.
@@ -25,11 +26,11 @@ policies=all
 if [ "${CHRONO:-0}" = 1 ]; then
     name=engine_4k_chrono
     policies=""
-    for p in ${POLICIES:-streamingllm random knorm keydiff tova h2o h2o_original snapkv pyramidkv criticalkv hashevict}; do
+    for p in ${POLICIES:-streamingllm random knorm keydiff tova h2o h2o_original snapkv pyramidkv criticalkv hashevict \
+            adakv sagekv}; do
         policies="$policies$p+chrono,$p,"
     done
     policies="${policies%,}"
-    [ -n "${POLICIES:-}" ] || policies="$policies,adakv,sagekv"
 fi
 if [ "${PREFILL:-0}" = 1 ]; then
     name=engine_4k_prefill_stack

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvbench.engine import attention
 from kvbench.engine.cache import EvictingLayer
 from kvbench.engine.generate import GenerationSettings, Job, Observer, generate, generate_batch
+from kvbench.engine.ragged import FlatHeads
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.adakv import AdaKV
 from kvbench.policies.base import rank_mask, top_slots
@@ -240,6 +241,72 @@ def test_a_decoding_step_copies_kv_of_the_new_token_only(name: str) -> None:
     assert len(per_step[True]) == 3
     assert all(copied == 0 and written == 2048 for copied, written in per_step[True]), per_step[True]
     assert all(copied >= 2 * 2 * 2 * 40 * 2 * 64 * 4 for copied, _ in per_step[False]), per_step[False]
+
+
+def test_a_ragged_decoding_step_writes_its_tokens_into_free_rows() -> None:
+    """AdaKV under prefill_once (one eviction after the prompt, then the cache grows): the eviction leaves the heads
+    with different counts (stored flat per head) and SLACK = 16 free rows after each; tiny-llama (2 layers, 2 KV
+    heads, head_dim 64, float32). Each decoding forward then copies no K/V and writes its token's K and V once:
+    2 layers x 2 (K, V) x 2 heads x 64 x 4 bytes = 2048 bytes; the 17th, with every head's free rows used, lays the
+    layers out anew (a copy of each: >= 2 layers x 2 x 40 tokens x 64 x 4 bytes). Without slot reuse (no free rows,
+    as before them) every forward concatenates each layer anew."""
+    model, _ = build_tiny_model("tiny-llama", output_scale=1.0)
+    attention.install(model)
+    per_forward = {}
+    for reuse in (False, True):
+        mode, steps = _KVWrites(head_dim=64, rows_at_least=40), []
+
+        def on_logits(_: torch.Tensor) -> None:  # the first call ends the prompt: count from there, per forward
+            steps.append((mode.copied, mode.written))
+            mode.on = True
+
+        with mode:
+            res = generate(model, AdaKV(budget=40, window=4, kernel=3), random_prompt(100, 0),
+                           GenerationSettings(max_new_tokens=20, protocol="prefill_once", slot_reuse=reuse),
+                           observer=Observer(trace=True, on_logits=on_logits))
+        sizes = [(p >= 0).sum(-1).flatten().tolist() for p in res.trace[-1]]  # tokens per head before the last forward
+        assert all(len(set(s)) > 1 for s in sizes), sizes  # ragged in both layers
+        per_forward[reuse] = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(steps, steps[1:])]
+    assert len(per_forward[True]) == 19
+    assert per_forward[True][16][0] >= 2 * 2 * 40 * 64 * 4, per_forward[True]
+    assert all(f == (0, 2048) for i, f in enumerate(per_forward[True]) if i != 16), per_forward[True]
+    assert all(copied >= 2 * 2 * 40 * 64 * 4 for copied, _ in per_forward[False]), per_forward[False]
+
+
+def test_the_flat_layout_leaves_free_rows_after_each_head() -> None:
+    """By hand: heads of 3 and 1 tokens, 2 free rows each: segments at rows 0 and 5 with room for 5 and 3; a selection
+    of rows 10, 11, 12 (head 0) and 20 (head 1) is stored at rows 0-2 and 5, the free rows holding placeholders
+    (row 0); a token written in place goes to rows 3 and 6; every reader takes the heads' tokens only."""
+    flat = FlatHeads.laid_out(torch.tensor([[3, 1]]), [3, 1], slack=2)
+    assert (flat.starts, flat.caps, flat.start_rows.tolist()) == ([0, 5], [5, 3], [0, 5])
+    assert flat.gapped_rows(torch.tensor([10, 11, 12, 20]), slack=2).tolist() == [10, 11, 12, 0, 0, 20, 0, 0]
+    assert flat.room(2) and not flat.room(3)
+    grown = flat.grown(1)
+    assert grown.block_index(1).tolist() == [[3], [6]] and grown.sizes == [4, 2]
+    store = torch.tensor([1.0, 2, 3, 4, -9, 5, 6, -9])  # -9: a free row
+    assert [v.tolist() for v in grown.views(store)] == [[1, 2, 3, 4], [5, 6]]
+    assert grown.pad(store, 0).tolist() == [[[1, 2, 3, 4], [5, 6, 0, 0]]]
+    assert not grown.shared().room(1)  # a fork's storage is never written into
+
+
+def test_a_forked_ragged_layer_and_its_fork_append_apart() -> None:
+    """Copy-on-write: a ragged layer with free rows, forked; each appends a different token, and each holds its own
+    after (the fork's first append lays it out anew rather than writing into the rows both share)."""
+    gen = torch.Generator().manual_seed(0)
+    layer = EvictingLayer(0)
+    layer.reuse_slots = True  # as the engine sets it (slot_reuse, the default); else no free rows
+    layer.update(torch.randn(1, 2, 6, 4, generator=gen), torch.randn(1, 2, 6, 4, generator=gen))
+    layer.keep(torch.tensor([[[0, 2, 5], [1, 4, 0]]]), torch.tensor([[[True, True, True], [True, True, False]]]))
+    assert layer.ragged and layer.flat.room(1)
+    fork = layer.fork()
+    k1, k2 = torch.full((1, 2, 1, 4), 1.0), torch.full((1, 2, 1, 4), 2.0)
+    layer.update(k1, k1)
+    fork.update(k2, k2)
+    for held, want in ((layer, 1.0), (fork, 2.0)):
+        heads = held.flat.views(held.keys)
+        assert [len(h) for h in heads] == [4, 3]
+        assert all(h[-1].eq(want).all() for h in heads)
+        assert all(torch.equal(a[:-1], b[:-1]) for a, b in zip(heads, fork.flat.views(fork.keys)))
 
 
 def test_the_setting_is_a_flag_recorded_with_every_run() -> None:

@@ -286,8 +286,7 @@ def per_head_attention(query: torch.Tensor, layer: EvictingLayer, scaling: float
     h_kv = layer.lengths.shape[1]
     g = h_q // h_kv
     out = layer.values.new_empty(b, q_len, h_q, layer.values.shape[-1])
-    sizes = layer.head_sizes
-    for i, (k, v) in enumerate(zip(layer.keys.split(sizes), layer.values.split(sizes))):
+    for i, (k, v) in enumerate(zip(layer.flat.views(layer.keys), layer.flat.views(layer.values))):
         bi, hi = divmod(i, h_kv)
         qi = query[bi:bi + 1, hi * g:(hi + 1) * g]
         out[bi, :, hi * g:(hi + 1) * g] = explicit_attention(qi, k[None, None], v[None, None], scaling, softcap)[0]

@@ -168,8 +168,8 @@ def ragged_attention(query: torch.Tensor, layer: EvictingLayer, scaling: float, 
     h_kv = layer.lengths.shape[1]
     g = h_q // h_kv
     out = layer.values.new_empty(b, q_len, h_q, layer.values.shape[-1])
-    sizes = layer.head_sizes  # on the host: splitting by `lengths` would read the device
-    for i, (k, v) in enumerate(zip(layer.keys.split(sizes), layer.values.split(sizes))):  # (n_i, d) each
+    flat = layer.flat  # head sizes and segment starts on the host: splitting by `lengths` would read the device
+    for i, (k, v) in enumerate(zip(flat.views(layer.keys), flat.views(layer.values))):  # (n_i, d) each
         bi, hi = divmod(i, h_kv)
         qi = query[bi:bi + 1, hi * g:(hi + 1) * g]  # (1, g, q, d)
         out[bi, :, hi * g:(hi + 1) * g] = explicit_attention(qi, k[None, None], v[None, None], scaling, softcap)[0]

@@ -103,7 +103,7 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         if self.keys is None or self.keys.numel() == 0:
             return 0
         if self.ragged:
-            return -(-self.keys.shape[0] // self.flat.lengths.numel())
+            return -(-sum(self.flat.sizes) // len(self.flat.sizes))
         return self.keys.shape[-2]
 
     def get_seq_length(self) -> int:
@@ -185,14 +185,17 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         self.chronological = True
 
     def fork(self) -> EvictingLayer:
-        """An independent copy of this layer's state. K/V, positions and the layouts (`flat`, `padded`) are
-        only ever replaced, never written in place, so the copy shares them; per-token policy state is written in
-        place (set_block_state, H2O's accumulator), so it is cloned, and each extra makes its own copy
-        (`LayerExtra.fork`), as the query stash does (its fields its own, its tensors shared)."""
+        """An independent copy of this layer's state. K/V and positions are shared where they are only ever
+        replaced: cloned where slots are written in place (a hole, a stack's views); a ragged layer's, whose free rows
+        are written in place, shared copy-on-write (both layers' next append lays them out anew). Per-token policy
+        state is written in place (set_block_state, H2O's accumulator), so it is cloned, and each extra makes its own
+        copy (`LayerExtra.fork`), as the query stash does (its fields its own, its tensors shared)."""
         new = copy.copy(self)
         if self.hole is not None or self.in_stack:  # this layer's tensors are written in place: the copy's own
             new.keys, new.values, new.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
             new.in_stack = False
+        if self.flat is not None:  # a ragged layer's free rows are written in place: copy-on-write, both layers
+            self.flat = new.flat = self.flat.shared()
         new.state = {k: v.clone() for k, v in self.state.items()}
         new.scratch = dict(self.scratch)
         new.extras = {k: extra.fork() for k, extra in self.extras.items()}
@@ -222,9 +225,14 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         return self.keys is not None and self.keys.numel() > 0 and self.keys.shape[-2] != self.seen
 
     def kv_bytes(self) -> int:
-        """Bytes of K and V held (exact: ragged layers hold no padding)."""
+        """Bytes of K and V of the tokens held (ragged layers: their heads' tokens, not the free rows after them, at
+        most SLACK per head, kvbench/engine/ragged.py)."""
         if self.keys is None:
             return 0
+        if self.ragged:
+            rows = sum(self.flat.sizes)
+            return rows * (self.keys.shape[-1] * self.keys.element_size()
+                           + self.values.shape[-1] * self.values.element_size())
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
@@ -415,8 +423,9 @@ class TrunkCache(Cache):
 
 def kv_bytes(cache: Cache) -> int:
     """Bytes of K and V held by any HF cache's layers now (sliding and evicting layers alike; no padding counted)."""
-    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.keys is not None
-               for t in (layer.keys, layer.values))
+    return sum(layer.kv_bytes() if isinstance(layer, EvictingLayer) else
+               sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+               for layer in cache.layers if layer.keys is not None)
 
 
 def batchable(cache: EvictingCache) -> bool:

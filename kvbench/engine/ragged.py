@@ -2,8 +2,9 @@
 CriticalKV on AdaKV, SAGE-KV) is stored and scored in, and the moves between them.
 
 - Flat per head (`FlatHeads`), as AdaKV's own code stores it: the (batch, KV head) segments lie one after another,
-  each in chronological order: keys/values (S, d), positions and state (S,), S the heads' total. What is held is
-  exactly the kept tokens (+ the block being appended): no padding.
+  each in chronological order: keys/values (S, d), positions and state (S,), S the heads' total. No padding: each
+  segment holds exactly its head's tokens, followed, with slot reuse (the default), by up to SLACK free rows that
+  the next decoding steps write their tokens into in place, so a step that evicts nothing copies no K/V.
 - The padded scoring view (`PaddedView`), (b, h_kv, L): each head's tokens first, then padding (`valid` False,
   position -1, zero K/V). Policies always score this view: the layer builds it from the flat storage at eviction
   time (`unpack`) and stores the view's kept slots again (`keep`, `pack`), flat or uniform, so it is never held
@@ -11,7 +12,8 @@ CriticalKV on AdaKV, SAGE-KV) is stored and scored in, and the moves between the
   selection pending (`PaddedView.rows`) until the engine reads every layer's sizes with the step's token, one host
   read (`EvictingCache.settle`).
 
-Both are replaced, never modified, so a forked layer (`EvictingLayer.fork`, a shallow copy) shares them safely.
+The layouts are replaced, never modified, so a forked layer (`EvictingLayer.fork`, a shallow copy) shares them;
+the free rows of the arrays both then hold are written by neither (copy-on-write: `FlatHeads.shared`).
 `RaggedStorage`, a base class of `EvictingLayer`, holds them and makes the moves on the layer's arrays.
 """
 
@@ -22,29 +24,72 @@ from typing import Any
 import torch
 
 
+SLACK = 16  # free rows after each head's segment when the flat storage is laid out (see FlatHeads)
+
+
 class FlatHeads:
     """Where each (batch, KV head)'s tokens lie in a layer's flat storage: `lengths` (b, h_kv) on the device and
     `sizes`, the same counts on the host in segment (row-major) order: every forward needs them (split sizes, the
-    longest head) and reading `lengths` would make the host wait for the device (a sync per read on a GPU)."""
+    longest head) and reading `lengths` would make the host wait for the device (a sync per read on a GPU).
 
-    def __init__(self, lengths: torch.Tensor, sizes: list[int]) -> None:
+    Head i's segment starts at row `starts[i]` (host; `start_rows` the same on the device) and has room for `caps[i]`
+    rows, its `sizes[i]` tokens first. A layout built by a copy anyway (a prompt block's append, an eviction's `pack`)
+    leaves `slack` free rows after each segment (`laid_out`; SLACK with slot reuse), so the next decoding steps write
+    their tokens into them in place (`room`, `grown`): a step that evicts nothing copies no K/V (without them: a
+    concatenation of the whole layer per step, ~9 % of AdaKV's profiled decoding on the CPU). Free rows hold leftovers
+    that nothing reads: every reader takes a head's `sizes[i]` rows from its start (`views`, `pad`, `block_index`).
+    `writable` False: the storage is shared with a fork (copy-on-write: the next append lays the layer out anew
+    instead of writing into it)."""
+
+    def __init__(self, lengths: torch.Tensor, sizes: list[int], starts: list[int] | None = None,
+                 caps: list[int] | None = None, start_rows: torch.Tensor | None = None,
+                 writable: bool = True) -> None:
         self.lengths, self.sizes = lengths, sizes
+        if starts is None:  # compact: the segments one after another, no free rows
+            starts = [0]
+            for n in sizes[:-1]:
+                starts.append(starts[-1] + n)
+            caps = list(sizes)
+            flat = lengths.flatten()
+            start_rows = flat.cumsum(0) - flat
+        self.starts, self.caps, self.start_rows, self.writable = starts, caps, start_rows, writable
+
+    @staticmethod
+    def laid_out(lengths: torch.Tensor, sizes: list[int], slack: int = SLACK) -> FlatHeads:
+        """The layout of a copy that writes the segments one after another, each followed by `slack` free rows."""
+        starts = [i * slack + sum(sizes[:i]) for i in range(len(sizes))]
+        flat = lengths.flatten()
+        start_rows = flat.cumsum(0) - flat + slack * torch.arange(len(sizes), device=flat.device)
+        return FlatHeads(lengths, sizes, starts, [n + slack for n in sizes], start_rows)
+
+    def shared(self) -> FlatHeads:
+        """The same layout, read-only (`fork`: both layers hold the same tensors)."""
+        return FlatHeads(self.lengths, self.sizes, self.starts, self.caps, self.start_rows, writable=False)
+
+    def room(self, q: int) -> bool:
+        """Whether every head can take `q` more tokens in place."""
+        return self.writable and all(n + q <= c for n, c in zip(self.sizes, self.caps))
 
     def grown(self, q: int) -> FlatHeads:
-        """The layout after `q` tokens are appended to every head (`append`)."""
-        return FlatHeads(self.lengths + q, [n + q for n in self.sizes])
+        """The layout after `q` tokens are written in place after every head's tokens (`room(q)`)."""
+        return FlatHeads(self.lengths + q, [n + q for n in self.sizes], self.starts, self.caps, self.start_rows)
 
-    def append(self, flat: torch.Tensor, new: torch.Tensor, q: int) -> torch.Tensor:
-        """Flat storage (S, ...) with `q` new rows appended to each segment: new (len(sizes) * q, ...) ->
-        (S + len(sizes) * q, ...)."""
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each head's rows (n_i, ...) of the flat storage, row-major: views, no copy."""
+        return [flat[s:s + n] for s, n in zip(self.starts, self.sizes)]
+
+    def append(self, flat: torch.Tensor, new: torch.Tensor, q: int, slack: int = SLACK) -> torch.Tensor:
+        """Flat storage with `q` new rows (len(sizes) * q, ...) after each head's tokens, laid out anew with `slack`
+        free rows after each segment (the `laid_out` layout of the grown sizes): one copy of the layer."""
         parts: list[torch.Tensor] = []
-        for o, n in zip(flat.split(self.sizes), new.split(q)):
-            parts += [o, n]
+        gap = flat.new_zeros(slack, *flat.shape[1:])
+        for o, n in zip(self.views(flat), new.split(q)):
+            parts += [o, n, gap]
         return torch.cat(parts)
 
     def block_index(self, q: int) -> torch.Tensor:
         """(b*h_kv, q) flat indices of each head's latest q tokens."""
-        ends = self.lengths.flatten().cumsum(0)  # (b*h_kv,)
+        ends = self.start_rows + self.lengths.flatten()  # (b*h_kv,)
         return (ends - q).unsqueeze(-1) + torch.arange(q, device=ends.device)
 
     def valid_slots(self) -> torch.Tensor:
@@ -52,26 +97,34 @@ class FlatHeads:
         return torch.arange(max(self.sizes), device=self.lengths.device) < self.lengths.unsqueeze(-1)
 
     def pad(self, flat: torch.Tensor, fill: float, segments: list[int] | None = None) -> torch.Tensor:
-        """Flat rows (S, ...) in segments of `segments` (default: the heads' sizes) -> (b, h_kv, L, ...), the padded
-        view's layout: each segment followed by `fill` up to L, the longest head. One concatenation of views (a
-        single copy of the data): ~3x cheaper on CPU than scattering the rows with index_copy_ (measured: 3072 rows
-        of 64 floats, 0.034 vs 0.113 ms)."""
+        """Flat rows (S, ...) -> (b, h_kv, L, ...), the padded view's layout: each head's rows followed by `fill` up
+        to L, the longest head. The rows are the layout's own (`segments` None: the layer's storage) or compact
+        segments of `segments` rows (an extra's own rows). One concatenation of views (a single copy of the data):
+        ~3x cheaper on CPU than scattering the rows with index_copy_ (measured: 3072 rows of 64 floats, 0.034 vs
+        0.113 ms)."""
         b, h = self.lengths.shape
         length = max(self.sizes)
+        parts_of = self.views(flat) if segments is None else flat.split(segments)
         segments = self.sizes if segments is None else segments
         pad = flat.new_full((length - min(segments), *flat.shape[1:]), fill)
         parts: list[torch.Tensor] = []
-        for seg, n in zip(flat.split(segments), segments):
+        for seg, n in zip(parts_of, segments):
             parts += [seg, pad[:length - n]]
         return torch.cat(parts).view(b, h, length, *flat.shape[1:])
 
     def padded_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """(b, h_kv, L) the flat positions (S,) per head, padded at the end with -1 (a copy)."""
-        valid = self.valid_slots()
-        rows = _slots(valid, positions.shape[0])
-        out = positions.new_full(valid.shape, -1)
-        out.view(-1).index_copy_(0, rows, positions)
-        return out
+        """(b, h_kv, L) the flat positions per head, padded at the end with -1 (a copy)."""
+        return self.pad(positions, -1)
+
+    def gapped_rows(self, rows: torch.Tensor, slack: int = SLACK) -> torch.Tensor:
+        """`rows` (S,) of a selection, each head's `sizes[i]` in turn -> (S + len(sizes) * slack,): the same rows in
+        the `laid_out` layout, each head's followed by `slack` placeholders (row 0: any row; never read)."""
+        total = rows.shape[0]
+        counts = self.lengths.flatten()
+        head = torch.repeat_interleave(torch.arange(counts.shape[0], device=rows.device), counts,
+                                       output_size=total)  # (S,): each row's head; output_size: no host read
+        out = rows.new_zeros(total + slack * counts.shape[0])
+        return out.index_copy_(0, torch.arange(total, device=rows.device) + slack * head, rows)
 
 
 class PaddedView:
@@ -119,6 +172,7 @@ class RaggedStorage:
     positions: torch.Tensor | None
     state: dict[str, torch.Tensor]
     extras: dict[str, Any]
+    reuse_slots: bool  # SlotReuse's: decoding writes in place (here: into free rows; else every append a copy)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -161,14 +215,31 @@ class RaggedStorage:
         return self.padded.valid if self.padded is not None else None
 
     def _append_flat(self, key_states: torch.Tensor, value_states: torch.Tensor, new_pos: torch.Tensor) -> None:
-        """A ragged layer's `update`: the block (b, h_kv, q, ...) at the end of every head's segment."""
+        """A ragged layer's `update`: the block (b, h_kv, q, ...) after every head's tokens: written in place into
+        the heads' free rows when each has room (a decoding step), else the layer laid out anew (FlatHeads)."""
         b, h, q, d = key_states.shape
         flat = self.flat
-        self.keys = flat.append(self.keys, key_states.reshape(b * h * q, d), q)  # (S + b*h*q, d)
-        self.values = flat.append(self.values, value_states.reshape(b * h * q, -1), q)
-        self.positions = flat.append(self.positions, new_pos.reshape(-1), q)
-        self.state = {k: flat.append(s, s.new_zeros(b * h * q), q) for k, s in self.state.items()}
-        self.flat = flat.grown(q)
+        new = {"keys": key_states.reshape(b * h * q, d), "values": value_states.reshape(b * h * q, -1),
+               "positions": new_pos.reshape(-1)}
+        if flat.room(q):
+            grown = flat.grown(q)
+            rows = grown.block_index(q).flatten()  # (b*h*q,) the free rows after each head's tokens
+            for name, block in new.items():
+                getattr(self, name).index_copy_(0, rows, block)
+            for s in self.state.values():  # policies fill the new tokens' state in the attention wrapper
+                s.index_fill_(0, rows, 0.0)
+            self.flat = grown
+            return
+        slack = self._slack()
+        for name, rows in new.items():
+            setattr(self, name, flat.append(getattr(self, name), rows, q, slack))  # (S + b*h*(q + slack), ...)
+        self.state = {k: flat.append(s, s.new_zeros(b * h * q), q, slack) for k, s in self.state.items()}
+        self.flat = FlatHeads.laid_out(flat.lengths + q, [n + q for n in flat.sizes], slack)
+
+    def _slack(self) -> int:
+        """Free rows a layout leaves after each head: SLACK where decoding writes in place (`reuse_slots`,
+        GenerationSettings.slot_reuse), else none (every append concatenates the layer anew, as before)."""
+        return SLACK if self.reuse_slots else 0
 
     def head_positions(self) -> torch.Tensor:
         """(b, h_kv, L) absolute positions per head; for a ragged layer padded at the end with -1 (a copy)."""
@@ -221,12 +292,16 @@ class RaggedStorage:
                 return  # pending: settled by the engine with the sizes it reads together with the token
         self.padded = None
         rows, counts, sizes = view.stored_rows(sizes)
+        uniform = min(sizes) == max(sizes)
+        for extra in self.extras.values():  # their own rows, stored alike (compact)
+            extra.on_pack(rows, (*counts.shape, sizes[0]) if uniform else None)
+        slack = self._slack()
+        flat = None if uniform else FlatHeads.laid_out(counts, list(sizes), slack)
+        if flat is not None and slack:  # the layer's own rows with free rows after each head's (FlatHeads)
+            rows = flat.gapped_rows(rows, slack)
         d = self.keys.shape[-1]
         self.keys = self.keys.reshape(-1, d).index_select(0, rows)
         self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows)
-        uniform = min(sizes) == max(sizes)
-        for extra in self.extras.values():  # their own rows, stored alike
-            extra.on_pack(rows, (*counts.shape, sizes[0]) if uniform else None)
         self.positions = self.positions.reshape(-1).index_select(0, rows)
         self.state = {k: s.reshape(-1).index_select(0, rows) for k, s in self.state.items()}
         if uniform:  # the fast uniform path again
@@ -235,8 +310,7 @@ class RaggedStorage:
             self.keys, self.values = self.keys.view(b, h, n, d), self.values.view(b, h, n, -1)
             self.positions = self.positions.view(b, h, n)
             self.state = {k: s.view(b, h, n) for k, s in self.state.items()}
-        else:
-            self.flat = FlatHeads(counts, list(sizes))
+        self.flat = flat
 
     def pending(self) -> bool:
         """True while a selection of `keep` waits for its head sizes (`defer_pack`; see pack)."""
