@@ -290,6 +290,19 @@ def test_hashevict_hamming_to_probe(queries, probe: str, budget: int, expected: 
     assert idx[0].tolist() == [expected]
 
 
+@pytest.mark.parametrize("tokens", [5, 3])
+def test_hashevict_scores_by_table_and_by_unpacked_codes(tokens: int) -> None:
+    """Queries (1, 1), (1, -1): p = (1, .5). Codes 00 (slots 0, 4): 1 + .5 = 1.5; 11 (slot 1): 0 + .5; 01 (slot 2,
+    bits (0, 1)): 1 + .5; 10 (slot 3): 0 + .5. Score = -distance. 5 tokens >= 2^2 codes: the per-code table looked up;
+    3 tokens: the codes unpacked per token. The same numbers."""
+    policy = HashEvict(budget=4, bits=2, n_sink=1, n_recent=1)
+    layer = make_layer([HASH_KEYS[0][:tokens]])
+    policy.projections[0, 2] = torch.eye(2)
+    layer.state.update(policy.on_append(layer, None, layer.keys, layer.keys, torch.tensor([[[[1.0, 1.0],
+                                                                                          [1.0, -1.0]]]])))
+    assert policy.score(layer)[0, 0].tolist() == [-1.5, -0.5, -1.5, -0.5, -1.5][:tokens]
+
+
 def test_hashevict_codes_and_projection_are_seeded() -> None:
     a, b = HashEvict(budget=40, seed=3), HashEvict(budget=40, seed=3)
     assert torch.equal(a.projection(1, 16, torch.device("cpu")), b.projection(1, 16, torch.device("cpu")))

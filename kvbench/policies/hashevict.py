@@ -40,6 +40,8 @@ class HashEvict(Policy):
         self.bits, self.probe = int(bits), probe
         self.state_names = tuple(f"hash{i}" for i in range(math.ceil(self.bits / CHUNK)))
         self.projections: dict[tuple[int, int], torch.Tensor] = {}  # (layer index, head_dim) -> R (bits, head_dim)
+        self._packings: dict[torch.device, torch.Tensor] = {}  # device -> (bits, chunks) code packing
+        self._codes: dict[torch.device, torch.Tensor] = {}  # device -> (2^bits, bits) every code's bits
         super().__init__(n_sink=n_sink, n_recent=n_recent, **kwargs)
 
     def projection(self, layer_idx: int, dim: int, device: torch.device) -> torch.Tensor:
@@ -69,9 +71,19 @@ class HashEvict(Policy):
             p = kbits.mean(dim=2)
         # Fraction of the block's probes with bit j set: the mean Hamming distance to a code is then linear in it.
         layer.scratch["probe"] = p
-        weights = 2.0 ** (torch.arange(self.bits, device=keys.device) % CHUNK)  # bit j -> 2^(j mod 16)
-        codes = kbits * weights
-        return {name: codes[..., c * CHUNK:(c + 1) * CHUNK].sum(dim=-1) for c, name in enumerate(self.state_names)}
+        codes = kbits @ self._packing(keys.device)  # (b, h_kv, q, chunks): sums of distinct powers of 2, exact
+        return {name: codes[..., c] for c, name in enumerate(self.state_names)}
+
+    def _packing(self, device: torch.device) -> torch.Tensor:
+        """(bits, chunks): bit j -> 2^(j mod 16) in column j // 16, so one product packs a code's chunks (kept per
+        device: building it was ~3 of the ~14 small ops each layer's append paid every decoding step)."""
+        w = self._packings.get(device)
+        if w is None:
+            j = torch.arange(self.bits, device=device)
+            w = torch.zeros(self.bits, len(self.state_names), device=device)
+            w[j, j // CHUNK] = 2.0 ** (j % CHUNK)
+            self._packings[device] = w
+        return w
 
     def key_bits(self, layer: CacheLayer) -> torch.Tensor:
         """(b, h_kv, n, bits) float 0/1 unpacked from the stored codes."""
@@ -83,8 +95,24 @@ class HashEvict(Policy):
         return torch.cat(parts, dim=-1)
 
     def score(self, layer: CacheLayer) -> torch.Tensor:
-        k = self.key_bits(layer)  # (b, h_kv, n, bits)
         p = layer.scratch["probe"].unsqueeze(-2)  # (b, h_kv, 1, bits)
+        n = layer.state[self.state_names[0]].shape[-1]
+        if len(self.state_names) == 1 and 2 ** self.bits <= n:
+            # Every token's distance is one of 2^bits values per head: computed once per code, as below, then looked
+            # up by the token's code (one code a token): the same numbers (the same products and sums), and a table
+            # of 2^bits rows instead of n unpacked codes (8 bits, 30 layers x 3 heads x 1025 tokens: 7.2 -> 1.7 ms)
+            codes = layer.state[self.state_names[0]].long()  # (b, h_kv, n)
+            table = (self._all_codes(p.device) * (1 - 2 * p) + p).sum(dim=-1)  # (b, h_kv, 2^bits)
+            return -table.gather(-1, codes)
+        k = self.key_bits(layer)  # (b, h_kv, n, bits)
         # Mean over probes of [probe bit != key bit] = p (key bit 0) or 1 - p (key bit 1).
         hamming = (k * (1 - 2 * p) + p).sum(dim=-1)  # (b, h_kv, n)
         return -hamming
+
+    def _all_codes(self, device: torch.device) -> torch.Tensor:
+        """(2^bits, bits) float 0/1: row c holds code c's bits (bit j = (c >> j) & 1, as `key_bits` unpacks)."""
+        c = self._codes.get(device)
+        if c is None:
+            codes, bits = torch.arange(2 ** self.bits, device=device), torch.arange(self.bits, device=device)
+            c = self._codes[device] = ((codes.unsqueeze(-1) >> bits) & 1).float()
+        return c
