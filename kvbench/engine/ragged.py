@@ -41,25 +41,21 @@ class FlatHeads:
     `writable` False: the storage is shared with a fork (copy-on-write: the next append lays the layer out anew
     instead of writing into it)."""
 
-    def __init__(self, lengths: torch.Tensor, sizes: list[int], starts: list[int] | None = None,
-                 caps: list[int] | None = None, start_rows: torch.Tensor | None = None,
-                 writable: bool = True) -> None:
+    def __init__(self, lengths: torch.Tensor, sizes: list[int], starts: list[int], caps: list[int],
+                 start_rows: torch.Tensor, writable: bool = True) -> None:
         self.lengths, self.sizes = lengths, sizes
-        if starts is None:  # compact: the segments one after another, no free rows
-            starts = [0]
-            for n in sizes[:-1]:
-                starts.append(starts[-1] + n)
-            caps = list(sizes)
-            flat = lengths.flatten()
-            start_rows = flat.cumsum(0) - flat
         self.starts, self.caps, self.start_rows, self.writable = starts, caps, start_rows, writable
 
     @staticmethod
     def laid_out(lengths: torch.Tensor, sizes: list[int], slack: int = SLACK) -> FlatHeads:
-        """The layout of a copy that writes the segments one after another, each followed by `slack` free rows."""
-        starts = [i * slack + sum(sizes[:i]) for i in range(len(sizes))]
-        flat = lengths.flatten()
-        start_rows = flat.cumsum(0) - flat + slack * torch.arange(len(sizes), device=flat.device)
+        """The layout of a copy that writes the segments one after another, each followed by `slack` free rows
+        (slack 0: compact)."""
+        starts, at = [], 0
+        for n in sizes:
+            starts.append(at)
+            at += n + slack
+        room = lengths.flatten() + slack  # (b*h_kv,) each segment's rows, free ones included
+        start_rows = room.cumsum(0) - room  # on the device too: block_index adds the lengths there
         return FlatHeads(lengths, sizes, starts, [n + slack for n in sizes], start_rows)
 
     def shared(self) -> FlatHeads:
@@ -118,13 +114,14 @@ class FlatHeads:
 
     def gapped_rows(self, rows: torch.Tensor, slack: int = SLACK) -> torch.Tensor:
         """`rows` (S,) of a selection, each head's `sizes[i]` in turn -> (S + len(sizes) * slack,): the same rows in
-        the `laid_out` layout, each head's followed by `slack` placeholders (row 0: any row; never read)."""
-        total = rows.shape[0]
-        counts = self.lengths.flatten()
-        head = torch.repeat_interleave(torch.arange(counts.shape[0], device=rows.device), counts,
-                                       output_size=total)  # (S,): each row's head; output_size: no host read
-        out = rows.new_zeros(total + slack * counts.shape[0])
-        return out.index_copy_(0, torch.arange(total, device=rows.device) + slack * head, rows)
+        the `laid_out` layout, each head's followed by `slack` placeholders (row 0: any row; never read). One
+        concatenation of views, split by the host's sizes (~2x cheaper on CPU than scattering by a device-side head
+        index: 3 heads, 3072 rows, ~40 vs 81 us)."""
+        gap = rows.new_zeros(slack)
+        parts: list[torch.Tensor] = []
+        for seg in rows.split(self.sizes):
+            parts += [seg, gap]
+        return torch.cat(parts)
 
 
 class PaddedView:
