@@ -49,18 +49,19 @@ def pairs(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def markdown(entries: list[dict[str, Any]], sources: list[str]) -> str:
+def markdown(entries: list[dict[str, Any]], sources: list[str], way: str = "stacked") -> str:
+    """The table; `way` names what the NAME rows do that the NAME+chrono rows do not (`--way`)."""
     runs = " / ".join(f"run {i + 1}" for i in range(len(sources)))
 
     def each(values: list[float]) -> str:
         return " / ".join(f"{v:.2f}" for v in values)
 
-    lines = [f"Chronological (`NAME{CHRONO}`) vs stacked (`NAME`) decoding, from {', '.join(sources)}; figures are "
+    lines = [f"Chronological (`NAME{CHRONO}`) vs {way} (`NAME`) decoding, from {', '.join(sources)}; figures are "
              f"{runs} (each a run's median of its rounds); the ratio is the geometric mean of the per-round "
-             f"chrono / stacked decoding seconds; p: one-sided t test on their logarithms (stacked faster), Holm over "
+             f"chrono / {way} decoding seconds; p: one-sided t test on their logarithms ({way} faster), Holm over "
              f"the {len(entries)} policies.", "",
-             "| policy | decoding eviction ms/step, chrono | stacked | decoding ms/token, chrono | stacked | rounds | "
-             "ratio | p | Holm p | stacked faster at 95 % (Holm) |",
+             f"| policy | decoding eviction ms/step, chrono | {way} | decoding ms/token, chrono | {way} | rounds | "
+             f"ratio | p | Holm p | {way} faster at 95 % (Holm) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         p, h = e["p"], e.get("holm")
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="+", type=Path, help="kvbench-bench JSONs with NAME+chrono and NAME rows")
     ap.add_argument("--out", type=Path, help="write the markdown here (default: print it)")
+    ap.add_argument("--way", default="stacked",
+                    help="what the NAME rows do, for the table's words (default: stacked; e.g. 'free rows' for the "
+                         "per-head policies, which never stack: their NAME+chrono rows store heads compact)")
     a = ap.parse_args(argv)
     try:
         runs = [json.loads(p.read_text(encoding="utf-8"))["rows"] for p in a.json]
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if not entries:
         print("stack_pairs: no policy has both a NAME+chrono and a NAME row", file=sys.stderr)
         return 2
-    text = markdown(entries, [p.as_posix() for p in a.json])
+    text = markdown(entries, [p.as_posix() for p in a.json], a.way)
     if a.out:
         a.out.write_text(text, encoding="utf-8")
     else:

@@ -596,3 +596,6 @@ def test_stack_pairs_pairs_rounds_and_corrects_over_policies(tmp_path, capsys) -
     assert pairs.main([str(a), str(b)]) == 2
     assert "policy 'h2o' lacks" in capsys.readouterr().err
     assert pairs.main([str(a), "--out", str(tmp_path / "t.md")]) == 0 and (tmp_path / "t.md").exists()
+    assert pairs.main([str(a), "--way", "free rows", "--out", str(tmp_path / "f.md")]) == 0
+    header = (tmp_path / "f.md").read_text().splitlines()[2]
+    assert header.startswith("| policy | decoding eviction ms/step, chrono | free rows |") and "stacked" not in header
