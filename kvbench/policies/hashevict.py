@@ -87,12 +87,8 @@ class HashEvict(Policy):
 
     def key_bits(self, layer: CacheLayer) -> torch.Tensor:
         """(b, h_kv, n, bits) float 0/1 unpacked from the stored codes."""
-        parts = []
-        for c, name in enumerate(self.state_names):
-            width = min(CHUNK, self.bits - c * CHUNK)
-            code = layer.state[name].long().unsqueeze(-1)  # (b, h_kv, n, 1)
-            parts.append(((code >> torch.arange(width, device=code.device)) & 1).float())
-        return torch.cat(parts, dim=-1)
+        return torch.cat([unpack(layer.state[name].long(), min(CHUNK, self.bits - c * CHUNK))
+                          for c, name in enumerate(self.state_names)], dim=-1)
 
     def score(self, layer: CacheLayer) -> torch.Tensor:
         p = layer.scratch["probe"].unsqueeze(-2)  # (b, h_kv, 1, bits)
@@ -110,9 +106,14 @@ class HashEvict(Policy):
         return -hamming
 
     def _all_codes(self, device: torch.device) -> torch.Tensor:
-        """(2^bits, bits) float 0/1: row c holds code c's bits (bit j = (c >> j) & 1, as `key_bits` unpacks)."""
+        """(2^bits, bits) float 0/1: row c holds code c's bits (`unpack`, as `key_bits` reads a token's)."""
         c = self._codes.get(device)
         if c is None:
-            codes, bits = torch.arange(2 ** self.bits, device=device), torch.arange(self.bits, device=device)
-            c = self._codes[device] = ((codes.unsqueeze(-1) >> bits) & 1).float()
+            c = self._codes[device] = unpack(torch.arange(2 ** self.bits, device=device), self.bits)
         return c
+
+
+def unpack(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """(...) integer codes -> (..., width) float 0/1, bit j = (code >> j) & 1: how a stored code reads as bits, for the
+    tokens' codes (`key_bits`) and for every code of the score's table (`_all_codes`) alike."""
+    return ((codes.unsqueeze(-1) >> torch.arange(width, device=codes.device)) & 1).float()
