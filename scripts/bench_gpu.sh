@@ -27,11 +27,15 @@
 #                evictions stacked over the layers too (rows NAME+stackprefill: GenerationSettings.stack_prefill, off
 #                by default; SnapKV's prompt slower with it on the CPU, meant for a GPU), one after the other in each
 #                round
+#   smollm2-4k-ragged  smollm2-4k's setting for the policies with per-head budgets (ragged layers: AdaKV, SAGE-KV),
+#                each with the free rows after each head's segment (the default with slot reuse, dd7555d) and in the
+#                compact layout (rows NAME+chrono: every decoding step copies each layer to append), one after the
+#                other in each round, next to HF's loop (scripts/stack_pairs.py --way "free rows" pairs them)
 # Each part writes OUT/<part>.json and OUT/<part>.md (the table, the command, the goal lines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
-    echo "usage: bash scripts/bench_gpu.sh OUT CONFIG_DIR [smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack|smollm2-niah-batch|smollm2-4k-prefill-stack ...]" >&2
+    echo "usage: bash scripts/bench_gpu.sh OUT CONFIG_DIR [smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack|smollm2-niah-batch|smollm2-4k-prefill-stack|smollm2-4k-ragged ...]" >&2
     exit 2
 fi
 out=$1 config=$2
@@ -41,8 +45,9 @@ parts=("$@")
 for part in "${parts[@]}"; do  # every part checked before anything is written
     case $part in
         smollm2-4k|smollm2-16k|llama3b-16k|smollm2-4k-stack|smollm2-niah-batch|smollm2-4k-prefill-stack) ;;
+        smollm2-4k-ragged) ;;
         *) echo "bench_gpu.sh: unknown part '$part' (smollm2-4k, smollm2-16k, llama3b-16k, smollm2-4k-stack," \
-                "smollm2-niah-batch, smollm2-4k-prefill-stack)" >&2
+                "smollm2-niah-batch, smollm2-4k-prefill-stack, smollm2-4k-ragged)" >&2
            exit 2 ;;
     esac
 done
@@ -64,6 +69,8 @@ for part in "${parts[@]}"; do
         smollm2-4k-stack) args=(--config "$config" --lengths 4k --budgets 1024 --policies "${stack%,}") ;;
         smollm2-niah-batch) args=(--config "$config" --batch 1,8 --workloads niah --budgets 1024 --policies "${batch%,}") ;;
         smollm2-4k-prefill-stack) args=(--config "$config" --lengths 4k --budgets 1024 --policies "${prefill%,}") ;;
+        smollm2-4k-ragged) args=(--config "$config" --lengths 4k --budgets 1024
+                                 --policies adakv+chrono,adakv,sagekv+chrono,sagekv --baselines hf) ;;
     esac
-    python3 -m kvbench.bench "${args[@]}" "${common[@]}" --out "$out/$part.json" --quiet
+    python3 -m kvbench.bench "${common[@]}" "${args[@]}" --out "$out/$part.json" --quiet
 done
