@@ -29,12 +29,13 @@ RUN_DEFAULTS: dict[str, Any] = {
     "compare": [], "budget": None, "block": None, "protocol": "blockwise", "seed": 0, "scenario": "question_aware",
     "save_prompts": False, "overwrite": False, "device": "auto", "shard": None, "diagnostics": [], "graded": True,
     "progress": True, "batch_size": 1, "share": True, "slot_reuse": True, "evict_together": True,
-    "stack_prefill": False,
+    "stack_prefill": "auto",
 }
 # Settings whose default changed after runs were recorded without them: a stored config.yaml that lacks one of these
 # keys ran under the value here, not under today's default (RUN_DEFAULTS). slot_reuse was false until it became the
-# default; the runs written before it existed decoded chronologically.
-STORED_DEFAULTS: dict[str, Any] = {"slot_reuse": False}
+# default; the runs written before it existed decoded chronologically. stack_prefill was false until "auto" became the
+# default; every run recorded before then (all CPU runs) evicted its prompt layer by layer.
+STORED_DEFAULTS: dict[str, Any] = {"slot_reuse": False, "stack_prefill": False}
 
 
 def stored_config(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -599,3 +599,26 @@ def test_stack_pairs_pairs_rounds_and_corrects_over_policies(tmp_path, capsys) -
     assert pairs.main([str(a), "--way", "free rows", "--out", str(tmp_path / "f.md")]) == 0
     header = (tmp_path / "f.md").read_text().splitlines()[2]
     assert header.startswith("| policy | decoding eviction ms/step, chrono | free rows |") and "stacked" not in header
+
+
+def test_stack_pairs_prefill_pairs_each_layer_against_stacked_prompt(tmp_path) -> None:
+    """--prefill: NAME (the prompt's evictions layer by layer) is the old way and NAME+stackprefill the new one, over
+    the prompt's seconds; per-round ratios 2 and 2 (old 2 s and 4 s, new 1 s and 2 s) give 2.00x with no spread."""
+    from helpers import load_script
+
+    pairs = load_script("stack_pairs")
+
+    def row(policy: str, rounds: list[float], evict: float) -> dict:
+        return {"policy": policy, "prefill_s_rounds": rounds, "prefill_s": rounds[0], "evict_prefill_s": evict}
+
+    runs = [[row("keydiff", [2.0, 4.0], 0.5), row("keydiff+stackprefill", [1.0, 2.0], 0.05)]]
+    (e,) = pairs.pairs(runs, prefill=True)
+    assert e["ratio"] == pytest.approx(2.0) and e["p"] == 0.0 and e["rounds"] == 2
+    assert e["evict_ms"] == [[500.0], [50.0]] and e["time_ms"] == [[2000.0], [1000.0]]
+    md = pairs.markdown([dict(e, holm=0.0)], ["a.json"], prefill=True)
+    assert "| policy | prompt eviction ms, per layer | stacked | prompt ms, per layer | stacked |" in md
+    assert "| keydiff | 500.00 | 50.00 | 2000.00 | 1000.00 | 2 | 2.00x | 0 | 0 | yes |" in md
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps({"rows": runs[0]}))
+    assert pairs.main([str(a)]) == 2  # no NAME+chrono row: nothing to pair without --prefill
+    assert pairs.main([str(a), "--prefill", "--out", str(tmp_path / "p.md")]) == 0

@@ -280,6 +280,23 @@ def test_runs_of_an_older_kvbench_are_named_not_read(tmp_path: Path) -> None:
         "brings it up to date" in (tmp_path / "table.md").read_text()
 
 
+def test_shards_stacked_or_not_merge(tmp_path: Path) -> None:
+    # stack_prefill never changes what a run computes (the same selections), and "auto" decides by the device: a shard
+    # run on a GPU (stack_prefill auto) and one written before the setting existed (read as false) are one run, n 8.
+    for k in (0, 1):
+        d = write_run(tmp_path / "job", f"shard{k}of2", "keydiff", KEYDIFF, ids=IDS[k::2],
+                      composition={"all": {"samples": IDS[k::2]}}, shard=f"{k}/2")
+        cfg = yaml.safe_load((d / "config.yaml").read_text())
+        if k == 0:
+            cfg["stack_prefill"] = "auto"
+        else:
+            cfg.pop("stack_prefill", None)
+        (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    report_main([str(tmp_path), "--no-plots", "-q"])
+    rows = _csv(tmp_path / "table.csv")
+    assert [(r["policy"], r["all_n"]) for r in rows] == [("keydiff", "8")]
+
+
 def test_shards_merge_from_the_composition(tmp_path: Path) -> None:
     # Two shards of the keydiff run: shard 0 holds s1, s3, s5, s7, shard 1 s2, s4, s6, s8. Each shard's
     # composition lists its own samples; merged they are the whole run's, and the scores are the records' means

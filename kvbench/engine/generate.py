@@ -47,11 +47,13 @@ class GenerationSettings:
     run of layers (kvbench/engine/stack.py: `SampleStacks`), the same selections as each sample's own; False: each
     sample evicts on its own (what kvbench-bench compares it with, rows NAME+alone). `stack_prefill`: the prompt's
     evictions of a run of layers of one budget go in one call too (kvbench/engine/stack.py), the same selections as
-    layer by layer. Off by default: on the CPU it made SnapKV's prompt slower (the stack copies every layer per
-    block; at 4k tokens SnapKV's prompt evictions took 2.96 s against 2.13 s layer by layer, its prompt 1.07-1.22x as
-    long in 3 paired rounds: results/bench_smollm2/engine_4k_prefill_stack), and a GPU, where each layer's eviction
-    is a chain of small kernel launches and where it should pay, has not measured it yet (scripts/bench_gpu.sh part
-    smollm2-4k-prefill-stack).
+    layer by layer; None: on for a CUDA device, off otherwise (`stacks_prefill`). On an H200 it cut the prompt's
+    evictions 4.7-13.7x in every round (32-48 ms against 167-559 ms at 4k tokens, results/bench_gpu/
+    prefill_pairs_h200.md), where each layer's eviction is a chain of small kernel launches; on the CPU it made
+    SnapKV's prompt slower (the stack copies every layer per block; SnapKV's prompt evictions 2.96 s against 2.13 s,
+    its prompt 1.07-1.22x as long in 3 paired rounds: results/bench_smollm2/engine_4k_prefill_stack). False by
+    default here, so `kvbench-bench`'s NAME rows evict the prompt layer by layer on every device and its
+    NAME+stackprefill rows stack; a run's `stack_prefill: auto` passes None.
     """
 
     block: int | None = None
@@ -65,7 +67,13 @@ class GenerationSettings:
     score_from: int | None = None
     slot_reuse: bool = True
     evict_together: bool = True
-    stack_prefill: bool = False
+    stack_prefill: bool | None = False
+
+
+def stacks_prefill(setting: bool | None, device: torch.device) -> bool:
+    """Whether the prompt's evictions stack (GenerationSettings.stack_prefill): the setting, or for None whether
+    `device` is a GPU, the only kind where stacking measured faster."""
+    return device.type == "cuda" if setting is None else setting
 
 
 @dataclass
@@ -488,7 +496,7 @@ def _new_run(model: Any, job: Job) -> _Run:
     cache.defer_packing()  # one host read per step for every layer's new head sizes (see _read)
     if s.slot_reuse:
         cache.reuse_decoding_slots()
-    cache.stack_prefill = s.stack_prefill
+    cache.stack_prefill = stacks_prefill(s.stack_prefill, ids.device)
     diag = Diagnostics(tuple(s.diagnostics)) if s.diagnostics else None
     if diag is not None and not cache.query_window:
         cache.query_window = diag.query_window

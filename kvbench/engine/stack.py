@@ -19,14 +19,14 @@ A stack is only used where its eviction is surely one token per head (each membe
 evicts layer by layer. The selections are the same as layer by layer: every operation of a stackable score works
 row by row (tests/test_stack.py compares the kept positions step by step, and the float64 reference holds).
 
-The prompt's evictions stack too with `cache.stack_prefill` (GenerationSettings.stack_prefill, the run setting
-`stack_prefill=true`; off by default): after a block every layer of one budget holds as many slots, so its run is
-copied into one stack and evicted as one layer; the stack's gather leaves each member its rows of the kept arrays as
-views (`LayerStack._gather`), and the next block's append replaces them. The selections are the same as layer by layer
-(tests/test_stack.py, float64). It is meant for a GPU, where each layer's eviction is a chain of small kernel launches
-(a decoding step's: 22 ms for SnapKV's 30 layers one by one, 1.5 ms stacked, results/bench_gpu), and not measured
-there yet; on the CPU the copy of every layer per block costs more than it saves (SnapKV's prompt evictions at 4k
-tokens: 2.96 s stacked against 2.13 s, results/bench_smollm2/engine_4k_prefill_stack).
+The prompt's evictions stack too with `cache.stack_prefill` (GenerationSettings.stack_prefill; the run setting
+`stack_prefill`: `auto`, the default, stacks on a CUDA device only): after a block every layer of one budget holds as
+many slots, so its run is copied into one stack and evicted as one layer; the stack's gather leaves each member its rows
+of the kept arrays as views (`LayerStack._gather`), and the next block's append replaces them. The selections are the
+same as layer by layer (tests/test_stack.py, float64). It pays on a GPU, where each layer's eviction is a chain of small
+kernel launches: on an H200 the prompt's evictions at 4k tokens took 32-48 ms stacked against 167-559 ms
+(results/bench_gpu/prefill_pairs_h200.md); on the CPU the copy of every layer per block costs more than it saves
+(SnapKV's prompt evictions at 4k tokens: 2.96 s stacked against 2.13 s, results/bench_smollm2/engine_4k_prefill_stack).
 
 In a batch, the samples whose policies select alike (`Policy.batch_key`) go further: their layers of one run are one
 stack across the samples (`SampleStacks`), a decoding step's evictions of the whole batch one call per run of layers.

@@ -24,7 +24,8 @@ from kvbench.run.labels import NA
 from kvbench.run.records import read_records, summarize
 
 # Settings that never change results; runs differing only in these (and in `shard`) are the same entry.
-IGNORED_SETTINGS = ("shard", "progress", "overwrite", "device", "save_prompts", "compare")
+# stack_prefill: the same selections stacked or layer by layer, and "auto" decides by the device a run ran on.
+IGNORED_SETTINGS = ("shard", "progress", "overwrite", "device", "save_prompts", "compare", "stack_prefill")
 
 
 IDENTITY = ("model", "policy", "budget")

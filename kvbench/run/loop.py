@@ -294,7 +294,7 @@ def generation_settings(settings: RunSettings, sample: Sample, stop_ids: Any,
                               diagnostics=settings.diagnostics, context_tokens=sample.context_tokens,
                               stop_ids=tuple(stop_ids), min_new_tokens=sample.min_new_tokens,
                               slot_reuse=settings.slot_reuse, evict_together=settings.evict_together,
-                              stack_prefill=settings.stack_prefill,
+                              stack_prefill=None if settings.stack_prefill == "auto" else settings.stack_prefill,
                               max_new_tokens=sample.max_new_tokens if max_new_tokens is None else max_new_tokens)
 
 
