@@ -18,7 +18,7 @@ from kvbench.policies.base import latest_mask, query_attention, rank_mask, top_s
 from kvbench.policies.criticalkv import stage2_scores
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
-from kvbench.policies.random import age_ranks
+from kvbench.policies.base import position_order, position_ranks
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
 
@@ -280,11 +280,20 @@ def test_rebuilt_masks_are_shared_between_layers_of_one_length() -> None:
     assert attention._fit_mask(hf, 8, 40, "sdpa", torch.float32, torch.device("cpu"), memo) is hf
 
 
-@pytest.mark.parametrize("seen", [10, 100])  # counted (10 <= 8 x 4), sorted (100 > 32)
-def test_random_draws_follow_each_token_by_its_age(seen: int) -> None:
+@pytest.mark.parametrize("seen", [10, 100, None])  # counted (10 <= 8 x 4), sorted (100 > 32; None: rows' own counts)
+def test_random_draws_follow_each_token_by_its_age(seen: int | None) -> None:
     """By hand: slots holding positions 5, 2, 9, 0 rank 2, 1, 3, 0 by age (0 the oldest), so the draws d0..d3 the
     chronological layout gives its tokens in order go to the slots as d2, d1, d3, d0."""
     positions = torch.tensor([[[5, 2, 9, 0]]])
-    assert age_ranks(positions, seen).tolist() == [[[2, 1, 3, 0]]]
+    assert position_ranks(positions, seen).tolist() == [[[2, 1, 3, 0]]]
     draws = torch.tensor([[[0.1, 0.2, 0.3, 0.4]]])
-    assert torch.equal(draws.gather(-1, age_ranks(positions, seen)), draws[..., [2, 1, 3, 0]])
+    assert torch.equal(draws.gather(-1, position_ranks(positions, seen)), draws[..., [2, 1, 3, 0]])
+
+
+@pytest.mark.parametrize("seen", [10, 100, None])
+def test_position_order_lists_slots_oldest_first(seen: int | None) -> None:
+    """By hand: head 0 holds positions 5, 2, 9, 0 in slots 0..3, so its slots in position order are 3 (pos 0), 1 (2),
+    0 (5), 2 (9); head 1 holds 7, -1 (a hole), 3, 8: the hole first, as a sort puts it, then slots 2, 0, 3."""
+    positions = torch.tensor([[[5, 2, 9, 0], [7, -1, 3, 8]]])
+    assert position_order(positions, seen).tolist() == [[[3, 1, 0, 2], [1, 2, 0, 3]]]
+    assert position_ranks(positions, seen).tolist() == [[[2, 1, 3, 0], [2, 0, 1, 3]]]

@@ -224,6 +224,42 @@ def tie_positions(layer: CacheLayer) -> torch.Tensor | None:
     return None if layer.chronological else layer.positions
 
 
+def position_bound(layer: CacheLayer) -> int | None:
+    """What `position_ranks` and `position_order` may count up to: `layer.seen` (every position is below it) when all
+    rows saw as many tokens; None for a stack of samples that saw different numbers (`row_seen`: a row's positions may
+    pass the lead's count, and the highest is on the device), which sorts instead."""
+    return layer.seen if layer.row_seen is None else None
+
+
+def position_ranks(positions: torch.Tensor, seen: int | None) -> torch.Tensor:
+    """(b, h, n) each slot's rank in its head by position (0: the earliest), from `positions` (b, h, n), distinct per
+    head, in [-1, seen) (-1: a hole, the earliest, as a sort ranks it). Counted, not sorted, while `seen` is known and
+    within 8x n: mark each head's positions in a (b*h, seen + 1) row, and a slot's rank is the marks before its own (a
+    running sum). Stacked decoding (30 layers x 3 heads x 1025 slots, seen 4128): 1.9 ms against 5.9 ms for an argsort
+    (one thread), the same ranks (positions never tie)."""
+    n = positions.shape[-1]
+    if seen is None or seen > 8 * n:
+        return _inverse(positions.argsort(dim=-1))
+    rows = positions.reshape(-1, n) + 1  # (b*h, n) in [0, seen]
+    marks = torch.zeros(rows.shape[0], seen + 1, dtype=torch.int32, device=rows.device)
+    ranks = marks.scatter_(1, rows, 1).cumsum_(1).gather(1, rows).sub_(1)  # (b*h, n)
+    return ranks.view(positions.shape).long()
+
+
+def position_order(positions: torch.Tensor, seen: int | None) -> torch.Tensor:
+    """(b, h, n) each head's slots in position order: `positions.argsort(dim=-1)` (positions distinct per head, so the
+    order is unique), counted as `position_ranks` counts (2.2 ms against 5.9 ms in its setting)."""
+    if seen is None or seen > 8 * positions.shape[-1]:
+        return positions.argsort(dim=-1)
+    return _inverse(position_ranks(positions, seen))
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """(..., n) the inverse of each row's permutation `perm` (..., n) of 0..n-1."""
+    n = perm.shape[-1]
+    return torch.empty_like(perm).scatter_(-1, perm, torch.arange(n, device=perm.device).expand_as(perm))
+
+
 def top_slots(scores: torch.Tensor, count: int, positions: torch.Tensor | None = None) -> torch.Tensor:
     """(b, h, count) slot indices of the `count` highest `scores` (b, h, n) of each head, in slot order.
 

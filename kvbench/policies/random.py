@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvbench.policies.base import Policy
+from kvbench.policies.base import Policy, position_bound, position_ranks
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
@@ -31,19 +31,5 @@ class Random(Policy):
             return draws
         # slots out of order (slot reuse): the i-th draw still goes to each head's i-th oldest token, so the same
         # tokens are evicted as in the chronological layout
-        return draws.gather(-1, age_ranks(layer.positions, layer.seen))
+        return draws.gather(-1, position_ranks(layer.positions, position_bound(layer)))
 
-
-def age_ranks(positions: torch.Tensor, seen: int) -> torch.Tensor:
-    """(b, h, n) each slot's rank in its head by position (0: the oldest token), from `positions` (b, h, n), distinct
-    per head, all in [0, seen). Counted, not sorted, while `seen` is within 8x n: mark each head's positions in a
-    (b*h, seen) row, and a slot's rank is the marks before its own (a running sum). Stacked decoding (30 layers x 3
-    heads x 1025 slots, seen 4128): 1.0 ms against 5.8 ms for an argsort, the same ranks (positions never tie)."""
-    n = positions.shape[-1]
-    if seen > 8 * n:
-        order = positions.argsort(dim=-1)  # (b, h, n): slots oldest first
-        return torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
-    rows = positions.reshape(-1, n)  # (b*h, n)
-    marks = torch.zeros(rows.shape[0], seen, dtype=torch.int32, device=rows.device)
-    ranks = marks.scatter_(1, rows, 1).cumsum_(1).gather(1, rows).sub_(1)  # (b*h, n)
-    return ranks.view(positions.shape).long()
