@@ -330,3 +330,55 @@ def test_batched_samples_reuse_slots_as_alone() -> None:
     for a, b in zip(alone, together, strict=True):
         assert b.tokens == a.tokens and len(a.tokens) == 12
         assert held_positions(b.trace) == held_positions(a.trace)
+
+
+@pytest.mark.parametrize("selection", ["keep", "none"])
+def test_a_padded_view_without_kv_stores_the_rows_the_full_view_stores(selection: str) -> None:
+    """`unpack(kv=False)` (a selection that reads no K/V): the view's keys and values are stand-ins of the padded shape
+    (b, h_kv, L, d), and `pack` takes the kept rows from the flat K/V: the same storage, byte for byte, as the view
+    that padded K/V. By hand: heads of 3 and 2 tokens (rows 0-2 and 3-4 of 6 appended, then kept), the second kept
+    selection drops head 0's middle token and head 1's first; "none": nothing kept, the flat storage back as it was."""
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for kv in (True, False):
+        layer = EvictingLayer(0)
+        layer.reuse_slots = True
+        gen.manual_seed(0)
+        layer.update(torch.randn(1, 2, 6, 4, generator=gen), torch.randn(1, 2, 6, 4, generator=gen))
+        layer.keep(torch.tensor([[[0, 2, 5], [1, 4, 0]]]), torch.tensor([[[True, True, True], [True, True, False]]]))
+        assert layer.ragged and layer.flat.sizes == [3, 2]
+        layer.unpack(kv=kv)
+        assert layer.keys.shape == (1, 2, 3, 4) and layer.positions.tolist() == [[[0, 2, 5], [1, 4, -1]]]
+        if selection == "keep":
+            layer.keep(torch.tensor([[[0, 2], [1, 0]]]), torch.tensor([[[True, True], [True, False]]]))
+        layer.pack()
+        layers.append(layer)
+    full, lean = layers
+    held = [[0, 5], [4]] if selection == "keep" else [[0, 2, 5], [1, 4]]
+    assert [v.tolist() for v in lean.flat.views(lean.positions)] == held
+    for name in ("keys", "values", "positions"):
+        assert [v.tolist() for v in lean.flat.views(getattr(lean, name))] == \
+               [v.tolist() for v in full.flat.views(getattr(full, name))], name
+
+
+def test_sagekv_slides_without_padding_kv(monkeypatch) -> None:
+    """SAGE-KV's decoding slide reads positions and its pinned state only (`needs_kv` False), so the padded view is
+    built without K/V: `FlatHeads.pad` never copies a (rows, head_dim) array during the slides, where it copied K and
+    V of every layer at every step before; the prompt's selection (which reads the keys) still pads them."""
+    model, _ = build_tiny_model("tiny-llama", output_scale=1.0)
+    attention.install(model)
+    padded_2d: list[str] = []
+    pad = FlatHeads.pad
+
+    def spy(self: FlatHeads, flat: torch.Tensor, fill: float, segments: list[int] | None = None) -> torch.Tensor:
+        if flat.dim() == 2:
+            padded_2d.append("decoding" if decoding[0] else "prompt")
+        return pad(self, flat, fill, segments)
+
+    decoding = [False]
+    monkeypatch.setattr(FlatHeads, "pad", spy)
+    res = generate(model, SageKV(budget=40), random_prompt(100, 0),
+                   GenerationSettings(block=16, max_new_tokens=6),
+                   observer=Observer(on_logits=lambda _: decoding.__setitem__(0, True)))
+    assert len(res.tokens) == 6
+    assert "prompt" in padded_2d and "decoding" not in padded_2d, padded_2d

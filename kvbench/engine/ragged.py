@@ -127,15 +127,17 @@ class FlatHeads:
 class PaddedView:
     """A layer's padded scoring view (b, h_kv, L): `valid` its real slots; `sizes` the head sizes of the flat storage
     it was built from (host; None when a uniform layer's selection made it); `rows` a selection of `keep` not stored
-    yet: rows (flattened, padding included) of the view's arrays that it keeps (None: nothing kept since)."""
+    yet: rows (flattened, padding included) of the view's arrays that it keeps (None: nothing kept since); `source`
+    the flat layout and K/V it was built from when K/V were left flat (`unpack(kv=False)`), else None."""
 
-    def __init__(self, valid: torch.Tensor, sizes: list[int] | None = None, rows: torch.Tensor | None = None) -> None:
-        self.valid, self.sizes, self.rows = valid, sizes, rows
+    def __init__(self, valid: torch.Tensor, sizes: list[int] | None = None, rows: torch.Tensor | None = None,
+                 source: tuple[FlatHeads, torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.valid, self.sizes, self.rows, self.source = valid, sizes, rows, source
 
     def selected(self, idx: torch.Tensor, valid: torch.Tensor | None, rows: torch.Tensor) -> PaddedView:
         """The view once `keep` selects its slots `idx` (b, h_kv, k), `valid` marking padding of the selection."""
         base = self.valid.gather(2, idx)
-        return PaddedView(base if valid is None else base & valid, self.sizes, rows)
+        return PaddedView(base if valid is None else base & valid, self.sizes, rows, self.source)
 
     def kept_counts(self) -> torch.Tensor:
         """(b * h_kv,) tokens each head keeps, row-major."""
@@ -247,13 +249,23 @@ class RaggedStorage:
         view's layout), for one attention over all heads at once; the storage stays flat."""
         return self.flat.pad(self.keys, 0), self.flat.pad(self.values, 0)
 
-    def unpack(self) -> None:
-        """Ragged layers: replace the flat storage by the padded (b, h_kv, L) scoring view (see the module doc)."""
+    def unpack(self, kv: bool = True) -> None:
+        """Ragged layers: replace the flat storage by the padded (b, h_kv, L) scoring view (see the module doc).
+        `kv` False: the selection reads no K/V (`Policy.needs_kv`: SAGE-KV's sliding window reads positions and its
+        pinned state only), so K/V stay flat and the view's `keys`/`values` are stand-ins of the padded shape (row 0
+        repeated: a view, no copy, never to be read); `pack` takes the kept rows from the flat K/V, the very rows the
+        padded copies would hold. Saves padding K/V (a copy of the layer) per eviction."""
         flat = self.flat
         if flat is None:
             return
-        view = PaddedView(flat.valid_slots(), flat.sizes)  # (b, h_kv, L)
-        self.keys, self.values = flat.pad(self.keys, 0), flat.pad(self.values, 0)
+        if kv:
+            view = PaddedView(flat.valid_slots(), flat.sizes)  # (b, h_kv, L)
+            self.keys, self.values = flat.pad(self.keys, 0), flat.pad(self.values, 0)
+        else:
+            view = PaddedView(flat.valid_slots(), flat.sizes, source=(flat, self.keys, self.values))
+            (b, h), length = flat.lengths.shape, max(flat.sizes)
+            self.keys = self.keys[:1].view(1, 1, 1, -1).expand(b, h, length, -1)  # (b, h_kv, L, d) stand-ins
+            self.values = self.values[:1].view(1, 1, 1, -1).expand(b, h, length, -1)
         self.positions = flat.pad(self.positions, -1)
         self.state = {k: flat.pad(s, 0) for k, s in self.state.items()}
         self.flat, self.padded = None, view
@@ -297,8 +309,14 @@ class RaggedStorage:
         if flat is not None and slack:  # the layer's own rows with free rows after each head's (FlatHeads)
             rows = flat.gapped_rows(rows, slack)
         d = self.keys.shape[-1]
-        self.keys = self.keys.reshape(-1, d).index_select(0, rows)
-        self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows)
+        if view.source is None:
+            self.keys = self.keys.reshape(-1, d).index_select(0, rows)
+            self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows)
+        else:  # K/V left flat (unpack(kv=False)): the view's row r is row start_rows[r // L] + r % L of the flat K/V
+            source, keys, values = view.source
+            length = max(source.sizes)
+            flat_rows = source.start_rows.index_select(0, rows // length) + rows % length  # (S',)
+            self.keys, self.values = keys.index_select(0, flat_rows), values.index_select(0, flat_rows)
         self.positions = self.positions.reshape(-1).index_select(0, rows)
         self.state = {k: s.reshape(-1).index_select(0, rows) for k, s in self.state.items()}
         if uniform:  # the fast uniform path again

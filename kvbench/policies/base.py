@@ -184,6 +184,12 @@ class Policy:
         padded view costs the most, say when."""
         return True
 
+    def needs_kv(self, layer: CacheLayer) -> bool:
+        """Whether `select` reads the layer's keys or values now (asked before a ragged layer's padded view is built:
+        False leaves K/V flat and the view's K/V stand-ins of its shape, `CacheLayer.unpack(kv=False)`). True unless
+        a subclass knows better (SAGE-KV's slide reads positions and state only)."""
+        return True
+
     def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Kept slot indices (b, h_kv, k) in chronological order, plus a validity mask for ragged heads (or None).
 
@@ -205,7 +211,7 @@ class Policy:
         """
         if not self.due(layer):
             return False
-        layer.unpack()
+        layer.unpack(kv=observe is not None or self.needs_kv(layer))  # diagnostics may read K/V
         try:
             chosen = self.select(layer)
             if chosen is None:

@@ -76,8 +76,9 @@ class CacheLayer(Protocol):
         """Real tokens each (batch, KV head) holds, row-major, known on the host (no read of the device)."""
         ...
 
-    def unpack(self) -> None:
-        """A ragged layer: replace its flat storage by the padded scoring view (no-op for a uniform layer)."""
+    def unpack(self, kv: bool = True) -> None:
+        """A ragged layer: replace its flat storage by the padded scoring view (no-op for a uniform layer); `kv` False:
+        K/V stay flat and the view's keys/values are stand-ins of its shape, never to be read (`Policy.needs_kv`)."""
         ...
 
     def pack(self, sizes: list[int] | None = None) -> None:

@@ -55,7 +55,20 @@ class SageKV(Policy):
     def due(self, layer: CacheLayer) -> bool:
         """`select`'s own terms: while decoding once a selection was made (the window slides), else over budget."""
         budget = self.layer_budget(layer.layer_idx, layer.seen)
-        return budget is not None and ((layer.decoding and layer.physical() < layer.seen) or layer.physical() > budget)
+        return budget is not None and (self._sliding(layer) or layer.physical() > budget)
+
+    def needs_kv(self, layer: CacheLayer) -> bool:
+        """The slide reads positions and the pinned state only (K/V stay flat in the padded view); a selection reads
+        the last query's attention over the keys."""
+        return not self._sliding(layer)
+
+    @staticmethod
+    def _sliding(layer: CacheLayer) -> bool:
+        # Whether a selection was made (some token pinned), known on the host: a selection is the only eviction
+        # SAGE-KV makes, it pins at least one token (it runs only when a head holds more than the budget, so that
+        # head has candidates beyond its sinks and recent tokens), and pinned tokens stay; so the layer holds fewer
+        # tokens than it has seen exactly when tokens are pinned.
+        return layer.decoding and layer.physical() < layer.seen
 
     def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         budget = self.layer_budget(layer.layer_idx, layer.seen)
@@ -66,11 +79,7 @@ class SageKV(Policy):
         sink, k, recent = self.sizes(g)
         real = layer.positions >= 0  # (b, h_kv, n)
         pinned = (layer.state["pinned"] > 0) & real
-        # Whether a selection was made (some token pinned), known on the host: a selection is the only eviction
-        # SAGE-KV makes, it pins at least one token (it runs only when a head holds more than the budget, so that
-        # head has candidates beyond its sinks and recent tokens), and pinned tokens stay; so the layer holds fewer
-        # tokens than it has seen exactly when tokens are pinned.
-        if layer.decoding and layer.physical() < layer.seen:  # slide: pinned + the latest recent + 1 other tokens
+        if self._sliding(layer):  # slide: pinned + the latest recent + 1 other tokens
             rest = layer.positions.float().masked_fill(pinned | ~real, -math.inf)
             return compact(pinned | rank_mask(rest, recent + 1))
         if layer.physical() <= budget:  # the longest head (physical: on the host, no read)
