@@ -24,9 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvbench.bench.setup import CHRONO, STACK_PREFILL  # the row suffixes kvbench-bench names its variants by
 from kvbench.metrics.stats import ALPHA, holm, one_sided_p
-
-CHRONO, STACK_PREFILL = "+chrono", "+stackprefill"
 
 
 def pairs(runs: list[list[dict[str, Any]]], prefill: bool = False) -> list[dict[str, Any]]:
