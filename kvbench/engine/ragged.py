@@ -260,7 +260,7 @@ class RaggedStorage:
             return
         if kv:
             view = PaddedView(flat.valid_slots(), flat.sizes)  # (b, h_kv, L)
-            self.keys, self.values = flat.pad(self.keys, 0), flat.pad(self.values, 0)
+            self.keys, self.values = self.padded_kv()
         else:
             view = PaddedView(flat.valid_slots(), flat.sizes, source=(flat, self.keys, self.values))
             (b, h), length = flat.lengths.shape, max(flat.sizes)

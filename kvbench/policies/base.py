@@ -244,7 +244,7 @@ def position_ranks(positions: torch.Tensor, seen: int | None) -> torch.Tensor:
     running sum). Stacked decoding (30 layers x 3 heads x 1025 slots, seen 4128): 1.9 ms against 5.9 ms for an argsort
     (one thread), the same ranks (positions never tie)."""
     n = positions.shape[-1]
-    if seen is None or seen > 8 * n:
+    if not _countable(seen, n):
         return _inverse(positions.argsort(dim=-1))
     rows = positions.reshape(-1, n) + 1  # (b*h, n) in [0, seen]
     marks = torch.zeros(rows.shape[0], seen + 1, dtype=torch.int32, device=rows.device)
@@ -255,9 +255,15 @@ def position_ranks(positions: torch.Tensor, seen: int | None) -> torch.Tensor:
 def position_order(positions: torch.Tensor, seen: int | None) -> torch.Tensor:
     """(b, h, n) each head's slots in position order: `positions.argsort(dim=-1)` (positions distinct per head, so the
     order is unique), counted as `position_ranks` counts (2.2 ms against 5.9 ms in its setting)."""
-    if seen is None or seen > 8 * positions.shape[-1]:
+    if not _countable(seen, positions.shape[-1]):
         return positions.argsort(dim=-1)
     return _inverse(position_ranks(positions, seen))
+
+
+def _countable(seen: int | None, n: int) -> bool:
+    """Whether positions of heads of `n` slots, all below `seen`, are ranked by counting (a row of `seen` + 1 marks
+    per head) rather than sorted: `seen` known and within 8x n, where the count is the cheaper."""
+    return seen is not None and seen <= 8 * n
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:

@@ -32,4 +32,3 @@ class Random(Policy):
         # slots out of order (slot reuse): the i-th draw still goes to each head's i-th oldest token, so the same
         # tokens are evicted as in the chronological layout
         return draws.gather(-1, position_ranks(layer.positions, position_bound(layer)))
-
