@@ -11,7 +11,7 @@ computations they replace.
   (`batched`, the CUDA default; measured slower on CPU, which keeps the per-head calls): checked against the per-head
   loop (padded slots: weight exactly 0).
 - CriticalKV's value norms of a decoding step come from one batched product: the per-head loop's values within float32
-  rounding.
+  rounding; both read W_O from a per-head copy (`HeadColumns`), giving the very products of W_O's strided view.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kvbench.engine.cache import EvictingCache, EvictingLayer
 from kvbench.engine.generate import GenerationSettings, generate
 from kvbench.policies.adakv import AdaKV
 from kvbench.policies.base import Policy, query_attention
-from kvbench.policies.criticalkv import BATCHED_TOKENS, CriticalKV
+from kvbench.policies.criticalkv import BATCHED_TOKENS, CriticalKV, HeadColumns
 from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.window import WindowRing, window_attention
@@ -348,19 +348,21 @@ def test_padded_slots_get_exactly_zero_weight() -> None:
 
 # -- CriticalKV's value norms ----------------------------------------------------------------------------------------
 
+class _Attn(torch.nn.Module):
+    """An attention module as on_append reads it: only its output projection (hidden 40, 6 heads of d = 8)."""
+
+    def __init__(self, hidden: int = 40) -> None:
+        super().__init__()
+        self.o_proj = torch.nn.Linear(6 * 8, hidden, bias=False)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_criticalkv_value_norms_batched_equal_the_loop(seed: int) -> None:
     """The batched product (b * q <= BATCHED_TOKENS) against the per-head loop. Each projection entry is a sum of d
     products; two kernels' orders of it lie within 2 gamma_d sum|v||w| of each other (gamma_d = d eps / (1 - d eps)),
     so the L1 norm within the sum of those bounds over hidden, and the group mean adds a rounding of the mean."""
-
-    class Attn(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.o_proj = torch.nn.Linear(6 * 8, 40, bias=False)
-
     torch.manual_seed(seed)  # the Linear's initial weights
-    module = Attn()
+    module = _Attn()
     policy = CriticalKV(budget=24, window=4, kernel=3)
     g = torch.Generator().manual_seed(6)
     w = module.o_proj.weight.detach()  # (hidden, h_q * d)
@@ -376,3 +378,43 @@ def test_criticalkv_value_norms_batched_equal_the_loop(seed: int) -> None:
         scale = torch.stack([(values[:, h // 2].abs() @ w[:, h * 8:(h + 1) * 8].abs().T).sum(dim=-1)
                              for h in range(6)], dim=1).view(1, 3, 2, q).mean(dim=2)
         assert ((got - want).abs() <= 2 * gamma * scale + 4 * EPS * want).all(), q
+
+
+@pytest.mark.parametrize("b, q", [(1, 1), (2, 1), (1, 5), (1, BATCHED_TOKENS + 7), (2, BATCHED_TOKENS + 1)])
+def test_criticalkv_head_columns_give_the_strided_products(b: int, q: int) -> None:
+    """The norms from the per-head copy of W_O are, bit for bit, those computed through W_O's own strided view of each
+    head's columns (what on_append read before the copy, and what the committed CriticalKV runs were made with): the
+    same (q x d) by (d x hidden) products in both branches, batched (b * q <= BATCHED_TOKENS) and per head."""
+    torch.manual_seed(3)
+    module = _Attn(hidden=576)  # SmolLM2's hidden size: a real one's leading dimension for the strided view
+    w = module.o_proj.weight.detach()  # (hidden, 6 * 8)
+    values = torch.randn(b, 3, q, 8, generator=torch.Generator().manual_seed(q))
+    got = CriticalKV(budget=24, window=4, kernel=3).on_append(None, module, values, values, None)["vnorm"]
+    strided = w.view(576, 6, 8).permute(1, 2, 0)  # (h_q, d, hidden): head h's columns, in W_O's own memory
+    if b * q <= BATCHED_TOKENS:
+        v = values.permute(1, 0, 2, 3).reshape(3, 1, b * q, 8).expand(3, 2, b * q, 8).reshape(6, b * q, 8)
+        proj = torch.bmm(v, strided)  # (h_q, b*q, hidden)
+        norms = proj.abs().sum(dim=-1).view(6, b, q).permute(1, 0, 2)
+    else:
+        norms = torch.stack([(values[:, h // 2] @ w[:, h * 8:(h + 1) * 8].T).abs().sum(dim=-1) for h in range(6)],
+                            dim=1)  # (b, h_q, q)
+    assert torch.equal(got, norms.reshape(b, 3, 2, q).mean(dim=2))
+
+
+def test_head_columns_kept_once_per_weight_and_shared_by_copies() -> None:
+    """The copy is made once per weight: a second call returns the same memory, a deep copy of the policy (a batch's
+    members, a fork) reads the same copy, and a weight changed in place is copied again (its values, not stale ones).
+    Head h's columns by hand: column j of W_O belongs to head j // d."""
+    import copy
+
+    w = torch.arange(12.0).view(2, 6)  # hidden 2, h_q = 3 heads of d = 2
+    heads = HeadColumns()
+    first = heads.of(w, 2)  # (h_q, d, hidden)
+    assert first.tolist() == [[[0.0, 6.0], [1.0, 7.0]], [[2.0, 8.0], [3.0, 9.0]], [[4.0, 10.0], [5.0, 11.0]]]
+    assert heads.of(w, 2).data_ptr() == first.data_ptr()
+    policy = CriticalKV(budget=24, window=4, kernel=3)
+    assert copy.deepcopy(policy)._heads is policy._heads
+    w[0, 0] = 100.0
+    assert heads.of(w, 2)[0, 0].tolist() == [100.0, 6.0]
+    assert heads.of(w.clone(), 2).tolist() == heads.of(w, 2).tolist()  # another tensor: its own entry
+

@@ -67,6 +67,7 @@ class CriticalKV(Policy):
         # token, the two stages' cuts) and a decoding step drops one token per head: a layer stack (engine/stack.py)
         # selects what each layer selects alone. Over AdaKV the heads of a layer share its budget: never stacked
         self.stackable = b.stackable
+        self._heads = HeadColumns()
         super().__init__(budget=b.budget, n_sink=b.n_sink, n_recent=b.n_recent, skip_layers=b.skip_layers,
                          seed=b.seed)
 
@@ -86,21 +87,20 @@ class CriticalKV(Policy):
         h_q = w.shape[1] // d
         g = h_q // h_kv
         v = values.float()
+        w_heads = self._heads.of(w, d).float()  # (h_q, d, hidden): head h's columns of W_O, transposed
         if b * q <= BATCHED_TOKENS:
             # A decoding step (and any small block): all query heads in one batched product instead of h_q small
             # ones (~4x cheaper per layer on CPU for one token). Each head's product is the same (q x d) by
             # (d x hidden) product as in the loop below; the BLAS kernel may round it differently (a one-row product
             # can take a matrix-vector path): equal to the loop within float32 rounding (tests/test_window_state.py;
             # bit-identical at SmolLM2's shapes, where the committed runs are reproduced exactly).
-            hidden = w.shape[0]
-            w_heads = w.float().view(hidden, h_q, d).permute(1, 2, 0)  # (h_q, d, hidden)
             v_heads = v.permute(1, 0, 2, 3).reshape(h_kv, 1, b * q, d).expand(h_kv, g, b * q, d)
             proj = torch.bmm(v_heads.reshape(h_q, b * q, d), w_heads)  # (h_q, b*q, hidden), b*q <= BATCHED_TOKENS
             norms = proj.abs().sum(dim=-1).view(h_q, b, q).permute(1, 0, 2)  # (b, h_q, q)
         else:
             norms = torch.empty(b, h_q, q, device=values.device)
             for h in range(h_q):  # one head at a time: never a (b, h_q, q, hidden) tensor for a long block
-                proj = v[:, h // g] @ w[:, h * d:(h + 1) * d].float().T  # (b, q, hidden)
+                proj = v[:, h // g] @ w_heads[h]  # (b, q, hidden)
                 norms[:, h] = proj.abs().sum(dim=-1)
         return {"vnorm": norms.reshape(b, h_kv, g, q).mean(dim=2)}  # (b, h_kv, q)
 
@@ -155,3 +155,31 @@ def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tenso
     stage1 = rank_mask(scores, first, positions)
     return ((scores + eps) * vnorm).masked_fill(stage1, math.inf).masked_fill(scores == -math.inf, -math.inf)
 
+
+class HeadColumns:
+    """Each output projection's columns per query head, laid out head after head: for W_O (hidden, h_q * d), the
+    (h_q, d, hidden) view of a (h_q, hidden, d) contiguous copy, made once per weight (in its own dtype) and kept.
+
+    Why: a decoding step projects one token's values through every layer's W_O. Read through the strided view of
+    W_O itself (head h's block a d-wide stripe of each of its hidden rows), that product took ~440 us per layer on
+    one CPU thread in a decoding step of SmolLM2 (13 ms a step), ~210 us from the copy, where each head's block is
+    one contiguous run. Both are the same transposed (d x hidden) operand to the same kernel, only its leading
+    dimension differs: the very same products, bit for bit (tests/test_window_state.py). The price is one copy of
+    each W_O (SmolLM2: 30 x 1.3 MB in float32). Shared by deep copies of the policy (a batch's or a fork's copies
+    read the same model); a weight changed in place (its version) is copied again.
+    """
+
+    def __init__(self) -> None:
+        self._by_weight: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (weight, version, layout)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HeadColumns:
+        return self  # derived from the model's weights, never written: one per process is enough
+
+    def of(self, weight: torch.Tensor, d: int) -> torch.Tensor:
+        """(h_q, d, hidden) view of weight (hidden, h_q * d), head h's columns transposed, from the kept copy."""
+        hit = self._by_weight.get(id(weight))
+        if hit is None or hit[0] is not weight or hit[1] != weight._version:
+            hidden, h_q = weight.shape[0], weight.shape[1] // d
+            layout = weight.detach().view(hidden, h_q, d).permute(1, 0, 2).contiguous()  # (h_q, hidden, d)
+            hit = self._by_weight[id(weight)] = (weight, weight._version, layout)
+        return hit[2].transpose(1, 2)  # (h_q, d, hidden)
