@@ -19,6 +19,7 @@ reported as such in peak_kv_tokens (max over layers).
 
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 from typing import Any
 
@@ -42,13 +43,31 @@ class PyramidKV(SnapKV):
             return None
         if self.num_layers is None:
             raise PolicyError("pyramidkv needs the model's number of layers (Policy.attach) before evicting")
-        w, free, n_layers = self.window, self.budget - self.window, self.num_layers
-        if n_layers == 1 or (seen is not None and seen < 2 * free):
+        free = self.budget - self.window
+        if self.num_layers == 1 or (seen is not None and seen < 2 * free):
             return self.budget
-        low = Fraction(free) / Fraction(self.beta)
-        high = 2 * free - low
-        if seen is not None and high >= seen - w:
-            high = Fraction(seen - w)
-            low = 2 * free - high
-        step = (high - low) / (n_layers - 1)
-        return w + round(high - layer_idx * step)
+        # The cap depends on `seen` only while the first layer's share reaches past what it has seen; otherwise the
+        # schedule is one for the whole run (key None), computed once
+        capped = seen is not None and first_share(free, self.beta) >= seen - self.window
+        return schedule(self.budget, self.window, self.beta, self.num_layers, seen if capped else None)[layer_idx]
+
+
+@functools.lru_cache(maxsize=64)
+def first_share(free: int, beta: float) -> Fraction:
+    """The first layer's free tokens before any cap, 2F - F / beta, exactly."""
+    return 2 * free - Fraction(free) / Fraction(beta)
+
+
+@functools.lru_cache(maxsize=64)
+def schedule(budget: int, w: int, beta: float, n_layers: int, cap_seen: int | None) -> tuple[int, ...]:
+    """Every layer's N_l (module doc) for n_layers >= 2 layers with at least 2F seen, the first layer's share capped
+    at `cap_seen` - w when `cap_seen` is given. Exact rationals, each rounded half to even. Cached: the engine asks
+    for a layer's budget at every eviction (twice a layer per decoding step), and the rationals cost ~13 us a call."""
+    free = budget - w
+    high = first_share(free, beta)
+    low = 2 * free - high
+    if cap_seen is not None:
+        high = Fraction(cap_seen - w)
+        low = 2 * free - high
+    step = (high - low) / (n_layers - 1)
+    return tuple(w + round(high - layer_idx * step) for layer_idx in range(n_layers))
