@@ -21,7 +21,7 @@ from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.pyramidkv import PyramidKV
-from kvbench.policies.sagekv import SageKV
+from kvbench.policies.sagekv import SageKV, latest_in_order
 
 from helpers import held_counts, installed_model, make_layer, run_config
 from float64_reference import reference_logits
@@ -144,6 +144,8 @@ def test_compact_pads_with_a_kept_slot() -> None:
     assert valid[0].tolist() == [[True, True, True, False], [True, False, False, False]]
     idx, valid = compact(keep[:, :1], 3)  # a count the caller knows: that many per head, no padding
     assert idx[0].tolist() == [[0, 2, 3]] and valid is None
+    idx, valid = compact(torch.tensor([[[False, False, False], [True, True, True]]]))  # none kept; all kept
+    assert idx[0].tolist() == [[0, 0, 0], [0, 1, 2]] and valid[0].int().tolist() == [[0, 0, 0], [1, 1, 1]]
 
 
 # CriticalKV --------------------------------------------------------------------------------------------------------
@@ -355,6 +357,15 @@ def test_sagekv_selection_then_sliding_window() -> None:
     layer.keep(*policy.select(layer))
     assert layer.positions[0].tolist() == [[0, 1, 2, 4, 5, 7, 9, 11, 14, 15, 16]]
 
+
+
+def test_latest_in_order_keeps_each_heads_latest_marked_slots() -> None:
+    # Slots in position order. Head 0 marks 0, 2, 3, 5: its 2 latest are 3 and 5. Head 1 marks only slot 1, fewer
+    # than 2: kept. Head 2 marks nothing (a head of padding and pinned tokens): nothing.
+    marked = torch.tensor([[[True, False, True, True, False, True], [False, True, False, False, False, False],
+                            [False] * 6]])
+    assert latest_in_order(marked, 2)[0].int().tolist() == [[0, 0, 0, 1, 0, 1], [0, 1, 0, 0, 0, 0], [0] * 6]
+    assert latest_in_order(marked, 4)[0].tolist() == marked[0].tolist()  # every marked slot
 
 # Ragged heads against an explicit float64 model ---------------------------------------------------------------------
 def _model(arch: str = "tiny-llama", **kw):

