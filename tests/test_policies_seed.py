@@ -16,12 +16,12 @@ from kvbench.engine.diagnostics import Diagnostics, aggregate, key_logdet
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import Policy, PolicyError, adaptive_counts, compact
+from kvbench.policies.base import Policy, PolicyError, adaptive_counts, compact, latest_in_order, latest_mask
 from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.pyramidkv import PyramidKV
-from kvbench.policies.sagekv import SageKV, latest_in_order
+from kvbench.policies.sagekv import SageKV
 
 from helpers import held_counts, installed_model, make_layer, run_config
 from float64_reference import reference_logits
@@ -366,6 +366,16 @@ def test_latest_in_order_keeps_each_heads_latest_marked_slots() -> None:
                             [False] * 6]])
     assert latest_in_order(marked, 2)[0].int().tolist() == [[0, 0, 0, 1, 0, 1], [0, 1, 0, 0, 0, 0], [0] * 6]
     assert latest_in_order(marked, 4)[0].tolist() == marked[0].tolist()  # every marked slot
+
+
+def test_latest_mask_by_position_in_any_slot_order() -> None:
+    # Two heads of 5 slots at positions 0-4 in slot order, then the second head's slots out of order (slot reuse, a
+    # hole at -1): the 2 latest are positions 3 and 4 wherever they sit, never the hole.
+    layer = make_layer([[[0.0]] * 5, [[0.0]] * 5])
+    assert latest_mask(layer, 2)[0].int().tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
+    layer.positions[0, 1] = torch.tensor([4, -1, 0, 3, 2])
+    layer.chronological = False
+    assert latest_mask(layer, 2)[0].int().tolist() == [[0, 0, 0, 1, 1], [1, 0, 0, 1, 0]]
 
 # Ragged heads against an explicit float64 model ---------------------------------------------------------------------
 def _model(arch: str = "tiny-llama", **kw):

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvbench.policies.base import Policy, PolicyError, compact, latest_mask, query_attention, rank_mask
+from kvbench.policies.base import (Policy, PolicyError, compact, latest_in_order, latest_mask, query_attention,
+                                   rank_mask)
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
@@ -94,14 +95,3 @@ class SageKV(Policy):
         pinned = sinks | union
         layer.state["pinned"] = pinned.float()  # gathered with the kept tokens by layer.keep
         return compact(pinned | latest)
-
-
-def latest_in_order(marked: torch.Tensor, count: int) -> torch.Tensor:
-    """(b, h_kv, n) bool: of the slots `marked` (b, h_kv, n), each head's `count` latest, for a layer whose real slots
-    are in position order (a ragged layer's padded view, a chronological uniform layer): the marked slots with fewer
-    than `count` marked slots after them. What rank_mask of their positions selects (positions differ), counted
-    instead of cut at the count-th (one running sum; SAGE-KV's slide runs every layer at every decoding step: 3 heads x
-    900 slots, one CPU thread, the slide's selection 167-177 against 455-495 us with rank_mask)."""
-    after = marked.sum(dim=-1, keepdim=True) - marked.long().cumsum(dim=-1)  # (b, h_kv, n): marked slots after each
-    return marked & (after < count)
-
