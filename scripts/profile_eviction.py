@@ -1,8 +1,10 @@
 """Where eviction time goes, per policy, on SmolLM2-135M: one generate() call under cProfile, the kvbench functions
-that eviction runs (scoring, selection, copying the kept tokens) with their cumulative CPU seconds.
+that eviction runs (scoring, selection, copying the kept tokens) with their cumulative CPU seconds; with --ops, the
+torch operations of the decoding steps' evictions instead (torch.profiler: self CPU ms per step by operation and
+input shapes), next to the decoding step they are part of, timed in a run without the profiler.
 
     python scripts/profile_eviction.py [--policies snapkv,adakv,criticalkv,sagekv,keydiff] [--prompt 2048]
-        [--budget 1024] [--block 128] [--new-tokens 32] [--out results/bench_smollm2/profile.md]
+        [--budget 1024] [--block 128] [--new-tokens 32] [--ops] [--top 12] [--out results/bench_smollm2/profile.md]
 
 The companion of results/bench_smollm2/bench.md: that table says which goals are missed, this one why.
 One thread, CPU time (time.process_time), the same filler prompt as kvbench-bench --model.
@@ -15,16 +17,19 @@ import cProfile
 import pstats
 import time
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import torch
 
+import kvbench.engine.generate as engine
 from kvbench.bench.setup import load_real_model, make_policy, prompt_ids
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 
 FUNCS = ("evict", "_evict", "select", "score", "window_scores", "query_attention", "ranked_scores", "top_slots",
-         "rank_mask", "adaptive_counts", "head_counts", "compact", "stage2_scores", "keep", "unpack", "pack", "on_append",
-         "on_attention", "explicit_attention", "ragged_attention", "wrapped", "window_attention", "attention",
-         "_query_rows", "_apply_pending", "attention_probs", "_cut_mask", "pooled", "on_keep", "on_reuse")
+         "rank_mask", "adaptive_counts", "head_counts", "compact", "stage2_scores", "keep", "unpack", "pack",
+         "on_append", "on_attention", "explicit_attention", "ragged_attention", "wrapped", "window_attention",
+         "attention", "_query_rows", "_apply_pending", "attention_probs", "_cut_mask", "pooled", "on_keep", "on_reuse")
 
 
 def profile(model, tok, name: str, prompt: list[int], budget: int, block: int, new_tokens: int) -> list[str]:
@@ -48,6 +53,45 @@ def profile(model, tok, name: str, prompt: list[int], budget: int, block: int, n
     return rows + [""]
 
 
+def profile_ops(model: Any, name: str, prompt: list[int], budget: int, block: int, new_tokens: int,
+                top: int) -> list[str]:
+    """The decoding evictions' torch operations: one run timed as it is, then one with each decoding step's eviction
+    under torch.profiler (the engine's `_evict`, wrapped: the forward and the prompt's evictions are not profiled)."""
+    settings = GenerationSettings(block=block, max_new_tokens=new_tokens)
+    generate(model, make_policy(name, budget, 0), prompt[:256], GenerationSettings(block=block, max_new_tokens=2))
+    res = generate(model, make_policy(name, budget, 0), prompt, settings, observer=Observer(clock=time.process_time))
+    steps = len(res.tokens) - 1  # the first token comes from the prompt's forward
+    totals: dict[tuple[str, str], list[float]] = {}  # (operation, input shapes) -> [self CPU us, calls]
+    profiled = [0]
+    evict = engine._evict
+
+    def traced(r: Any, phase: str, device: torch.device) -> float:  # engine._evict's
+        if phase != "decode":
+            return evict(r, phase, device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            took = evict(r, phase, device)
+        profiled[0] += 1
+        for e in prof.key_averages(group_by_input_shape=True):
+            shapes = ", ".join(str(x) for x in e.input_shapes if x) or "-"
+            t = totals.setdefault((e.key, shapes), [0.0, 0])
+            t[0] += e.self_cpu_time_total
+            t[1] += e.count
+        return took
+
+    with mock.patch.object(engine, "_evict", traced):
+        generate(model, make_policy(name, budget, 0), prompt, settings)
+    n = max(profiled[0], 1)
+    total = sum(t[0] for t in totals.values()) / 1000 / n
+    rows = [f"### {name}: decoding {1000 * res.decode_s / steps:.1f} ms a step, of which eviction "
+            f"{1000 * res.evict_decode_s / steps:.1f} ms ({steps} steps, no profiler)", "",
+            f"Operations of {profiled[0]} decoding evictions under the profiler: {total:.1f} ms a step of self CPU "
+            f"time in torch operations; the top {top}:", "",
+            "| operation | input shapes | ms per step | calls per step |", "|---|---|---|---|"]
+    for (op, shapes), (us, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        rows.append(f"| `{op}` | {shapes} | {us / 1000 / n:.2f} | {calls / n:.1f} |")
+    return rows + [""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--policies", default="snapkv,adakv,criticalkv,sagekv,keydiff")
@@ -55,19 +99,34 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--out", type=Path, default=Path("results/bench_smollm2/profile.md"))
+    ap.add_argument("--ops", action="store_true", help="the decoding evictions' torch operations (torch.profiler)")
+    ap.add_argument("--top", type=int, default=12, help="operations shown per policy (--ops)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default results/bench_smollm2/profile.md (profile_ops.md with --ops)")
     a = ap.parse_args()
+    if a.out is None:
+        a.out = Path("results/bench_smollm2") / ("profile_ops.md" if a.ops else "profile.md")
     torch.set_num_threads(1)
     model, tok, desc = load_real_model("smollm2-135m")
     prompt = prompt_ids(a.prompt, model.config.vocab_size, tok)
-    lines = [f"# Where eviction time goes: {desc}", "",
-             f"Command: `python scripts/profile_eviction.py --policies {a.policies} --prompt {a.prompt} --budget "
-             f"{a.budget} --block {a.block} --new-tokens {a.new_tokens}`; one thread, CPU seconds under cProfile "
-             "(which adds its own overhead to every Python call, so shares are upper bounds), block-wise, "
-             "eviction after every prompt block and every decoding step. Cumulative times nest (evict includes "
-             "select, which includes score, ...).", ""]
-    for name in a.policies.split(","):
-        lines += profile(model, tok, name, prompt, a.budget, a.block, a.new_tokens)
+    command = (f"python scripts/profile_eviction.py --policies {a.policies} --prompt {a.prompt} --budget {a.budget} "
+               f"--block {a.block} --new-tokens {a.new_tokens}")
+    if a.ops:
+        lines = [f"# The decoding evictions' operations: {desc}", "",
+                 f"Command: `{command} --ops --top {a.top}`; one thread, block-wise, eviction after every prompt "
+                 "block and every decoding step. Per policy: its decoding step and the eviction's share, CPU time "
+                 "without the profiler; then the self CPU time of the torch operations the decoding evictions ran "
+                 "(torch.profiler, in a second run), by operation and input shapes, per step. Python's own time "
+                 "between operations is not in them: the sum is below the eviction's time.", ""]
+        for name in a.policies.split(","):
+            lines += profile_ops(model, name, prompt, a.budget, a.block, a.new_tokens, a.top)
+    else:
+        lines = [f"# Where eviction time goes: {desc}", "",
+                 f"Command: `{command}`; one thread, CPU seconds under cProfile (which adds its own overhead to every "
+                 "Python call, so shares are upper bounds), block-wise, eviction after every prompt block and every "
+                 "decoding step. Cumulative times nest (evict includes select, which includes score, ...).", ""]
+        for name in a.policies.split(","):
+            lines += profile(model, tok, name, prompt, a.budget, a.block, a.new_tokens)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines))
     print("\n".join(lines))
