@@ -11,7 +11,7 @@ computations they replace.
   (`batched`, the CUDA default; measured slower on CPU, which keeps the per-head calls): checked against the per-head
   loop (padded slots: weight exactly 0).
 - CriticalKV's value norms of a decoding step come from one batched product: the per-head loop's values within float32
-  rounding; both read W_O from a per-head copy (`HeadColumns`), giving the very products of W_O's strided view.
+  rounding; both read W_O from a per-head copy (`head_columns`), giving the very products of W_O's strided view.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from kvbench.engine.cache import EvictingCache, EvictingLayer
 from kvbench.engine.generate import GenerationSettings, generate
 from kvbench.policies.adakv import AdaKV
 from kvbench.policies.base import Policy, query_attention
-from kvbench.policies.criticalkv import BATCHED_TOKENS, CriticalKV, HeadColumns
+from kvbench.policies import criticalkv
+from kvbench.policies.criticalkv import BATCHED_TOKENS, CriticalKV, head_columns
 from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.window import WindowRing, window_attention
@@ -401,20 +402,25 @@ def test_criticalkv_head_columns_give_the_strided_products(b: int, q: int) -> No
     assert torch.equal(got, norms.reshape(b, 3, 2, q).mean(dim=2))
 
 
-def test_head_columns_kept_once_per_weight_and_shared_by_copies() -> None:
-    """The copy is made once per weight: a second call returns the same memory, a deep copy of the policy (a batch's
-    members, a fork) reads the same copy, and a weight changed in place is copied again (its values, not stale ones).
-    Head h's columns by hand: column j of W_O belongs to head j // d."""
-    import copy
+def test_head_columns_kept_once_per_weight_for_every_policy() -> None:
+    """The copy is made once per weight and read by every CriticalKV policy (a sweep's runs of one sample hold several
+    at once); a weight changed in place is copied again (its values, not stale ones), and the copy leaves with its
+    weight. Head h's columns by hand: column j of W_O belongs to head j // d."""
+    import gc
 
     w = torch.arange(12.0).view(2, 6)  # hidden 2, h_q = 3 heads of d = 2
-    heads = HeadColumns()
-    first = heads.of(w, 2)  # (h_q, d, hidden)
+    first = head_columns(w, 2)  # (h_q, d, hidden)
     assert first.tolist() == [[[0.0, 6.0], [1.0, 7.0]], [[2.0, 8.0], [3.0, 9.0]], [[4.0, 10.0], [5.0, 11.0]]]
-    assert heads.of(w, 2).data_ptr() == first.data_ptr()
-    policy = CriticalKV(budget=24, window=4, kernel=3)
-    assert copy.deepcopy(policy)._heads is policy._heads
+    assert head_columns(w, 2).data_ptr() == first.data_ptr()
+    module = _Attn()
+    kept = head_columns(module.o_proj.weight, 8).data_ptr()
+    values = torch.randn(1, 3, 1, 8)
+    for policy in (CriticalKV(budget=24, window=4, kernel=3), CriticalKV(budget=16, window=4, kernel=3)):
+        policy.on_append(None, module, values, values, None)
+    assert head_columns(module.o_proj.weight, 8).data_ptr() == kept  # both policies read the one copy
     w[0, 0] = 100.0
-    assert heads.of(w, 2)[0, 0].tolist() == [100.0, 6.0]
-    assert heads.of(w.clone(), 2).tolist() == heads.of(w, 2).tolist()  # another tensor: its own entry
-
+    assert head_columns(w, 2)[0, 0].tolist() == [100.0, 6.0]
+    key = id(w)
+    del w, first
+    gc.collect()
+    assert key not in criticalkv._HEAD_COLUMNS

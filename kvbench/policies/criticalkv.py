@@ -22,6 +22,7 @@ With `base: adakv` the per-head counts come from the AdaKV allocation (`allocati
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,7 +68,6 @@ class CriticalKV(Policy):
         # token, the two stages' cuts) and a decoding step drops one token per head: a layer stack (engine/stack.py)
         # selects what each layer selects alone. Over AdaKV the heads of a layer share its budget: never stacked
         self.stackable = b.stackable
-        self._heads = HeadColumns()
         super().__init__(budget=b.budget, n_sink=b.n_sink, n_recent=b.n_recent, skip_layers=b.skip_layers,
                          seed=b.seed)
 
@@ -87,7 +87,7 @@ class CriticalKV(Policy):
         h_q = w.shape[1] // d
         g = h_q // h_kv
         v = values.float()
-        w_heads = self._heads.of(w, d).float()  # (h_q, d, hidden): head h's columns of W_O, transposed
+        w_heads = head_columns(w, d).float()  # (h_q, d, hidden): head h's columns of W_O, transposed
         if b * q <= BATCHED_TOKENS:
             # A decoding step (and any small block): all query heads in one batched product instead of h_q small
             # ones (~4x cheaper per layer on CPU for one token). Each head's product is the same (q x d) by
@@ -156,30 +156,29 @@ def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tenso
     return ((scores + eps) * vnorm).masked_fill(stage1, math.inf).masked_fill(scores == -math.inf, -math.inf)
 
 
-class HeadColumns:
-    """Each output projection's columns per query head, laid out head after head: for W_O (hidden, h_q * d), the
-    (h_q, d, hidden) view of a (h_q, hidden, d) contiguous copy, made once per weight (in its own dtype) and kept.
 
-    Why: a decoding step projects one token's values through every layer's W_O. Read through the strided view of
-    W_O itself (head h's block a d-wide stripe of each of its hidden rows), that product took ~440 us per layer on
-    one CPU thread in a decoding step of SmolLM2 (13 ms a step), ~210 us from the copy, where each head's block is
-    one contiguous run. Both are the same transposed (d x hidden) operand to the same kernel, only its leading
-    dimension differs: the very same products, bit for bit (tests/test_window_state.py). The price is one copy of
-    each W_O (SmolLM2: 30 x 1.3 MB in float32). Shared by deep copies of the policy (a batch's or a fork's copies
-    read the same model); a weight changed in place (its version) is copied again.
+# W_O's per-head copies, by id(weight): (a weak reference to the weight, its version, the copy). Derived from the
+# model's weights and never written, so every CriticalKV policy of the process reads the same copy (a sweep's runs of
+# one sample, a batch's members, a fork); an entry leaves with its weight (the reference's callback)
+_HEAD_COLUMNS: dict[int, tuple[weakref.ReferenceType, int, torch.Tensor]] = {}
+
+
+def head_columns(weight: torch.Tensor, d: int) -> torch.Tensor:
+    """(h_q, d, hidden) head h's columns of W_O (hidden, h_q * d), transposed: the view of a (h_q, hidden, d)
+    contiguous copy, made once per weight (in its own dtype) and kept while the weight lives.
+
+    Why: a decoding step projects one token's values through every layer's W_O. Read through the strided view of W_O
+    itself (head h's block a d-wide stripe of each of its hidden rows), that product took ~440 us per layer on one CPU
+    thread in a decoding step of SmolLM2 (13 ms a step), ~210 us from the copy, where each head's block is one
+    contiguous run. Both are the same transposed (d x hidden) operand to the same kernel, only its leading dimension
+    differs: the very same products, bit for bit (tests/test_window_state.py). The price is one copy of each W_O per
+    process (SmolLM2: 30 x 1.3 MB in float32). A weight changed in place (its version) is copied again.
     """
-
-    def __init__(self) -> None:
-        self._by_weight: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (weight, version, layout)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> HeadColumns:
-        return self  # derived from the model's weights, never written: one per process is enough
-
-    def of(self, weight: torch.Tensor, d: int) -> torch.Tensor:
-        """(h_q, d, hidden) view of weight (hidden, h_q * d), head h's columns transposed, from the kept copy."""
-        hit = self._by_weight.get(id(weight))
-        if hit is None or hit[0] is not weight or hit[1] != weight._version:
-            hidden, h_q = weight.shape[0], weight.shape[1] // d
-            layout = weight.detach().view(hidden, h_q, d).permute(1, 0, 2).contiguous()  # (h_q, hidden, d)
-            hit = self._by_weight[id(weight)] = (weight, weight._version, layout)
-        return hit[2].transpose(1, 2)  # (h_q, d, hidden)
+    key = id(weight)
+    hit = _HEAD_COLUMNS.get(key)
+    if hit is None or hit[0]() is not weight or hit[1] != weight._version:
+        hidden, h_q = weight.shape[0], weight.shape[1] // d
+        layout = weight.detach().view(hidden, h_q, d).permute(1, 0, 2).contiguous()  # (h_q, hidden, d)
+        ref = weakref.ref(weight, lambda _, key=key: _HEAD_COLUMNS.pop(key, None))
+        hit = _HEAD_COLUMNS[key] = (ref, weight._version, layout)
+    return hit[2].transpose(1, 2)  # (h_q, d, hidden)
