@@ -462,7 +462,7 @@ def compact(keep: torch.Tensor, count: int | None = None) -> tuple[torch.Tensor,
     kept_before = keep.long().cumsum(dim=-1)  # (b, h, n): kept slots up to and including each
     kept = kept_before[..., -1:]  # (b, h, 1)
     place = torch.where(keep, kept_before - 1, kept + j - kept_before)  # (b, h, n)
-    idx = torch.empty_like(place).scatter_(-1, place, j.expand_as(place))  # (b, h, n)
+    idx = _inverse(place)  # (b, h, n): the slot at each place
     if count is not None:
         return idx[..., :count], None
     valid = j < kept  # (b, h, n)

@@ -156,7 +156,6 @@ def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tenso
     return ((scores + eps) * vnorm).masked_fill(stage1, math.inf).masked_fill(scores == -math.inf, -math.inf)
 
 
-
 # W_O's per-head copies, by id(weight): (a weak reference to the weight, its version, the copy). Derived from the
 # model's weights and never written, so every CriticalKV policy of the process reads the same copy (a sweep's runs of
 # one sample, a batch's members, a fork); an entry leaves with its weight (the reference's callback)

@@ -64,10 +64,7 @@ def schedule(budget: int, w: int, beta: float, n_layers: int, cap_seen: int | No
     at `cap_seen` - w when `cap_seen` is given. Exact rationals, each rounded half to even. Cached: the engine asks
     for a layer's budget at every eviction (twice a layer per decoding step), and the rationals cost ~13 us a call."""
     free = budget - w
-    high = first_share(free, beta)
-    low = 2 * free - high
-    if cap_seen is not None:
-        high = Fraction(cap_seen - w)
-        low = 2 * free - high
+    high = first_share(free, beta) if cap_seen is None else Fraction(cap_seen - w)
+    low = 2 * free - high  # the mean share stays F
     step = (high - low) / (n_layers - 1)
     return tuple(w + round(high - layer_idx * step) for layer_idx in range(n_layers))
