@@ -1,10 +1,12 @@
 """Where eviction time goes, per policy, on SmolLM2-135M: one generate() call under cProfile, the kvbench functions
 that eviction runs (scoring, selection, copying the kept tokens) with their cumulative CPU seconds; with --ops, the
-torch operations of the decoding steps' evictions instead (torch.profiler: self CPU ms per step by operation and
-input shapes), next to the decoding step they are part of, timed in a run without the profiler.
+torch operations of one phase's evictions instead (torch.profiler: self CPU ms by operation and input shapes, per
+decoding step or, with --phase prefill, per prompt block), next to the phase they are part of, timed in a run
+without the profiler.
 
     python scripts/profile_eviction.py [--policies snapkv,adakv,criticalkv,sagekv,keydiff] [--prompt 2048]
-        [--budget 1024] [--block 128] [--new-tokens 32] [--ops] [--top 12] [--out results/bench_smollm2/profile.md]
+        [--budget 1024] [--block 128] [--new-tokens 32] [--ops [--phase decode|prefill]] [--top 12]
+        [--out results/bench_smollm2/profile.md]
 
 The companion of results/bench_smollm2/bench.md: that table says which goals are missed, this one why.
 One thread, CPU time (time.process_time), the same filler prompt as kvbench-bench --model.
@@ -32,9 +34,13 @@ FUNCS = ("evict", "_evict", "select", "score", "window_scores", "query_attention
          "attention", "_query_rows", "_apply_pending", "attention_probs", "_cut_mask", "pooled", "on_keep", "on_reuse")
 
 
+def warm_up(model: Any, name: str, prompt: list[int], budget: int, block: int) -> None:
+    """A short run of the policy first, so one-time costs (kernel choice, allocations) are not in what is timed."""
+    generate(model, make_policy(name, budget, 0), prompt[:256], GenerationSettings(block=block, max_new_tokens=2))
+
+
 def profile(model, tok, name: str, prompt: list[int], budget: int, block: int, new_tokens: int) -> list[str]:
-    policy = make_policy(name, budget, 0)
-    generate(model, policy, prompt[:256], GenerationSettings(block=block, max_new_tokens=2))  # warm-up
+    warm_up(model, name, prompt, budget, block)
     prof = cProfile.Profile(time.process_time)
     prof.enable()
     res = generate(model, make_policy(name, budget, 0), prompt,
@@ -54,22 +60,23 @@ def profile(model, tok, name: str, prompt: list[int], budget: int, block: int, n
 
 
 def profile_ops(model: Any, name: str, prompt: list[int], budget: int, block: int, new_tokens: int,
-                top: int) -> list[str]:
-    """The decoding evictions' torch operations: one run timed as it is, then one with each decoding step's eviction
-    under torch.profiler (the engine's `_evict`, wrapped: the forward and the prompt's evictions are not profiled)."""
+                top: int, phase: str = "decode") -> list[str]:
+    """One phase's evictions' torch operations: one run timed as it is, then one with each eviction of `phase`
+    ("decode": every decoding step's, "prefill": every prompt block's) under torch.profiler (the engine's `_evict`,
+    wrapped: the forwards and the other phase's evictions are not profiled)."""
     settings = GenerationSettings(block=block, max_new_tokens=new_tokens)
-    generate(model, make_policy(name, budget, 0), prompt[:256], GenerationSettings(block=block, max_new_tokens=2))
+    warm_up(model, name, prompt, budget, block)
     res = generate(model, make_policy(name, budget, 0), prompt, settings, observer=Observer(clock=time.process_time))
     steps = len(res.tokens) - 1  # the first token comes from the prompt's forward
     totals: dict[tuple[str, str], list[float]] = {}  # (operation, input shapes) -> [self CPU us, calls]
     profiled = [0]
     evict = engine._evict
 
-    def traced(r: Any, phase: str, device: torch.device) -> float:  # engine._evict's
-        if phase != "decode":
-            return evict(r, phase, device)
+    def traced(r: Any, at: str, device: torch.device) -> float:  # engine._evict's
+        if at != phase:
+            return evict(r, at, device)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-            took = evict(r, phase, device)
+            took = evict(r, at, device)
         profiled[0] += 1
         for e in prof.key_averages(group_by_input_shape=True):
             shapes = ", ".join(str(x) for x in e.input_shapes if x) or "-"
@@ -82,11 +89,18 @@ def profile_ops(model: Any, name: str, prompt: list[int], budget: int, block: in
         generate(model, make_policy(name, budget, 0), prompt, settings)
     n = max(profiled[0], 1)
     total = sum(t[0] for t in totals.values()) / 1000 / n
-    rows = [f"### {name}: decoding {1000 * res.decode_s / steps:.1f} ms a step, of which eviction "
-            f"{1000 * res.evict_decode_s / steps:.1f} ms ({steps} steps, no profiler)", "",
-            f"Operations of {profiled[0]} decoding evictions under the profiler: {total:.1f} ms a step of self CPU "
-            f"time in torch operations; the top {top}:", "",
-            "| operation | input shapes | ms per step | calls per step |", "|---|---|---|---|"]
+    if phase == "decode":
+        rows = [f"### {name}: decoding {1000 * res.decode_s / steps:.1f} ms a step, of which eviction "
+                f"{1000 * res.evict_decode_s / steps:.1f} ms ({steps} steps, no profiler)", "",
+                f"Operations of {profiled[0]} decoding evictions under the profiler: {total:.1f} ms a step of self CPU "
+                f"time in torch operations; the top {top}:", "",
+                "| operation | input shapes | ms per step | calls per step |", "|---|---|---|---|"]
+    else:
+        rows = [f"### {name}: prompt {res.prefill_s:.2f} s, of which eviction {res.evict_prefill_s:.2f} s: "
+                f"{1000 * res.evict_prefill_s / n:.1f} ms a block ({n} blocks, no profiler)", "",
+                f"Operations of the {profiled[0]} prompt blocks' evictions under the profiler (the first blocks, under "
+                f"the budget, evict nothing): {total:.1f} ms a block of self CPU time in torch operations; the top "
+                f"{top}:", "", "| operation | input shapes | ms per block | calls per block |", "|---|---|---|---|"]
     for (op, shapes), (us, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
         rows.append(f"| `{op}` | {shapes} | {us / 1000 / n:.2f} | {calls / n:.1f} |")
     return rows + [""]
@@ -101,25 +115,30 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--ops", action="store_true", help="the decoding evictions' torch operations (torch.profiler)")
     ap.add_argument("--top", type=int, default=12, help="operations shown per policy (--ops)")
+    ap.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                    help="--ops: the evictions of the decoding steps or of the prompt blocks")
     ap.add_argument("--out", type=Path, default=None,
-                    help="default results/bench_smollm2/profile.md (profile_ops.md with --ops)")
+                    help="default results/bench_smollm2/profile.md (with --ops: profile_ops.md, with --phase prefill "
+                         "profile_ops_prefill.md)")
     a = ap.parse_args()
     if a.out is None:
-        a.out = Path("results/bench_smollm2") / ("profile_ops.md" if a.ops else "profile.md")
+        name = ("profile_ops.md" if a.phase == "decode" else "profile_ops_prefill.md") if a.ops else "profile.md"
+        a.out = Path("results/bench_smollm2") / name
     torch.set_num_threads(1)
     model, tok, desc = load_real_model("smollm2-135m")
     prompt = prompt_ids(a.prompt, model.config.vocab_size, tok)
     command = (f"python scripts/profile_eviction.py --policies {a.policies} --prompt {a.prompt} --budget {a.budget} "
                f"--block {a.block} --new-tokens {a.new_tokens}")
     if a.ops:
-        lines = [f"# The decoding evictions' operations: {desc}", "",
-                 f"Command: `{command} --ops --top {a.top}`; one thread, block-wise, eviction after every prompt "
-                 "block and every decoding step. Per policy: its decoding step and the eviction's share, CPU time "
-                 "without the profiler; then the self CPU time of the torch operations the decoding evictions ran "
-                 "(torch.profiler, in a second run), by operation and input shapes, per step. Python's own time "
+        what = ("decoding step", "decoding evictions") if a.phase == "decode" else ("prompt", "prompt-block evictions")
+        lines = [f"# The {what[1]}' operations: {desc}", "",
+                 f"Command: `{command} --ops --top {a.top} --phase {a.phase}`; one thread, block-wise, eviction after "
+                 f"every prompt block and every decoding step. Per policy: its {what[0]} and the eviction's share, CPU "
+                 f"time without the profiler; then the self CPU time of the torch operations the {what[1]} ran "
+                 "(torch.profiler, in a second run), by operation and input shapes, per eviction. Python's own time "
                  "between operations is not in them: the sum is below the eviction's time.", ""]
         for name in a.policies.split(","):
-            lines += profile_ops(model, name, prompt, a.budget, a.block, a.new_tokens, a.top)
+            lines += profile_ops(model, name, prompt, a.budget, a.block, a.new_tokens, a.top, a.phase)
     else:
         lines = [f"# Where eviction time goes: {desc}", "",
                  f"Command: `{command}`; one thread, CPU seconds under cProfile (which adds its own overhead to every "
