@@ -303,6 +303,45 @@ def test_the_decoding_lines_over_rounds_are_corrected_as_one_family_by_holm() ->
     assert goals.holm_line(goals.goals([{**r, "decode_s_rounds": r["decode_s_rounds"][:1]} for r in rows])) is None
 
 
+def test_hf_beside_pairs_each_call_with_hfs_decoding_measured_right_after_it() -> None:
+    # 10 decoding steps. The hf-decode row's own rounds 3.0, 3.0, 3.0 s (300 ms a token) would pair snapkv's
+    # 3.00, 3.60, 3.30 s into ratios 1.00, 1.20, 1.10: mean 1.10, sd 0.10, bounds 1.10 -/+ 2.920 x 0.10 / sqrt(3) =
+    # 0.93x and 1.27x, not resolved. HF's calls right beside snapkv's took 2.50, 3.00, 2.75 s (a slow middle stretch
+    # for both): ratios 1.20, 1.20, 1.20, sd 0: both bounds 1.20x, over 1.10x; the row's ratio is its median 3.30 s
+    # over the references' median 2.75 s: 1.20x.
+    hf = {**_row(setup.HF_DECODE, 2000, 2.0, 3.0, 0, 0), "budget": 64, "decode_s_rounds": [3.0, 3.0, 3.0]}
+    snap = {**_row("snapkv", 2000, 2.0, 3.30, 0.05, 0.05), "decode_s_rounds": [3.00, 3.60, 3.30]}
+    beside = {**snap, "hf_decode_s_rounds": [2.50, 3.00, 2.75], "hf_decode_steps": 10}
+    for rows in ([hf, snap], [hf, beside]):
+        goals.add_ratios(rows)
+    assert snap["decode_vs_hf"] == 1.1 and beside["decode_vs_hf"] == 1.2
+    alone, paired = ([g for g in goals.goals(rs) if g["goal"].startswith("decode")][0] for rs in ([hf, snap],
+                                                                                                   [hf, beside]))
+    assert alone["passed"] is None and alone["detail"].endswith("bounds 0.93x and 1.27x over 3 paired rounds")
+    assert paired["passed"] is False
+    assert paired["detail"] == "2000: 1.20x, one-sided 95 % bounds 1.20x and 1.20x over 3 calls each beside HF's"
+
+
+def test_hf_beside_measures_hf_after_every_kvbench_call(tmp_path, one_thread) -> None:
+    """--hf-beside: every kvbench row carries one HF decoding per round (HF's rows none), and bad combinations are
+    one line, exit 2."""
+    from kvbench.models.tiny import builtin_dir
+
+    out = tmp_path / "b.json"
+    args = ["--model", str(builtin_dir("tiny-llama")), "--lengths", "40", "--budgets", "16", "--block", "8",
+            "--new-tokens", "3", "--policies", "keydiff", "--clock", "cpu", "--no-syncs", "--out", str(out), "--quiet"]
+    assert bench.main([*args, "--repeats", "2", "--hf-beside"]) == 0
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+    for name in ("keydiff", "streamingllm"):
+        assert len(rows[name]["hf_decode_s_rounds"]) == 2 and rows[name]["hf_decode_steps"] == 3 - 1
+    assert "hf_decode_s_rounds" not in rows["hf-decode"] and "hf_decode_s_rounds" not in rows["hf-forward"]
+    assert "HF's decoding measured again beside every kvbench call" in out.with_suffix(".md").read_text()
+    for bad in (["--baselines", "full"], ["--batch", "1"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main([*args, "--hf-beside", *bad])
+        assert e.value.code == 2
+
+
 def test_regoal_rewrites_a_tables_goal_lines_from_its_rows(tmp_path) -> None:
     from helpers import load_script
 

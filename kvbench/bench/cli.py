@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="what the times measure: wall (default) or the process's CPU time (on a shared machine, with "
                         "--threads 1: robust to other processes' load; with more threads it sums them)")
+    p.add_argument("--hf-beside", action="store_true",
+                   help="measure HF's decoding (the hf-decode baseline) again right after every kvbench call and test "
+                        "the decoding goal against those references, call by call (on a shared machine: a slow "
+                        "stretch of minutes moves both alike); one more HF call per kvbench call")
     p.add_argument("--no-syncs", dest="syncs", action="store_false",
                    help="skip counting host syncs per decoding step (one extra untimed call per policy and budget)")
     p.add_argument("--batch", type=_int_list, default=None,
@@ -143,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(b not in BASELINES for b in baselines):
         p.error(f"--baselines takes {', '.join(BASELINES)} (comma-separated) or none, got '{a.baselines}'")
     a.baselines = baselines
+    if a.hf_beside and (a.batch or a.sweep is not None or HF not in baselines):
+        p.error(f"--hf-beside needs the {HF} baseline (--baselines) and goes without --batch and --sweep")
     a.command = "kvbench-bench " + " ".join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
     threads = torch.get_num_threads()
     if a.threads or preset["threads"]:
@@ -180,13 +186,14 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
                                    HF in a.baselines, a.seed, CLOCKS[a.clock], log, rounds=a.repeats or 1)
             return _write_batch(a, rows, desc, device, log, t0)
         rows = run_bench(model, configurations(policies, budgets, lengths, block, a.baselines, a.full_max_tokens),
-                         new_tokens, repeats, a.seed, desc, log, prompt, a.clock, a.syncs)
+                         new_tokens, repeats, a.seed, desc, log, prompt, a.clock, a.syncs, a.hf_beside)
     except (BenchError, PolicyError) as e:
         print(f"kvbench-bench: error: {e}", file=sys.stderr)
         return 2
     results = goals(rows)
     _write(a, {"rows": rows, "goals": results}, markdown_table(rows), goal_lines(results), desc, device,
-           f"medians of {repeats} interleaved rounds, {new_tokens} new tokens")
+           f"medians of {repeats} interleaved rounds, {new_tokens} new tokens"
+           + (", HF's decoding measured again beside every kvbench call" if a.hf_beside else ""))
     if log:
         log(f"kvbench-bench: {len(rows)} configurations in {time.perf_counter() - t0:.0f} s -> {a.out}")
     return 0

@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvbench.bench.goals import add_ratios
-from kvbench.bench.setup import (FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, make_policy, prompt_ids, slot_reuse,
-                                  variant)
+from kvbench.bench.setup import (FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, BenchError, make_policy, prompt_ids,
+                                  slot_reuse, variant)
 from kvbench.bench.syncs import count_host_syncs
 from kvbench.engine.cache import kv_bytes
 from kvbench.engine.generate import GenerationSettings, Observer, generate, sync
@@ -230,11 +230,23 @@ def warm_ups(configs: Sequence[Config], new_tokens: int, device_type: str) -> li
 
 def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: int, seed: int = 0,
               model_desc: str = "", log: Callable[[str], None] | None = None,
-              prompt: Sequence[int] | None = None, clock: str = "wall", syncs: bool = True) -> list[dict[str, Any]]:
+              prompt: Sequence[int] | None = None, clock: str = "wall", syncs: bool = True,
+              hf_beside: bool = False) -> list[dict[str, Any]]:
     """Measure every configuration `repeats` times, interleaved (round r runs them all, in an order rotated by r),
     after the unmeasured warm-up calls of `warm_ups`; returns one row per configuration with medians. `prompt`: the
     token ids every configuration reads its first `prompt_tokens` from (default: random ids per length). `syncs`:
-    count host syncs per decoding step once per (policy, budget, block) (`host_syncs`; not for HF's own loop)."""
+    count host syncs per decoding step once per (policy, budget, block) (`host_syncs`; not for HF's own loop).
+
+    `hf_beside`: right after each call of a kvbench configuration, HF's own decoding at its budget (the hf-decode
+    configuration) is measured once more and kept beside that call as its reference (the row's
+    `hf_decode_s_rounds`; the hf-decode row itself keeps its own calls), and the decoding goal pairs each call with
+    its reference (goals._round_ratios). Why: on a shared machine a call's time moves with the stretch it ran in
+    (slow stretches of minutes: HF's own decoding 33 % apart between the rounds of one committed table), and a
+    round's hf-decode call ran minutes before or after most of the round's rows; two calls seconds apart share their
+    stretch. The price: one more HF call (prompt of N tokens, then the decoding) per kvbench call."""
+    hf_at = {c.budget: c for c in configs if c.policy == HF_DECODE}
+    if hf_beside and not hf_at:
+        raise BenchError("hf_beside needs the hf-decode baseline (--baselines hf)")
     mem = PeakMemory(model.device)
     for c, n in warm_ups(configs, new_tokens, model.device.type):
         measure(model, c, n, mem, seed, prompt, clock)
@@ -251,12 +263,17 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
         k = r % len(configs)
         for c in list(configs[k:]) + list(configs[:k]):
             m = measure(model, c, new_tokens, mem, seed, prompt, clock)
+            ref = hf_at.get(c.budget) if hf_beside and c.policy not in (HF_FORWARD, HF_DECODE) else None
+            if ref is not None:  # HF's decoding at its budget, right after it: its reference in this stretch
+                h = measure(model, ref, new_tokens, mem, seed, prompt, clock)
+                m.update(hf_decode_s=h["decode_s"], hf_decode_steps=h["decode_steps"])
             raw[c].append(m)
             if log:
                 log(f"round {r + 1}/{repeats} {c.policy:>12} N={c.budget} B={c.block} T={c.prompt_tokens}: "
                     f"prefill {m['prefill_s']:.3f} s (evict {m['evict_prefill_s']:.3f}), decode {m['decode_s']:.3f} s "
                     f"(evict {m['evict_decode_s']:.3f}), peak RSS {m['peak_rss_mib']:.0f} MiB, "
-                    f"cpu/wall {m['cpu_per_wall']:.2f}")
+                    f"cpu/wall {m['cpu_per_wall']:.2f}"
+                    + (f"; HF's decoding beside it {m['hf_decode_s']:.3f} s" if ref is not None else ""))
     rows = [{**_row(c, raw[c], model, model_desc, mem.method), "clock": clock,
              **counted.get((c.policy, c.budget, c.block), NO_SYNCS)} for c in configs]
     add_ratios(rows)
@@ -298,4 +315,7 @@ def _row(c: Config, ms: list[dict[str, Any]], model: Any, model_desc: str, rss_m
         "repeats": len(ms), "decode_steps": steps, "device": str(model.device), "model": model_desc,
         "rss_method": rss_method,
     }
+    if all("hf_decode_s" in m for m in ms):  # run_bench's hf_beside: each call's own reference, round by round
+        row.update(hf_decode_s_rounds=[round(m["hf_decode_s"], 6) for m in ms],
+                   hf_decode_steps=ms[0]["hf_decode_steps"])
     return row
