@@ -322,6 +322,24 @@ def test_hf_beside_pairs_each_call_with_hfs_decoding_measured_right_after_it() -
     assert paired["detail"] == "2000: 1.20x, one-sided 95 % bounds 1.20x and 1.20x over 3 calls each beside HF's"
 
 
+def test_beside_spread_sets_both_references_side_by_side(tmp_path, capsys) -> None:
+    # The hand-worked rows of the test above: against the round's hf-decode call ratios 1.0, 1.2, 1.1 (sd 0.100,
+    # bounds 0.93x and 1.27x); against the calls beside them 1.2, 1.2, 1.2 (sd 0, bounds 1.20x and 1.20x).
+    from helpers import load_script
+
+    spread = load_script("beside_spread")
+    hf = {**_row(setup.HF_DECODE, 2000, 2.0, 3.0, 0, 0), "budget": 64, "decode_s_rounds": [3.0, 3.0, 3.0]}
+    snap = {**_row("snapkv", 2000, 2.0, 3.30, 0.05, 0.05), "decode_s_rounds": [3.00, 3.60, 3.30],
+            "hf_decode_s_rounds": [2.50, 3.00, 2.75], "hf_decode_steps": 10}
+    assert spread.spread_rows([hf, snap]) == [["snapkv", "3", "0.100", "0.93x-1.27x", "0.000", "1.20x-1.20x"]]
+    (tmp_path / "b.json").write_text(json.dumps({"rows": [hf, snap]}))
+    assert spread.main([str(tmp_path / "b.json"), "--out", str(tmp_path / "s.md")]) == 0
+    assert (tmp_path / "s.md").read_text().endswith("| snapkv | 3 | 0.100 | 0.93x-1.27x | 0.000 | 1.20x-1.20x |\n")
+    (tmp_path / "old.json").write_text(json.dumps({"rows": [hf, {**snap, "hf_decode_s_rounds": None}]}))
+    assert spread.main([str(tmp_path / "old.json")]) == 2 and spread.main([str(tmp_path / "none.json")]) == 2
+    assert capsys.readouterr().err.count("beside_spread: error:") == 2
+
+
 def test_hf_beside_measures_hf_after_every_kvbench_call(tmp_path, one_thread) -> None:
     """--hf-beside: every kvbench row carries one HF decoding per round (HF's rows none), and bad combinations are
     one line, exit 2."""

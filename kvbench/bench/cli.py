@@ -80,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
                         "--threads 1: robust to other processes' load; with more threads it sums them)")
     p.add_argument("--hf-beside", action="store_true",
                    help="measure HF's decoding (the hf-decode baseline) again right after every kvbench call and test "
-                        "the decoding goal against those references, call by call (on a shared machine: a slow "
-                        "stretch of minutes moves both alike); one more HF call per kvbench call")
+                        "the decoding goal against those references, call by call (seconds apart rather than minutes: "
+                        "what a slow stretch of a shared machine moves, it moves alike); one more HF call per call")
     p.add_argument("--no-syncs", dest="syncs", action="store_false",
                    help="skip counting host syncs per decoding step (one extra untimed call per policy and budget)")
     p.add_argument("--batch", type=_int_list, default=None,

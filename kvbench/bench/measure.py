@@ -241,9 +241,12 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
     configuration) is measured once more and kept beside that call as its reference (the row's
     `hf_decode_s_rounds`; the hf-decode row itself keeps its own calls), and the decoding goal pairs each call with
     its reference (goals._round_ratios). Why: on a shared machine a call's time moves with the stretch it ran in
-    (slow stretches of minutes: HF's own decoding 33 % apart between the rounds of one committed table), and a
-    round's hf-decode call ran minutes before or after most of the round's rows; two calls seconds apart share their
-    stretch. The price: one more HF call (prompt of N tokens, then the decoding) per kvbench call."""
+    (HF's own decoding 33 % apart between the rounds of one committed table), and a round's hf-decode call ran
+    minutes before or after most of the round's rows; a reference seconds away shares more of its call's stretch.
+    How much that buys depends on the machine: on the 2-core Xeon of results/bench_smollm2 (engine_4k_hf_beside,
+    5 rounds) the ratios' spread fell for 8 of 13 policies and rose for 5 (median sd 0.069 against 0.072): there most
+    of the noise is each call's own. The price: one more HF call (prompt of N tokens, then the decoding) per kvbench
+    call."""
     hf_at = {c.budget: c for c in configs if c.policy == HF_DECODE}
     if hf_beside and not hf_at:
         raise BenchError("hf_beside needs the hf-decode baseline (--baselines hf)")
