@@ -16,24 +16,24 @@ import statistics
 import sys
 from pathlib import Path
 
+from kvbench.bench.goals import round_ratios
 from kvbench.bench.setup import HF_DECODE
 from kvbench.metrics.stats import one_sided_bounds
 
 
 def spread_rows(rows: list[dict]) -> list[list[str]]:
-    """One table row per policy row that has references beside its calls: name, rounds, then per reference (the
-    round's hf-decode call, the call beside it) the ratios' sd and bounds."""
+    """One table row per policy row with references beside its calls over >= 2 rounds: name, rounds, then per
+    reference (the round's hf-decode call, the call beside it) the ratios' sd and bounds (`goals.round_ratios`)."""
     hf = {r["budget"]: r for r in rows if r["policy"] == HF_DECODE}
     out = []
     for r in rows:
-        h = hf.get(r["budget"])
-        if not r.get("hf_decode_s_rounds") or h is None:
+        if not r.get("hf_decode_s_rounds"):
             continue
-        mine = [s / r["decode_steps"] for s in r["decode_s_rounds"]]
-        cells = [r["policy"], str(len(mine))]
-        for theirs in ([s / h["decode_steps"] for s in h["decode_s_rounds"]],
-                       [s / r["hf_decode_steps"] for s in r["hf_decode_s_rounds"]]):
-            ratios = [a / b for a, b in zip(mine, theirs)]
+        both = [round_ratios(r, hf.get(r["budget"]), beside) for beside in (False, True)]
+        if None in both:
+            continue
+        cells = [r["policy"], str(len(both[0]))]
+        for ratios in both:
             lo, hi = one_sided_bounds(ratios)
             cells += [f"{statistics.stdev(ratios):.3f}", f"{lo:.2f}x-{hi:.2f}x"]
         out.append(cells)

@@ -60,11 +60,11 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         h = hf_fwd.get(r["prompt_tokens"])
         r["vs_hf_forward"] = round(r["prefill_s"] / h["prefill_s"], 4) if h and evicting else None
         d = hf_dec.get(r["budget"])
-        if r.get("hf_decode_s_rounds") and r["decode_ms_per_token"] and evicting:
-            # HF's decoding measured beside each of the row's calls (run_bench's hf_beside): against their median
-            d = {"decode_ms_per_token": 1000 * statistics.median(r["hf_decode_s_rounds"]) / r["hf_decode_steps"]}
-        r["decode_vs_hf"] = (round(r["decode_ms_per_token"] / d["decode_ms_per_token"], 4)
-                             if d and evicting and r["decode_ms_per_token"] and d["decode_ms_per_token"] else None)
+        ref = d["decode_ms_per_token"] if d else None
+        if r.get("hf_decode_s_rounds"):  # HF's decoding measured beside each of the row's calls: their median
+            ref = 1000 * statistics.median(r["hf_decode_s_rounds"]) / r["hf_decode_steps"]
+        r["decode_vs_hf"] = (round(r["decode_ms_per_token"] / ref, 4)
+                             if evicting and r["decode_ms_per_token"] and ref else None)
         kd = keydiff.get((r["prompt_tokens"], r["budget"]))
         r["vs_keydiff"] = round(r["total_s"] / kd["total_s"], 4) if kd and evicting else None
 
@@ -120,13 +120,13 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _round_ratios(r: dict[str, Any], hf: dict[str, Any] | None) -> list[float] | None:
+def round_ratios(r: dict[str, Any], hf: dict[str, Any] | None, beside: bool = True) -> list[float] | None:
     """A row's per-round decoding time per token over HF's (--repeats >= 2): over HF's call measured right after each
-    of the row's calls when the row has them (`hf_decode_s_rounds`, run_bench's hf_beside), else over the hf-decode
-    row's call of the same round (interleaved: round i of both ran in the same stretch of the machine); None with one
-    round."""
+    of the row's calls when the row has them (`hf_decode_s_rounds`, run_bench's hf_beside) and `beside`, else over the
+    hf-decode row `hf`'s call of the same round (interleaved: round i of both ran in the same stretch of the machine);
+    None with one round."""
     mine = r.get("decode_s_rounds") or []
-    if r.get("hf_decode_s_rounds"):
+    if beside and r.get("hf_decode_s_rounds"):
         theirs, their_steps = r["hf_decode_s_rounds"], r["hf_decode_steps"]
     else:
         theirs = [] if hf is None else hf.get("decode_s_rounds") or []
@@ -139,12 +139,12 @@ def _round_ratios(r: dict[str, Any], hf: dict[str, Any] | None) -> list[float] |
 
 def _decode_check(r: dict[str, Any], hf: dict[str, Any] | None,
                   limit: float) -> tuple[bool | None, str, tuple[float, float] | None]:
-    """A row's decoding goal. With rounds, a test at 95 % on the paired per-round ratios (`_round_ratios`): passed when
+    """A row's decoding goal. With rounds, a test at 95 % on the paired per-round ratios (`round_ratios`): passed when
     the one-sided upper t bound of their mean is within the limit, failed when the lower bound is over it, None (not
     resolved) otherwise. With one round, the ratio of the row's medians against the limit.
     Returns (passed, the words, the test's one-sided p values under the limit and over it; None with one round)."""
     text = f"{r['prompt_tokens']}: {r['decode_vs_hf']:.2f}x"
-    ratios = _round_ratios(r, hf)
+    ratios = round_ratios(r, hf)
     if ratios is None:
         return r["decode_vs_hf"] <= limit, text, None
     lower, upper = one_sided_bounds(ratios)

@@ -240,7 +240,7 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
     `hf_beside`: right after each call of a kvbench configuration, HF's own decoding at its budget (the hf-decode
     configuration) is measured once more and kept beside that call as its reference (the row's
     `hf_decode_s_rounds`; the hf-decode row itself keeps its own calls), and the decoding goal pairs each call with
-    its reference (goals._round_ratios). Why: on a shared machine a call's time moves with the stretch it ran in
+    its reference (goals.round_ratios). Why: on a shared machine a call's time moves with the stretch it ran in
     (HF's own decoding 33 % apart between the rounds of one committed table), and a round's hf-decode call ran
     minutes before or after most of the round's rows; a reference seconds away shares more of its call's stretch.
     How much that buys depends on the machine: on the 2-core Xeon of results/bench_smollm2 (engine_4k_hf_beside,
