@@ -336,6 +336,8 @@ def test_beside_spread_sets_both_references_side_by_side(tmp_path, capsys) -> No
     assert spread.main([str(tmp_path / "b.json"), "--out", str(tmp_path / "s.md")]) == 0
     assert (tmp_path / "s.md").read_text().endswith("| snapkv | 3 | 0.100 | 0.93x-1.27x | 0.000 | 1.20x-1.20x |\n")
     (tmp_path / "old.json").write_text(json.dumps({"rows": [hf, {**snap, "hf_decode_s_rounds": None}]}))
+    one = {**snap, "decode_s_rounds": [3.00], "hf_decode_s_rounds": [2.50]}  # one round: no spread to give
+    assert spread.spread_rows([{**hf, "decode_s_rounds": [3.0]}, one]) == []
     assert spread.main([str(tmp_path / "old.json")]) == 2 and spread.main([str(tmp_path / "none.json")]) == 2
     assert capsys.readouterr().err.count("beside_spread: error:") == 2
 
