@@ -245,8 +245,8 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
     minutes before or after most of the round's rows; a reference seconds away shares more of its call's stretch.
     How much that buys depends on the machine: on the 2-core Xeon of results/bench_smollm2 (engine_4k_hf_beside,
     5 rounds) the ratios' spread fell for 8 of 13 policies and rose for 5 (median sd 0.069 against 0.072; an sd from
-    5 rounds is uncertain by about a third): no clear gain there, where most of the noise looks like each call's own. The price: one more HF call (prompt of N tokens, then the decoding) per kvbench
-    call."""
+    5 rounds is uncertain by about a third): no clear gain there, where most of the noise looks like each call's own.
+    The price: one more HF call (prompt of N tokens, then the decoding) per kvbench call."""
     hf_at = {c.budget: c for c in configs if c.policy == HF_DECODE}
     if hf_beside and not hf_at:
         raise BenchError("hf_beside needs the hf-decode baseline (--baselines hf)")
