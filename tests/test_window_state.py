@@ -199,6 +199,40 @@ def test_a_decoding_step_adds_one_row_and_renormalises_the_others() -> None:
     assert torch.equal(stored, WindowRing._query_rows(layer, layer.stash.queries[:, :, -1:], 20)[:, :, 0])
 
 
+def test_a_freed_slot_leaves_each_row_sum_and_the_next_row_sums_itself() -> None:
+    """Keys all zero: the query at position p gives each of the keys it sees (positions 0 .. p) 1 / (p + 1). Window 4
+    (queries 16 .. 19 of 20 tokens). Freeing slot 5 in place (slot reuse) leaves row p the sum p / (p + 1); the next
+    token (position 20, written into slot 5) adds a row of 20 keys at 1/20 each, and the older rows are renormalised
+    to 1 / p over the p keys each still sees, so the window attention of a slot is the mean of those."""
+    layer = EvictingLayer(0)
+    layer.scaling, layer.softcap, layer.decoding, layer.reuse_slots = 0.3, None, True, True
+    g = torch.Generator().manual_seed(4)
+
+    def append(q: int) -> None:  # zero keys, random values and queries
+        layer.update(torch.zeros(1, 2, q, 8), torch.randn(1, 2, q, 8, generator=g))
+        layer.stash.add(torch.randn(1, 4, q, 8, generator=g), layer.seen, 4)
+
+    append(19)
+    append(1)
+    ring = WindowRing.of(layer)
+    window_attention(layer)  # the 4 rows computed and stored
+    window_attention(layer)  # nothing new: their sums taken once
+    assert ring.mass.shape == (1, 2, 2, 4)  # (b, h_kv, g, w): ring slot p - 16 holds query p
+    layer.keep(torch.tensor([[[i for i in range(20) if i != 5]] * 2]))  # drops slot 5 in place
+    assert layer.hole is not None and layer.keys.shape[2] == 20
+    want = torch.tensor([p / (p + 1) for p in range(16, 20)]).expand(1, 2, 2, 4)
+    torch.testing.assert_close(ring.mass, want, rtol=4 * EPS, atol=0)
+    append(1)  # position 20, into slot 5
+    got = window_attention(layer)  # (1, 4, 20): queries 17 .. 20
+    torch.testing.assert_close(ring.mass[..., 0], torch.ones(1, 2, 2), rtol=32 * EPS, atol=0)  # the new row (slot 0)
+    held = [i for i in range(20) if i != 5]
+    expected = torch.zeros(20)
+    for t in held:  # an old token: seen by the old queries at positions >= t, and by the new one
+        expected[t] = (sum(1 / p for p in range(max(17, t), 20)) + 1 / 20) / 4
+    expected[5] = (1 / 20) / 4  # the new token: only its own query sees it
+    torch.testing.assert_close(got, expected.expand(1, 4, 20), rtol=64 * EPS, atol=0)
+
+
 def test_evictions_between_scorings_keep_the_window_aligned() -> None:
     """Two tokens appended without scoring, an eviction that keeps one of them in head 0 and both in head 1 (their
     entries are pending zeros, pruned lazily with the rest), one more token, then scoring."""

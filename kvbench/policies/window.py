@@ -68,6 +68,10 @@ class WindowRing:
         # a prompt block whose queries replace every row never copies the old ones. None: `probs` as it is.
         self.sel: torch.Tensor | None = None
         self.sel_zeros = False  # `sel` may hold -1 (tokens appended, then kept, before any scoring)
+        # (b, h_kv, g, w) each ring slot's row summed over the slots held (None: not known, summed when next needed).
+        # Kept up to date through slot reuse (a freed slot's entries subtracted) and new rows (their own sums), so a
+        # decoding step does not read every stored row once more only to renormalise them.
+        self.mass: torch.Tensor | None = None
 
     @classmethod
     def of(cls, layer: CacheLayer) -> WindowRing:
@@ -99,7 +103,7 @@ class WindowRing:
         """
         w, first = layer.stash.window, layer.stash.first
         if w <= 0 or first is None or layer.stash.queries is None:
-            self.probs, self.sel, self.sel_zeros = None, None, False
+            self.probs, self.sel, self.sel_zeros, self.mass = None, None, False, None
             return query_attention(layer).mean(dim=-2)
         b, h_q = layer.stash.queries.shape[:2]
         h_kv, n = layer.keys.shape[1], layer.keys.shape[2]
@@ -108,7 +112,7 @@ class WindowRing:
         count = seen - first  # stashed queries, at positions first .. seen - 1
         fresh = max(first, self.rows)  # the queries from position `fresh` on have no row yet
         if self.probs is None or self.probs.shape[-1] != g * w or fresh == first:
-            self.sel, self.sel_zeros = None, False  # the old rows are all replaced: never copied
+            self.sel, self.sel_zeros, self.mass = None, False, None  # the old rows are all replaced: never copied
             probs = query_attention(layer)  # (b, h_q, count, n): every stashed query is new
             if not layer.decoding and count == w:
                 # A prompt block of at least w tokens: the next block replaces every row again, so none is kept (the
@@ -130,22 +134,30 @@ class WindowRing:
         if new > 0:
             rows = self._query_rows(layer, layer.stash.queries[:, :, count - new:], fresh)  # (b, h_q, new, n)
             src = rows.view(b, h_kv, g, new, n).permute(0, 1, 4, 2, 3)  # (b, h_kv, n, g, new)
+            sums = rows.view(b, h_kv, g, new, n).sum(dim=-1) if self.mass is not None else None  # (b, h_kv, g, new)
             done = 0
             for lo, hi in self._ring_runs(fresh, seen, w):
                 wp[..., lo:hi] = src[..., done:done + hi - lo]
+                if sums is not None:
+                    self.mass[..., lo:hi] = sums[..., done:done + hi - lo]
                 done += hi - lo
             self.rows = seen
+        if self.mass is None:
+            self.mass = wp.sum(dim=2)  # (b, h_kv, g, w): one pass over the rows, then kept up to date
         # Per ring slot: rows computed before the latest eviction are renormalised over the slots held (1 / their
         # remaining mass); rows computed since are already a softmax over exactly these slots (1: their values as
         # query_attention computes them); slots no stashed query holds (fewer than w stashed) weigh 0.
-        scale = wp.sum(dim=2).reciprocal_()  # (b, h_kv, g, w)
+        scale = self.mass.reciprocal()  # (b, h_kv, g, w)
         for lo, hi in self._ring_runs(max(first, self.exact), seen, w):
             scale[..., lo:hi] = 1.0
         for lo, hi in self._ring_runs(seen, first + w, w):
             scale[..., lo:hi] = 0.0
         # The scaled sum over each query head's w rows as one product with a block-diagonal (g x g*w) matrix of the
         # scales: it reads the stored rows once and writes (b, h_q, n) directly (a product then a sum over w would
-        # write and read a temporary as large as the rows; the zeros of the other heads add exactly nothing)
+        # write and read a temporary as large as the rows; the zeros of the other heads add exactly nothing). The
+        # rows as the right operand, transposed: the other orientation, (n x g*w) by (g*w x g), ran ~1.8x faster on
+        # random rows but 2.6x slower in SnapKV's real decoding (15.7 against 6.1 ms a step, one CPU thread), whose
+        # far tokens' probabilities are subnormal floats, slow in that kernel (4x on rows with a fifth subnormal)
         blocks = scale.new_zeros(b, h_kv, g, g, w)
         blocks.diagonal(dim1=2, dim2=3).copy_(scale.transpose(-1, -2))  # (b, h_kv, w, g) view of the diagonal
         mean = torch.bmm(blocks.view(b * h_kv, g, g * w), self.probs.view(b * h_kv, n, g * w).transpose(1, 2))
@@ -199,6 +211,7 @@ class WindowRing:
         if sel is None:  # nothing evicted since: append the zeros
             self.probs = torch.cat([wp, wp.new_zeros(b, h, new, r)], dim=2)
         else:
+            self.mass = None  # rows lost slots: summed again when next needed
             m = sel.shape[-1]
             rows = sel.clamp_min(0) if self.sel_zeros else sel
             if new:  # any row as a placeholder for the appended tokens, zeroed below
@@ -218,6 +231,7 @@ class WindowRing:
         row computed so far loses slots, and the pending pruning is applied first, in the layout the rows follow."""
         if self.probs is None:
             return
+        self.mass = None  # every row loses slots: summed again when next needed
         if packed:
             self._apply_pending(layer)
             self.exact = self.rows
@@ -233,7 +247,10 @@ class WindowRing:
             return
         self._apply_pending(layer)  # a lazy pruning of an earlier eviction, if any: the rows follow the slots again
         b, h, _, r = self.probs.shape
-        self.probs.scatter_(2, slots.unsqueeze(-1).expand(b, h, 1, r), 0.0)  # (b, h_kv, n, g * w), any strides
+        index = slots.unsqueeze(-1).expand(b, h, 1, r)  # (b, h_kv, 1, g * w)
+        if self.mass is not None:  # the dropped token's entries leave each row's sum
+            self.mass.sub_(self.probs.gather(2, index).view(self.mass.shape))
+        self.probs.scatter_(2, index, 0.0)  # (b, h_kv, n, g * w), any strides
         self.exact = self.rows
 
     def on_unpack(self, layer: CacheLayer, sizes: list[int],
@@ -242,6 +259,7 @@ class WindowRing:
         The entries of the tokens appended since the rows were complete are zeros: part of the padding here."""
         if self.probs is None:
             return
+        self.mass = None  # the padded view's layout: summed again when next needed
         if layer.stash.first is not None and self.rows <= layer.stash.first:
             self.probs = None  # every stashed query is newer than the rows (a prompt block): rebuilt, not padded
             return
@@ -252,6 +270,7 @@ class WindowRing:
         """The layer stores the rows `rows` (S,) of its flattened arrays: uniform `shape` (b, h_kv, n), or flat."""
         if self.probs is None:
             return
+        self.mass = None  # stored flat or pruned: summed again when next needed
         self.probs = self.probs.reshape(-1, self.probs.shape[-1]).index_select(0, rows)
         if shape is not None:
             self.probs = self.probs.view(*shape, -1)
@@ -261,4 +280,6 @@ class WindowRing:
         new = copy.copy(self)
         if self.probs is not None:
             new.probs = self.probs.clone()
+        if self.mass is not None:
+            new.mass = self.mass.clone()  # updated in place too
         return new
