@@ -95,9 +95,11 @@ class WindowRing:
         over the ring slots of the k queries that left the window. The older rows need no new entry (a new key is
         later than every older query, which does not see it) but have lost the slots evicted since they were computed:
         their probabilities are renormalised over the slots still held, p / sum(p), the softmax over fewer keys (the
-        same values up to float rounding: a different order of the sums, one division more). A decoding step thus
-        costs one (g x d) by (d x n) product per KV head and a few passes over the g * w * n stored probabilities,
-        where recomputing costs the (g * w x d) by (d x n) product, its softmax and mean.
+        same values up to float rounding: a different order of the sums, one division more). sum(p) is kept per row
+        (`mass`): its sum when written, less the entries of each slot freed since (slot reuse), summed again over the
+        slots after any other eviction. A decoding step thus costs one (g x d) by (d x n) product per KV head and one
+        pass over the g * w * n stored probabilities (with slot reuse), where recomputing costs the (g * w x d) by
+        (d x n) product, its softmax and mean.
         Stashed positions with a gap (a forward that stashed nothing) or per-block queries (window < 0) have no ring:
         then it is the plain computation, every time.
         """
