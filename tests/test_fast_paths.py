@@ -159,6 +159,39 @@ def test_query_attention_of_a_padded_view_masks_only_the_tail_like_the_full_mask
     assert fast[0, :2, 0, 5:].abs().max().item() == 0.0 and fast[0, 2:4, :, 3:].abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("gap_free", [True, False])
+def test_query_attention_over_each_heads_own_keys_equals_the_padded_keys(softcap: float | None,
+                                                                        gap_free: bool) -> None:
+    # The same layer in its padded view with K/V padded and with K/V left flat (`unpack(kv=False)`: attention over
+    # each head's own keys, `head_keys`): the same probabilities bit for bit, padding exactly 0, and their mean
+    kept = [[0, 1, 4, 6, 9, 10, 11], [0, 5, 8], [2, 3, 7, 9, 11]]
+    query = torch.randn(1, 6, 3, 4, generator=torch.Generator().manual_seed(2))
+    views = []
+    for kv in (True, False):
+        layer = _padded_view(kept)
+        layer.pack()
+        layer.unpack(kv=kv)
+        layer.scaling, layer.softcap = 0.4, softcap
+        layer.stash.add(query, layer.seen, 3)
+        if not gap_free:
+            layer.stash.first = None
+        views.append(layer)
+    padded, flat = views
+    assert padded.head_keys() is None and [k.shape[0] for k in flat.head_keys()] == [7, 3, 5]
+    want = query_attention(padded)  # (1, 6, 3, 7)
+    got = query_attention(flat)
+    assert torch.equal(got, want)
+    assert got[0, 2:4, :, 3:].abs().max().item() == 0.0 and got[0, 4:, :, 5:].abs().max().item() == 0.0
+    assert torch.equal(query_attention(flat, mean=True), want.mean(dim=-2))
+    # by hand: query 9 (row 0) of head 1's group sees all 3 of its keys (positions 0, 5, 8): a softmax over 3
+    keys = flat.head_keys()[1]
+    logits = 0.4 * query[0, 2] @ keys.t()  # (3 queries, 3 keys)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    torch.testing.assert_close(got[0, 2, :, :3], torch.softmax(logits, dim=-1))
+
+
 def test_a_ragged_layer_under_its_total_budget_is_not_unpacked() -> None:
     # AdaKV: 3 heads share 3 x 5 slots; 6 + 2 + 4 = 12 tokens fit although head 0 holds more than 5
     layer = _padded_view([[0, 1, 2, 3, 4, 5], [0, 6], [1, 3, 5, 7]])

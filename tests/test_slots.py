@@ -361,24 +361,32 @@ def test_a_padded_view_without_kv_stores_the_rows_the_full_view_stores(selection
                [v.tolist() for v in full.flat.views(getattr(full, name))], name
 
 
-def test_sagekv_slides_without_padding_kv(monkeypatch) -> None:
-    """SAGE-KV's decoding slide reads positions and its pinned state only (`needs_kv` False), so the padded view is
-    built without K/V: `FlatHeads.pad` never copies a (rows, head_dim) array during the slides, where it copied K and
-    V of every layer at every step before; the prompt's selection (which reads the keys) still pads them."""
+@pytest.mark.parametrize("policy", ["sagekv", "adakv", "criticalkv"])
+def test_per_head_selections_pad_no_kv(monkeypatch, policy: str) -> None:
+    """SAGE-KV's slide reads positions and its pinned state, and the per-head selections (AdaKV's, CriticalKV's on
+    AdaKV, SAGE-KV's) read the keys only through attention, which attends each head's own keys (`needs_kv` False):
+    `FlatHeads.pad` never copies a (rows, head_dim) array, in the prompt or while decoding (it copied K and V of every
+    evicted layer before), and the tokens are those of the same run with K/V padded for every selection."""
     model, _ = build_tiny_model("tiny-llama", output_scale=1.0)
     attention.install(model)
-    padded_2d: list[str] = []
+    make = {"sagekv": lambda: SageKV(budget=40), "adakv": lambda: AdaKV(budget=40, window=4, kernel=3),
+            "criticalkv": lambda: CriticalKV(budget=40, base="adakv", window=4, kernel=3)}[policy]
+    settings = GenerationSettings(block=16, max_new_tokens=6)
+    prompt = random_prompt(100, 0)
+    padded_2d: list[int] = []
     pad = FlatHeads.pad
+    head_dim = model.config.hidden_size // model.config.num_attention_heads  # 64; windows of 4 rows: 2 * 4 columns
 
     def spy(self: FlatHeads, flat: torch.Tensor, fill: float, segments: list[int] | None = None) -> torch.Tensor:
-        if flat.dim() == 2:
-            padded_2d.append("decoding" if decoding[0] else "prompt")
+        if flat.dim() == 2 and flat.shape[-1] == head_dim:  # K or V (the window ring's rows have g * w columns)
+            padded_2d.append(flat.shape[0])
         return pad(self, flat, fill, segments)
 
-    decoding = [False]
     monkeypatch.setattr(FlatHeads, "pad", spy)
-    res = generate(model, SageKV(budget=40), random_prompt(100, 0),
-                   GenerationSettings(block=16, max_new_tokens=6),
-                   observer=Observer(on_logits=lambda _: decoding.__setitem__(0, True)))
-    assert len(res.tokens) == 6
-    assert "prompt" in padded_2d and "decoding" not in padded_2d, padded_2d
+    lean = generate(model, make(), prompt, settings)
+    assert len(lean.tokens) == 6 and lean.peak_kv_tokens <= 40 + 16
+    assert padded_2d == []
+    monkeypatch.setattr(type(make()), "needs_kv", lambda self, layer: True)
+    full = generate(model, make(), prompt, settings)
+    assert padded_2d, "the padded K/V of every selection"
+    assert full.tokens == lean.tokens

@@ -272,6 +272,15 @@ class RaggedStorage:
         for extra in self.extras.values():  # their flat rows (S, ...) in segments of their own -> the view's layout
             extra.on_unpack(self, view.sizes, lambda rows, segments, fill: flat.pad(rows, fill, segments))
 
+    def head_keys(self) -> list[torch.Tensor] | None:
+        """In the padded view of a ragged layer whose K/V were left flat (`unpack(kv=False)`): each (batch, KV head)'s
+        real keys (n_i, d), row-major, in position order (views of the flat storage, no copy), for attention over each
+        head's own keys; None otherwise (the view's `keys` are the real ones, or the layer is not in the view)."""
+        if self.padded is None or self.padded.source is None:
+            return None
+        flat, keys, _ = self.padded.source
+        return flat.views(keys)
+
     def _keep_padded(self, idx: torch.Tensor, valid: torch.Tensor | None, rows: torch.Tensor) -> None:
         """`keep` of the slots `idx` (b, h_kv, k) of a padded view, or of a uniform layer with padding `valid` (it turns
         ragged): `rows` (b*h_kv*k,) the flattened rows they select. `pack` copies K/V, positions and state once, at

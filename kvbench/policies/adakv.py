@@ -65,6 +65,10 @@ class AdaKV(SnapKV):
         scores = pool(prefix, self.kernel, self.pooling)  # (b, h_q, n)
         return scores.masked_fill(window, scores.max() if n else 0.0)  # a 0-d tensor: no host read
 
+    def needs_kv(self, layer: CacheLayer) -> bool:
+        """The window's attention is its only read of the keys: over each head's own keys, K/V left flat."""
+        return False
+
     def due(self, layer: CacheLayer) -> bool:
         """Only over the layer's total budget (its heads sit under it for many decoding steps)."""
         return self.over_budget(layer) is not None

@@ -185,9 +185,11 @@ class Policy:
         return True
 
     def needs_kv(self, layer: CacheLayer) -> bool:
-        """Whether `select` reads the layer's keys or values now (asked before a ragged layer's padded view is built:
-        False leaves K/V flat and the view's K/V stand-ins of its shape, `CacheLayer.unpack(kv=False)`). True unless
-        a subclass knows better (SAGE-KV's slide reads positions and state only)."""
+        """Whether `select` reads the padded view's keys or values themselves now (asked before a ragged layer's padded
+        view is built: False leaves K/V flat and the view's K/V stand-ins of its shape, `CacheLayer.unpack(kv=False)`).
+        Attention over the keys (`query_attention`, `attention_probs`, the observation window) needs no padded keys: it
+        attends each head's own keys then (`CacheLayer.head_keys`). True unless a subclass knows better (AdaKV's,
+        CriticalKV's and SAGE-KV's selections read keys only through that attention)."""
         return True
 
     def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -351,22 +353,28 @@ def group_mean(x: torch.Tensor, n_kv: int) -> torch.Tensor:
     return x.view(b, n_kv, h_q // n_kv, *x.shape[2:]).mean(dim=2)
 
 
-def query_attention(layer: CacheLayer) -> torch.Tensor:
-    """Attention probabilities (b, h_q, w, n) of the layer's stashed queries over its cached tokens.
+def query_attention(layer: CacheLayer, mean: bool = False) -> torch.Tensor:
+    """Attention probabilities (b, h_q, w, n) of the layer's stashed queries over its cached tokens; `mean`: their mean
+    over the w queries, (b, h_q, n) (SnapKV's observation window).
 
     A query only sees keys at positions <= its own (causality for queries kept from earlier steps) and valid slots.
     Computed in float32.
     """
-    return attention_probs(layer, layer.stash.queries, layer.stash.positions, layer.stash.first)
+    return attention_probs(layer, layer.stash.queries, layer.stash.positions, layer.stash.first, mean)
 
 
 def attention_probs(layer: CacheLayer, query: torch.Tensor, query_positions: torch.Tensor,
-                    first: int | None) -> torch.Tensor:
+                    first: int | None, mean: bool = False) -> torch.Tensor:
     """Attention probabilities (b, h_q, k, n) of `query` (b, h_q, k, d), at `query_positions` (k,), over the layer's
     slots: float32, the model's scale fused into the product, its softcap, keys after a query's position and invalid
-    slots masked, softmax. The one definition the policies' scores (query_attention) and the observation window's
-    incremental rows (policies/window.py's WindowRing) use. `first`: the earliest query position when the positions are
-    gap-free (first .. first + k - 1), else None."""
+    slots masked, softmax; `mean`: their mean over the k queries, (b, h_q, n). The one definition the policies' scores
+    (query_attention) and the observation window's incremental rows (policies/window.py's WindowRing) use. `first`:
+    the earliest query position when the positions are gap-free (first .. first + k - 1), else None.
+    A padded view whose K/V were left flat (`layer.head_keys()`) is attended head by head over each head's own keys
+    (`_head_probs`), the padding 0 as here."""
+    segments = layer.head_keys()
+    if segments is not None:
+        return _head_probs(layer, segments, query, query_positions, first, mean)
     q = query.float()  # (b, h_q, k, d)
     keys = layer.keys.float()  # (b, h_kv, n, d)
     b, h_q, w, d = q.shape
@@ -392,13 +400,49 @@ def attention_probs(layer: CacheLayer, query: torch.Tensor, query_positions: tor
             if layer.valid is not None:
                 hidden |= ~layer.valid[..., start:].unsqueeze(-2)
             logits.view(b, h_kv, g, w, n)[..., start:].masked_fill_(hidden.unsqueeze(2), -math.inf)
-        return torch.softmax(logits, dim=-1)
-    visible = layer.positions.unsqueeze(-2) <= query_positions.view(1, 1, w, 1)  # (b, h_kv, w, n)
-    if layer.valid is not None:
-        visible = visible & layer.valid.unsqueeze(-2)
-    visible = visible.repeat_interleave(g, dim=1)  # (b, h_q, w, n)
-    logits = logits.masked_fill(~visible, -math.inf)
-    return torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        visible = layer.positions.unsqueeze(-2) <= query_positions.view(1, 1, w, 1)  # (b, h_kv, w, n)
+        if layer.valid is not None:
+            visible = visible & layer.valid.unsqueeze(-2)
+        visible = visible.repeat_interleave(g, dim=1)  # (b, h_q, w, n)
+        probs = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)
+    return probs.mean(dim=-2) if mean else probs
+
+
+def _head_probs(layer: CacheLayer, segments: list[torch.Tensor], query: torch.Tensor, query_positions: torch.Tensor,
+                first: int | None, mean: bool) -> torch.Tensor:
+    """attention_probs in a padded view (b, h_kv, L) whose K/V were left flat: each KV head's query group over the
+    head's own `segments[i]` keys (n_i, d), its softmax written into the view's layout, 0 on padding. The same
+    arithmetic per head as attention_probs over the padded keys (the same products, the same -inf entries, padding
+    adding exact zeros to the softmax's sums; tests/test_window_state.py), without padding the keys (a copy of the
+    layer), masking the padding or multiplying and exponentiating it: AdaKV's heads differ by hundreds of tokens."""
+    q = query.float()  # (b, h_q, k, d)
+    b, h_q, k, d = q.shape
+    h_kv, length = layer.positions.shape[1], layer.positions.shape[2]
+    g = h_q // h_kv
+    out = q.new_zeros((b, h_q, length) if mean else (b, h_q, k, length))
+    zero = q.new_zeros(())
+    after = layer.seen - 1 - first if first is not None else None
+    for i, keys in enumerate(segments):
+        bi, hi = divmod(i, h_kv)
+        n = keys.shape[0]
+        heads = slice(hi * g, (hi + 1) * g)
+        logits = torch.baddbmm(zero, q[bi:bi + 1, heads].reshape(1, g * k, d), keys.float().t().unsqueeze(0),
+                               beta=0.0, alpha=layer.scaling).view(g, k, n)
+        if layer.softcap:
+            logits = torch.tanh(logits / layer.softcap) * layer.softcap
+        # The head's real slots in position order: only its last `after` can lie after a query (gap-free positions)
+        start = 0 if after is None else n - min(n, after)
+        if start < n:
+            hidden = layer.positions[bi, hi, start:n].unsqueeze(0) > query_positions.view(k, 1)  # (k, n - start)
+            logits[..., start:].masked_fill_(hidden, -math.inf)
+        probs = torch.softmax(logits, dim=-1)  # (g, k, n)
+        if mean:
+            out[bi, heads, :n] = probs.mean(dim=-2)
+        else:
+            out[bi, heads, :, :n] = probs
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

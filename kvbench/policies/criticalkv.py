@@ -110,6 +110,9 @@ class CriticalKV(Policy):
     def due(self, layer: CacheLayer) -> bool:
         return self.base.due(layer)
 
+    def needs_kv(self, layer: CacheLayer) -> bool:
+        return self.base.needs_kv(layer)  # stage 2 reads the value norms of `on_append` (state), not the values
+
     def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         budget = self.base.over_budget(layer)
         if budget is None:

@@ -76,9 +76,16 @@ class CacheLayer(Protocol):
         """Real tokens each (batch, KV head) holds, row-major, known on the host (no read of the device)."""
         ...
 
+    def head_keys(self) -> list[torch.Tensor] | None:
+        """In the padded view with K/V left flat (`unpack(kv=False)`): each (batch, KV head)'s real keys (n_i, d),
+        row-major, in position order (views, no copy): what attention over the keys reads then (the view's `keys` are
+        stand-ins); None otherwise."""
+        ...
+
     def unpack(self, kv: bool = True) -> None:
         """A ragged layer: replace its flat storage by the padded scoring view (no-op for a uniform layer); `kv` False:
-        K/V stay flat and the view's keys/values are stand-ins of its shape, never to be read (`Policy.needs_kv`)."""
+        K/V stay flat and the view's keys/values are stand-ins of its shape, never to be read (`Policy.needs_kv`;
+        attention over the keys reads `head_keys` then)."""
         ...
 
     def pack(self, sizes: list[int] | None = None) -> None:

@@ -59,9 +59,9 @@ class SageKV(Policy):
         return budget is not None and (self._sliding(layer) or layer.physical() > budget)
 
     def needs_kv(self, layer: CacheLayer) -> bool:
-        """The slide reads positions and the pinned state only (K/V stay flat in the padded view); a selection reads
-        the last query's attention over the keys."""
-        return not self._sliding(layer)
+        """The slide reads positions and the pinned state only, a selection the last query's attention over each
+        head's own keys: K/V stay flat in the padded view."""
+        return False
 
     @staticmethod
     def _sliding(layer: CacheLayer) -> bool:

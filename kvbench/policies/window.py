@@ -106,7 +106,7 @@ class WindowRing:
         w, first = layer.stash.window, layer.stash.first
         if w <= 0 or first is None or layer.stash.queries is None:
             self.probs, self.sel, self.sel_zeros, self.mass = None, None, False, None
-            return query_attention(layer).mean(dim=-2)
+            return query_attention(layer, mean=True)
         b, h_q = layer.stash.queries.shape[:2]
         h_kv, n = layer.keys.shape[1], layer.keys.shape[2]
         g = h_q // h_kv
@@ -115,12 +115,12 @@ class WindowRing:
         fresh = max(first, self.rows)  # the queries from position `fresh` on have no row yet
         if self.probs is None or self.probs.shape[-1] != g * w or fresh == first:
             self.sel, self.sel_zeros, self.mass = None, False, None  # the old rows are all replaced: never copied
-            probs = query_attention(layer)  # (b, h_q, count, n): every stashed query is new
             if not layer.decoding and count == w:
                 # A prompt block of at least w tokens: the next block replaces every row again, so none is kept (the
                 # first decoding step computes them once). Under prefill_once nothing is held after the prompt.
                 self.probs = None
-                return probs.mean(dim=-2)
+                return query_attention(layer, mean=True)
+            probs = query_attention(layer)  # (b, h_q, count, n): every stashed query is new
             rows = probs.view(b, h_kv, g, count, n).permute(0, 1, 4, 2, 3)  # (b, h_kv, n, g, count)
             if count == w:  # ring slot i <- the i-th stashed query (base = first)
                 self.probs = rows.reshape(b, h_kv, n, g * w)
