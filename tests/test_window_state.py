@@ -342,6 +342,64 @@ def test_ragged_attention_in_one_call_equals_the_per_head_loop(q_len: int, softc
     torch.testing.assert_close(got, want, rtol=4 * EPS * 64, atol=4 * EPS)
 
 
+@pytest.mark.parametrize("q_len,k", [(5, 3), (1, 1), (QUERY_CHUNK + 3, 2)])
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_forwards_rows_are_the_window_attention_of_its_latest_queries(q_len: int, k: int, batched: bool) -> None:
+    # A ragged layer's forward keeps the mean over its latest k queries of their probabilities per query head
+    # (`rows`, Policy.attention_rows): what query_attention(mean=True) computes over the padded view with those k
+    # queries stashed: the same products and softmax per head, the forward's over all its queries at once (the matrix
+    # kernel may round a row differently by the rows beside it: here a few ulps on a 7-key head of width 8; none on
+    # SmolLM2's shapes, results/bench_smollm2/engine_identity_*), up to rounding over the padding batched
+    layer = _ragged_layer(2, q_len)
+    query = torch.randn(2, 6, q_len, 8, generator=torch.Generator().manual_seed(3))  # g = 2
+    out = ragged_attention(query, layer, 0.4, None, batched=batched, rows=k)
+    assert torch.equal(out, ragged_attention(query, layer, 0.4, None, batched=batched))  # the output unchanged
+    seen, rows, mean = layer.forward_rows
+    assert (seen, rows, mean.shape) == (layer.seen, k, (2, 6, max(layer.head_sizes)))
+    layer.scaling, layer.softcap = 0.4, None
+    layer.stash.add(query[:, :, -k:], layer.seen, k)
+    layer.unpack(kv=False)
+    want = query_attention(layer, mean=True)  # (2, 6, L): 0 on padding
+    assert (mean[~layer.valid.repeat_interleave(2, dim=1)] == 0).all()
+    torch.testing.assert_close(mean, want, rtol=4 * EPS * 64 if batched else 4 * EPS, atol=4 * EPS)
+    # by hand, one query (k = 1): head 0 of batch row 0 holds 10 tokens + the block; the last query sees them all
+    if k == 1:
+        keys = layer.head_keys()[0]
+        torch.testing.assert_close(mean[0, 0, :keys.shape[0]], torch.softmax(0.4 * keys @ query[0, 0, -1], dim=-1))
+
+
+def test_no_rows_when_the_last_chunk_holds_fewer_queries() -> None:
+    layer = _ragged_layer(1, QUERY_CHUNK + 1)  # the last chunk: 1 query
+    ragged_attention(torch.randn(1, 6, QUERY_CHUNK + 1, 8), layer, 0.4, None, rows=2)
+    assert layer.forward_rows is None
+
+
+def test_adakv_takes_the_forwards_rows_and_decodes_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    # AdaKV's window from the forward's rows (a prompt block's, a decoding step's) against recomputing every one of
+    # them: the same tokens. The rows a forward stored are always taken; both kinds are (a layer stored uniform, as
+    # before its first selection, attends with sdpa and stores none: its window is computed)
+    from kvbench.policies import window as window_mod
+
+    model, _ = installed_model()
+    prompt = list(range(3, 83))
+    settings = GenerationSettings(block=16, max_new_tokens=6)
+    calls: list[tuple[int, bool, bool]] = []  # (k, rows stored, taken)
+    given = window_mod.forward_rows
+
+    def spy(layer: Any, k: int) -> torch.Tensor | None:
+        stored = layer.forward_rows is not None
+        got = given(layer, k)
+        calls.append((k, stored, got is not None))
+        return got
+
+    monkeypatch.setattr(window_mod, "forward_rows", spy)
+    lean = generate(model, AdaKV(budget=24, window=4, kernel=3), prompt, settings)
+    assert all(stored == taken for _, stored, taken in calls), calls
+    assert {k for k, _, taken in calls if taken} == {1, 4}, calls  # a decoding step's row, a prompt block's window
+    monkeypatch.setattr(window_mod, "forward_rows", lambda layer, k: None)
+    assert generate(model, AdaKV(budget=24, window=4, kernel=3), prompt, settings).tokens == lean.tokens
+
+
 def test_ragged_attention_in_bfloat16() -> None:
     layer = _ragged_layer(1, 3, dtype=torch.bfloat16)
     query = torch.randn(1, 6, 3, 8, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)

@@ -85,7 +85,8 @@ def _fit_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, base: str, dty
 
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                        softcap: float | None, on_probs: Callable[[torch.Tensor], None] | None = None,
-                       lengths: torch.Tensor | None = None, shortest: int | None = None) -> torch.Tensor:
+                       lengths: torch.Tensor | None = None, shortest: int | None = None,
+                       on_rows: tuple[int, Callable[[torch.Tensor], None]] | None = None) -> torch.Tensor:
     """Causal attention of the block (the last q slots) over all slots, computed in query chunks.
 
     `lengths` (b, h_kv), with `shortest` its minimum known on the host: the KV heads hold that many real slots each,
@@ -98,7 +99,8 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     bfloat16/float16 input dtype before the softmax; for the policy that scores with these probabilities (H2O) that
     rounding ties or swaps tokens whose logits differ by less than a bfloat16 step (tests/test_bf16.py). For float32
     inputs the casts are no-ops. `on_probs` receives each chunk's probabilities averaged over the query heads of
-    each KV head, (b, h_kv, c, kv) float32.
+    each KV head, (b, h_kv, c, kv) float32. `on_rows` (k, fn): fn receives the mean over the block's latest k queries
+    of their probabilities, (b, h_kv, g, kv) float32, when the last chunk holds them all (k <= its queries).
     Returns (b, q, h_q, d) like the eager functions.
     """
     b, h_q, q_len, d = query.shape  # (b, h_q, q, d)
@@ -137,13 +139,15 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         probs = torch.softmax(logits, dim=-1)  # (b, h_kv, g, c, kv)
         if on_probs is not None:
             on_probs(probs.mean(dim=2))
+        if on_rows is not None and e == q_len and c >= on_rows[0]:
+            on_rows[1](probs[:, :, :, c - on_rows[0]:].mean(dim=-2))
         out[:, :, :, s:e] = torch.matmul(probs.to(value.dtype).view(b, h_kv, g * c, kv_len),
                                          value).view(b, h_kv, g, c, d_v)
     return out.view(b, h_q, q_len, d_v).transpose(1, 2).contiguous()  # (b, q, h_q, d_v)
 
 
 def ragged_attention(query: torch.Tensor, layer: EvictingLayer, scaling: float, softcap: float | None,
-                     batched: bool | None = None) -> torch.Tensor:
+                     batched: bool | None = None, rows: int = 0) -> torch.Tensor:
     """Attention of the block over a ragged layer's flat storage: each KV head's query group attends to that head's
     own keys (the block is the last q of them), as `explicit_attention`. Returns (b, q, h_q, d_v).
 
@@ -157,22 +161,42 @@ def ragged_attention(query: torch.Tensor, layer: EvictingLayer, scaling: float, 
       per head, 0.30 vs 0.50 ms per layer with SmolLM2's 3 KV heads (head_dim 64), 1.9 vs 6.9 ms with Llama-3.2-3B's
       8 (head_dim 128); a 128-token block 6.5 vs 8.5 ms (3 heads).
     `batched=None`: batched on CUDA, per head elsewhere.
+    `rows` > 0 (`Policy.attention_rows`): the mean over the block's latest `rows` queries of their probabilities per
+    query head is kept as `layer.forward_rows`, (b, h_q, L) in the padded view's layout (0 on padding), for the
+    eviction after this forward (SnapKV's window on AdaKV: the per-head products and softmax it would compute again).
     """
     if batched is None:
         batched = query.device.type == "cuda"
+    b, h_q, q_len, _ = query.shape  # (b, h_q, q, d)
+    sizes = layer.head_sizes  # on the host: splitting or padding by `lengths` would read the device
+    mean = query.new_zeros(b, h_q, max(sizes), dtype=torch.float32) if rows else None  # (b, h_q, L)
+    got: list[bool] = []
+
+    def keep_rows(bi: int | slice, heads: slice, n: int) -> tuple[int, Callable[[torch.Tensor], None]] | None:
+        """explicit_attention's `on_rows` writing a head's (1, 1, g, n_i) means, or all (b, h_kv, g, L), into `mean`."""
+        def fn(p: torch.Tensor) -> None:
+            part = mean[bi, heads, :n]  # (g, n_i) or (b, h_q, L)
+            part.copy_(p.reshape(part.shape))
+            got.append(True)
+        return (rows, fn) if rows else None
+
     if batched:
         keys, values = layer.padded_kv()  # (b, h_kv, L, d)
-        return explicit_attention(query, keys, values, scaling, softcap, lengths=layer.lengths,
-                                  shortest=min(layer.head_sizes))  # head_sizes: on the host, no read of `lengths`
-    b, h_q, q_len, _ = query.shape  # (b, h_q, q, d)
-    h_kv = layer.lengths.shape[1]
-    g = h_q // h_kv
-    out = layer.values.new_empty(b, q_len, h_q, layer.values.shape[-1])
-    flat = layer.flat  # head sizes and segment starts on the host: splitting by `lengths` would read the device
-    for i, (k, v) in enumerate(zip(flat.views(layer.keys), flat.views(layer.values))):  # (n_i, d) each
-        bi, hi = divmod(i, h_kv)
-        qi = query[bi:bi + 1, hi * g:(hi + 1) * g]  # (1, g, q, d)
-        out[bi, :, hi * g:(hi + 1) * g] = explicit_attention(qi, k[None, None], v[None, None], scaling, softcap)[0]
+        out = explicit_attention(query, keys, values, scaling, softcap, lengths=layer.lengths, shortest=min(sizes),
+                                 on_rows=keep_rows(slice(None), slice(None), max(sizes)))
+    else:
+        h_kv = layer.lengths.shape[1]
+        g = h_q // h_kv
+        out = layer.values.new_empty(b, q_len, h_q, layer.values.shape[-1])
+        flat = layer.flat
+        for i, (k, v) in enumerate(zip(flat.views(layer.keys), flat.views(layer.values))):  # (n_i, d) each
+            bi, hi = divmod(i, h_kv)
+            heads = slice(hi * g, (hi + 1) * g)
+            qi = query[bi:bi + 1, heads]  # (1, g, q, d)
+            out[bi, :, heads] = explicit_attention(qi, k[None, None], v[None, None], scaling, softcap,
+                                                   on_rows=keep_rows(bi, heads, sizes[i]))[0]
+    if mean is not None and got:
+        layer.forward_rows = (layer.seen, rows, mean)
     return out
 
 
@@ -203,14 +227,16 @@ def _attend(module: Any, cache: EvictingCache, layer: EvictingLayer, query: torc
         scaling = module.head_dim ** -0.5
     q_len, kv_len = query.shape[-2], key.shape[-2]
     policy = cache.policy
-    if _hooks(module, cache, layer, query, scaling, kwargs.get("softcap")) and policy.needs_attention:
+    active = _hooks(module, cache, layer, query, scaling, kwargs.get("softcap"))
+    if active and policy.needs_attention:
         if layer.ragged:
             raise NotImplementedError(f"policy '{policy.name}' needs attention probabilities, which "
                                       "kvbench does not compute on ragged per-head layers")
         return explicit_attention(query, key, value, scaling, layer.softcap,
                                   lambda p: policy.on_attention(layer, p))
     if layer.ragged:  # per-head budgets: `key`/`value` are the flat storage; each head over its own keys
-        return ragged_attention(query, layer, scaling, layer.softcap)
+        return ragged_attention(query, layer, scaling, layer.softcap,
+                                rows=policy.attention_rows(layer, q_len) if active else 0)
     mask = _fit_mask(attention_mask, q_len, kv_len, base, query.dtype, query.device, cache.masks)
     return base_fn(module, query, key, value, mask, scaling=scaling, **kwargs)[0]
 

@@ -180,6 +180,10 @@ class RaggedStorage:
         # Set by the engine: a selection that changes head sizes waits in the padded view until the engine reads the
         # sizes of every such layer in one host read (with the decoded token) and calls `pack(sizes)`.
         self.defer_pack = False
+        # (seen, k, (b, h_q, L)): the mean over the last forward's latest k queries of their attention probabilities
+        # per query head, in the padded view's layout, when that forward computed them (`ragged_attention`, asked by
+        # `Policy.attention_rows`); `seen` then: stale once the layer saw more, dropped when a selection is kept
+        self.forward_rows: tuple[int, int, torch.Tensor] | None = None
 
     @property
     def ragged(self) -> bool:
@@ -288,6 +292,7 @@ class RaggedStorage:
         own), now or, with `defer_pack`, when the engine has read the new head sizes."""
         for extra in self.extras.values():
             extra.on_keep(self, idx, True)
+        self.forward_rows = None  # over the slots before this selection
         if self.padded is not None:
             self.padded = self.padded.selected(idx, valid, rows)
         else:

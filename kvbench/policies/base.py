@@ -184,6 +184,13 @@ class Policy:
         padded view costs the most, say when."""
         return True
 
+    def attention_rows(self, layer: CacheLayer, q: int) -> int:
+        """How many of a forward's latest queries (of its `q`) the policy takes the attention probabilities of, as
+        their mean per query head (`layer.forward_rows`), where the forward computes them anyway (a ragged layer's
+        per-head attention): the same values `query_attention(layer, mean=True)` computes over those queries, without
+        computing them again. 0 (the default): none."""
+        return 0
+
     def needs_kv(self, layer: CacheLayer) -> bool:
         """Whether `select` reads the padded view's keys or values themselves now (asked before a ragged layer's padded
         view is built: False leaves K/V flat and the view's K/V stand-ins of its shape, `CacheLayer.unpack(kv=False)`).

@@ -46,6 +46,11 @@ class CacheLayer(Protocol):
     state: dict[str, torch.Tensor]
     # per-layer (not per-token) values a policy keeps from a forward to the eviction after it (HashEvict's probe)
     scratch: dict[str, torch.Tensor]
+    # (seen, k, (b, h_q, n)): the mean over the latest k queries of the last forward of their attention probabilities
+    # per query head over the padded view's slots (0 on padding), when that forward computed them anyway (a ragged
+    # layer's per-head attention) and the policy asked for k (`Policy.attention_rows`); `seen` the layer's then (stale
+    # once it differs); None otherwise. A reader may set it to None (taken once)
+    forward_rows: tuple[int, int, torch.Tensor] | None
     # name -> a policy-owned object with per-layer incremental state that follows the storage (`LayerExtra`: the
     # layer calls its hooks at every keep, unpack, pack and fork); created by the policies layer on first use
     extras: dict[str, LayerExtra]

@@ -38,6 +38,12 @@ class SnapKV(Policy):
         self.query_window = self.window
         super().__init__(n_recent=self.window, **kwargs)
 
+    def attention_rows(self, layer: CacheLayer, q: int) -> int:
+        """The window's rows from a forward that computes them (`WindowRing.attention` takes them): a prompt block's
+        latest `window` queries (their mean: the window of a block that replaces every row), a decoding step's one (its
+        new row)."""
+        return 1 if q == 1 else (self.window if q >= self.window else 0)
+
     def window_scores(self, layer: CacheLayer) -> torch.Tensor:
         """(b, h_q, n) pooled window attention per query head (the window's own slots get the max, as kept)."""
         probs = window_attention(layer)  # (b, h_q, n): query_attention(layer).mean(dim=-2), kept incrementally

@@ -41,6 +41,18 @@ def window_attention(layer: CacheLayer) -> torch.Tensor:
     return WindowRing.of(layer).attention(layer)
 
 
+def forward_rows(layer: CacheLayer, k: int) -> torch.Tensor | None:
+    """(b, h_q, n): the mean over the latest k queries of their attention probabilities as the last forward computed
+    them (`layer.forward_rows`, a ragged layer's per-head attention: `Policy.attention_rows`), if it holds them for k
+    and the slots held now; None otherwise. Taken once. The same values as query_attention(layer, mean=True) over
+    those queries: the same products and softmax per head (tests/test_window_state.py)."""
+    given, layer.forward_rows = layer.forward_rows, None
+    if given is None:
+        return None
+    seen, rows, probs = given
+    return probs if seen == layer.seen and rows == k and probs.shape[-1] == layer.keys.shape[2] else None
+
+
 class WindowRing:
     """One layer's incremental window attention (a `LayerExtra`, held in `layer.extras[WindowRing.key]`).
 
@@ -119,7 +131,8 @@ class WindowRing:
                 # A prompt block of at least w tokens: the next block replaces every row again, so none is kept (the
                 # first decoding step computes them once). Under prefill_once nothing is held after the prompt.
                 self.probs = None
-                return query_attention(layer, mean=True)
+                given = forward_rows(layer, w)
+                return given if given is not None else query_attention(layer, mean=True)
             probs = query_attention(layer)  # (b, h_q, count, n): every stashed query is new
             rows = probs.view(b, h_kv, g, count, n).permute(0, 1, 4, 2, 3)  # (b, h_kv, n, g, count)
             if count == w:  # ring slot i <- the i-th stashed query (base = first)
@@ -134,7 +147,9 @@ class WindowRing:
         wp = self.probs.view(b, h_kv, n, g, w)  # written in place: the new rows
         new = seen - fresh
         if new > 0:
-            rows = self._query_rows(layer, layer.stash.queries[:, :, count - new:], fresh)  # (b, h_q, new, n)
+            given = forward_rows(layer, 1) if new == 1 else None  # the forward's own row of the new query
+            rows = given.unsqueeze(2) if given is not None else \
+                self._query_rows(layer, layer.stash.queries[:, :, count - new:], fresh)  # (b, h_q, new, n)
             src = rows.view(b, h_kv, g, new, n).permute(0, 1, 4, 2, 3)  # (b, h_kv, n, g, new)
             sums = rows.view(b, h_kv, g, new, n).sum(dim=-1) if self.mass is not None else None  # (b, h_kv, g, new)
             done = 0
