@@ -12,7 +12,8 @@ The wrapper receives post-norm, post-RoPE queries, the layer's whole key/value (
   handing them to `Policy.on_attention` and reusing them for the output,
 - on ragged layers (per-head budgets, stored flat per KV head: see engine/ragged.py) ignores the `key`/`value` it is
   handed (the layer's flat storage) and attends each KV head's query group over that head's own keys (head by head on
-  CPU, in one masked attention over the heads padded to the longest on CUDA: `ragged_attention`),
+  CPU, in one masked attention over the heads padded to the longest on CUDA: `ragged_attention`), keeping for the
+  policy the mean probabilities of the latest queries it asks for (`Policy.attention_rows`: SnapKV's window),
 and otherwise delegates to sdpa or the model file's own eager function.
 
 The active cache is found through a context variable set by `active(cache)`, so plain forwards outside kvbench
