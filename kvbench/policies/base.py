@@ -422,7 +422,7 @@ def _head_probs(layer: CacheLayer, segments: list[torch.Tensor], query: torch.Te
     """attention_probs in a padded view (b, h_kv, L) whose K/V were left flat: each KV head's query group over the
     head's own `segments[i]` keys (n_i, d), its softmax written into the view's layout, 0 on padding. The same
     arithmetic per head as attention_probs over the padded keys (the same products, the same -inf entries, padding
-    adding exact zeros to the softmax's sums; tests/test_window_state.py), without padding the keys (a copy of the
+    adding exact zeros to the softmax's sums; tests/test_fast_paths.py), without padding the keys (a copy of the
     layer), masking the padding or multiplying and exponentiating it: AdaKV's heads differ by hundreds of tokens."""
     q = query.float()  # (b, h_q, k, d)
     b, h_q, k, d = q.shape

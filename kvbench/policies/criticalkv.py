@@ -111,10 +111,10 @@ class CriticalKV(Policy):
         return self.base.due(layer)
 
     def needs_kv(self, layer: CacheLayer) -> bool:
-        return self.base.needs_kv(layer)
+        return self.base.needs_kv(layer)  # stage 2 reads the value norms of `on_append` (state), not the values
 
     def attention_rows(self, layer: CacheLayer, q: int) -> int:
-        return self.base.attention_rows(layer, q)  # stage 2 reads the value norms of `on_append` (state), not the values
+        return self.base.attention_rows(layer, q)
 
     def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         budget = self.base.over_budget(layer)
