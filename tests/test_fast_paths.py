@@ -204,6 +204,10 @@ def test_a_ragged_layer_under_its_total_budget_is_not_unpacked() -> None:
     over = _padded_view([[0, 1, 2, 3, 4, 5, 6], [0, 6, 7, 8, 9], [1, 3, 5, 7]])  # 16 > 15
     over.pack()
     assert policy.due(over)
+    # the forward keeps the window's rows only for a layer its eviction will select from: a decoding step's 1, a
+    # block's latest `window` (2) of its 3 queries; none for a layer under its total budget
+    assert [policy.attention_rows(over, q) for q in (1, 3)] == [1, 2]
+    assert [policy.attention_rows(layer, q) for q in (1, 3)] == [0, 0]
 
 
 def test_protected_mask_of_chronological_slots_is_sinks_first_and_recent_last() -> None:

@@ -41,7 +41,10 @@ class SnapKV(Policy):
     def attention_rows(self, layer: CacheLayer, q: int) -> int:
         """The window's rows from a forward that computes them (`WindowRing.attention` takes them): a prompt block's
         latest `window` queries (their mean: the window of a block that replaces every row), a decoding step's one (its
-        new row)."""
+        new row); none when the eviction after this forward will not select (`due`, on the host: the layer already
+        holds the forward's tokens), as most of AdaKV's layers in a decoding step, which would never read them."""
+        if not self.due(layer):
+            return 0
         return 1 if q == 1 else (self.window if q >= self.window else 0)
 
     def window_scores(self, layer: CacheLayer) -> torch.Tensor:
