@@ -96,14 +96,15 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         """Tokens of the longest head (uniform layers: every head's length; a hole is not a token)."""
         if self.keys is None or self.keys.numel() == 0:
             return 0
-        return max(self.flat.sizes) if self.ragged else self.keys.shape[-2] - (self.hole is not None)
+        hole = self.hole is not None  # one slot of every head (ragged: one row of every head's segment)
+        return (max(self.flat.sizes) if self.ragged else self.keys.shape[-2]) - hole
 
     def tokens_per_head(self) -> int:
         """Tokens held per KV head: the layer's total over its b * h_kv heads, rounded up (exact when uniform)."""
         if self.keys is None or self.keys.numel() == 0:
             return 0
         if self.ragged:
-            return -(-sum(self.flat.sizes) // len(self.flat.sizes))
+            return -(-sum(self.flat.sizes) // len(self.flat.sizes)) - (self.hole is not None)
         return self.keys.shape[-2]
 
     def get_seq_length(self) -> int:
@@ -120,25 +121,32 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
     # -- the block just appended (read and filled by the attention wrapper) -------------------------------------
     def block_kv(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (b, h_kv, q, d) of the latest q tokens of every head."""
+        if self.ragged:
+            b, h = self.flat.lengths.shape
+            idx = self._block_rows(q)
+            return self.keys[idx].view(b, h, q, -1), self.values[idx].view(b, h, q, -1)
         if self.block_slots is not None:  # one token per head, written into a hole (SlotReuse)
             slots = self.block_slots.unsqueeze(-1)  # (b, h_kv, 1, 1)
             return (self.keys.gather(2, slots.expand(*slots.shape[:3], self.keys.shape[-1])),
                     self.values.gather(2, slots.expand(*slots.shape[:3], self.values.shape[-1])))
-        if not self.ragged:
-            return self.keys[..., -q:, :], self.values[..., -q:, :]
-        b, h = self.flat.lengths.shape
-        idx = self.flat.block_index(q).flatten()
-        return self.keys[idx].view(b, h, q, -1), self.values[idx].view(b, h, q, -1)
+        return self.keys[..., -q:, :], self.values[..., -q:, :]
+
+    def _block_rows(self, q: int) -> torch.Tensor:
+        """(b*h_kv*q,) a ragged layer's flat rows of the latest q tokens of every head: each head's hole when the block
+        was written into them (SlotReuse), else the last q of its segment."""
+        if self.block_slots is not None:
+            return self._hole_rows(self.block_slots)
+        return self.flat.block_index(q).flatten()
 
     def set_block_state(self, name: str, new: torch.Tensor) -> None:
         """Write per-token state `new` (b, h_kv, q) of the latest q tokens (creating the state, zeros, if needed)."""
         if name not in self.state:
             self.state[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.positions.device)
         q = new.shape[-1]
-        if self.block_slots is not None:
+        if self.ragged:
+            self.state[name][self._block_rows(q)] = new.reshape(-1).to(self.state[name].dtype)
+        elif self.block_slots is not None:
             self.state[name].scatter_(2, self.block_slots, new.to(self.state[name].dtype))
-        elif self.ragged:
-            self.state[name][self.flat.block_index(q).flatten()] = new.reshape(-1).to(self.state[name].dtype)
         else:
             self.state[name][..., -q:] = new
 
@@ -148,7 +156,7 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         if self.pending():
             raise RuntimeError("the layer's head sizes are not known until its pending selection is packed")
         if self.ragged:
-            return list(self.flat.sizes)
+            return [n - (self.hole is not None) for n in self.flat.sizes]
         if self.padded is not None:  # the padded view of a ragged layer
             return list(self.padded.sizes)
         if self.keys is None or self.keys.numel() == 0:
@@ -230,7 +238,7 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         if self.keys is None:
             return 0
         if self.ragged:
-            rows = sum(self.flat.sizes)
+            rows = sum(self.flat.sizes) - (len(self.flat.sizes) if self.hole is not None else 0)
             return rows * (self.keys.shape[-1] * self.keys.element_size()
                            + self.values.shape[-1] * self.values.element_size())
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
@@ -281,9 +289,12 @@ class EvictingCache(Cache):
 
     def reuse_decoding_slots(self) -> None:
         """Let a decoding eviction of one token per head leave a hole that the next token fills in place, instead of
-        gathering the kept slots (GenerationSettings.slot_reuse; kvbench/engine/slots.py)."""
+        gathering the kept slots (GenerationSettings.slot_reuse; kvbench/engine/slots.py); ragged layers too where the
+        policy allows it (Policy.ragged_slot_reuse: RaggedStorage.pack)."""
+        ragged = self.policy is not None and self.policy.ragged_slot_reuse
         for layer in self.evicting_layers():
             layer.reuse_slots = True
+            layer.reuse_ragged_slots = ragged
 
     def start_decoding(self) -> None:
         for layer in self.evicting_layers():

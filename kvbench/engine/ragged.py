@@ -11,6 +11,9 @@ CriticalKV on AdaKV, SAGE-KV) is stored and scored in, and the moves between the
   across a forward. Storing a selection that changes head sizes needs them on the host: the view keeps the
   selection pending (`PaddedView.rows`) until the engine reads every layer's sizes with the step's token, one host
   read (`EvictingCache.settle`).
+- Holes (`Policy.ragged_slot_reuse`, SAGE-KV's slide): a decoding selection dropping exactly one token of every head
+  leaves the flat storage in place, each head's dropped row its hole (position -1) that the next token is written
+  into (SlotReuse, kvbench/engine/slots.py): the segments then hold their tokens out of position order.
 
 The layouts are replaced, never modified, so a forked layer (`EvictingLayer.fork`, a shallow copy) shares them;
 the free rows of the arrays both then hold are written by neither (copy-on-write: `FlatHeads.shared`).
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.slots import slot_rows
 
 SLACK = 16  # free rows after each head's segment when the flat storage is laid out (see FlatHeads)
 
@@ -172,6 +176,11 @@ class RaggedStorage:
     state: dict[str, torch.Tensor]
     extras: dict[str, Any]
     reuse_slots: bool  # SlotReuse's: decoding writes in place (here: into free rows; else every append a copy)
+    _drop_one: Any  # SlotReuse's: a uniform decoding selection of all slots but one per head leaves a hole
+    reuse_ragged_slots: bool  # SlotReuse's: a decoding selection dropping one token per head leaves holes (pack)
+    decoding: bool  # EvictingLayer's
+    hole: torch.Tensor | None  # SlotReuse's: (b, h_kv, 1) each head's row its next token is written into
+    chronological: bool  # SlotReuse's: every head's tokens in position order
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -278,8 +287,9 @@ class RaggedStorage:
 
     def head_keys(self) -> list[torch.Tensor] | None:
         """In the padded view of a ragged layer whose K/V were left flat (`unpack(kv=False)`): each (batch, KV head)'s
-        real keys (n_i, d), row-major, in position order (views of the flat storage, no copy), for attention over each
-        head's own keys; None otherwise (the view's `keys` are the real ones, or the layer is not in the view)."""
+        real keys (n_i, d), row-major, in the view's slot order (position order while `chronological`; views of the
+        flat storage, no copy), for attention over each head's own keys; None otherwise (the view's `keys` are the
+        real ones, or the layer is not in the view)."""
         if self.padded is None or self.padded.source is None:
             return None
         flat, keys, _ = self.padded.source
@@ -313,7 +323,13 @@ class RaggedStorage:
                 sizes = view.sizes  # nothing kept since unpack: the flat storage as it was
             elif self.defer_pack:
                 return  # pending: settled by the engine with the sizes it reads together with the token
+            else:
+                sizes = view.kept_counts().tolist()  # one host read
+        if self._leave_holes(view, sizes):
+            return
         self.padded = None
+        if view.rows is not None:  # a selection, which `keep` put in position order
+            self.chronological = True
         rows, counts, sizes = view.stored_rows(sizes)
         uniform = min(sizes) == max(sizes)
         for extra in self.extras.values():  # their own rows, stored alike (compact)
@@ -340,6 +356,62 @@ class RaggedStorage:
             self.positions = self.positions.view(b, h, n)
             self.state = {k: s.view(b, h, n) for k, s in self.state.items()}
         self.flat = flat
+
+    def _leave_holes(self, view: PaddedView, sizes: list[int]) -> bool:
+        """`pack`'s slot path (`reuse_ragged_slots`, Policy.ragged_slot_reuse): a decoding selection that keeps all
+        of every head's tokens but one (`sizes`, read on the host, each one less than before), its K/V left flat,
+        is stored by leaving the flat storage where it is, each head's dropped row its `hole` (position -1), which the
+        next token is written into (SlotReuse._fill_hole): no K/V copied, where storing the kept rows copies the
+        layer (SAGE-KV's slide, every step). Positions and per-token state come back from the view (a selection may
+        have changed the state). False (nothing done) otherwise: extras (their own rows), a fork's shared storage."""
+        if not (self.reuse_ragged_slots and self.reuse_slots and self.decoding and self.hole is None
+                and view.rows is not None and not self.extras):
+            return False
+        if view.sizes is None:  # a uniform layer's selection with padding: every head one token less is SlotReuse's
+            b, h, n = self.positions.shape
+            if any(k != n - 1 for k in sizes):
+                return False
+            slots = view.rows.view(b, h, -1) - torch.arange(0, b * h * n, n, device=view.rows.device).view(b, h, 1)
+            self.padded = None
+            return self._drop_one(slots[..., :n - 1])  # kept first (compact, in position order), padding after
+        source = view.source
+        if not (source is not None and source[0].writable and len(sizes) == len(view.sizes)
+                and all(k == m - 1 for k, m in zip(sizes, view.sizes))):
+            return False
+        flat, keys, values = source
+        b, h = flat.lengths.shape
+        length = max(flat.sizes)  # the view's width
+        heads = torch.arange(0, b * h * length, length, device=view.rows.device).view(b, h, 1)
+        kept = (view.rows.view(b, h, -1) - heads).masked_fill(~view.valid, 0)  # (b, h, k) kept slots, padding 0
+        n = flat.lengths  # (b, h)
+        hole = (n * (n - 1) // 2 - kept.sum(dim=-1)).unsqueeze(-1)  # (b, h, 1): the real slot not kept (exact, int64)
+        real = _slots(flat.valid_slots(), sum(flat.sizes))  # (S,) view rows of every real slot
+        rows = flat.start_rows.index_select(0, real // length) + real % length  # (S,) their flat rows
+        total = keys.shape[0]  # the flat storage's rows, free ones included (never read)
+        positions = self.positions.new_full((total,), -1)
+        positions.index_copy_(0, rows, self.positions.reshape(-1).index_select(0, real))
+        positions.index_fill_(0, flat.start_rows + hole.flatten(), -1)
+        self.state = {k: s.new_zeros(total).index_copy_(0, rows, s.reshape(-1).index_select(0, real))
+                      for k, s in self.state.items()}
+        self.positions = positions
+        self.keys, self.values, self.flat, self.padded, self.hole = keys, values, flat, None, hole
+        return True
+
+    def _close_ragged_hole(self) -> None:
+        """A ragged layer's tokens without its holes, in position order, laid out anew (one copy of the layer): before
+        an append a hole cannot take (a block of several tokens, a fork's shared storage). Through the padded view,
+        where each hole is a slot of position -1, sorted after the real ones."""
+        sizes = [n - 1 for n in self.flat.sizes]
+        self.hole = None
+        self.unpack()
+        real = self.positions >= 0  # (b, h_kv, L)
+        order = self.positions.masked_fill(~real, torch.iinfo(self.positions.dtype).max).argsort(dim=-1)
+        valid = real.gather(2, order)
+        for extra in self.extras.values():
+            extra.on_keep(self, order, True)
+        self.forward_rows = None
+        self.padded = self.padded.selected(order, valid, slot_rows(order, order.shape[-1]))
+        self.pack(sizes)
 
     def pending(self) -> bool:
         """True while a selection of `keep` waits for its head sizes (`defer_pack`; see pack)."""

@@ -15,10 +15,13 @@ so a run with slot reuse can differ from the chronological run where a greedy st
 (tests/test_slots.py checks the float64 reference and the kept positions).
 
 Every other change of the layer (a prompt block, an eviction dropping 0 or >= 2 tokens of a head, a per-head selection
-with padding) goes the chronological way; a gather of a layer whose slots are out of order takes the kept slots in
-position order, so it is chronological again afterwards. `SlotReuse`, a base class of `EvictingLayer`, holds the
-bookkeeping. With a policy that declares `stackable`, the layers of one budget are moreover stored in one tensor per
-array and evicted together, one call a step (kvbench/engine/stack.py).
+with padding) goes the chronological way, except for a policy whose selections read positions only
+(`Policy.ragged_slot_reuse`: SAGE-KV's slide): there a selection with padding that drops exactly one token of every
+head leaves holes too, in a ragged (flat per head) or uniform layer alike (RaggedStorage.pack). A gather of a layer
+whose slots are out of order takes the kept slots in position order, so it is chronological again afterwards.
+`SlotReuse`, a base class of `EvictingLayer`, holds the bookkeeping. With a policy that declares `stackable`, the
+layers of one budget are moreover stored in one tensor per array and evicted together, one call a step
+(kvbench/engine/stack.py).
 """
 
 from __future__ import annotations
@@ -45,25 +48,37 @@ class SlotReuse:
     state: dict[str, torch.Tensor]
     extras: dict[str, Any]
     decoding: bool
+    flat: Any  # RaggedStorage's FlatHeads: the heads' segments while the layer is ragged, else None
+    _close_ragged_hole: Any  # RaggedStorage's: a ragged layer laid out anew without its holes
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reuse_slots = False  # set by the engine (GenerationSettings.slot_reuse)
+        # ... and for ragged layers too where the policy allows it (Policy.ragged_slot_reuse; RaggedStorage.pack)
+        self.reuse_ragged_slots = False
         self.chronological = True  # every head's slots are in position order
-        self.hole: torch.Tensor | None = None  # (b, h_kv, 1) the slot each head freed for the next token
+        # (b, h_kv, 1) the slot each head freed for the next token (ragged: its row within the head's segment)
+        self.hole: torch.Tensor | None = None
         self.block_slots: torch.Tensor | None = None  # (b, h_kv, q) slots of the latest block; None: the last q
+
+    def _hole_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """(b, h_kv, 1) one slot per head -> (b*h_kv,) its rows of the flattened storage: (b*h_kv*n, ...) uniform, the
+        flat (S, ...) per-head segments of a ragged layer (a slot counted from its head's first row)."""
+        if self.flat is not None:
+            return self.flat.start_rows + slots.flatten()
+        return slot_rows(slots, self.keys.shape[-2])
 
     def _fill_hole(self, key_states: torch.Tensor, value_states: torch.Tensor, new_pos: torch.Tensor) -> bool:
         """`update`'s slot path: one new token per head (b, h_kv, 1, d) written into the hole its head freed, in place.
-        False (nothing done) when there is no hole or the block is not one token; a hole is then closed first."""
+        False (nothing done) when there is no hole, or the block is not one token or a ragged layer's storage is
+        shared with a fork (copy-on-write); a hole is then closed first."""
         hole = self.hole
         if hole is None:
             return False
-        if key_states.shape[-2] != 1:
+        if key_states.shape[-2] != 1 or (self.flat is not None and not self.flat.writable):
             self._close_hole()
             return False
-        n = self.keys.shape[-2]
-        rows = slot_rows(hole, n)  # (b*h_kv,)
+        rows = self._hole_rows(hole)  # (b*h_kv,)
         self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, rows, key_states.reshape(-1, key_states.shape[-1]))
         self.values.view(-1, self.values.shape[-1]).index_copy_(0, rows,
                                                                 value_states.reshape(-1, value_states.shape[-1]))
@@ -102,6 +117,9 @@ class SlotReuse:
 
     def _close_hole(self) -> None:
         """Gather the held slots in position order (the hole left out): the chronological layout again."""
+        if self.flat is not None:
+            self._close_ragged_hole()
+            return
         n = self.keys.shape[-2]
         keep = torch.ones(self.positions.shape, dtype=torch.bool, device=self.positions.device)
         keep.view(-1).index_fill_(0, slot_rows(self.hole, n), False)

@@ -55,6 +55,12 @@ class Policy:
     # True: the policy object holds per-sample state that its score reads (Random's generator, reseeded per sample), so
     # the layers of two samples are never scored by one instance (`batch_key`)
     sample_state: bool = False
+    # True: every selection of a ragged (per-head) layer reads which tokens it holds by position, never by slot order
+    # (`latest_mask` and `tie_positions`, not slot ranges), and the policy keeps no per-layer extras. Then a decoding
+    # eviction that drops exactly one token from every head of a ragged layer leaves each head's dropped row as a hole
+    # the next token is written into (slot reuse, as uniform layers do: kvbench/engine/slots.py) instead of storing
+    # the kept rows again: no K/V copied. The heads' rows then stop being in position order (`layer.chronological`).
+    ragged_slot_reuse: bool = False
 
     def __init__(self, budget: int | None = None, n_sink: int = 0, n_recent: int = 0,
                  skip_layers: Sequence[int] = (), seed: int = 0, **kwargs: Any) -> None:
@@ -392,14 +398,14 @@ def attention_probs(layer: CacheLayer, query: torch.Tensor, query_positions: tor
                            beta=0.0, alpha=layer.scaling).view(b, h_q, w, n)
     if layer.softcap:
         logits = torch.tanh(logits / layer.softcap) * layer.softcap
-    if first is not None and (layer.valid is not None or layer.chronological or first >= layer.seen - 1):
+    if first is not None and (layer.chronological or first >= layer.seen - 1):
         # Gap-free query positions: only the keys after the earliest query (at most seen - 1 - first of them) and
         # padding can be hidden from some query, and they lie from slot `start` on. Chronological slots hold them
         # last (none is hidden when every query is the latest token, whatever the slots' order); the padded view holds
-        # each head's real slots first, in position order, then padding, so none lies before the shortest head's
-        # length less seen - 1 - first. The mask is built and applied in place from `start` on: the same -inf entries
-        # as masking every slot (a full-size masked_fill and its repeat over the query heads cost ~3x the softmax on
-        # CPU).
+        # each head's real slots first (in position order unless a ragged hole was refilled), then padding, so none
+        # lies before the shortest head's length less seen - 1 - first. The mask is built and applied in place from
+        # `start` on: the same -inf entries as masking every slot (a full-size masked_fill and its repeat over the
+        # query heads cost ~3x the softmax on CPU).
         after = layer.seen - 1 - first
         start = n - min(n, after) if layer.valid is None else max(0, min(layer.head_lengths()) - after)
         if start < n:
@@ -430,7 +436,8 @@ def _head_probs(layer: CacheLayer, segments: list[torch.Tensor], query: torch.Te
     g = h_q // h_kv
     out = q.new_zeros((b, h_q, length) if mean else (b, h_q, k, length))
     zero = q.new_zeros(())
-    after = layer.seen - 1 - first if first is not None else None
+    # gap-free query positions over a head in position order: only its last `after` keys can lie after a query
+    after = layer.seen - 1 - first if first is not None and (layer.chronological or first >= layer.seen - 1) else None
     for i, keys in enumerate(segments):
         bi, hi = divmod(i, h_kv)
         n = keys.shape[0]
@@ -454,16 +461,18 @@ def _head_probs(layer: CacheLayer, segments: list[torch.Tensor], query: torch.Te
 
 # ---------------------------------------------------------------------------------------------------------------
 # Shared helpers for per-head (ragged) selections. In the padded view of a ragged layer each head's real tokens
-# come first, in chronological order, then padding (`valid` False, position -1). The helpers only assume that a
-# head's real slots are chronological, not that the latest tokens are the last slots.
+# come first, then padding (`valid` False, position -1); the real ones in chronological order unless a decoding step
+# wrote a token into a hole (`Policy.ragged_slot_reuse`: `layer.chronological` False), so the helpers read positions
+# where the layer says its slots are out of order, and never assume that the latest tokens are the last slots.
 
-def latest_mask(layer: CacheLayer, count: int) -> torch.Tensor:
-    """(b, h_kv, n) bool: each head's `count` latest real tokens (by position; padding never). Counted where the real
-    slots are in position order (a padded view; a chronological uniform layer), else ranked by position (slot
-    reuse's holes)."""
-    if layer.valid is None and not layer.chronological:
-        return rank_mask(layer.positions.float().masked_fill(layer.positions < 0, -math.inf), count)
-    return latest_in_order(layer.positions >= 0, count)
+def latest_mask(layer: CacheLayer, count: int, among: torch.Tensor | None = None) -> torch.Tensor:
+    """(b, h_kv, n) bool: each head's `count` latest real tokens (by position; padding and holes never), or the latest
+    of the slots `among` (b, h_kv, n) (real ones). Counted where the real slots are in position order
+    (`layer.chronological`), else ranked by position (slot reuse's holes, uniform or ragged)."""
+    marked = layer.positions >= 0 if among is None else among
+    if not layer.chronological:
+        return rank_mask(layer.positions.float().masked_fill(~marked, -math.inf), count)
+    return latest_in_order(marked, count)
 
 
 def latest_in_order(marked: torch.Tensor, count: int) -> torch.Tensor:

@@ -5,7 +5,8 @@ So no module of the policies layer imports the engine, not even for type hints (
 import, TYPE_CHECKING ones included), and tests/test_layers.py checks that every attribute the policies use of a
 layer is named here and that `EvictingLayer` has every member named here.
 
-Shapes: a layer is scored in a padded view (b, h_kv, n): every KV head holds n slots, in chronological order; a
+Shapes: a layer is scored in a padded view (b, h_kv, n): every KV head holds n slots, in chronological order unless
+`chronological` says otherwise (slot reuse: a decoding step's token written where an eviction freed a slot); a
 layer stored flat per head (ragged: per-head budgets) is turned into that view by `unpack` before scoring and back
 by `pack`/`keep` (`Policy.evict` does both), so a policy never sees the flat storage.
 
@@ -64,7 +65,8 @@ class CacheLayer(Protocol):
     row_seen: torch.Tensor | None
     decoding: bool  # True once the prompt is done (SAGE-KV slides its window only then)
     # True while every head's slots are in position order (the latest tokens the last slots); False once a decoding
-    # step wrote a token into a slot an eviction freed (slot_reuse): then read the order from `positions`
+    # step wrote a token into a slot an eviction freed (slot_reuse; a ragged layer's only with
+    # Policy.ragged_slot_reuse): then read the order from `positions`
     chronological: bool
 
     # -- the queries a policy asked for (`query_window`) and the model's attention settings ----------------------

@@ -7,7 +7,8 @@ tokens by the last token's attention (chosen among the tokens that are neither s
 recent 2559 + last): sink = N // 4, k = N // 2^ceil(log2(2g)), recent = N - sink - g*k - 1; each can be set.
 Heads whose unions overlap keep fewer than N tokens: the layer is stored ragged (flat per head, see engine/ragged.py).
 Decoding: the sinks and selected tokens stay fixed; each new token joins the recent window and the window's oldest
-token is dropped, so every head keeps a constant size.
+token is dropped, so every head keeps a constant size. With slot reuse the new token is written into the row the
+dropped one held (`ragged_slot_reuse`): a step copies no K/V, and a head's rows are then out of position order.
 Deviation: under block processing the same selection is made after every block that overflows the budget, with
 that block's last query (the paper evicts once after a full prefill; `block=null` is exact). If the prompt never
 overflowed the budget, the first decoding step that does makes the selection.
@@ -20,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvbench.policies.base import (Policy, PolicyError, compact, latest_in_order, latest_mask, query_attention,
-                                   rank_mask)
+from kvbench.policies.base import Policy, PolicyError, compact, latest_mask, query_attention, rank_mask
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
@@ -31,6 +31,7 @@ class SageKV(Policy):
     name = "sagekv"
     query_window = 1
     state_names = ("pinned",)  # 1 for the sinks and the selected tokens: never slid out while decoding
+    ragged_slot_reuse = True  # the slide reads positions (latest_mask), the selection attention over each head's keys
 
     def __init__(self, sink: int | None = None, k: int | None = None, recent: int | None = None,
                  budget: int | None = None, **kwargs: Any) -> None:
@@ -80,10 +81,9 @@ class SageKV(Policy):
         sink, k, recent = self.sizes(g)
         real = layer.positions >= 0  # (b, h_kv, n)
         pinned = (layer.state["pinned"] > 0) & real
-        if self._sliding(layer):  # slide: pinned + the latest recent + 1 other tokens
-            # A SAGE-KV layer's real slots are in position order: its selections come with padding (compact), which
-            # the layer stores gathered in order (never leaving a slot-reuse hole), and its tokens are appended
-            return compact(pinned | latest_in_order(real & ~pinned, recent + 1))
+        if self._sliding(layer):  # slide: pinned + the latest recent + 1 other tokens, by position: a slide drops the
+            # oldest unpinned token of every head, and the next token is written into its row (ragged_slot_reuse)
+            return compact(pinned | latest_mask(layer, recent + 1, among=real & ~pinned))
         if layer.physical() <= budget:  # the longest head (physical: on the host, no read)
             return None
         sinks = real & (layer.positions < sink)
