@@ -9,9 +9,9 @@
 # layers evicted in one call, kvbench/engine/stack.py).
 # CHRONO=1: the same, with every policy measured twice, decoding chronologically (rows NAME+chrono: each head's slots
 # gathered after every eviction, how every run before slot reuse became the default decoded) and as it is, one after the
-# other in each round (AdaKV and SAGE-KV, stored flat per head, leave no hole: their NAME+chrono rows concatenate every
-# layer per decoding step, their NAME rows write the token into the free rows after each head,
-# kvbench/engine/ragged.py): results/bench_smollm2/engine_4k_chrono.{json,md}, ~50 CPU-min. (The engine_4k_slots and
+# other in each round (AdaKV, stored flat per head, leaves no hole: its NAME+chrono rows concatenate every layer per
+# decoding step, its NAME rows write the token into the free rows after each head, kvbench/engine/ragged.py; SAGE-KV's
+# NAME rows write it into the row its slide freed, Policy.ragged_slot_reuse): results/bench_smollm2/engine_4k_chrono.{json,md}, ~50 CPU-min. (The engine_4k_slots and
 # engine_4k_stack tables were made before slot reuse was the default, by SLOTS=1 and STACK=1 modes that wrote the rows
 # NAME and NAME+slots; results/bench_smollm2/RUN.md gives their commits.) POLICIES="a b ...": only these policies, each
 # both ways (a shorter paired run).

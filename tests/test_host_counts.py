@@ -151,3 +151,30 @@ def test_sagekv_knows_on_the_host_whether_it_pinned() -> None:
         _run(Spy(budget=16), True, protocol)
     assert checks and all(host == device for host, device in checks)
     assert {device for _, device in checks} == {True, False}  # both branches were taken
+
+
+@pytest.mark.parametrize("protocol", ["blockwise", "prefill_once_decode_evict"])
+@pytest.mark.parametrize("reuse", [False, True])
+def test_sagekv_slides_the_latest_positions_whatever_the_slots_order(protocol: str, reuse: bool) -> None:
+    """SAGE-KV's slide keeps the unpinned tokens from position seen - recent - 1 on (one comparison): at every slide of
+    a run, the same slots as ranking the unpinned tokens by position and keeping the latest recent + 1 (budgets where
+    the heads' unions overlap, so some heads hold fewer tokens; with slot reuse the slots out of position order)."""
+    checks: list[bool] = []
+
+    class Spy(SageKV):
+        def select(self, layer):
+            chosen = super().select(layer)
+            if self._sliding(layer):
+                _, _, recent = self.sizes(layer.stash.queries.shape[1] // layer.keys.shape[1])
+                real = layer.positions >= 0
+                unpinned = real & ~(layer.state["pinned"] > 0)
+                ranked = rank_mask(layer.positions.float().masked_fill(~unpinned, -math.inf), recent + 1)
+                want = compact((real & (layer.state["pinned"] > 0)) | ranked)
+                checks.append(torch.equal(chosen[0], want[0]) and torch.equal(chosen[1], want[1]))
+            return chosen
+
+    model = installed_model("tiny-llama")[0]
+    for budget in (16, 24):
+        generate(model, Spy(budget=budget), IDS, GenerationSettings(block=8, max_new_tokens=12, protocol=protocol,
+                                                                      slot_reuse=reuse))
+    assert len(checks) >= 20 and all(checks)

@@ -355,6 +355,20 @@ def test_a_ragged_slide_leaves_a_hole_per_head_and_the_next_token_fills_it() -> 
     assert layer.block_kv(1)[0].flatten().tolist() == [6.0, 6.0]  # the new token's rows, for its state
 
 
+def test_a_selection_of_rows_out_of_order_is_stored_in_position_order() -> None:
+    """After a hole was filled (head 0 [0, 6, 5], head 1 [6, 4]), a selection that is not one token per head (head 0
+    keeps the tokens at 5 and 6, head 1 both) is stored anew, each head in position order: [5, 6] and [4, 6]."""
+    layer = _ragged_decoding_layer()
+    layer.unpack(kv=False)
+    layer.keep(torch.tensor([[[0, 2, 0], [1, 0, 0]]]), torch.tensor([[[True, True, False], [True, False, False]]]))
+    new = torch.full((1, 2, 1, 1), 6.0)
+    layer.update(new, new)
+    layer.unpack(kv=False)
+    layer.keep(torch.tensor([[[1, 2, 0], [0, 1, 0]]]), torch.tensor([[[True, True, False], [True, True, False]]]))
+    assert layer.uniform and layer.chronological and layer.hole is None
+    assert layer.keys.flatten().tolist() == [5.0, 6.0, 4.0, 6.0] and layer.positions.tolist() == [[[5, 6], [4, 6]]]
+
+
 def test_a_ragged_hole_is_closed_in_position_order_before_a_block() -> None:
     """A block of 2 tokens cannot go into one hole per head: the layer is laid out anew without its holes, each head
     in position order, then the block appended: [0, 5, 7, 8] and [4, 7, 8]."""

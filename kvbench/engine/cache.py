@@ -175,7 +175,8 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
             if not self._drop_one(idx):  # a decoding step's one token per head: a hole, nothing moves (SlotReuse)
                 self._gather(*self.in_position_order(idx, None))
             return
-        idx, valid = self.in_position_order(idx, valid)
+        if not self._orders_at_pack():
+            idx, valid = self.in_position_order(idx, valid)
         self._keep_padded(idx, valid, slot_rows(idx, self.keys.shape[-2]))  # a padded view, or turning ragged
 
     def _gather(self, idx: torch.Tensor, valid: None = None) -> None:

@@ -179,6 +179,7 @@ class RaggedStorage:
     _drop_one: Any  # SlotReuse's: a uniform decoding selection of all slots but one per head leaves a hole
     reuse_ragged_slots: bool  # SlotReuse's: a decoding selection dropping one token per head leaves holes (pack)
     decoding: bool  # EvictingLayer's
+    seen: int  # EvictingLayer's: tokens ever appended
     hole: torch.Tensor | None  # SlotReuse's: (b, h_kv, 1) each head's row its next token is written into
     chronological: bool  # SlotReuse's: every head's tokens in position order
 
@@ -328,9 +329,11 @@ class RaggedStorage:
         if self._leave_holes(view, sizes):
             return
         self.padded = None
-        if view.rows is not None:  # a selection, which `keep` put in position order
-            self.chronological = True
         rows, counts, sizes = view.stored_rows(sizes)
+        if view.rows is not None:  # a selection, stored in position order (`keep` ordered it, else here)
+            if not self.chronological and self._orders_at_pack():
+                rows = self._in_position_order(rows)
+            self.chronological = True
         uniform = min(sizes) == max(sizes)
         for extra in self.extras.values():  # their own rows, stored alike (compact)
             extra.on_pack(rows, (*counts.shape, sizes[0]) if uniform else None)
@@ -357,6 +360,19 @@ class RaggedStorage:
             self.state = {k: s.view(b, h, n) for k, s in self.state.items()}
         self.flat = flat
 
+    def _orders_at_pack(self) -> bool:
+        """Whether a selection of the padded view is put in position order when `pack` stores it (a policy that
+        leaves holes, `reuse_ragged_slots`, and no extras, which see the kept slots in `keep`'s order), rather than
+        in `keep` (SlotReuse.in_position_order): a hole moves nothing, so its usual slide never sorts."""
+        return self.reuse_ragged_slots and not self.extras
+
+    def _in_position_order(self, rows: torch.Tensor) -> torch.Tensor:
+        """Kept rows (S,) of the padded view's flattened (b * h_kv * L) arrays, each head's together, reordered by
+        position within each head (positions are distinct per head and below `seen`)."""
+        length = self.positions.shape[-1]
+        key = (rows // length) * (self.seen + 1) + self.positions.reshape(-1).index_select(0, rows)
+        return rows.index_select(0, key.argsort())
+
     def _leave_holes(self, view: PaddedView, sizes: list[int]) -> bool:
         """`pack`'s slot path (`reuse_ragged_slots`, Policy.ragged_slot_reuse): a decoding selection that keeps all
         of every head's tokens but one (`sizes`, read on the host, each one less than before), its K/V left flat,
@@ -373,7 +389,7 @@ class RaggedStorage:
                 return False
             slots = view.rows.view(b, h, -1) - torch.arange(0, b * h * n, n, device=view.rows.device).view(b, h, 1)
             self.padded = None
-            return self._drop_one(slots[..., :n - 1])  # kept first (compact, in position order), padding after
+            return self._drop_one(slots[..., :n - 1])  # the kept slots first (compact), padding after
         source = view.source
         if not (source is not None and source[0].writable and len(sizes) == len(view.sizes)
                 and all(k == m - 1 for k, m in zip(sizes, view.sizes))):

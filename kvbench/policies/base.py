@@ -465,14 +465,13 @@ def _head_probs(layer: CacheLayer, segments: list[torch.Tensor], query: torch.Te
 # wrote a token into a hole (`Policy.ragged_slot_reuse`: `layer.chronological` False), so the helpers read positions
 # where the layer says its slots are out of order, and never assume that the latest tokens are the last slots.
 
-def latest_mask(layer: CacheLayer, count: int, among: torch.Tensor | None = None) -> torch.Tensor:
-    """(b, h_kv, n) bool: each head's `count` latest real tokens (by position; padding and holes never), or the latest
-    of the slots `among` (b, h_kv, n) (real ones). Counted where the real slots are in position order
-    (`layer.chronological`), else ranked by position (slot reuse's holes, uniform or ragged)."""
-    marked = layer.positions >= 0 if among is None else among
+def latest_mask(layer: CacheLayer, count: int) -> torch.Tensor:
+    """(b, h_kv, n) bool: each head's `count` latest real tokens (by position; padding and holes never). Counted where
+    the real slots are in position order (`layer.chronological`), else ranked by position (slot reuse's holes, uniform
+    or ragged)."""
     if not layer.chronological:
-        return rank_mask(layer.positions.float().masked_fill(~marked, -math.inf), count)
-    return latest_in_order(marked, count)
+        return rank_mask(layer.positions.float().masked_fill(layer.positions < 0, -math.inf), count)
+    return latest_in_order(layer.positions >= 0, count)
 
 
 def latest_in_order(marked: torch.Tensor, count: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ class SageKV(Policy):
     name = "sagekv"
     query_window = 1
     state_names = ("pinned",)  # 1 for the sinks and the selected tokens: never slid out while decoding
-    ragged_slot_reuse = True  # the slide reads positions (latest_mask), the selection attention over each head's keys
+    ragged_slot_reuse = True  # the slide reads positions, the selection attention over each head's own keys
 
     def __init__(self, sink: int | None = None, k: int | None = None, recent: int | None = None,
                  budget: int | None = None, **kwargs: Any) -> None:
@@ -81,9 +81,12 @@ class SageKV(Policy):
         sink, k, recent = self.sizes(g)
         real = layer.positions >= 0  # (b, h_kv, n)
         pinned = (layer.state["pinned"] > 0) & real
-        if self._sliding(layer):  # slide: pinned + the latest recent + 1 other tokens, by position: a slide drops the
-            # oldest unpinned token of every head, and the next token is written into its row (ragged_slot_reuse)
-            return compact(pinned | latest_mask(layer, recent + 1, among=real & ~pinned))
+        if self._sliding(layer):  # slide: pinned + the latest recent + 1 other tokens
+            # The unpinned tokens a head holds are exactly the latest positions: a selection keeps the latest recent + 1
+            # (all held: the window before it held them) and pins only older ones, and a slide keeps the latest. So
+            # the latest recent + 1 of them are those from position seen - recent - 1 on, whatever the slots' order
+            # (the row a slide frees takes the next token: ragged_slot_reuse): one comparison, no ranking
+            return compact(pinned | (real & (layer.positions >= layer.seen - recent - 1)))
         if layer.physical() <= budget:  # the longest head (physical: on the host, no read)
             return None
         sinks = real & (layer.positions < sink)
