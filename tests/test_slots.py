@@ -355,6 +355,19 @@ def test_a_ragged_slide_leaves_a_hole_per_head_and_the_next_token_fills_it() -> 
     assert layer.block_kv(1)[0].flatten().tolist() == [6.0, 6.0]  # the new token's rows, for its state
 
 
+def test_a_state_a_slide_sets_anew_follows_the_rows() -> None:
+    """A selection that leaves holes and sets a per-token state anew (in the padded view's layout: head 0 [1, 2, 3],
+    head 1 [4, 5, pad]) stores it flat, each value at its token's row, the holes' rows included."""
+    layer = _ragged_decoding_layer()
+    layer.state["mark"] = torch.zeros(layer.keys.shape[0])
+    layer.unpack(kv=False)
+    layer.state["mark"] = torch.tensor([[[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]]])
+    layer.keep(torch.tensor([[[0, 2, 0], [1, 0, 0]]]), torch.tensor([[[True, True, False], [True, False, False]]]))
+    assert layer.hole is not None
+    assert [layer.state["mark"][s:s + n].tolist() for s, n in zip(layer.flat.starts, layer.flat.sizes)] == [
+        [1.0, 2.0, 3.0], [4.0, 5.0]]
+
+
 def test_a_selection_of_rows_out_of_order_is_stored_in_position_order() -> None:
     """After a hole was filled (head 0 [0, 6, 5], head 1 [6, 4]), a selection that is not one token per head (head 0
     keeps the tokens at 5 and 6, head 1 both) is stored anew, each head in position order: [5, 6] and [4, 6]."""

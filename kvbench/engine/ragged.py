@@ -132,16 +132,19 @@ class PaddedView:
     """A layer's padded scoring view (b, h_kv, L): `valid` its real slots; `sizes` the head sizes of the flat storage
     it was built from (host; None when a uniform layer's selection made it); `rows` a selection of `keep` not stored
     yet: rows (flattened, padding included) of the view's arrays that it keeps (None: nothing kept since); `source`
-    the flat layout and K/V it was built from when K/V were left flat (`unpack(kv=False)`), else None."""
+    the flat layout and K/V it was built from when K/V were left flat (`unpack(kv=False)`), else None; `arrays` then
+    the flat positions and per-token state it was built from and the padded state it made of them (a selection that
+    leaves holes stores the flat ones back, RaggedStorage._leave_holes)."""
 
     def __init__(self, valid: torch.Tensor, sizes: list[int] | None = None, rows: torch.Tensor | None = None,
-                 source: tuple[FlatHeads, torch.Tensor, torch.Tensor] | None = None) -> None:
-        self.valid, self.sizes, self.rows, self.source = valid, sizes, rows, source
+                 source: tuple[FlatHeads, torch.Tensor, torch.Tensor] | None = None,
+                 arrays: tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None) -> None:
+        self.valid, self.sizes, self.rows, self.source, self.arrays = valid, sizes, rows, source, arrays
 
     def selected(self, idx: torch.Tensor, valid: torch.Tensor | None, rows: torch.Tensor) -> PaddedView:
         """The view once `keep` selects its slots `idx` (b, h_kv, k), `valid` marking padding of the selection."""
         base = self.valid.gather(2, idx)
-        return PaddedView(base if valid is None else base & valid, self.sizes, rows, self.source)
+        return PaddedView(base if valid is None else base & valid, self.sizes, rows, self.source, self.arrays)
 
     def kept_counts(self) -> torch.Tensor:
         """(b * h_kv,) tokens each head keeps, row-major."""
@@ -280,8 +283,11 @@ class RaggedStorage:
             (b, h), length = flat.lengths.shape, max(flat.sizes)
             self.keys = self.keys[:1].view(1, 1, 1, -1).expand(b, h, length, -1)  # (b, h_kv, L, d) stand-ins
             self.values = self.values[:1].view(1, 1, 1, -1).expand(b, h, length, -1)
+        flat_positions, flat_state = self.positions, self.state
         self.positions = flat.pad(self.positions, -1)
         self.state = {k: flat.pad(s, 0) for k, s in self.state.items()}
+        if not kv:
+            view.arrays = (flat_positions, flat_state, dict(self.state))
         self.flat, self.padded = None, view
         for extra in self.extras.values():  # their flat rows (S, ...) in segments of their own -> the view's layout
             extra.on_unpack(self, view.sizes, lambda rows, segments, fill: flat.pad(rows, fill, segments))
@@ -378,8 +384,9 @@ class RaggedStorage:
         of every head's tokens but one (`sizes`, read on the host, each one less than before), its K/V left flat,
         is stored by leaving the flat storage where it is, each head's dropped row its `hole` (position -1), which the
         next token is written into (SlotReuse._fill_hole): no K/V copied, where storing the kept rows copies the
-        layer (SAGE-KV's slide, every step). Positions and per-token state come back from the view (a selection may
-        have changed the state). False (nothing done) otherwise: extras (their own rows), a fork's shared storage."""
+        layer (SAGE-KV's slide, every step). The flat positions and state the view was built from are stored back
+        (a selection moves no position; a state the selection set anew, as a new tensor, is laid out flat). False
+        (nothing done) otherwise: extras (their own rows), a fork's shared storage."""
         if not (self.reuse_ragged_slots and self.reuse_slots and self.decoding and self.hole is None
                 and view.rows is not None and not self.extras):
             return False
@@ -395,22 +402,24 @@ class RaggedStorage:
                 and all(k == m - 1 for k, m in zip(sizes, view.sizes))):
             return False
         flat, keys, values = source
+        positions, flat_state, padded_state = view.arrays
         b, h = flat.lengths.shape
         length = max(flat.sizes)  # the view's width
         heads = torch.arange(0, b * h * length, length, device=view.rows.device).view(b, h, 1)
         kept = (view.rows.view(b, h, -1) - heads).masked_fill(~view.valid, 0)  # (b, h, k) kept slots, padding 0
         n = flat.lengths  # (b, h)
         hole = (n * (n - 1) // 2 - kept.sum(dim=-1)).unsqueeze(-1)  # (b, h, 1): the real slot not kept (exact, int64)
-        real = _slots(flat.valid_slots(), sum(flat.sizes))  # (S,) view rows of every real slot
-        rows = flat.start_rows.index_select(0, real // length) + real % length  # (S,) their flat rows
-        total = keys.shape[0]  # the flat storage's rows, free ones included (never read)
-        positions = self.positions.new_full((total,), -1)
-        positions.index_copy_(0, rows, self.positions.reshape(-1).index_select(0, real))
-        positions.index_fill_(0, flat.start_rows + hole.flatten(), -1)
-        self.state = {k: s.new_zeros(total).index_copy_(0, rows, s.reshape(-1).index_select(0, real))
-                      for k, s in self.state.items()}
-        self.positions = positions
-        self.keys, self.values, self.flat, self.padded, self.hole = keys, values, flat, None, hole
+        positions.index_fill_(0, flat.start_rows + hole.flatten(), -1)  # the flat positions (a selection moves none)
+        state = {}
+        for k, s in self.state.items():  # the flat state, unless the selection set a new one (SAGE-KV's pinned)
+            if padded_state.get(k) is s:
+                state[k] = flat_state[k]
+                continue
+            real = _slots(flat.valid_slots(), sum(flat.sizes))  # (S,) view rows of every real slot
+            rows = flat.start_rows.index_select(0, real // length) + real % length  # (S,) their flat rows
+            state[k] = s.new_zeros(keys.shape[0]).index_copy_(0, rows, s.reshape(-1).index_select(0, real))
+        self.keys, self.values, self.positions, self.state = keys, values, positions, state
+        self.flat, self.padded, self.hole = flat, None, hole
         return True
 
     def _close_ragged_hole(self) -> None:

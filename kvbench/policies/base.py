@@ -56,10 +56,11 @@ class Policy:
     # the layers of two samples are never scored by one instance (`batch_key`)
     sample_state: bool = False
     # True: every selection of a ragged (per-head) layer reads which tokens it holds by position, never by slot order
-    # (`latest_mask` and `tie_positions`, not slot ranges), and the policy keeps no per-layer extras. Then a decoding
-    # eviction that drops exactly one token from every head of a ragged layer leaves each head's dropped row as a hole
-    # the next token is written into (slot reuse, as uniform layers do: kvbench/engine/slots.py) instead of storing
-    # the kept rows again: no K/V copied. The heads' rows then stop being in position order (`layer.chronological`).
+    # (`latest_mask` and `tie_positions`, not slot ranges), changes per-token state only by setting a new tensor
+    # (`layer.state[name] = ...`), and the policy keeps no per-layer extras. Then a decoding eviction that drops
+    # exactly one token from every head of a ragged layer leaves each head's dropped row as a hole the next token is
+    # written into (slot reuse, as uniform layers do: kvbench/engine/slots.py) instead of storing the kept rows again:
+    # no K/V copied. The heads' rows then stop being in position order (`layer.chronological`).
     ragged_slot_reuse: bool = False
 
     def __init__(self, budget: int | None = None, n_sink: int = 0, n_recent: int = 0,
