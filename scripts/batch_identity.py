@@ -89,18 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse", action="store_true",
                    help="take finished reruns already in --scratch as they are (redraw the table without rerunning)")
     a = p.parse_args(argv)
-    from kvbench.run.score import ScoreError, read_run_config
+    from kvbench.run.score import ScoreError, committed_run_configs
 
-    configs = {}  # every run's config read before anything is rerun: a bad one is one line, nothing written
-    for run in a.runs:
-        if not (run / "config.yaml").is_file() or not (run / "predictions.jsonl").is_file():
-            print(f"batch_identity: {run} is not a run directory (config.yaml, predictions.jsonl)", file=sys.stderr)
-            return 2
-        try:
-            configs[run] = read_run_config(run)
-        except ScoreError as e:
-            print(f"batch_identity: {e}", file=sys.stderr)
-            return 2
+    try:
+        configs = committed_run_configs(a.runs)  # a bad one is one line, nothing written
+    except ScoreError as e:
+        print(f"batch_identity: {e}", file=sys.stderr)
+        return 2
     from kvbench.run.app import Member, Session, run_members
     from kvbench.run.settings import RunSettings
 

@@ -51,18 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slot_logits: --shard takes i/n with 0 <= i < n, got '{a.shard}'", file=sys.stderr)
         return 2
     from kvbench.run.records import read_records
-    from kvbench.run.score import ScoreError, read_run_config
+    from kvbench.run.score import ScoreError, committed_run_configs
 
-    configs = {}
-    for run in a.runs:
-        if not (run / "config.yaml").is_file() or not (run / "predictions.jsonl").is_file():
-            print(f"slot_logits: {run} is not a run directory (config.yaml, predictions.jsonl)", file=sys.stderr)
-            return 2
-        try:
-            configs[run] = read_run_config(run)
-        except ScoreError as e:
-            print(f"slot_logits: {e}", file=sys.stderr)
-            return 2
+    try:
+        configs = committed_run_configs(a.runs)  # a bad one is one line, nothing written
+    except ScoreError as e:
+        print(f"slot_logits: {e}", file=sys.stderr)
+        return 2
 
     import copy
 

@@ -39,3 +39,13 @@ def test_niah_heatmaps_refuses_a_missing_runs_directory(tmp_path, capsys: pytest
     assert load_script("niah_heatmaps").cli([str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a directory" in err and not (tmp_path / "out").exists()
+
+
+def test_slot_logits_bad_input_is_one_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    module = load_script("slot_logits")
+    assert module.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.strip().endswith("is not a run directory (config.yaml, predictions.jsonl)")
+    assert module.main([str(tmp_path), "--shard", "3/2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--shard takes i/n with 0 <= i < n, got '3/2'" in err

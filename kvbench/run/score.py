@@ -114,6 +114,17 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
     return stored_config(cfg)
 
 
+def committed_run_configs(runs: list[Path]) -> dict[Path, dict[str, Any]]:
+    """Each run directory's recorded config (`read_run_config`), all read before anything is rerun, so a bad one is
+    one error (ScoreError) and nothing is written: what the scripts that rerun committed runs start from."""
+    configs = {}
+    for run in runs:
+        if not (run / "config.yaml").is_file() or not (run / PREDICTIONS).is_file():
+            raise ScoreError(f"{run} is not a run directory (config.yaml, {PREDICTIONS})")
+        configs[run] = read_run_config(run)
+    return configs
+
+
 def rescore_run(run_dir: Path, fuzz_backend: str | None = None) -> dict[str, Any]:
     """Score a run directory's predictions again with its own task, as the run does: the task built from config.yaml
     (`fuzz_backend`, when given, replaces a LongBench task's backend), `Task.score` per record, `Task.aggregate` over
