@@ -118,38 +118,6 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("an evicting cache cannot be cropped by token count")
 
-    # -- the block just appended (read and filled by the attention wrapper) -------------------------------------
-    def block_kv(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (b, h_kv, q, d) of the latest q tokens of every head."""
-        if self.ragged:
-            b, h = self.flat.lengths.shape
-            idx = self._block_rows(q)
-            return self.keys[idx].view(b, h, q, -1), self.values[idx].view(b, h, q, -1)
-        if self.block_slots is not None:  # one token per head, written into a hole (SlotReuse)
-            slots = self.block_slots.unsqueeze(-1)  # (b, h_kv, 1, 1)
-            return (self.keys.gather(2, slots.expand(*slots.shape[:3], self.keys.shape[-1])),
-                    self.values.gather(2, slots.expand(*slots.shape[:3], self.values.shape[-1])))
-        return self.keys[..., -q:, :], self.values[..., -q:, :]
-
-    def _block_rows(self, q: int) -> torch.Tensor:
-        """(b*h_kv*q,) a ragged layer's flat rows of the latest q tokens of every head: each head's hole when the block
-        was written into them (SlotReuse), else the last q of its segment."""
-        if self.block_slots is not None:
-            return self._hole_rows(self.block_slots)
-        return self.flat.block_index(q).flatten()
-
-    def set_block_state(self, name: str, new: torch.Tensor) -> None:
-        """Write per-token state `new` (b, h_kv, q) of the latest q tokens (creating the state, zeros, if needed)."""
-        if name not in self.state:
-            self.state[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.positions.device)
-        q = new.shape[-1]
-        if self.ragged:
-            self.state[name][self._block_rows(q)] = new.reshape(-1).to(self.state[name].dtype)
-        elif self.block_slots is not None:
-            self.state[name].scatter_(2, self.block_slots, new.to(self.state[name].dtype))
-        else:
-            self.state[name][..., -q:] = new
-
     # -- the scoring view and eviction (the ragged moves: RaggedStorage) ---------------------------------------
     def head_lengths(self) -> list[int]:
         """Real tokens each (batch, KV head) holds, row-major, on the host (no read of the device)."""

@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-from kvbench.engine.slots import slot_rows
-
 SLACK = 16  # free rows after each head's segment when the flat storage is laid out (see FlatHeads)
 
 
@@ -134,7 +132,7 @@ class PaddedView:
     yet: rows (flattened, padding included) of the view's arrays that it keeps (None: nothing kept since); `source`
     the flat layout and K/V it was built from when K/V were left flat (`unpack(kv=False)`), else None; `arrays` then
     the flat positions and per-token state it was built from and the padded state it made of them (a selection that
-    leaves holes stores the flat ones back, RaggedStorage._leave_holes)."""
+    leaves holes stores the flat ones back, SlotReuse._leave_holes)."""
 
     def __init__(self, valid: torch.Tensor, sizes: list[int] | None = None, rows: torch.Tensor | None = None,
                  source: tuple[FlatHeads, torch.Tensor, torch.Tensor] | None = None,
@@ -156,13 +154,13 @@ class PaddedView:
         counts = self.valid.sum(dim=-1)  # (b, h_kv)
         if sizes is None:
             sizes = counts.flatten().tolist()  # the one host read of a selection: the layout and the split sizes
-        rows = _slots(self.valid, sum(sizes))  # (S,): the real slots, as valid's boolean mask takes them
+        rows = true_slots(self.valid, sum(sizes))  # (S,): the real slots, as valid's boolean mask takes them
         if self.rows is not None:  # `keep`'s selection and the real slots of it: one copy of every tensor
             rows = self.rows.index_select(0, rows)
         return rows, counts, sizes
 
 
-def _slots(valid: torch.Tensor, count: int) -> torch.Tensor:
+def true_slots(valid: torch.Tensor, count: int) -> torch.Tensor:
     """(count,) flat indices of the True slots of `valid`, in row-major order, `count` their number known on the
     host: boolean-mask indexing would ask the device for it (a host sync on a GPU), nonzero_static does not."""
     return valid.reshape(-1).nonzero_static(size=count).squeeze(-1)
@@ -179,12 +177,10 @@ class RaggedStorage:
     state: dict[str, torch.Tensor]
     extras: dict[str, Any]
     reuse_slots: bool  # SlotReuse's: decoding writes in place (here: into free rows; else every append a copy)
-    _drop_one: Any  # SlotReuse's: a uniform decoding selection of all slots but one per head leaves a hole
-    reuse_ragged_slots: bool  # SlotReuse's: a decoding selection dropping one token per head leaves holes (pack)
-    decoding: bool  # EvictingLayer's
-    seen: int  # EvictingLayer's: tokens ever appended
-    hole: torch.Tensor | None  # SlotReuse's: (b, h_kv, 1) each head's row its next token is written into
     chronological: bool  # SlotReuse's: every head's tokens in position order
+    _leave_holes: Any  # SlotReuse's: a selection of one token per head stored as holes
+    _orders_at_pack: Any  # SlotReuse's: whether `pack` puts a selection in position order, and how
+    _in_position_order: Any
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -365,78 +361,6 @@ class RaggedStorage:
             self.positions = self.positions.view(b, h, n)
             self.state = {k: s.view(b, h, n) for k, s in self.state.items()}
         self.flat = flat
-
-    def _orders_at_pack(self) -> bool:
-        """Whether a selection of the padded view is put in position order when `pack` stores it (a policy that
-        leaves holes, `reuse_ragged_slots`, and no extras, which see the kept slots in `keep`'s order), rather than
-        in `keep` (SlotReuse.in_position_order): a hole moves nothing, so its usual slide never sorts."""
-        return self.reuse_ragged_slots and not self.extras
-
-    def _in_position_order(self, rows: torch.Tensor) -> torch.Tensor:
-        """Kept rows (S,) of the padded view's flattened (b * h_kv * L) arrays, each head's together, reordered by
-        position within each head (positions are distinct per head and below `seen`)."""
-        length = self.positions.shape[-1]
-        key = (rows // length) * (self.seen + 1) + self.positions.reshape(-1).index_select(0, rows)
-        return rows.index_select(0, key.argsort())
-
-    def _leave_holes(self, view: PaddedView, sizes: list[int]) -> bool:
-        """`pack`'s slot path (`reuse_ragged_slots`, Policy.ragged_slot_reuse): a decoding selection that keeps all
-        of every head's tokens but one (`sizes`, read on the host, each one less than before), its K/V left flat,
-        is stored by leaving the flat storage where it is, each head's dropped row its `hole` (position -1), which the
-        next token is written into (SlotReuse._fill_hole): no K/V copied, where storing the kept rows copies the
-        layer (SAGE-KV's slide, every step). The flat positions and state the view was built from are stored back
-        (a selection moves no position; a state the selection set anew, as a new tensor, is laid out flat). False
-        (nothing done) otherwise: extras (their own rows), a fork's shared storage."""
-        if not (self.reuse_ragged_slots and self.reuse_slots and self.decoding and self.hole is None
-                and view.rows is not None and not self.extras):
-            return False
-        if view.sizes is None:  # a uniform layer's selection with padding: every head one token less is SlotReuse's
-            b, h, n = self.positions.shape
-            if any(k != n - 1 for k in sizes):
-                return False
-            slots = view.rows.view(b, h, -1) - torch.arange(0, b * h * n, n, device=view.rows.device).view(b, h, 1)
-            self.padded = None
-            return self._drop_one(slots[..., :n - 1])  # the kept slots first (compact), padding after
-        source = view.source
-        if not (source is not None and source[0].writable and len(sizes) == len(view.sizes)
-                and all(k == m - 1 for k, m in zip(sizes, view.sizes))):
-            return False
-        flat, keys, values = source
-        positions, flat_state, padded_state = view.arrays
-        b, h = flat.lengths.shape
-        length = max(flat.sizes)  # the view's width
-        heads = torch.arange(0, b * h * length, length, device=view.rows.device).view(b, h, 1)
-        kept = (view.rows.view(b, h, -1) - heads).masked_fill(~view.valid, 0)  # (b, h, k) kept slots, padding 0
-        n = flat.lengths  # (b, h)
-        hole = (n * (n - 1) // 2 - kept.sum(dim=-1)).unsqueeze(-1)  # (b, h, 1): the real slot not kept (exact, int64)
-        positions.index_fill_(0, flat.start_rows + hole.flatten(), -1)  # the flat positions (a selection moves none)
-        state = {}
-        for k, s in self.state.items():  # the flat state, unless the selection set a new one (SAGE-KV's pinned)
-            if padded_state.get(k) is s:
-                state[k] = flat_state[k]
-                continue
-            real = _slots(flat.valid_slots(), sum(flat.sizes))  # (S,) view rows of every real slot
-            rows = flat.start_rows.index_select(0, real // length) + real % length  # (S,) their flat rows
-            state[k] = s.new_zeros(keys.shape[0]).index_copy_(0, rows, s.reshape(-1).index_select(0, real))
-        self.keys, self.values, self.positions, self.state = keys, values, positions, state
-        self.flat, self.padded, self.hole = flat, None, hole
-        return True
-
-    def _close_ragged_hole(self) -> None:
-        """A ragged layer's tokens without its holes, in position order, laid out anew (one copy of the layer): before
-        an append a hole cannot take (a block of several tokens, a fork's shared storage). Through the padded view,
-        where each hole is a slot of position -1, sorted after the real ones."""
-        sizes = [n - 1 for n in self.flat.sizes]
-        self.hole = None
-        self.unpack()
-        real = self.positions >= 0  # (b, h_kv, L)
-        order = self.positions.masked_fill(~real, torch.iinfo(self.positions.dtype).max).argsort(dim=-1)
-        valid = real.gather(2, order)
-        for extra in self.extras.values():
-            extra.on_keep(self, order, True)
-        self.forward_rows = None
-        self.padded = self.padded.selected(order, valid, slot_rows(order, order.shape[-1]))
-        self.pack(sizes)
 
     def pending(self) -> bool:
         """True while a selection of `keep` waits for its head sizes (`defer_pack`; see pack)."""

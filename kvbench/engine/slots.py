@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.ragged import PaddedView, true_slots
+
 
 def slot_rows(slots: torch.Tensor, n: int) -> torch.Tensor:
     """(b, h, k) slot indices of a (b, h, n, ...) layout -> (b*h*k,) rows of its flattened (b*h*n, ...) view."""
@@ -38,9 +40,11 @@ def slot_rows(slots: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class SlotReuse:
-    """The slot half of an `EvictingLayer` (a base class of it): holes left by decoding evictions and their reuse. It
-    works on the layer's own per-token arrays (`keys`, `values`, `positions`, `state`) and tells its extras about a
-    hole (`on_reuse`), whose per-token rows of their own follow the slots."""
+    """The slot half of an `EvictingLayer` (a base class of it): holes left by decoding evictions, in a uniform layer's
+    slots or a ragged one's flat rows, and their reuse; where the latest block's tokens lie (`block_kv`,
+    `set_block_state`), and the order a selection is stored in. It works on the layer's own per-token arrays (`keys`,
+    `values`, `positions`, `state`) and tells its extras about a hole (`on_reuse`), whose per-token rows of their own
+    follow the slots."""
 
     keys: torch.Tensor | None  # the layer's per-token arrays and extras (see EvictingLayer)
     values: torch.Tensor | None
@@ -48,8 +52,14 @@ class SlotReuse:
     state: dict[str, torch.Tensor]
     extras: dict[str, Any]
     decoding: bool
-    flat: Any  # RaggedStorage's FlatHeads: the heads' segments while the layer is ragged, else None
-    _close_ragged_hole: Any  # RaggedStorage's: a ragged layer laid out anew without its holes
+    seen: int  # EvictingLayer's: tokens ever appended
+    ragged: bool  # RaggedStorage's: stored flat per head
+    # RaggedStorage's: the heads' segments (FlatHeads) while the layer is ragged, else None; the padded view, its moves
+    flat: Any
+    padded: Any
+    unpack: Any
+    pack: Any
+    forward_rows: Any
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -127,6 +137,110 @@ class SlotReuse:
         idx = keep.view(-1, n).nonzero_static(size=b * h * (n - 1))[:, 1].view(b, h, n - 1)  # all but the hole
         self.hole = None
         self._gather(*self.in_position_order(idx, None))
+
+    def _orders_at_pack(self) -> bool:
+        """Whether a selection of the padded view is put in position order when `pack` stores it (a policy that
+        leaves holes, `reuse_ragged_slots`, and no extras, which see the kept slots in `keep`'s order), rather than
+        in `keep` (SlotReuse.in_position_order): a hole moves nothing, so its usual slide never sorts."""
+        return self.reuse_ragged_slots and not self.extras
+
+    def _in_position_order(self, rows: torch.Tensor) -> torch.Tensor:
+        """Kept rows (S,) of the padded view's flattened (b * h_kv * L) arrays, each head's together, reordered by
+        position within each head (positions are distinct per head and below `seen`)."""
+        length = self.positions.shape[-1]
+        key = (rows // length) * (self.seen + 1) + self.positions.reshape(-1).index_select(0, rows)
+        return rows.index_select(0, key.argsort())
+
+    def _leave_holes(self, view: PaddedView, sizes: list[int]) -> bool:
+        """`pack`'s slot path (`reuse_ragged_slots`, Policy.ragged_slot_reuse): a decoding selection that keeps all
+        of every head's tokens but one (`sizes`, read on the host, each one less than before), its K/V left flat,
+        is stored by leaving the flat storage where it is, each head's dropped row its `hole` (position -1), which the
+        next token is written into (SlotReuse._fill_hole): no K/V copied, where storing the kept rows copies the
+        layer (SAGE-KV's slide, every step). The flat positions and state the view was built from are stored back
+        (a selection moves no position; a state the selection set anew, as a new tensor, is laid out flat). False
+        (nothing done) otherwise: extras (their own rows), a fork's shared storage."""
+        if not (self.reuse_ragged_slots and self.reuse_slots and self.decoding and self.hole is None
+                and view.rows is not None and not self.extras):
+            return False
+        if view.sizes is None:  # a uniform layer's selection with padding: every head one token less is SlotReuse's
+            b, h, n = self.positions.shape
+            if any(k != n - 1 for k in sizes):
+                return False
+            slots = view.rows.view(b, h, -1) - torch.arange(0, b * h * n, n, device=view.rows.device).view(b, h, 1)
+            self.padded = None
+            return self._drop_one(slots[..., :n - 1])  # the kept slots first (compact), padding after
+        source = view.source
+        if not (source is not None and source[0].writable and len(sizes) == len(view.sizes)
+                and all(k == m - 1 for k, m in zip(sizes, view.sizes))):
+            return False
+        flat, keys, values = source
+        positions, flat_state, padded_state = view.arrays
+        b, h = flat.lengths.shape
+        length = max(flat.sizes)  # the view's width
+        heads = torch.arange(0, b * h * length, length, device=view.rows.device).view(b, h, 1)
+        kept = (view.rows.view(b, h, -1) - heads).masked_fill(~view.valid, 0)  # (b, h, k) kept slots, padding 0
+        n = flat.lengths  # (b, h)
+        hole = (n * (n - 1) // 2 - kept.sum(dim=-1)).unsqueeze(-1)  # (b, h, 1): the real slot not kept (exact, int64)
+        positions.index_fill_(0, flat.start_rows + hole.flatten(), -1)  # the flat positions (a selection moves none)
+        state = {}
+        for k, s in self.state.items():  # the flat state, unless the selection set a new one (SAGE-KV's pinned)
+            if padded_state.get(k) is s:
+                state[k] = flat_state[k]
+                continue
+            real = true_slots(flat.valid_slots(), sum(flat.sizes))  # (S,) view rows of every real slot
+            rows = flat.start_rows.index_select(0, real // length) + real % length  # (S,) their flat rows
+            state[k] = s.new_zeros(keys.shape[0]).index_copy_(0, rows, s.reshape(-1).index_select(0, real))
+        self.keys, self.values, self.positions, self.state = keys, values, positions, state
+        self.flat, self.padded, self.hole = flat, None, hole
+        return True
+
+    def _close_ragged_hole(self) -> None:
+        """A ragged layer's tokens without its holes, in position order, laid out anew (one copy of the layer): before
+        an append a hole cannot take (a block of several tokens, a fork's shared storage). Through the padded view,
+        where each hole is a slot of position -1, sorted after the real ones."""
+        sizes = [n - 1 for n in self.flat.sizes]
+        self.hole = None
+        self.unpack()
+        real = self.positions >= 0  # (b, h_kv, L)
+        order = self.positions.masked_fill(~real, torch.iinfo(self.positions.dtype).max).argsort(dim=-1)
+        valid = real.gather(2, order)
+        for extra in self.extras.values():
+            extra.on_keep(self, order, True)
+        self.forward_rows = None
+        self.padded = self.padded.selected(order, valid, slot_rows(order, order.shape[-1]))
+        self.pack(sizes)
+
+    # -- the block just appended (read and filled by the attention wrapper) -------------------------------------
+    def block_kv(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (b, h_kv, q, d) of the latest q tokens of every head."""
+        if self.ragged:
+            b, h = self.flat.lengths.shape
+            idx = self._block_rows(q)
+            return self.keys[idx].view(b, h, q, -1), self.values[idx].view(b, h, q, -1)
+        if self.block_slots is not None:  # one token per head, written into a hole (SlotReuse)
+            slots = self.block_slots.unsqueeze(-1)  # (b, h_kv, 1, 1)
+            return (self.keys.gather(2, slots.expand(*slots.shape[:3], self.keys.shape[-1])),
+                    self.values.gather(2, slots.expand(*slots.shape[:3], self.values.shape[-1])))
+        return self.keys[..., -q:, :], self.values[..., -q:, :]
+
+    def _block_rows(self, q: int) -> torch.Tensor:
+        """(b*h_kv*q,) a ragged layer's flat rows of the latest q tokens of every head: each head's hole when the block
+        was written into them (SlotReuse), else the last q of its segment."""
+        if self.block_slots is not None:
+            return self._hole_rows(self.block_slots)
+        return self.flat.block_index(q).flatten()
+
+    def set_block_state(self, name: str, new: torch.Tensor) -> None:
+        """Write per-token state `new` (b, h_kv, q) of the latest q tokens (creating the state, zeros, if needed)."""
+        if name not in self.state:
+            self.state[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.positions.device)
+        q = new.shape[-1]
+        if self.ragged:
+            self.state[name][self._block_rows(q)] = new.reshape(-1).to(self.state[name].dtype)
+        elif self.block_slots is not None:
+            self.state[name].scatter_(2, self.block_slots, new.to(self.state[name].dtype))
+        else:
+            self.state[name][..., -q:] = new
 
     def head_positions(self) -> torch.Tensor:
         """(b, h_kv, L) absolute positions per head (-1: padding, a hole); a copy when slots are reused, as they are
