@@ -266,6 +266,23 @@ def test_the_decoding_goal_over_rounds_is_a_one_sided_t_bound_of_the_paired_rati
     assert by == {"tova": None, "h2o": True, "snapkv": False}
 
 
+def test_a_decoding_line_says_when_a_layer_holds_more_than_n_plus_b() -> None:
+    """K-norm leaves its first two layers whole: its peak (4127 tokens a head) is over N + B = 64 + 16 = 80, so its
+    decoding is not at HF's cache size N there, and the line says so (after the bounds, over rounds); a bounded row
+    (80) says nothing."""
+    rows = [{**_row(setup.HF_DECODE, 64, 0.5, 1.0, 0, 0), "budget": 64},
+            {**_row("knorm", 2000, 2.0, 1.05, 0.05, 0.05), "peak_kv_tokens": 4127},
+            {**_row("streamingllm", 2000, 2.0, 1.0, 0.05, 0.05), "peak_kv_tokens": 80}]
+    goals.add_ratios(rows)
+    by = {g["policy"]: g["detail"] for g in goals.goals(rows) if g["goal"].startswith("decode")}
+    assert by == {"knorm": "2000: 1.05x; some layer holds up to 4127 tokens a head, over N + B = 80, where HF's holds N",
+                  "streamingllm": "2000: 1.00x"}
+    rows[1]["decode_s_rounds"], rows[0]["decode_s_rounds"] = [1.05, 1.05], [1.0, 1.0]
+    knorm = next(g for g in goals.goals(rows) if g["goal"].startswith("decode") and g["policy"] == "knorm")
+    assert knorm["detail"].endswith("over 2 paired rounds; some layer holds up to 4127 tokens a head, over N + B = 80, "
+                                    "where HF's holds N")
+
+
 def test_the_decoding_lines_over_rounds_are_corrected_as_one_family_by_holm() -> None:
     # The rows of the test above, and h2o_original at 3.00, 3.06, 3.18 s: ratios 1.00, 1.02, 1.06, mean 1.02667, sd
     # 0.030551, se 0.017638, upper bound 1.02667 + 2.920 x 0.017638 = 1.078x: PASS at 95 % on its own.
