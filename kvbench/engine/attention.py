@@ -111,6 +111,8 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     kt = key.float().transpose(-1, -2).reshape(b * h_kv, d, kv_len)  # (b*h_kv, d, kv) float32
     zero = query.new_zeros((), dtype=torch.float32)
     d_v = value.shape[-1]
+    if q_len == 1 and lengths is None:  # a decoding step: one query, every slot before it (nothing to mask)
+        return _one_query(query, kt, value, zero, scaling, softcap, on_probs, on_rows)
     out = value.new_empty(b, h_kv, g, q_len, d_v)
     # Per chunk of c queries, the (b, h_kv, g, c, kv) logits are the big tensor: every step below works on it in
     # place (scale fused into the matmul, causal mask only on the part a query can miss), which measured ~20 %
@@ -145,6 +147,29 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         out[:, :, :, s:e] = torch.matmul(probs.to(value.dtype).view(b, h_kv, g * c, kv_len),
                                          value).view(b, h_kv, g, c, d_v)
     return out.view(b, h_q, q_len, d_v).transpose(1, 2).contiguous()  # (b, q, h_q, d_v)
+
+
+def _one_query(query: torch.Tensor, kt: torch.Tensor, value: torch.Tensor, zero: torch.Tensor, scaling: float,
+               softcap: float | None, on_probs: Callable[[torch.Tensor], None] | None,
+               on_rows: tuple[int, Callable[[torch.Tensor], None]] | None) -> torch.Tensor:
+    """`explicit_attention` of one query (b, h_q, 1, d) over every slot, `kt` (b*h_kv, d, kv) its float32 keys: the
+    same kernels on the same shapes as its one chunk (so the same bits), without the chunk loop, the output buffer
+    and its copies, which are most of a call's time at one query (a ragged layer's decoding step makes one call per
+    KV head: 90 a step on SmolLM2, 13.4 -> 8.5 ms measured on one CPU thread)."""
+    b, h_q, _, d = query.shape
+    h_kv, kv_len = value.shape[1], value.shape[2]
+    g = h_q // h_kv
+    logits = torch.baddbmm(zero, query.float().reshape(b * h_kv, g, d), kt, beta=0.0,
+                           alpha=scaling).view(b, h_kv, g, 1, kv_len)
+    if softcap:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    probs = torch.softmax(logits, dim=-1)  # (b, h_kv, g, 1, kv)
+    if on_probs is not None:
+        on_probs(probs.mean(dim=2))
+    if on_rows is not None and on_rows[0] <= 1:
+        on_rows[1](probs.mean(dim=-2))
+    out = torch.matmul(probs.to(value.dtype).view(b, h_kv, g, kv_len), value)  # (b, h_kv, g, d_v)
+    return out.view(b, 1, h_q, value.shape[-1])  # (b, q, h_q, d_v): with one query, the same memory
 
 
 def ragged_attention(query: torch.Tensor, layer: EvictingLayer, scaling: float, softcap: float | None,
