@@ -155,7 +155,7 @@ def _one_query(query: torch.Tensor, kt: torch.Tensor, value: torch.Tensor, zero:
     """`explicit_attention` of one query (b, h_q, 1, d) over every slot, `kt` (b*h_kv, d, kv) its float32 keys: the
     same kernels on the same shapes as its one chunk (so the same bits), without the chunk loop, the output buffer
     and its copies, which are most of a call's time at one query (a ragged layer's decoding step makes one call per
-    KV head: 90 a step on SmolLM2, 13.4 -> 8.5 ms measured on one CPU thread)."""
+    KV head: 90 a step on SmolLM2, 13.4 -> 12.2 ms in a warm micro-benchmark on one CPU thread)."""
     b, h_q, _, d = query.shape
     h_kv, kv_len = value.shape[1], value.shape[2]
     g = h_q // h_kv

@@ -180,7 +180,7 @@ class RaggedStorage:
     chronological: bool  # SlotReuse's: every head's tokens in position order
     _leave_holes: Any  # SlotReuse's: a selection of one token per head stored as holes
     _orders_at_pack: Any  # SlotReuse's: whether `pack` puts a selection in position order, and how
-    _in_position_order: Any
+    _rows_in_position_order: Any
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -298,11 +298,13 @@ class RaggedStorage:
         flat, keys, _ = self.padded.source
         return flat.views(keys)
 
-    def _keep_padded(self, idx: torch.Tensor, valid: torch.Tensor | None, rows: torch.Tensor) -> None:
+    def _keep_padded(self, idx: torch.Tensor, valid: torch.Tensor | None, rows: torch.Tensor,
+                     sizes: list[int] | None = None) -> None:
         """`keep` of the slots `idx` (b, h_kv, k) of a padded view, or of a uniform layer with padding `valid` (it turns
         ragged): `rows` (b*h_kv*k,) the flattened rows they select. `pack` copies K/V, positions and state once, at
         `rows` restricted to the real kept slots (and hands those rows to the extras, `on_pack`, which copy their
-        own), now or, with `defer_pack`, when the engine has read the new head sizes."""
+        own), now or, with `defer_pack`, when the engine has read the new head sizes (`sizes`: known already, stored
+        now)."""
         for extra in self.extras.values():
             extra.on_keep(self, idx, True)
         self.forward_rows = None  # over the slots before this selection
@@ -310,7 +312,7 @@ class RaggedStorage:
             self.padded = self.padded.selected(idx, valid, rows)
         else:
             self.padded = PaddedView(valid, rows=rows)
-        self.pack()
+        self.pack(sizes)
 
     def pack(self, sizes: list[int] | None = None) -> None:
         """Store the padded view's real slots (after `keep`: the kept ones): uniform layout if every head holds as
@@ -334,7 +336,7 @@ class RaggedStorage:
         rows, counts, sizes = view.stored_rows(sizes)
         if view.rows is not None:  # a selection, stored in position order (`keep` ordered it, else here)
             if not self.chronological and self._orders_at_pack():
-                rows = self._in_position_order(rows)
+                rows = self._rows_in_position_order(rows)
             self.chronological = True
         uniform = min(sizes) == max(sizes)
         for extra in self.extras.values():  # their own rows, stored alike (compact)

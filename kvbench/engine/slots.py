@@ -59,7 +59,7 @@ class SlotReuse:
     padded: Any
     unpack: Any
     pack: Any
-    forward_rows: Any
+    _keep_padded: Any
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -144,7 +144,7 @@ class SlotReuse:
         in `keep` (SlotReuse.in_position_order): a hole moves nothing, so its usual slide never sorts."""
         return self.reuse_ragged_slots and not self.extras
 
-    def _in_position_order(self, rows: torch.Tensor) -> torch.Tensor:
+    def _rows_in_position_order(self, rows: torch.Tensor) -> torch.Tensor:
         """Kept rows (S,) of the padded view's flattened (b * h_kv * L) arrays, each head's together, reordered by
         position within each head (positions are distinct per head and below `seen`)."""
         length = self.positions.shape[-1]
@@ -166,9 +166,9 @@ class SlotReuse:
             b, h, n = self.positions.shape
             if any(k != n - 1 for k in sizes):
                 return False
-            slots = view.rows.view(b, h, -1) - torch.arange(0, b * h * n, n, device=view.rows.device).view(b, h, 1)
             self.padded = None
-            return self._drop_one(slots[..., :n - 1])  # the kept slots first (compact), padding after
+            # view rows are slot + head * n (slot_rows); the kept slots come first (compact), padding after
+            return self._drop_one((view.rows.view(b, h, -1) % n)[..., :n - 1])
         source = view.source
         if not (source is not None and source[0].writable and len(sizes) == len(view.sizes)
                 and all(k == m - 1 for k, m in zip(sizes, view.sizes))):
@@ -177,11 +177,11 @@ class SlotReuse:
         positions, flat_state, padded_state = view.arrays
         b, h = flat.lengths.shape
         length = max(flat.sizes)  # the view's width
-        heads = torch.arange(0, b * h * length, length, device=view.rows.device).view(b, h, 1)
-        kept = (view.rows.view(b, h, -1) - heads).masked_fill(~view.valid, 0)  # (b, h, k) kept slots, padding 0
+        kept = (view.rows.view(b, h, -1) % length).masked_fill(~view.valid, 0)  # (b, h, k) kept slots, padding 0
         n = flat.lengths  # (b, h)
         hole = (n * (n - 1) // 2 - kept.sum(dim=-1)).unsqueeze(-1)  # (b, h, 1): the real slot not kept (exact, int64)
-        positions.index_fill_(0, flat.start_rows + hole.flatten(), -1)  # the flat positions (a selection moves none)
+        self.flat, self.padded, self.hole = flat, None, hole
+        positions.index_fill_(0, self._hole_rows(hole), -1)  # the flat positions (a selection moves none)
         state = {}
         for k, s in self.state.items():  # the flat state, unless the selection set a new one (SAGE-KV's pinned)
             if padded_state.get(k) is s:
@@ -191,7 +191,6 @@ class SlotReuse:
             rows = flat.start_rows.index_select(0, real // length) + real % length  # (S,) their flat rows
             state[k] = s.new_zeros(keys.shape[0]).index_copy_(0, rows, s.reshape(-1).index_select(0, real))
         self.keys, self.values, self.positions, self.state = keys, values, positions, state
-        self.flat, self.padded, self.hole = flat, None, hole
         return True
 
     def _close_ragged_hole(self) -> None:
@@ -203,12 +202,7 @@ class SlotReuse:
         self.unpack()
         real = self.positions >= 0  # (b, h_kv, L)
         order = self.positions.masked_fill(~real, torch.iinfo(self.positions.dtype).max).argsort(dim=-1)
-        valid = real.gather(2, order)
-        for extra in self.extras.values():
-            extra.on_keep(self, order, True)
-        self.forward_rows = None
-        self.padded = self.padded.selected(order, valid, slot_rows(order, order.shape[-1]))
-        self.pack(sizes)
+        self._keep_padded(order, real.gather(2, order), slot_rows(order, order.shape[-1]), sizes)
 
     # -- the block just appended (read and filled by the attention wrapper) -------------------------------------
     def block_kv(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
