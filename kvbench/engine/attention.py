@@ -34,7 +34,8 @@ import torch
 
 from kvbench.engine.cache import BatchCache, EvictingCache, EvictingLayer, TrunkCache
 
-_ACTIVE: contextvars.ContextVar[EvictingCache | BatchCache | TrunkCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
+_ACTIVE: contextvars.ContextVar[EvictingCache | BatchCache | TrunkCache | None] = contextvars.ContextVar(
+    "kvbench_cache", default=None)
 QUERY_CHUNK = 256  # queries per chunk when computing attention probabilities explicitly
 
 

@@ -53,7 +53,8 @@ class Diagnostics:
     def observe(self, layer: EvictingLayer, idx: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Called by Policy.evict with the selection (idx, valid) while `layer` still holds every token."""
         t0 = time.perf_counter()
-        keep = torch.zeros_like(layer.positions, dtype=torch.bool).scatter_(-1, idx, True)  # padding repeats a kept slot
+        # padding repeats a kept slot
+        keep = torch.zeros_like(layer.positions, dtype=torch.bool).scatter_(-1, idx, True)
         if any(n in _QUERY_NAMES for n in self.names):
             self._query_terms(layer, keep)
         if "key_logdet" in self.names:

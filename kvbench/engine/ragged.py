@@ -110,6 +110,12 @@ class FlatHeads:
             parts += [seg, pad[:length - n]]
         return torch.cat(parts).view(b, h, length, *flat.shape[1:])
 
+    def view_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (S,) of the padded view's flattened (b * h_kv * L) arrays -> (S,) the same tokens' rows of the flat
+        storage: view row r is row r % L of head r // L's segment."""
+        length = max(self.sizes)
+        return self.start_rows.index_select(0, rows // length) + rows % length
+
     def padded_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """(b, h_kv, L) the flat positions per head, padded at the end with -1 (a copy)."""
         return self.pad(positions, -1)
@@ -160,6 +166,14 @@ class PaddedView:
         return rows, counts, sizes
 
 
+def rows_in_position_order(rows: torch.Tensor, positions: torch.Tensor, seen: int) -> torch.Tensor:
+    """Kept rows (S,) of a padded view's flattened (b * h_kv * L) arrays, each head's together, reordered by position
+    within each head: `positions` (b, h_kv, L) the view's, distinct per head and below `seen`."""
+    length = positions.shape[-1]
+    key = (rows // length) * (seen + 1) + positions.reshape(-1).index_select(0, rows)
+    return rows.index_select(0, key.argsort())
+
+
 def true_slots(valid: torch.Tensor, count: int) -> torch.Tensor:
     """(count,) flat indices of the True slots of `valid`, in row-major order, `count` their number known on the
     host: boolean-mask indexing would ask the device for it (a host sync on a GPU), nonzero_static does not."""
@@ -179,8 +193,8 @@ class RaggedStorage:
     reuse_slots: bool  # SlotReuse's: decoding writes in place (here: into free rows; else every append a copy)
     chronological: bool  # SlotReuse's: every head's tokens in position order
     _leave_holes: Any  # SlotReuse's: a selection of one token per head stored as holes
-    _orders_at_pack: Any  # SlotReuse's: whether `pack` puts a selection in position order, and how
-    _rows_in_position_order: Any
+    _orders_at_pack: Any  # SlotReuse's: whether `pack` puts a selection in position order
+    seen: int  # EvictingLayer's: tokens ever appended
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -336,7 +350,7 @@ class RaggedStorage:
         rows, counts, sizes = view.stored_rows(sizes)
         if view.rows is not None:  # a selection, stored in position order (`keep` ordered it, else here)
             if not self.chronological and self._orders_at_pack():
-                rows = self._rows_in_position_order(rows)
+                rows = rows_in_position_order(rows, self.positions, self.seen)
             self.chronological = True
         uniform = min(sizes) == max(sizes)
         for extra in self.extras.values():  # their own rows, stored alike (compact)
@@ -349,10 +363,9 @@ class RaggedStorage:
         if view.source is None:
             self.keys = self.keys.reshape(-1, d).index_select(0, rows)
             self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows)
-        else:  # K/V left flat (unpack(kv=False)): the view's row r is row start_rows[r // L] + r % L of the flat K/V
+        else:  # K/V left flat (unpack(kv=False)): the kept view rows' flat rows
             source, keys, values = view.source
-            length = max(source.sizes)
-            flat_rows = source.start_rows.index_select(0, rows // length) + rows % length  # (S',)
+            flat_rows = source.view_rows(rows)  # (S',)
             self.keys, self.values = keys.index_select(0, flat_rows), values.index_select(0, flat_rows)
         self.positions = self.positions.reshape(-1).index_select(0, rows)
         self.state = {k: s.reshape(-1).index_select(0, rows) for k, s in self.state.items()}

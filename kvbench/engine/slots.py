@@ -144,13 +144,6 @@ class SlotReuse:
         in `keep` (SlotReuse.in_position_order): a hole moves nothing, so its usual slide never sorts."""
         return self.reuse_ragged_slots and not self.extras
 
-    def _rows_in_position_order(self, rows: torch.Tensor) -> torch.Tensor:
-        """Kept rows (S,) of the padded view's flattened (b * h_kv * L) arrays, each head's together, reordered by
-        position within each head (positions are distinct per head and below `seen`)."""
-        length = self.positions.shape[-1]
-        key = (rows // length) * (self.seen + 1) + self.positions.reshape(-1).index_select(0, rows)
-        return rows.index_select(0, key.argsort())
-
     def _leave_holes(self, view: PaddedView, sizes: list[int]) -> bool:
         """`pack`'s slot path (`reuse_ragged_slots`, Policy.ragged_slot_reuse): a decoding selection that keeps all
         of every head's tokens but one (`sizes`, read on the host, each one less than before), its K/V left flat,
@@ -188,8 +181,8 @@ class SlotReuse:
                 state[k] = flat_state[k]
                 continue
             real = true_slots(flat.valid_slots(), sum(flat.sizes))  # (S,) view rows of every real slot
-            rows = flat.start_rows.index_select(0, real // length) + real % length  # (S,) their flat rows
-            state[k] = s.new_zeros(keys.shape[0]).index_copy_(0, rows, s.reshape(-1).index_select(0, real))
+            new = s.reshape(-1).index_select(0, real)
+            state[k] = s.new_zeros(keys.shape[0]).index_copy_(0, flat.view_rows(real), new)
         self.keys, self.values, self.positions, self.state = keys, values, positions, state
         return True
 
