@@ -283,6 +283,71 @@ def test_a_decoding_line_says_when_a_layer_holds_more_than_n_plus_b() -> None:
                                     "where HF's holds N")
 
 
+def test_a_decoding_line_says_when_hfs_reference_held_the_policys_per_layer_sizes() -> None:
+    """With HF's decoding beside each call at the call's own per-layer sizes (`hf_layer_sizes`), the comparison is
+    like for like: the line names the sizes' range instead of the over-N + B warning; without rounds beside it (the
+    hf-decode row's own calls, at N) the warning stays."""
+    rows = [{**_row(setup.HF_DECODE, 64, 0.5, 1.0, 0, 0), "budget": 64, "decode_s_rounds": [1.0, 1.0]},
+            {**_row("knorm", 2000, 2.0, 1.05, 0.05, 0.05), "peak_kv_tokens": 2031, "decode_s_rounds": [1.05, 1.05],
+             "hf_decode_s_rounds": [1.0, 1.0], "hf_decode_steps": 10, "hf_layer_sizes": [2000, 2000, 64, 64]}]
+    goals.add_ratios(rows)
+    line = next(g for g in goals.goals(rows) if g["goal"].startswith("decode"))
+    assert line["detail"].endswith("over 2 calls each beside HF's; HF's beside each call held the policy's per-layer "
+                                   "sizes (64-2000 tokens a head)")
+    rows[1] = {k: v for k, v in rows[1].items() if k != "hf_decode_s_rounds"}
+    line = next(g for g in goals.goals(rows) if g["goal"].startswith("decode"))
+    assert line["detail"].endswith("over 2 paired rounds; some layer holds up to 2031 tokens a head, over N + B = 80, "
+                                   "where HF's holds N")
+
+
+def test_hf_layer_sizes_are_one_fewer_than_each_layer_held_at_its_first_decoding_step() -> None:
+    # the first decoding step's token is counted in layer_tokens; HF's reference appends its own in its step
+    assert measure.hf_layer_sizes([17, 17], 16) is None  # every layer at N: the plain reference
+    assert measure.hf_layer_sizes([41, 17], 16) == [40, 16]
+    assert measure.hf_layer_sizes([20, 14], 16) == [19, 13]  # a pyramid: more below, fewer above
+    assert measure.hf_layer_sizes(None, 16) is None and measure.hf_layer_sizes([41, 17], None) is None
+
+
+@pytest.mark.parametrize(("policy", "held"), [("streamingllm", [17, 17]), ("knorm", [41, 17]), ("adakv", [17, 17])])
+def test_layer_tokens_are_what_each_layer_held_at_the_first_decoding_step(policy: str, held: list[int]) -> None:
+    """40 prompt tokens in blocks of 8 at N = 16 on the 2-layer tiny model: an evicting layer holds 16 after the
+    prompt, 17 with the first decoding step's token; K-norm told to skip layer 0 leaves it whole (40 + 1); AdaKV's
+    ragged heads hold 16 a head on average (the layer's total over its heads). No decoding step: None."""
+    from kvbench.engine import generate as engine_generate
+    from kvbench.engine.attention import install
+    from kvbench.models.tiny import build_tiny_model
+
+    model, _ = build_tiny_model("tiny-llama")
+    install(model)
+    from kvbench.policies.adakv import AdaKV
+    from kvbench.policies.knorm import KNorm
+
+    for new, want in ((3, held), (1, None)):
+        pol = {"knorm": lambda: KNorm(budget=16, skip_layers=(0,)),
+               "adakv": lambda: AdaKV(budget=16, window=4, kernel=3),
+               "streamingllm": lambda: setup.make_policy("streamingllm", 16, 0)}[policy]()
+        res = engine_generate.generate(model, pol, list(range(10, 50)),
+                                       engine_generate.GenerationSettings(block=8, max_new_tokens=new))
+        assert res.layer_tokens == want
+
+
+def test_hfs_loop_at_per_layer_sizes_keeps_each_layers_latest_tokens() -> None:
+    """hf_generate with layer_sizes [30, 12] after a 40-token forward, 3 new tokens (2 one-token steps): the layers
+    end at 32 and 14 tokens a head, 46 tokens of K and V at 2 KV heads x 64 floats x 4 bytes x 2 (K, V) = 1024 bytes
+    a token. Sizes for another number of layers, or over the prompt, are one error."""
+    from kvbench.engine.attention import install
+    from kvbench.models.tiny import build_tiny_model
+
+    model, _ = build_tiny_model("tiny-llama")
+    install(model)
+    m = measure.hf_generate(model, list(range(10, 50)), 3, layer_sizes=[30, 12])
+    assert m["decode_steps"] == 2 and len(m["tokens"]) == 3
+    assert m["peak_kv_tokens"] == 32 and m["kv_bytes_peak"] == (32 + 14) * BYTES_PER_TOKEN // 2
+    for bad in ([50, 12], [30]):
+        with pytest.raises(setup.BenchError, match="cannot keep"):
+            measure.hf_generate(model, list(range(10, 50)), 3, layer_sizes=bad)
+
+
 def test_the_decoding_lines_over_rounds_are_corrected_as_one_family_by_holm() -> None:
     # The rows of the test above, and h2o_original at 3.00, 3.06, 3.18 s: ratios 1.00, 1.02, 1.06, mean 1.02667, sd
     # 0.030551, se 0.017638, upper bound 1.02667 + 2.920 x 0.017638 = 1.078x: PASS at 95 % on its own.
@@ -367,10 +432,14 @@ def test_hf_beside_measures_hf_after_every_kvbench_call(tmp_path, one_thread) ->
     out = tmp_path / "b.json"
     args = ["--model", str(builtin_dir("tiny-llama")), "--lengths", "40", "--budgets", "16", "--block", "8",
             "--new-tokens", "3", "--policies", "keydiff", "--clock", "cpu", "--no-syncs", "--out", str(out), "--quiet"]
-    assert bench.main([*args, "--repeats", "2", "--hf-beside"]) == 0
+    with_knorm = ["keydiff,knorm" if a == "keydiff" else a for a in args]
+    assert bench.main([*with_knorm, "--repeats", "2", "--hf-beside"]) == 0
     rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
-    for name in ("keydiff", "streamingllm"):
+    for name in ("keydiff", "streamingllm", "knorm"):
         assert len(rows[name]["hf_decode_s_rounds"]) == 2 and rows[name]["hf_decode_steps"] == 3 - 1
+    # K-norm leaves both layers of the tiny model whole (its first two): HF's reference beside it holds the 40-token
+    # prompt in both, where beside KeyDiff (16 a layer) it is the plain one at N
+    assert rows["knorm"]["hf_layer_sizes"] == [40, 40] and rows["keydiff"]["hf_layer_sizes"] is None
     assert "hf_decode_s_rounds" not in rows["hf-decode"] and "hf_decode_s_rounds" not in rows["hf-forward"]
     assert "HF's decoding measured again beside every kvbench call" in out.with_suffix(".md").read_text()
     for bad in (["--baselines", "full"], ["--batch", "1"]):

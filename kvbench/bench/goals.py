@@ -146,9 +146,15 @@ def _decode_check(r: dict[str, Any], hf: dict[str, Any] | None,
     text = f"{r['prompt_tokens']}: {r['decode_vs_hf']:.2f}x"
     held, bound = r.get("peak_kv_tokens"), (r["budget"] or 0) + (r["block"] or 0)
     # a layer the policy leaves whole (K-norm's first two) or gives more than N (PyramidKV's lower ones) is not at
-    # HF's cache size there: said beside the verdict
-    note = (f"; some layer holds up to {held} tokens a head, over N + B = {bound}, where HF's holds N"
-            if held and r["budget"] and held > bound else "")
+    # HF's cache size there, unless HF's reference beside each call held the policy's per-layer sizes: said beside
+    # the verdict
+    sizes = r.get("hf_layer_sizes") if r.get("hf_decode_s_rounds") else None
+    if sizes:
+        note = f"; HF's beside each call held the policy's per-layer sizes ({min(sizes)}-{max(sizes)} tokens a head)"
+    elif held and r["budget"] and held > bound:
+        note = f"; some layer holds up to {held} tokens a head, over N + B = {bound}, where HF's holds N"
+    else:
+        note = ""
     ratios = round_ratios(r, hf)
     if ratios is None:
         return r["decode_vs_hf"] <= limit, text + note, None

@@ -109,11 +109,16 @@ CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time
 
 
 @torch.inference_mode()
-def hf_generate(model: Any, ids: list[int], new_tokens: int,
-                clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+def hf_generate(model: Any, ids: list[int], new_tokens: int, clock: Callable[[], float] = time.perf_counter,
+                layer_sizes: Sequence[int] | None = None) -> dict[str, Any]:
     """HF's own loop, no kvbench: one forward over `ids` into a plain `DynamicCache` (logits of the last token only,
     as HF's `generate` asks), then greedy decoding with the same hand loop as `engine.generate` (`new_tokens - 1`
-    one-token forwards). The kvbench attention wrapper passes straight through to HF's sdpa outside a kvbench run."""
+    one-token forwards). The kvbench attention wrapper passes straight through to HF's sdpa outside a kvbench run.
+
+    `layer_sizes` (one per layer, each <= len(ids)): after the forward each layer keeps only its latest that many
+    tokens, so HF's decoding runs at the per-layer cache sizes a policy held (K-norm's unevicted layers, PyramidKV's
+    pyramid; `run_bench`'s hf_beside). HF's one-token steps need no mask over them (sdpa's causal skip for one
+    query), so each layer attends its own length; the positions go on from layer 0's, which only the tokens read."""
     from transformers import DynamicCache
 
     device = model.device
@@ -124,6 +129,12 @@ def hf_generate(model: Any, ids: list[int], new_tokens: int,
                 logits_to_keep=1)
     sync(device)
     prefill_s = clock() - t0
+    if layer_sizes is not None:
+        if len(layer_sizes) != len(cache.layers) or max(layer_sizes) > len(ids):
+            raise BenchError(f"HF's cache has {len(cache.layers)} layers of {len(ids)} tokens; cannot keep "
+                             f"{len(layer_sizes)} layers of up to {max(layer_sizes)}")
+        for layer, n in zip(cache.layers, layer_sizes):  # (1, h_kv, T, d) -> (1, h_kv, n, d), contiguous
+            layer.keys, layer.values = layer.keys[..., -n:, :].contiguous(), layer.values[..., -n:, :].contiguous()
     logits = out.logits[:, -1].float()
     tokens, steps = [], 0
     t0 = clock()
@@ -138,21 +149,24 @@ def hf_generate(model: Any, ids: list[int], new_tokens: int,
     sync(device)
     decode_s = clock() - t0
     return {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "tokens": tokens,
-            "evict_prefill_s": 0.0, "evict_decode_s": 0.0, "peak_kv_tokens": cache.get_seq_length(),
-            "kv_bytes_peak": kv_bytes(cache)}
+            "evict_prefill_s": 0.0, "evict_decode_s": 0.0,
+            "peak_kv_tokens": max(layer.get_seq_length() for layer in cache.layers), "kv_bytes_peak": kv_bytes(cache)}
 
 
 def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int = 0,
-            prompt: Sequence[int] | None = None, clock: str = "wall") -> dict[str, Any]:
+            prompt: Sequence[int] | None = None, clock: str = "wall",
+            layer_sizes: Sequence[int] | None = None) -> dict[str, Any]:
     """One call of configuration `cfg` on `prompt` (default: a random prompt); raw numbers for one round, timed by
-    `clock` (CLOCKS: wall time, or the process's CPU time)."""
+    `clock` (CLOCKS: wall time, or the process's CPU time). `layer_sizes`: HF's own loop at those per-layer cache
+    sizes (`hf_generate`). A kvbench call's `layer_tokens`: each layer's tokens per KV head at its first decoding
+    step (GenerationResult.layer_tokens)."""
 
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = list(prompt[:cfg.prompt_tokens]) if prompt is not None else prompt_ids(cfg.prompt_tokens, vocab, seed=seed)
     if cfg.policy in (HF_FORWARD, HF_DECODE):
         rss0 = mem.start()
         c0, w0 = time.process_time(), time.perf_counter()
-        m = hf_generate(model, ids, new_tokens, CLOCKS[clock])
+        m = hf_generate(model, ids, new_tokens, CLOCKS[clock], layer_sizes)
     else:
         policy = make_policy(cfg.policy, cfg.budget, seed)
         policy.start_sample(seed)
@@ -162,7 +176,7 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
         res = generate(model, policy, ids, settings, observer=Observer(clock=CLOCKS[clock]))
         m = {"prefill_s": res.prefill_s, "decode_s": res.decode_s, "decode_steps": res.decode_steps,
              "tokens": res.tokens, "evict_prefill_s": res.evict_prefill_s, "evict_decode_s": res.evict_decode_s,
-             "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak}
+             "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak, "layer_tokens": res.layer_tokens}
     m["cpu_per_wall"] = (time.process_time() - c0) / max(time.perf_counter() - w0, 1e-9)
     m.update(peak_rss_mib=mem.rss_peak_mib(), rss_start_mib=rss0, peak_gpu_mib=mem.gpu_peak_mib())
     return m
@@ -240,13 +254,18 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
     `hf_beside`: right after each call of a kvbench configuration, HF's own decoding at its budget (the hf-decode
     configuration) is measured once more and kept beside that call as its reference (the row's
     `hf_decode_s_rounds`; the hf-decode row itself keeps its own calls), and the decoding goal pairs each call with
-    its reference (goals.round_ratios). Why: on a shared machine a call's time moves with the stretch it ran in
-    (HF's own decoding 33 % apart between the rounds of one committed table), and a round's hf-decode call ran
-    minutes before or after most of the round's rows; a reference seconds away shares more of its call's stretch.
+    its reference (goals.round_ratios). Where the call's layers did not all hold N tokens a head when it decoded
+    (K-norm leaves its first two layers whole, PyramidKV gives the lower layers more and the upper fewer), HF's
+    reference holds those per-layer sizes instead (`hf_layer_sizes`, the row's `hf_layer_sizes`), so both sides
+    attend as many keys in every layer; its prompt forward is then over the longest layer's tokens (its time is not
+    used). Why: on a shared machine a call's time moves with the stretch it ran in (HF's own decoding 33 % apart
+    between the rounds of one committed table), and a round's hf-decode call ran minutes before or after most of the
+    round's rows; a reference seconds away shares more of its call's stretch.
     How much that buys depends on the machine: on the 2-core Xeon of results/bench_smollm2 (engine_4k_hf_beside,
     5 rounds) the ratios' spread fell for 8 of 13 policies and rose for 5 (median sd 0.069 against 0.072; an sd from
     5 rounds is uncertain by about a third): no clear gain there, where most of the noise looks like each call's own.
-    The price: one more HF call (prompt of N tokens, then the decoding) per kvbench call."""
+    The price: one more HF call (prompt of N tokens, or of the longest layer's, then the decoding) per kvbench
+    call."""
     hf_at = {c.budget: c for c in configs if c.policy == HF_DECODE}
     if hf_beside and not hf_at:
         raise BenchError("hf_beside needs the hf-decode baseline (--baselines hf)")
@@ -268,8 +287,11 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
             m = measure(model, c, new_tokens, mem, seed, prompt, clock)
             ref = hf_at.get(c.budget) if hf_beside and c.policy not in (HF_FORWARD, HF_DECODE) else None
             if ref is not None:  # HF's decoding at its budget, right after it: its reference in this stretch
-                h = measure(model, ref, new_tokens, mem, seed, prompt, clock)
-                m.update(hf_decode_s=h["decode_s"], hf_decode_steps=h["decode_steps"])
+                sizes = hf_layer_sizes(m.get("layer_tokens"), ref.budget)
+                if sizes is not None:  # at the policy's own per-layer sizes: HF's forward over the longest
+                    ref = Config(HF_DECODE, ref.budget, None, max(sizes))
+                h = measure(model, ref, new_tokens, mem, seed, prompt, clock, sizes)
+                m.update(hf_decode_s=h["decode_s"], hf_decode_steps=h["decode_steps"], hf_layer_sizes=sizes)
             raw[c].append(m)
             if log:
                 log(f"round {r + 1}/{repeats} {c.policy:>12} N={c.budget} B={c.block} T={c.prompt_tokens}: "
@@ -281,6 +303,15 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
              **counted.get((c.policy, c.budget, c.block), NO_SYNCS)} for c in configs]
     add_ratios(rows)
     return rows
+
+
+def hf_layer_sizes(layer_tokens: Sequence[int] | None, budget: int | None) -> list[int] | None:
+    """The per-layer cache sizes HF's reference decodes at beside a kvbench call whose layers held `layer_tokens` at
+    its first decoding step (the step's token included; HF's reference then holds one fewer, as its step appends
+    it): None where every layer held N + 1, the plain reference at cache size N (hf-decode's prompt of N tokens)."""
+    if not layer_tokens or budget is None or all(n == budget + 1 for n in layer_tokens):
+        return None
+    return [max(n - 1, 1) for n in layer_tokens]
 
 
 def _row(c: Config, ms: list[dict[str, Any]], model: Any, model_desc: str, rss_method: str) -> dict[str, Any]:
@@ -320,5 +351,5 @@ def _row(c: Config, ms: list[dict[str, Any]], model: Any, model_desc: str, rss_m
     }
     if all("hf_decode_s" in m for m in ms):  # run_bench's hf_beside: each call's own reference, round by round
         row.update(hf_decode_s_rounds=[round(m["hf_decode_s"], 6) for m in ms],
-                   hf_decode_steps=ms[0]["hf_decode_steps"])
+                   hf_decode_steps=ms[0]["hf_decode_steps"], hf_layer_sizes=ms[0]["hf_layer_sizes"])
     return row

@@ -55,6 +55,9 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         self.stash = QueryStash()  # the latest queries the policy asked for (Policy.query_window)
         self.peak_tokens = 0  # max over time of tokens held per KV head (ragged: layer total / (b * h_kv), ceil)
         self.decoding = False  # set by generate once the prompt is done (SAGE-KV only slides its window then)
+        # tokens held per KV head at the first decoding step, its token included (kvbench-bench's HF reference then
+        # holds as many in this layer: GenerationResult.layer_tokens)
+        self.decode_tokens: int | None = None
         # Set by the attention wrapper at every forward: the model's attention scale and softcap (query_attention
         # rebuilds the weights with them) and the attention module (CriticalKV reads its o_proj).
         self.scaling: float | None = None
@@ -89,7 +92,10 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
             # policies fill the new tokens' state in the attention wrapper
             self.state = {k: torch.cat([s, s.new_zeros(b, h, q)], dim=-1) for k, s in self.state.items()}
         self.seen += q
-        self.peak_tokens = max(self.peak_tokens, self.tokens_per_head())
+        held = self.tokens_per_head()
+        self.peak_tokens = max(self.peak_tokens, held)
+        if self.decoding and self.decode_tokens is None:
+            self.decode_tokens = held
         return self.keys, self.values
 
     def physical(self) -> int:
@@ -303,6 +309,12 @@ class EvictingCache(Cache):
         layers, the per-head average for ragged (per-head budget) layers, whose heads differ.
         """
         return max((layer.peak_tokens for layer in self.evicting_layers()), default=0)
+
+    def decode_tokens(self) -> list[int] | None:
+        """Per layer, the tokens it held per KV head at the first decoding step, that step's token included (as
+        `peak_tokens` counts them); None before a decoding step."""
+        held = [layer.decode_tokens for layer in self.evicting_layers()]
+        return None if not held or None in held else held
 
     def kv_bytes(self) -> int:
         """Bytes of K and V held now, all layers (exact: what the tensors hold, no padding)."""

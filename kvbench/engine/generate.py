@@ -90,6 +90,8 @@ class GenerationResult:
     diagnostics: dict[str, Any] | None = None  # Diagnostics.summary() when diagnostics were asked for
     evict_prefill_s: float = 0.0  # eviction time inside prefill_s
     evict_decode_s: float = 0.0  # eviction time inside decode_s
+    # per layer, the tokens held per KV head at the first decoding step, its token included (None: no decoding step)
+    layer_tokens: list[int] | None = None
     answer_logprob: float | None = None  # mean log-probability per token (nats) of `answer_ids`, when given
     graded_s: float = 0.0  # time of that teacher-forced branch (not in prefill_s nor decode_s)
     batch_size: int = 1  # the most samples one forward of this sample held (generate_batch)
@@ -542,6 +544,7 @@ def _finish(model: Any, runs: list[_Run], jobs: Sequence[Job]) -> list[Generatio
                              decode_s=r.time_s["decode"], decode_steps=r.steps,
                              evict_s=r.evict_s["prefill"] + r.evict_s["decode"], evict_prefill_s=r.evict_s["prefill"],
                              evict_decode_s=r.evict_s["decode"], peak_kv_tokens=r.cache.peak_tokens(),
+                             layer_tokens=r.cache.decode_tokens(),
                              kv_bytes_peak=r.peak_bytes, trace=r.traces,
                              diagnostics=r.diag.summary() if r.diag is not None else None,
                              answer_logprob=None if g is None else float(torch.stack(g[1]).mean()),
