@@ -451,6 +451,8 @@ def test_hf_beside_measures_hf_after_every_kvbench_call(tmp_path, one_thread) ->
 def test_regoal_rewrites_a_tables_goal_lines_from_its_rows(tmp_path) -> None:
     from helpers import load_script
 
+    from kvbench.bench.batch import batch_goal_lines
+
     regoal = load_script("bench_regoal")
     rows = [{**_row(setup.HF_DECODE, 2000, 2.0, 3.0, 0, 0), "budget": 64, "decode_s_rounds": [3.0, 3.0, 3.0]},
             {**_row("h2o", 2000, 2.0, 3.03, 0.05, 0.05), "decode_s_rounds": [3.00, 3.06, 3.03]},
@@ -466,6 +468,16 @@ def test_regoal_rewrites_a_tables_goal_lines_from_its_rows(tmp_path) -> None:
     assert md.read_text() == ("header\n\nCommand: `x`\n\n| table |\n\n## Goals\n\n"
                               + "".join(f"- {ln}\n" for ln in goals.goal_lines(results)))
     assert md.read_text().count("HOLM") == 1
+    # a batch table (rows with a workload): its goal lines are batch_goal_lines', the ceiling included
+    one = {"workload": "niah", "policy": "keydiff", "batch": 1, "vs_batch1": 1.0, "samples": 8, "same_as_batch1": 8,
+           "seconds": 98.3, "prefill_s": 74.7}
+    batch = [one, {**one, "batch": 8, "vs_batch1": 1.24, "seconds": 80.4, "prefill_s": 70.9}]
+    table.write_text(json.dumps({"rows": batch, "goals": ["an old line"]}))
+    md.write_text("header\n\n| table |\n\n## Goals\n\n- an old line\n")
+    assert regoal.main([str(table)]) == 0
+    assert json.loads(table.read_text())["goals"] == batch_goal_lines(batch)
+    assert md.read_text().endswith("would reach at most 1.39x (its prompts 70.9 s against batch 1's 98.3 s in all); "
+                                   "tokens identical to batch 1: K=8 8/8\n")
     (tmp_path / "bad.json").write_text("{")
     assert regoal.main([str(tmp_path / "bad.json")]) == 2
 
@@ -567,6 +579,23 @@ def test_batch_goal_lines_judge_batch_8_against_the_workload_goal() -> None:
                      "niah: snapkv batch 8 vs 1: 1.14x samples per hour MISS (goal >= 1.35x; one round: no "
                      "interval); tokens identical to batch 1: K=8 8/8",
                      "niah: hf batch 8 vs 1: 2.00x samples per hour; tokens identical to batch 1: K=8 8/8"]
+
+
+def test_batch_goal_line_gives_the_ceiling_that_free_decoding_would_reach() -> None:
+    """KeyDiff's NIAH-shaped rows on the AMD EPYC: batch 1 took 98.3 s in all, batch 8's prompts alone 70.9 s, so even
+    with its decoding free batch 8 could reach at most 98.3 / 70.9 = 1.3865 -> 1.39x, under the 1.35x line's reach
+    only just; without prompt times (or without a batch-1 row) nothing is said."""
+    from kvbench.bench.batch import batch_goal_lines
+
+    one = {"workload": "niah", "policy": "keydiff", "batch": 1, "vs_batch1": 1.0, "samples": 8, "same_as_batch1": 8,
+           "seconds": 98.3, "prefill_s": 74.7}
+    eight = {**one, "batch": 8, "vs_batch1": 1.24, "seconds": 80.4, "prefill_s": 70.9}
+    line = batch_goal_lines([one, eight])[0]
+    assert line == ("niah: keydiff batch 8 vs 1: 1.24x samples per hour MISS (goal >= 1.35x; one round: no interval); "
+                    "with its decoding free, batch 8 would reach at most 1.39x (its prompts 70.9 s against batch 1's "
+                    "98.3 s in all); tokens identical to batch 1: K=8 8/8")
+    assert "decoding free" not in batch_goal_lines([one, {**eight, "prefill_s": None}])[0]
+    assert "decoding free" not in batch_goal_lines([eight])[0]
 
 
 def test_batch_goals_over_rounds_are_corrected_as_one_family_by_holm() -> None:

@@ -177,11 +177,24 @@ def batch_goal_lines(rows: list[dict[str, Any]]) -> list[str]:
         spread = f" (median of {len(each)} rounds: {', '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else ""
         same = ", ".join(f"K={r['batch']} {r['same_as_batch1']}/{r['samples']}" for r in group if r["batch"] > 1)
         lines.append(f"{workload}: {name} batch {top['batch']} vs 1: {top['vs_batch1']:.2f}x samples per hour"
-                     f"{spread}{' ' if verdict else ''}{verdict}; tokens identical to batch 1: {same}")
+                     f"{spread}{' ' if verdict else ''}{verdict}{_ceiling(group, top)}; tokens identical to batch 1: "
+                     f"{same}")
         if p is not None:
             family.append((f"{workload} {name}", passed, p))
     held = family_line(family, "batch goals", ("PASS", "MISS"))
     return lines if held is None else [*lines, held]
+
+
+def _ceiling(group: list[dict[str, Any]], top: dict[str, Any]) -> str:
+    """What batching could give at most with the prompts as they batch: K = 1's time over the largest K's prompt
+    time alone (medians), as if its decoding cost nothing. Said beside the verdict, so a workload whose prompts do
+    not batch shows why no decoding speed-up can meet its goal; empty without the times."""
+    one = next((r for r in group if r["batch"] == 1), None)
+    if one is None or not top.get("prefill_s"):
+        return ""
+    most = one["seconds"] / top["prefill_s"]
+    return (f"; with its decoding free, batch {top['batch']} would reach at most {most:.2f}x (its prompts "
+            f"{top['prefill_s']:.1f} s against batch 1's {one['seconds']:.1f} s in all)")
 
 
 def _verdict(ratios: Sequence[float], goal: float) -> tuple[str, bool | None, float | None]:
