@@ -122,19 +122,18 @@ def hf_generate(model: Any, ids: list[int], new_tokens: int, clock: Callable[[],
     from transformers import DynamicCache
 
     device = model.device
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)  # one layer per model layer already (the sizes are checked first)
+    if layer_sizes is not None and (len(layer_sizes) != len(cache.layers) or max(layer_sizes) > len(ids)):
+        raise BenchError(f"HF's cache has {len(cache.layers)} layers of {len(ids)} tokens; cannot keep "
+                         f"{len(layer_sizes)} layers of up to {max(layer_sizes)}")
     sync(device)
     t0 = clock()
     out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
                 logits_to_keep=1)
     sync(device)
     prefill_s = clock() - t0
-    if layer_sizes is not None:
-        if len(layer_sizes) != len(cache.layers) or max(layer_sizes) > len(ids):
-            raise BenchError(f"HF's cache has {len(cache.layers)} layers of {len(ids)} tokens; cannot keep "
-                             f"{len(layer_sizes)} layers of up to {max(layer_sizes)}")
-        for layer, n in zip(cache.layers, layer_sizes):  # (1, h_kv, T, d) -> (1, h_kv, n, d), contiguous
-            layer.keys, layer.values = layer.keys[..., -n:, :].contiguous(), layer.values[..., -n:, :].contiguous()
+    for layer, n in zip(cache.layers, layer_sizes or ()):  # (1, h_kv, T, d) -> (1, h_kv, n, d), contiguous
+        layer.keys, layer.values = layer.keys[..., -n:, :].contiguous(), layer.values[..., -n:, :].contiguous()
     logits = out.logits[:, -1].float()
     tokens, steps = [], 0
     t0 = clock()
