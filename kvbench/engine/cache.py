@@ -287,12 +287,12 @@ class EvictingCache(Cache):
 
     def settle(self, layers: list[EvictingLayer] | None = None, sizes: list[int] | None = None) -> None:
         """Store the pending selections of `layers` (default: every pending layer), given their head sizes `sizes`
-        (each layer's `kept_counts`, concatenated in order) or reading them here in one host read."""
+        (each pending view's `kept_counts`, concatenated in order) or reading them here in one host read."""
         layers = self.pending_layers() if layers is None else layers
         if not layers:
             return
         if sizes is None:
-            sizes = torch.cat([layer.kept_counts() for layer in layers]).tolist()  # one host read for all
+            sizes = torch.cat([layer.padded.kept_counts() for layer in layers]).tolist()  # one host read for all
         at = 0
         for layer in layers:
             n = layer.valid.shape[0] * layer.valid.shape[1]

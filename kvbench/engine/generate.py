@@ -470,7 +470,7 @@ def _read(tokens: torch.Tensor | None, runs: list[_Run]) -> tuple[list[int] | No
     stored. Returns the tokens (None without `tokens`) and the seconds the storing took, which are added to each
     run's decode and eviction time."""
     pending = [(r, r.cache.pending_layers()) for r in runs]
-    counts = [layer.kept_counts() for _, layers in pending for layer in layers]  # (b*h_kv,) each
+    counts = [layer.padded.kept_counts() for _, layers in pending for layer in layers]  # (b*h_kv,) each
     if not counts:
         return (tokens.tolist() if tokens is not None else None), 0.0
     k = 0 if tokens is None else tokens.numel()

@@ -380,7 +380,3 @@ class RaggedStorage:
     def pending(self) -> bool:
         """True while a selection of `keep` waits for its head sizes (`defer_pack`; see pack)."""
         return self.padded is not None and self.padded.rows is not None
-
-    def kept_counts(self) -> torch.Tensor:
-        """(b * h_kv,) tokens each head of the pending selection keeps, row-major (what `pack` takes as sizes)."""
-        return self.padded.kept_counts()
