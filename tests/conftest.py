@@ -35,3 +35,15 @@ def model(request: pytest.FixtureRequest) -> Any:
     marker = request.node.get_closest_marker("tiny_model")
     args, kwargs = (marker.args, marker.kwargs) if marker is not None else ((), {})
     return installed_model(*args, **kwargs)[0]
+
+
+@pytest.fixture
+def one_thread() -> Any:
+    """One torch thread for the test. Block forwards of a few tokens on a loaded machine: a second thread only adds
+    waiting."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -95,15 +95,6 @@ def test_bad_baselines_option(tmp_path) -> None:
     assert e.value.code == 2
 
 
-@pytest.fixture
-def one_thread():
-    # Block forwards of a few tokens on a loaded machine: a second torch thread only adds waiting.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_model_from_config_file_with_layer_override(tmp_path, one_thread) -> None:
     from transformers import Qwen2Config
 
@@ -298,6 +289,20 @@ def test_a_decoding_line_says_when_hfs_reference_held_the_policys_per_layer_size
     line = next(g for g in goals.goals(rows) if g["goal"].startswith("decode"))
     assert line["detail"].endswith("over 2 paired rounds; some layer holds up to 2031 tokens a head, over N + B = 80, "
                                    "where HF's holds N")
+
+
+def test_a_decoding_line_says_when_its_reference_was_in_lockstep() -> None:
+    """The row's `hf_reference` (kvbench-bench --hf-lockstep) names how HF's reference was made; the test is the same
+    (ratios 1.05 / 1.0 in both rounds: bounds 1.05x and 1.05x)."""
+    rows = [{**_row(setup.HF_DECODE, 64, 0.5, 1.0, 0, 0), "budget": 64, "decode_s_rounds": [1.0, 1.0]},
+            {**_row("knorm", 2000, 2.0, 1.05, 0.05, 0.05), "peak_kv_tokens": 2031, "decode_s_rounds": [1.05, 1.05],
+             "hf_decode_s_rounds": [1.0, 1.0], "hf_decode_steps": 10, "hf_layer_sizes": [2000, 2000, 64, 64],
+             "hf_reference": "lockstep"}]
+    goals.add_ratios(rows)
+    line = next(g for g in goals.goals(rows) if g["goal"].startswith("decode"))
+    assert line["detail"] == ("2000: 1.05x, one-sided 95 % bounds 1.05x and 1.05x over 2 calls each in lockstep with "
+                              "HF's; HF's in lockstep with each call held the policy's per-layer sizes (64-2000 tokens "
+                              "a head)")
 
 
 def test_hf_layer_sizes_are_one_fewer_than_each_layer_held_at_its_first_decoding_step() -> None:

@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure HF's decoding (the hf-decode baseline) again right after every kvbench call and test "
                         "the decoding goal against those references, call by call (seconds apart rather than minutes: "
                         "what a slow stretch of a shared machine moves, it moves alike); one more HF call per call")
+    p.add_argument("--hf-lockstep", action="store_true",
+                   help="like --hf-beside, but HF's decoding runs one step after each of the kvbench call's decoding "
+                        "steps (the call's clock paused meanwhile): the two sides a tenth of a second apart, not a "
+                        "call apart; the call's peak RSS then includes HF's cache")
     p.add_argument("--no-syncs", dest="syncs", action="store_false",
                    help="skip counting host syncs per decoding step (one extra untimed call per policy and budget)")
     p.add_argument("--batch", type=_int_list, default=None,
@@ -147,8 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(b not in BASELINES for b in baselines):
         p.error(f"--baselines takes {', '.join(BASELINES)} (comma-separated) or none, got '{a.baselines}'")
     a.baselines = baselines
-    if a.hf_beside and (a.batch or a.sweep is not None or HF not in baselines):
-        p.error(f"--hf-beside needs the {HF} baseline (--baselines) and goes without --batch and --sweep")
+    if a.hf_beside and a.hf_lockstep:
+        p.error("--hf-beside and --hf-lockstep exclude each other")
+    a.hf_reference = "beside" if a.hf_beside else "lockstep" if a.hf_lockstep else None
+    if a.hf_reference and (a.batch or a.sweep is not None or HF not in baselines):
+        p.error(f"--hf-{a.hf_reference} needs the {HF} baseline (--baselines) and goes without --batch and --sweep")
     a.command = "kvbench-bench " + " ".join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
     threads = torch.get_num_threads()
     if a.threads or preset["threads"]:
@@ -186,14 +193,16 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
                                    HF in a.baselines, a.seed, CLOCKS[a.clock], log, rounds=a.repeats or 1)
             return _write_batch(a, rows, desc, device, log, t0)
         rows = run_bench(model, configurations(policies, budgets, lengths, block, a.baselines, a.full_max_tokens),
-                         new_tokens, repeats, a.seed, desc, log, prompt, a.clock, a.syncs, a.hf_beside)
+                         new_tokens, repeats, a.seed, desc, log, prompt, a.clock, a.syncs, a.hf_reference)
     except (BenchError, PolicyError) as e:
         print(f"kvbench-bench: error: {e}", file=sys.stderr)
         return 2
     results = goals(rows)
     _write(a, {"rows": rows, "goals": results}, markdown_table(rows), goal_lines(results), desc, device,
            f"medians of {repeats} interleaved rounds, {new_tokens} new tokens"
-           + (", HF's decoding measured again beside every kvbench call" if a.hf_beside else ""))
+           + {None: "", "beside": ", HF's decoding measured again beside every kvbench call",
+              "lockstep": ", HF's decoding in lockstep with every kvbench call (a step after each of its steps; its "
+                          "peak RSS includes HF's cache)"}[a.hf_reference])
     if log:
         log(f"kvbench-bench: {len(rows)} configurations in {time.perf_counter() - t0:.0f} s -> {a.out}")
     return 0

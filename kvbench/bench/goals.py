@@ -148,9 +148,11 @@ def _decode_check(r: dict[str, Any], hf: dict[str, Any] | None,
     # a layer the policy leaves whole (K-norm's first two) or gives more than N (PyramidKV's lower ones) is not at
     # HF's cache size there, unless HF's reference beside each call held the policy's per-layer sizes: said beside
     # the verdict
+    lockstep = r.get("hf_reference") == "lockstep"  # HF's steps between the call's (else its call right after)
     sizes = r.get("hf_layer_sizes") if r.get("hf_decode_s_rounds") else None
     if sizes:
-        note = f"; HF's beside each call held the policy's per-layer sizes ({min(sizes)}-{max(sizes)} tokens a head)"
+        note = (f"; HF's {'in lockstep with' if lockstep else 'beside'} each call held the policy's per-layer sizes "
+                f"({min(sizes)}-{max(sizes)} tokens a head)")
     elif held and r["budget"] and held > bound:
         note = f"; some layer holds up to {held} tokens a head, over N + B = {bound}, where HF's holds N"
     else:
@@ -160,7 +162,8 @@ def _decode_check(r: dict[str, Any], hf: dict[str, Any] | None,
         return r["decode_vs_hf"] <= limit, text + note, None
     lower, upper = one_sided_bounds(ratios)
     passed = True if upper <= limit else False if lower > limit else None
-    pairs = "calls each beside HF's" if r.get("hf_decode_s_rounds") else "paired rounds"
+    pairs = (("calls each in lockstep with HF's" if lockstep else "calls each beside HF's")
+             if r.get("hf_decode_s_rounds") else "paired rounds")
     return (passed, f"{text}, one-sided 95 % bounds {lower:.2f}x and {upper:.2f}x over {len(ratios)} {pairs}{note}",
             one_sided_p(ratios, limit))
 

@@ -28,16 +28,17 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvbench.bench.goals import add_ratios
+from kvbench.bench.hfloop import HFLoop, Lockstep, hf_layer_sizes
 from kvbench.bench.setup import (FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, BenchError, make_policy, prompt_ids,
                                   slot_reuse, variant)
 from kvbench.bench.syncs import count_host_syncs
-from kvbench.engine.cache import kv_bytes
 from kvbench.engine.generate import GenerationSettings, Observer, generate, sync
 
 ROW_FIELDS = ("policy", "prompt_tokens", "budget", "block", "prefill_s", "prefill_tokens_per_s",
               "decode_tokens_per_s", "decode_ms_per_token", "evict_s", "evict_prefill_s", "evict_decode_s",
               "total_s", "peak_kv_tokens", "kv_bytes_peak", "peak_rss_mib", "host_syncs_per_step")
 SYNC_TOKENS = 4  # greedy tokens of the sync-counting call: 3 complete decoding steps
+HF_REFERENCES = ("beside", "lockstep")  # run_bench's hf_reference: HF's decoding after each call, or between its steps
 NO_SYNCS = {"host_syncs_per_step": None, "host_syncs_max_step": None, "host_sync_sites": None}
 
 
@@ -111,54 +112,35 @@ CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time
 @torch.inference_mode()
 def hf_generate(model: Any, ids: list[int], new_tokens: int, clock: Callable[[], float] = time.perf_counter,
                 layer_sizes: Sequence[int] | None = None) -> dict[str, Any]:
-    """HF's own loop, no kvbench: one forward over `ids` into a plain `DynamicCache` (logits of the last token only,
-    as HF's `generate` asks), then greedy decoding with the same hand loop as `engine.generate` (`new_tokens - 1`
-    one-token forwards). The kvbench attention wrapper passes straight through to HF's sdpa outside a kvbench run.
-
-    `layer_sizes` (one per layer, each <= len(ids)): after the forward each layer keeps only its latest that many
-    tokens, so HF's decoding runs at the per-layer cache sizes a policy held (K-norm's unevicted layers, PyramidKV's
-    pyramid; `run_bench`'s hf_beside). HF's one-token steps need no mask over them (sdpa's causal skip for one
-    query), so each layer attends its own length; the positions go on from layer 0's, which only the tokens read."""
-    from transformers import DynamicCache
-
+    """HF's own loop, no kvbench (`HFLoop`: one forward over `ids` into a plain `DynamicCache`, then greedy decoding
+    with the same hand loop as `engine.generate`), timed whole; `layer_sizes`: each layer cut to its latest that many
+    tokens after the forward (HF at a policy's per-layer sizes)."""
     device = model.device
-    cache = DynamicCache(config=model.config)  # one layer per model layer already (the sizes are checked first)
-    if layer_sizes is not None and (len(layer_sizes) != len(cache.layers) or max(layer_sizes) > len(ids)):
-        raise BenchError(f"HF's cache has {len(cache.layers)} layers of {len(ids)} tokens; cannot keep "
-                         f"{len(layer_sizes)} layers of up to {max(layer_sizes)}")
+    loop = HFLoop(model, ids, new_tokens, layer_sizes)
     sync(device)
     t0 = clock()
-    out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
+    loop.prefill()
     sync(device)
     prefill_s = clock() - t0
-    for layer, n in zip(cache.layers, layer_sizes or ()):  # (1, h_kv, T, d) -> (1, h_kv, n, d), contiguous
-        layer.keys, layer.values = layer.keys[..., -n:, :].contiguous(), layer.values[..., -n:, :].contiguous()
-    logits = out.logits[:, -1].float()
-    tokens, steps = [], 0
     t0 = clock()
-    while True:
-        tok = int(logits.argmax(dim=-1))
-        tokens.append(tok)
-        if len(tokens) >= new_tokens:
-            break
-        out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
-        logits = out.logits[:, -1].float()
-        steps += 1
+    while loop.step():
+        pass
     sync(device)
     decode_s = clock() - t0
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "tokens": tokens,
-            "evict_prefill_s": 0.0, "evict_decode_s": 0.0,
-            "peak_kv_tokens": max(layer.get_seq_length() for layer in cache.layers), "kv_bytes_peak": kv_bytes(cache)}
+    peak, nbytes = loop.held()
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": loop.steps, "tokens": loop.tokens,
+            "evict_prefill_s": 0.0, "evict_decode_s": 0.0, "peak_kv_tokens": peak, "kv_bytes_peak": nbytes}
 
 
 def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int = 0,
             prompt: Sequence[int] | None = None, clock: str = "wall",
-            layer_sizes: Sequence[int] | None = None) -> dict[str, Any]:
+            layer_sizes: Sequence[int] | None = None, lockstep: bool = False) -> dict[str, Any]:
     """One call of configuration `cfg` on `prompt` (default: a random prompt); raw numbers for one round, timed by
     `clock` (CLOCKS: wall time, or the process's CPU time). `layer_sizes`: HF's own loop at those per-layer cache
     sizes (`hf_generate`). A kvbench call's `layer_tokens`: each layer's tokens per KV head at its first decoding
-    step (GenerationResult.layer_tokens)."""
+    step (GenerationResult.layer_tokens). `lockstep` (a kvbench configuration with a budget): HF's own decoding one
+    step after each of the call's (`Lockstep`), its numbers as `hf_decode_s`, `hf_decode_steps`, `hf_layer_sizes`
+    and `hf_tokens`; the call's peak RSS then includes HF's cache and prompt forward."""
 
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = list(prompt[:cfg.prompt_tokens]) if prompt is not None else prompt_ids(cfg.prompt_tokens, vocab, seed=seed)
@@ -172,10 +154,14 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
         rss0 = mem.start()
         c0, w0 = time.process_time(), time.perf_counter()
         settings = GenerationSettings(block=cfg.block, max_new_tokens=new_tokens, **variant(cfg.policy)[1])
-        res = generate(model, policy, ids, settings, observer=Observer(clock=CLOCKS[clock]))
+        hf = Lockstep(model, ids, cfg.budget, new_tokens, CLOCKS[clock]) if lockstep else None
+        observer = Observer(clock=hf.clock, on_step=hf.on_step) if hf else Observer(clock=CLOCKS[clock])
+        res = generate(model, policy, ids, settings, observer=observer)
         m = {"prefill_s": res.prefill_s, "decode_s": res.decode_s, "decode_steps": res.decode_steps,
              "tokens": res.tokens, "evict_prefill_s": res.evict_prefill_s, "evict_decode_s": res.evict_decode_s,
              "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak, "layer_tokens": res.layer_tokens}
+        if hf is not None:
+            m.update(hf.finish())
     m["cpu_per_wall"] = (time.process_time() - c0) / max(time.perf_counter() - w0, 1e-9)
     m.update(peak_rss_mib=mem.rss_peak_mib(), rss_start_mib=rss0, peak_gpu_mib=mem.gpu_peak_mib())
     return m
@@ -244,13 +230,13 @@ def warm_ups(configs: Sequence[Config], new_tokens: int, device_type: str) -> li
 def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: int, seed: int = 0,
               model_desc: str = "", log: Callable[[str], None] | None = None,
               prompt: Sequence[int] | None = None, clock: str = "wall", syncs: bool = True,
-              hf_beside: bool = False) -> list[dict[str, Any]]:
+              hf_reference: str | None = None) -> list[dict[str, Any]]:
     """Measure every configuration `repeats` times, interleaved (round r runs them all, in an order rotated by r),
     after the unmeasured warm-up calls of `warm_ups`; returns one row per configuration with medians. `prompt`: the
     token ids every configuration reads its first `prompt_tokens` from (default: random ids per length). `syncs`:
     count host syncs per decoding step once per (policy, budget, block) (`host_syncs`; not for HF's own loop).
 
-    `hf_beside`: right after each call of a kvbench configuration, HF's own decoding at its budget (the hf-decode
+    `hf_reference` "beside": right after each call of a kvbench configuration, HF's own decoding at its budget (the hf-decode
     configuration) is measured once more and kept beside that call as its reference (the row's
     `hf_decode_s_rounds`; the hf-decode row itself keeps its own calls), and the decoding goal pairs each call with
     its reference (goals.round_ratios). Where the call's layers did not all hold N tokens a head when it decoded
@@ -264,10 +250,17 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
     5 rounds) the ratios' spread fell for 8 of 13 policies and rose for 5 (median sd 0.069 against 0.072; an sd from
     5 rounds is uncertain by about a third): no clear gain there, where most of the noise looks like each call's own.
     The price: one more HF call (prompt of N tokens, or of the longest layer's, then the decoding) per kvbench
-    call."""
+    call.
+
+    `hf_reference` "lockstep": the same reference (HF's decoding at the call's per-layer sizes), made one step after
+    each of the call's own decoding steps instead of after the call (kvbench.bench.hfloop.Lockstep): both sides'
+    steps alternate a tenth of a second apart, so a stretch of the machine moves both; the same row fields and
+    test. Its price: HF's prompt forward and steps inside the call (not in its times, but in its peak RSS)."""
+    if hf_reference not in (None, *HF_REFERENCES):
+        raise BenchError(f"hf_reference is one of {', '.join(HF_REFERENCES)}, got {hf_reference!r}")
     hf_at = {c.budget: c for c in configs if c.policy == HF_DECODE}
-    if hf_beside and not hf_at:
-        raise BenchError("hf_beside needs the hf-decode baseline (--baselines hf)")
+    if hf_reference and not hf_at:
+        raise BenchError(f"an HF reference ({hf_reference}) needs the hf-decode baseline (--baselines hf)")
     mem = PeakMemory(model.device)
     for c, n in warm_ups(configs, new_tokens, model.device.type):
         measure(model, c, n, mem, seed, prompt, clock)
@@ -283,9 +276,10 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
     for r in range(repeats):
         k = r % len(configs)
         for c in list(configs[k:]) + list(configs[:k]):
-            m = measure(model, c, new_tokens, mem, seed, prompt, clock)
-            ref = hf_at.get(c.budget) if hf_beside and c.policy not in (HF_FORWARD, HF_DECODE) else None
-            if ref is not None:  # HF's decoding at its budget, right after it: its reference in this stretch
+            ref = hf_at.get(c.budget) if hf_reference and c.policy not in (HF_FORWARD, HF_DECODE) else None
+            m = measure(model, c, new_tokens, mem, seed, prompt, clock, lockstep=ref is not None and
+                        hf_reference == "lockstep")
+            if ref is not None and hf_reference == "beside":  # HF's decoding at its budget right after: this stretch
                 sizes = hf_layer_sizes(m.get("layer_tokens"), ref.budget)
                 if sizes is not None:  # at the policy's own per-layer sizes: HF's forward over the longest
                     ref = Config(HF_DECODE, ref.budget, None, max(sizes))
@@ -297,20 +291,11 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
                     f"prefill {m['prefill_s']:.3f} s (evict {m['evict_prefill_s']:.3f}), decode {m['decode_s']:.3f} s "
                     f"(evict {m['evict_decode_s']:.3f}), peak RSS {m['peak_rss_mib']:.0f} MiB, "
                     f"cpu/wall {m['cpu_per_wall']:.2f}"
-                    + (f"; HF's decoding beside it {m['hf_decode_s']:.3f} s" if ref is not None else ""))
+                    + (f"; HF's decoding {hf_reference} {m['hf_decode_s']:.3f} s" if ref is not None else ""))
     rows = [{**_row(c, raw[c], model, model_desc, mem.method), "clock": clock,
              **counted.get((c.policy, c.budget, c.block), NO_SYNCS)} for c in configs]
     add_ratios(rows)
     return rows
-
-
-def hf_layer_sizes(layer_tokens: Sequence[int] | None, budget: int | None) -> list[int] | None:
-    """The per-layer cache sizes HF's reference decodes at beside a kvbench call whose layers held `layer_tokens` at
-    its first decoding step (the step's token included; HF's reference then holds one fewer, as its step appends
-    it): None where every layer held N + 1, the plain reference at cache size N (hf-decode's prompt of N tokens)."""
-    if not layer_tokens or budget is None or all(n == budget + 1 for n in layer_tokens):
-        return None
-    return [max(n - 1, 1) for n in layer_tokens]
 
 
 def _row(c: Config, ms: list[dict[str, Any]], model: Any, model_desc: str, rss_method: str) -> dict[str, Any]:
@@ -348,7 +333,8 @@ def _row(c: Config, ms: list[dict[str, Any]], model: Any, model_desc: str, rss_m
         "repeats": len(ms), "decode_steps": steps, "device": str(model.device), "model": model_desc,
         "rss_method": rss_method,
     }
-    if all("hf_decode_s" in m for m in ms):  # run_bench's hf_beside: each call's own reference, round by round
+    if all("hf_decode_s" in m for m in ms):  # run_bench's hf_reference: each call's own reference, round by round
         row.update(hf_decode_s_rounds=[round(m["hf_decode_s"], 6) for m in ms],
-                   hf_decode_steps=ms[0]["hf_decode_steps"], hf_layer_sizes=ms[0]["hf_layer_sizes"])
+                   hf_decode_steps=ms[0]["hf_decode_steps"], hf_layer_sizes=ms[0]["hf_layer_sizes"],
+                   hf_reference="lockstep" if "hf_tokens" in ms[0] else "beside")
     return row

@@ -119,10 +119,13 @@ class Observer:
     `on_logits` sees each step's next-token logits (1, vocab) float32, before the processors; `trace` records,
     before every forward, each layer's per-head token positions (b, h_kv, L) into GenerationResult.trace (tests
     rebuild attention from them; ragged layers' shorter heads are padded with -1 in this record only); `clock` times
-    prefill, decoding and eviction (kvbench-bench can pass time.process_time: CPU time).
+    prefill, decoding and eviction (kvbench-bench can pass time.process_time: CPU time); `on_step` is called with
+    the run's cache before each step's token pick (kvbench-bench's lockstep runs HF's own decoding step there, with
+    `clock` stopped).
     """
 
     on_logits: Callable[[torch.Tensor], None] | None = None
+    on_step: Callable[[Any], None] | None = None
     trace: bool = False
     clock: Callable[[], float] = time.perf_counter
 
@@ -415,6 +418,8 @@ def _decode(model: Any, runs: list[_Run], limits: list[int]) -> None:
         picked = []
         for j in active:
             r = runs[j]
+            if r.obs.on_step is not None:
+                r.obs.on_step(r.cache)
             if r.obs.on_logits is not None:
                 r.obs.on_logits(r.logits)
             # what generate(do_sample=False) does to the logits (min_new_tokens included)
