@@ -173,10 +173,11 @@ class Policy:
         """(b, h_kv, n) float scores as selection ranks them: protected slots +inf, padding -inf."""
         scores = self.score(layer).float()  # (b, h_kv, n)
         prot = self.protected(layer)
+        # torch.where, not masked_fill: the same values in one pass (an out-of-place masked_fill clones, then fills)
         if prot is not None:
-            scores = scores.masked_fill(prot, math.inf)
+            scores = torch.where(prot, math.inf, scores)
         if layer.valid is not None:
-            scores = scores.masked_fill(~layer.valid, -math.inf)
+            scores = torch.where(layer.valid, scores, -math.inf)
         return scores
 
     def head_counts(self, layer: CacheLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
@@ -304,7 +305,7 @@ def top_slots(scores: torch.Tensor, count: int, positions: torch.Tensor | None =
         else:  # the latest position among the lowest scores; a hole (position -1) ranks as the earliest token, so
             # the others are masked below it: it goes only when it alone holds the lowest score
             lowest = scores == scores.amin(dim=-1, keepdim=True)  # (b, h, n)
-            drop = positions.masked_fill(~lowest, -2).argmax(dim=-1, keepdim=True)
+            drop = torch.where(lowest, positions, -2).argmax(dim=-1, keepdim=True)
         j = torch.arange(count, device=scores.device)  # (count,)
         return j + (j >= drop)  # (b, h, count): every slot but `drop`
     if 0 < count < n and (positions is None or scores.dtype == torch.float32):
