@@ -26,7 +26,8 @@ prefill vs HF, slowest policy vs KeyDiff, flat memory, host syncs per decoding s
 `--batch 1,4,8` measures something else: samples per hour with K samples per forward (`batch`), for NIAH- and
 LongBench-shaped workloads, next to HF's batched `generate`.
 
-Modules: setup (models, prompts, policies by name), batch (--batch), measure (one configuration, interleaved rounds, peak memory;
-its docstring says how RSS is measured), syncs (host syncs per decoding step, counted on any device), goals (ratios,
-pass/fail lines, the table), cli (`main`).
+Modules: setup (models, prompts, policies by name), batch (--batch), measure (one configuration, interleaved rounds,
+peak memory; its docstring says how RSS is measured), hfloop (HF's own loop, whole or in lockstep with a call:
+--hf-lockstep), syncs (host syncs per decoding step, counted on any device), goals (ratios, pass/fail lines, the
+table), cli (`main`).
 """

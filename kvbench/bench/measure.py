@@ -161,7 +161,7 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
              "tokens": res.tokens, "evict_prefill_s": res.evict_prefill_s, "evict_decode_s": res.evict_decode_s,
              "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak, "layer_tokens": res.layer_tokens}
         if hf is not None:
-            m.update(hf.finish())
+            m.update(hf.finish(), hf_reference="lockstep")
     m["cpu_per_wall"] = (time.process_time() - c0) / max(time.perf_counter() - w0, 1e-9)
     m.update(peak_rss_mib=mem.rss_peak_mib(), rss_start_mib=rss0, peak_gpu_mib=mem.gpu_peak_mib())
     return m
@@ -236,8 +236,8 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
     token ids every configuration reads its first `prompt_tokens` from (default: random ids per length). `syncs`:
     count host syncs per decoding step once per (policy, budget, block) (`host_syncs`; not for HF's own loop).
 
-    `hf_reference` "beside": right after each call of a kvbench configuration, HF's own decoding at its budget (the hf-decode
-    configuration) is measured once more and kept beside that call as its reference (the row's
+    `hf_reference` "beside": right after each call of a kvbench configuration, HF's own decoding at its budget (the
+    hf-decode configuration) is measured once more and kept beside that call as its reference (the row's
     `hf_decode_s_rounds`; the hf-decode row itself keeps its own calls), and the decoding goal pairs each call with
     its reference (goals.round_ratios). Where the call's layers did not all hold N tokens a head when it decoded
     (K-norm leaves its first two layers whole, PyramidKV gives the lower layers more and the upper fewer), HF's
@@ -284,7 +284,8 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
                 if sizes is not None:  # at the policy's own per-layer sizes: HF's forward over the longest
                     ref = Config(HF_DECODE, ref.budget, None, max(sizes))
                 h = measure(model, ref, new_tokens, mem, seed, prompt, clock, sizes)
-                m.update(hf_decode_s=h["decode_s"], hf_decode_steps=h["decode_steps"], hf_layer_sizes=sizes)
+                m.update(hf_decode_s=h["decode_s"], hf_decode_steps=h["decode_steps"], hf_layer_sizes=sizes,
+                         hf_reference="beside")
             raw[c].append(m)
             if log:
                 log(f"round {r + 1}/{repeats} {c.policy:>12} N={c.budget} B={c.block} T={c.prompt_tokens}: "
@@ -336,5 +337,5 @@ def _row(c: Config, ms: list[dict[str, Any]], model: Any, model_desc: str, rss_m
     if all("hf_decode_s" in m for m in ms):  # run_bench's hf_reference: each call's own reference, round by round
         row.update(hf_decode_s_rounds=[round(m["hf_decode_s"], 6) for m in ms],
                    hf_decode_steps=ms[0]["hf_decode_steps"], hf_layer_sizes=ms[0]["hf_layer_sizes"],
-                   hf_reference="lockstep" if "hf_tokens" in ms[0] else "beside")
+                   hf_reference=ms[0]["hf_reference"])
     return row
