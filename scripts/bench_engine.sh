@@ -18,6 +18,10 @@
 # PREFILL=1: each policy of POLICIES (default: keydiff snapkv) as it is and with its prompt evictions stacked over the
 # layers too (rows NAME+stackprefill, GenerationSettings.stack_prefill), one after the other in each round:
 # results/bench_smollm2/engine_4k_prefill_stack.{json,md}, ~4 CPU-min per policy.
+# Arguments after the first go to kvbench-bench (a later flag wins): the committed tables since engine_4k_488c3da add
+# --policies ... --baselines hf --full-max-tokens 1024 --repeats 5 and --hf-beside (HF's decoding after each call) or,
+# since engine_4k_lockstep_pilot_e8b7fcb, --hf-lockstep (HF's decoding step by step between the call's: the tightest
+# test of the decoding goal; docs/bench.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/bench_smollm2}
