@@ -99,3 +99,12 @@ def test_hf_lockstep_gives_every_kvbench_row_its_reference(tmp_path, one_thread)
         with pytest.raises(SystemExit) as e:
             bench.main([*args, "--hf-lockstep", *bad])
         assert e.value.code == 2
+
+
+def test_run_bench_takes_a_known_reference_with_its_baseline() -> None:
+    """An unknown reference, or a reference without the hf-decode baseline to pair it with, is one BenchError before
+    anything is measured."""
+    cfgs = measure.configurations(["keydiff"], [8], [24], 4, baselines=())
+    for ref, words in (("after", "one of beside, lockstep"), ("lockstep", "needs the hf-decode baseline")):
+        with pytest.raises(setup.BenchError, match=words):
+            measure.run_bench(None, cfgs, new_tokens=2, repeats=1, hf_reference=ref)
