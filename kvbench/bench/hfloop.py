@@ -71,9 +71,9 @@ class HFLoop:
 
 
 def hf_layer_sizes(layer_tokens: Sequence[int] | None, budget: int | None) -> list[int] | None:
-    """The per-layer cache sizes HF's reference decodes at beside a kvbench call whose layers held `layer_tokens` at
-    its first decoding step (the step's token included; HF's reference then holds one fewer, as its step appends
-    it): None where every layer held N + 1, the plain reference at cache size N (hf-decode's prompt of N tokens)."""
+    """The per-layer cache sizes HF's reference (beside or in lockstep) decodes at for a kvbench call whose layers held
+    `layer_tokens` at its first decoding step (the step's token included; HF's reference then holds one fewer, as its
+    step appends it): None where every layer held N + 1, the plain reference at cache size N (N prompt tokens)."""
     if not layer_tokens or budget is None or all(n == budget + 1 for n in layer_tokens):
         return None
     return [max(n - 1, 1) for n in layer_tokens]
