@@ -1,9 +1,10 @@
-"""How much HF's decoding measured beside each call (kvbench-bench --hf-beside) narrows the decoding goal's test: per
-policy of a bench JSON, the per-round ratios of its decoding per token over HF's, against the hf-decode row's call of
-the same round and against the call made right after its own, their spread (sample sd) and the one-sided 95 % t
-bounds of their mean, as a markdown table.
+"""How much HF's decoding measured beside each call (kvbench-bench --hf-beside) or in lockstep with it (--hf-lockstep)
+narrows the decoding goal's test: per policy of a bench JSON, the per-round ratios of its decoding per token over
+HF's, against the hf-decode row's call of the same round and against the call's own reference, their spread (sample
+sd) and the one-sided 95 % t bounds of their mean, as a markdown table.
 
     python scripts/beside_spread.py results/bench_smollm2/engine_4k_hf_beside.json [--out FILE.md]
+    python scripts/beside_spread.py results/bench_smollm2/engine_4k_80b9b30.json [--out FILE.md]
 
 Both columns come from the same calls of the policy; only the reference differs.
 """
@@ -42,7 +43,8 @@ def spread_rows(rows: list[dict]) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("bench", type=Path, help="a kvbench-bench JSON made with --hf-beside and --repeats >= 2")
+    ap.add_argument("bench", type=Path,
+                    help="a kvbench-bench JSON made with --hf-beside or --hf-lockstep and --repeats >= 2")
     ap.add_argument("--out", type=Path, default=None, help="markdown file (default: print)")
     a = ap.parse_args(argv)
     try:
@@ -52,15 +54,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"beside_spread: error: cannot read {a.bench}: {e}", file=sys.stderr)
         return 2
     if not table:
-        print(f"beside_spread: error: {a.bench} has no rows measured with --hf-beside over >= 2 rounds",
-              file=sys.stderr)
+        print(f"beside_spread: error: {a.bench} has no rows measured with --hf-beside or --hf-lockstep over >= 2 "
+              "rounds", file=sys.stderr)
         return 2
-    head = ("| policy | rounds | sd, vs the round's hf-decode call | 95 % bounds | sd, vs HF's call beside it | "
-            "95 % bounds |")
+    # rows made before the references named themselves (hf_reference) were all beside
+    lockstep = any(r.get("hf_reference") == "lockstep" for r in rows)
+    own, how = (("HF's steps in lockstep with the call", "HF's decoding one step after each of the policy's steps "
+                 "(`--hf-lockstep`)") if lockstep else
+                ("HF's call beside it", "HF's call made right after the policy's own (`--hf-beside`)"))
+    head = f"| policy | rounds | sd, vs the round's hf-decode call | 95 % bounds | sd, vs {own} | 95 % bounds |"
     lines = [f"Per-round ratios of decoding per token over HF's, from `{a.bench.name}`: against the round's hf-decode "
-             "call and against HF's call made right after the policy's own (`--hf-beside`); the same calls of each "
-             "policy, two references. sd: sample standard deviation of the ratios; bounds: one-sided 95 % t bounds "
-             "of their mean (`scripts/beside_spread.py`).", "", head, "|---|---|---|---|---|---|"]
+             f"call and against {how}; the same calls of each policy, two references. sd: sample standard deviation "
+             "of the ratios; bounds: one-sided 95 % t bounds of their mean (`scripts/beside_spread.py`).", "", head,
+             "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(c) + " |" for c in table]
     text = "\n".join(lines) + "\n"
     if a.out:
