@@ -422,6 +422,11 @@ def test_beside_spread_sets_both_references_side_by_side(tmp_path, capsys) -> No
     (tmp_path / "b.json").write_text(json.dumps({"rows": [hf, snap]}))
     assert spread.main([str(tmp_path / "b.json"), "--out", str(tmp_path / "s.md")]) == 0
     assert (tmp_path / "s.md").read_text().endswith("| snapkv | 3 | 0.100 | 0.93x-1.27x | 0.000 | 1.20x-1.20x |\n")
+    assert "| sd, vs HF's call beside it |" in (tmp_path / "s.md").read_text()
+    (tmp_path / "l.json").write_text(json.dumps({"rows": [hf, {**snap, "hf_reference": "lockstep"}]}))
+    assert spread.main([str(tmp_path / "l.json"), "--out", str(tmp_path / "l.md")]) == 0  # the same numbers
+    assert "| sd, vs HF's steps in lockstep with the call |" in (tmp_path / "l.md").read_text()
+    assert (tmp_path / "l.md").read_text().endswith("| snapkv | 3 | 0.100 | 0.93x-1.27x | 0.000 | 1.20x-1.20x |\n")
     (tmp_path / "old.json").write_text(json.dumps({"rows": [hf, {**snap, "hf_decode_s_rounds": None}]}))
     one = {**snap, "decode_s_rounds": [3.00], "hf_decode_s_rounds": [2.50]}  # one round: no spread to give
     assert spread.spread_rows([{**hf, "decode_s_rounds": [3.0]}, one]) == []
