@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvbench.bench.setup import BenchError
+from kvbench.engine.cache import kv_bytes
 from kvbench.engine.generate import sync
 
 
@@ -65,8 +66,6 @@ class HFLoop:
 
     def held(self) -> tuple[int, int]:
         """(the longest layer's tokens, K + V bytes of every layer) of its cache now."""
-        from kvbench.engine.cache import kv_bytes
-
         return max(layer.get_seq_length() for layer in self.cache.layers), kv_bytes(self.cache)
 
 
@@ -104,11 +103,12 @@ class Lockstep:
         device = self.model.device
         sync(device)  # the call's queued work is its own (charged to it before the clock stops)
         t0 = self._raw()
-        if self.loop is None and cache.decode_tokens() is None:
-            return  # before the call's first decoding step: its layers' sizes are not known yet
         with torch.inference_mode():
             if self.loop is None:
-                self._start(cache.decode_tokens())
+                held = cache.decode_tokens()
+                if held is None:
+                    return  # before the call's first decoding step: its layers' sizes are not known yet
+                self._start(held)
             self._step(device)  # waits for the prompt forward before its own timer starts
         self._paused += self._raw() - t0
 
