@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvbench.policies.base import Policy, position_bound, position_ranks
+from kvbench.policies.base import Policy
+from kvbench.policies.ranks import slot_ranks
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
@@ -30,5 +31,5 @@ class Random(Policy):
         if layer.chronological:
             return draws
         # slots out of order (slot reuse): the i-th draw still goes to each head's i-th oldest token, so the same
-        # tokens are evicted as in the chronological layout
-        return draws.gather(-1, position_ranks(layer.positions, position_bound(layer)))
+        # tokens are evicted as in the chronological layout (the ranks kept from step to step: kvbench/policies/ranks.py)
+        return draws.gather(-1, slot_ranks(layer))

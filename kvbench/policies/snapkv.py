@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvbench.policies.base import Policy, PolicyError, group_mean, position_bound, position_order
+from kvbench.policies.base import Policy, PolicyError, group_mean
+from kvbench.policies.ranks import slot_order
 from kvbench.policies.window import window_attention
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class SnapKV(Policy):
             return self.pooled(probs)
         # Slots out of position order (slot reuse): pooled in position order, the neighbours and the window of the
         # chronological layout, then put back in slot order
-        order = position_order(layer.positions, position_bound(layer))  # (b, h_kv, n)
+        order = slot_order(layer)  # (b, h_kv, n), from ranks kept from step to step (kvbench/policies/ranks.py)
         order = order.repeat_interleave(probs.shape[1] // layer.keys.shape[1], dim=1)  # (b, h_q, n)
         return torch.empty_like(probs).scatter_(-1, order, self.pooled(probs.gather(-1, order)))
 
