@@ -78,7 +78,7 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
             raise RuntimeError("append to a layer in its padded scoring view; pack() it first")
         b, h, q, d = key_states.shape  # (b, h_kv, q, d)
         new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
-        self.block_slots = None
+        self.block_slots, self.block_states = None, None
         if self._fill_hole(key_states, value_states, new_pos):
             pass  # written in place into the slots the last eviction freed (SlotReuse)
         elif self.ragged:

@@ -70,6 +70,9 @@ class SlotReuse:
         # (b, h_kv, 1) the slot each head freed for the next token (ragged: its row within the head's segment)
         self.hole: torch.Tensor | None = None
         self.block_slots: torch.Tensor | None = None  # (b, h_kv, q) slots of the latest block; None: the last q
+        # with `block_slots`: the K/V (b, h_kv, 1, d) written there, as `update` was handed them (`block_kv` returns
+        # them instead of gathering its own copy back: ~0.55 ms of a decoding step over 30 layers, one CPU thread)
+        self.block_states: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _hole_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """(b, h_kv, 1) one slot per head -> (b*h_kv,) its rows of the flattened storage: (b*h_kv*n, ...) uniform, the
@@ -95,7 +98,7 @@ class SlotReuse:
         self.positions.view(-1).index_copy_(0, rows, new_pos.reshape(-1))
         for s in self.state.values():  # policies fill the new token's state in the attention wrapper
             s.view(-1).index_fill_(0, rows, 0.0)
-        self.hole, self.block_slots = None, hole
+        self.hole, self.block_slots, self.block_states = None, hole, (key_states, value_states)
         self.chronological = False  # known without reading the device: the hole is rarely the last slot
         return True
 
@@ -200,14 +203,12 @@ class SlotReuse:
     # -- the block just appended (read and filled by the attention wrapper) -------------------------------------
     def block_kv(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (b, h_kv, q, d) of the latest q tokens of every head."""
+        if self.block_slots is not None:  # one token per head, written into a hole (SlotReuse): the very K/V written
+            return self.block_states
         if self.ragged:
             b, h = self.flat.lengths.shape
             idx = self._block_rows(q)
             return self.keys[idx].view(b, h, q, -1), self.values[idx].view(b, h, q, -1)
-        if self.block_slots is not None:  # one token per head, written into a hole (SlotReuse)
-            slots = self.block_slots.unsqueeze(-1)  # (b, h_kv, 1, 1)
-            return (self.keys.gather(2, slots.expand(*slots.shape[:3], self.keys.shape[-1])),
-                    self.values.gather(2, slots.expand(*slots.shape[:3], self.values.shape[-1])))
         return self.keys[..., -q:, :], self.values[..., -q:, :]
 
     def _block_rows(self, q: int) -> torch.Tensor:
