@@ -135,8 +135,9 @@ class Float32Twin:
 
     def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
-        # The twin first: HashEvict's probe (layer.scratch) is then overwritten by the real call.
-        want = self._on_append(layer, module, keys.float(), values.float(), query.float())
+        # The twin first: HashEvict's probe (layer.scratch) is then overwritten by the real call. Values and query
+        # are None where the state waited for the eviction (Policy.state_from_keys: the keys alone)
+        want = self._on_append(layer, module, *(None if x is None else x.float() for x in (keys, values, query)))
         got = self._on_append(layer, module, keys, values, query)
         for name, t in got.items():
             if t.dtype != torch.float32 or not torch.equal(t, want[name]):

@@ -344,3 +344,46 @@ def test_samples_leaving_a_batch_leave_its_stacks(name: str, monkeypatch: pytest
     assert [len(a.tokens) for a in on] == [20, 9, 14]
     # steps 1-8 all three samples, 9-13 the first and third, 14-19 the first alone
     assert per_step == [12] * 8 + [8] * 5 + [4] * 6
+
+
+@pytest.mark.parametrize("name", ["knorm", "keydiff"])
+def test_a_decoding_steps_state_computed_at_the_eviction_is_the_forwards(name: str) -> None:
+    """Policy.state_from_keys (K-norm's norms, KeyDiff's inverse norms): a decoding step's per-token state computed at
+    the eviction, for the stack's 3 layers in one call (cache.settle_state), against in each layer's forward: every
+    score bit-equal at every eviction, the same tokens held, tokens, logits and graded score (float64, 4 layers, a
+    90-token prompt, 20 new tokens and a graded branch); and one call of 3 rows a decoding step instead of 3 of one."""
+    model, ids = float64_model(4), random_prompt(90, 1)
+    runs = []
+    for deferred in (True, False):
+        policy = STACKABLE[name]()
+        policy.state_from_keys = deferred
+        rows: list[int] = []  # per one-token on_append call: the rows of keys it got
+        scores: list[torch.Tensor] = []
+        on_append, score = policy.on_append, policy.score
+
+        def counted(layer: Any, module: Any, keys: torch.Tensor, values: Any, query: Any) -> dict:
+            if keys.shape[-2] == 1:
+                rows.append(keys.shape[0])
+            return on_append(layer, module, keys, values, query)
+
+        def kept(layer: Any) -> torch.Tensor:
+            out = score(layer)
+            scores.append(out.clone())
+            return out
+
+        policy.on_append, policy.score = counted, kept
+        logits: list[torch.Tensor] = []
+        res = generate(model, policy, ids, GenerationSettings(block=16, max_new_tokens=20),
+                       answer_ids=[11, 12, 13, 14, 15],
+                       observer=Observer(trace=True, on_logits=lambda lg: logits.append(lg[0])))
+        runs.append((res, logits, scores, rows))
+    (on, l_on, s_on, r_on), (off, l_off, s_off, r_off) = runs
+    assert on.tokens == off.tokens and held_positions(on.trace) == held_positions(off.trace)
+    assert all(torch.equal(a, b) for a, b in zip(l_on, l_off, strict=True))
+    assert on.answer_logprob == off.answer_logprob
+    assert len(s_on) == len(s_off) and all(torch.equal(a, b) for a, b in zip(s_on, s_off))
+    # layers 1-3 evicted (K-norm skips layer 0; KeyDiff evicts all 4): the answer's 19 decoding steps and the graded
+    # branch's 4, each one call over the stack's rows, against one call per layer and step
+    width = {"knorm": 3, "keydiff": 4}[name]
+    assert r_on == [width] * (19 + 4), r_on
+    assert r_off == [1] * (width * (19 + 4))

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from kvbench.engine.cache import BatchCache, EvictingCache, EvictingLayer, TrunkCache
+from kvbench.engine.cache import BatchCache, EvictingCache, EvictingLayer, TrunkCache, settle_state
 
 _ACTIVE: contextvars.ContextVar[EvictingCache | BatchCache | TrunkCache | None] = contextvars.ContextVar(
     "kvbench_cache", default=None)
@@ -239,6 +239,11 @@ def _hooks(module: Any, cache: EvictingCache, layer: EvictingLayer, query: torch
     if cache.query_window:
         layer.stash.add(query, layer.seen, cache.query_window)
     if policy.state_names:
+        settle_state(layer, policy)  # a previous token's, left due by a step that did not evict this layer
+        if policy.state_from_keys and layer.block_slots is not None and not layer.ragged:
+            # a decoding token written into a hole: its state at the eviction, with the other layers' (settle_state)
+            layer.state_due = (layer.block_slots, layer.block_states[0])
+            return True
         new = policy.on_append(layer, module, *layer.block_kv(query.shape[-2]), query)
         for name in policy.state_names:
             layer.set_block_state(name, new[name])

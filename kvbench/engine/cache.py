@@ -70,6 +70,9 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         # use; the layer only calls their hooks where its storage changes (keep, unpack, pack, fork).
         self.extras: dict[str, LayerExtra] = {}
         self.in_stack = False  # its arrays are views of a LayerStack's (kvbench/engine/stack.py), written in place
+        # (slots (b, h_kv, 1), keys (b, h_kv, 1, d)) of a decoding token whose per-token state waits for the eviction
+        # (`settle_state`, Policy.state_from_keys); None: none waits
+        self.state_due: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
@@ -219,6 +222,26 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
+def settle_state(unit: EvictingLayer, policy: Policy | None) -> None:
+    """Compute the per-token state a decoding step left due (`state_due`: Policy.state_from_keys) in `unit`, a layer or
+    a layer stack (kvbench/engine/stack.py, its `members`): for a stack whose every member has its token's state due,
+    one `on_append` over all their rows (the keys (L*b, h_kv, 1, d) of the L members' new tokens), written into the
+    stack's state at each member's slot; else member by member. Each row's values are what the layer's own call
+    computes (the policy treats each row on its own; tests/test_stack.py compares every bit)."""
+    members = getattr(unit, "members", None) or [unit]
+    due = [m for m in members if m.state_due is not None]
+    if not due or policy is None:
+        return
+    groups = [(unit, due)] if len(due) == len(members) else [(m, [m]) for m in due]
+    for target, layers in groups:
+        slots = torch.cat([m.state_due[0] for m in layers])  # (L*b, h_kv, 1)
+        new = policy.on_append(target, None, torch.cat([m.state_due[1] for m in layers]), None, None)
+        for name in policy.state_names:
+            target.state[name].scatter_(2, slots, new[name].to(target.state[name].dtype))
+        for m in layers:
+            m.state_due = None
+
+
 class EvictingCache(Cache):
     """One `EvictingLayer` per full-attention layer of the model; sliding layers stay HF's (bounded already)."""
 
@@ -256,6 +279,8 @@ class EvictingCache(Cache):
         generator included): the graded score's teacher-forced branch runs on it while the greedy decode goes on
         unchanged in this cache. Costs no K/V copy (see EvictingLayer.fork)."""
         new = copy.copy(self)
+        for layer in self.evicting_layers():  # a state still due is computed first: the fork's copy includes it
+            settle_state(layer, self.policy)
         new.layers = [layer.fork() if isinstance(layer, EvictingLayer) else copy.copy(layer) for layer in self.layers]
         new.policy = copy.deepcopy(self.policy)
         new.masks = dict(self.masks)

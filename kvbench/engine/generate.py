@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvbench.engine import attention
-from kvbench.engine.cache import BatchCache, EvictingCache, TrunkCache, batchable
+from kvbench.engine.cache import BatchCache, EvictingCache, TrunkCache, batchable, settle_state
 from kvbench.engine.diagnostics import Diagnostics
 from kvbench.engine.hf import greedy_processors
 from kvbench.engine.stack import SampleStacks, eviction_units, open_stacks
@@ -276,6 +276,7 @@ def _evict(r: _Run, phase: str, device: torch.device) -> float:
     spent = diag.elapsed if diag is not None else 0.0
     # diagnostics observe each layer's own selection; otherwise layers may be evicted stacked (engine/stack.py)
     for layer in cache.evicting_layers() if diag is not None else eviction_units(cache):
+        settle_state(layer, cache.policy)  # the step's state left due (Policy.state_from_keys), a stack's in one call
         cache.policy.evict(layer, diag.observe if diag is not None else None)
     if phase == "prefill":
         cache.settle()  # new head sizes of every layer in one host read; decoding reads them with its token
@@ -351,6 +352,7 @@ def _evict_together(runs: list[_Run], together: dict[Any, SampleStacks], device:
         if units is None:
             continue  # their layers run differently: each evicts on its own
         for policy, unit in units:
+            settle_state(unit, policy)
             policy.evict(unit)
         sync(device)
         _charge(group, group[0].obs.clock() - t0)

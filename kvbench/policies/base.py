@@ -62,6 +62,12 @@ class Policy:
     # written into (slot reuse, as uniform layers do: kvbench/engine/slots.py) instead of storing the kept rows again:
     # no K/V copied. The heads' rows then stop being in position order (`layer.chronological`).
     ragged_slot_reuse: bool = False
+    # True: `on_append` reads only the new tokens' keys (not `layer`, `module`, values or queries) and treats each
+    # (batch row, KV head, token) on its own (K-norm's norms, KeyDiff's inverse norms). Then the engine may compute a
+    # decoding step's state at the eviction after it, for every layer of a stack in one call (kvbench/engine/cache.py
+    # `settle_state`), instead of in each layer's forward: the same values, a few operations a step instead of ~5 per
+    # layer (K-norm's and KeyDiff's per-layer hooks took ~1.0-1.3 ms of a ~80 ms step on one CPU thread).
+    state_from_keys: bool = False
 
     def __init__(self, budget: int | None = None, n_sink: int = 0, n_recent: int = 0,
                  skip_layers: Sequence[int] = (), seed: int = 0, **kwargs: Any) -> None:
