@@ -31,5 +31,5 @@ class Random(Policy):
         if layer.chronological:
             return draws
         # slots out of order (slot reuse): the i-th draw still goes to each head's i-th oldest token, so the same
-        # tokens are evicted as in the chronological layout (the ranks kept from step to step: kvbench/policies/ranks.py)
+        # tokens are evicted as in the chronological layout (ranks kept from step to step: kvbench/policies/ranks.py)
         return draws.gather(-1, slot_ranks(layer))
