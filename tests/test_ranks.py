@@ -3,6 +3,8 @@ and the same kept tokens as counting them afresh at every eviction for the polic
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -110,3 +112,12 @@ def test_kept_ranks_keep_what_counting_each_time_keeps(make, monkeypatch: pytest
     # counted afresh at every decoding eviction (the answer's 19, the graded branch's 4: one stack each), against
     # once where a stack starts (the answer's, the branch's)
     assert n_off == 19 + 4 and n_on == 2
+
+
+def test_a_padded_views_order_is_computed_afresh() -> None:
+    """A ragged layer's padded view (valid set) keeps no ranks: by hand, positions 5 2 9 0 and a padding slot (-1,
+    the earliest, as a sort puts it) give the order 4 3 1 0 2, with nothing left in the extras."""
+    view = SimpleNamespace(positions=torch.tensor([[[5, 2, 9, 0, -1]]]),
+                           valid=torch.tensor([[[True, True, True, True, False]]]), seen=10, row_seen=None, extras={})
+    assert slot_order(view).tolist() == [[[4, 3, 1, 0, 2]]]
+    assert slot_ranks(view).tolist() == [[[3, 2, 4, 1, 0]]] and view.extras == {}

@@ -239,7 +239,8 @@ def _hooks(module: Any, cache: EvictingCache, layer: EvictingLayer, query: torch
     if cache.query_window:
         layer.stash.add(query, layer.seen, cache.query_window)
     if policy.state_names:
-        settle_state(layer, policy)  # a previous token's, left due by a step that did not evict this layer
+        if layer.state_due is not None:  # a previous token's, left due by a step that did not evict this layer
+            settle_state(layer, policy)
         if policy.state_from_keys and layer.block_slots is not None and not layer.ragged:
             # a decoding token written into a hole: its state at the eviction, with the other layers' (settle_state)
             layer.state_due = (layer.block_slots, layer.block_states[0])

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from kvbench.policies.base import inverse_permutation, position_bound, position_ranks
+from kvbench.policies.base import inverse_permutation, position_bound, position_order, position_ranks
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
@@ -36,7 +36,10 @@ def slot_ranks(layer: CacheLayer) -> torch.Tensor:
 
 
 def slot_order(layer: CacheLayer) -> torch.Tensor:
-    """(b, h_kv, n) each head's slots in position order (`position_order`), from `slot_ranks` (its inverse)."""
+    """(b, h_kv, n) each head's slots in position order: `position_order`, from the kept `slot_ranks` (their inverse)
+    where the layer keeps them; a padded view's computed afresh (sorted or counted, never inverted twice)."""
+    if layer.valid is not None:
+        return position_order(layer.positions, position_bound(layer))
     return inverse_permutation(slot_ranks(layer))
 
 
