@@ -419,6 +419,59 @@ def test_without_the_policy_s_leave_a_ragged_selection_is_stored_anew() -> None:
     assert layer.keys is not keys and layer.hole is None and _heads(layer) == [[0.0, 5.0], [4.0]]
 
 
+def test_dropping_a_position_leaves_the_hole_keep_leaves() -> None:
+    """drop_position(p) (Policy.dropped_position): by hand, the slot holding p becomes each head's hole, as keep of
+    every other slot makes it; uniform: [0, 1, 2, 3] drops position 2 (slot 2); ragged: heads [0, 6, 5] and [6, 4]
+    (after a slide and token 6) drop position 6, head 0's slot 1 and head 1's slot 0, nothing moved, and a free row
+    holding a leftover 6 is not taken for a head's token."""
+    layer = _layer([0, 1, 2, 3])
+    keys = layer.keys
+    assert layer.drop_position(2) and layer.keys is keys
+    assert layer.positions.tolist() == [[[0, 1, -1, 3]]] and layer.hole.tolist() == [[[2]]]
+    assert not layer.drop_position(1)  # a hole open already: the next token goes there first
+    layer.update(_token(4), _token(4))
+    assert layer.block_slots.tolist() == [[[2]]] and layer.positions.tolist() == [[[0, 1, 4, 3]]]
+
+    layer = _ragged_decoding_layer()
+    layer.unpack(kv=False)
+    layer.keep(torch.tensor([[[0, 2, 0], [1, 0, 0]]]), torch.tensor([[[True, True, False], [True, False, False]]]))
+    new = torch.full((1, 2, 1, 1), 6.0)
+    layer.update(new, new)
+    keys, flat = layer.keys, layer.flat
+    assert flat.padded_positions(layer.positions).tolist() == [[[0, 6, 5], [6, 4, -1]]]
+    free = flat.starts[0] + flat.sizes[0]  # head 0's first free row
+    layer.positions[free] = 6
+    assert layer.drop_position(6)
+    assert layer.keys is keys and layer.flat is flat and layer.hole.tolist() == [[[1], [0]]]
+    assert flat.padded_positions(layer.positions).tolist() == [[[0, -1, 5], [-1, 4, -1]]]
+    assert layer.positions[free].item() == 6 and layer.head_lengths() == [2, 1]
+    layer.update(torch.full((1, 2, 1, 1), 7.0), torch.full((1, 2, 1, 1), 7.0))
+    assert _heads(layer) == [[0.0, 7.0, 5.0], [7.0, 4.0]]
+
+
+def test_dropping_a_position_declines_where_keep_leaves_no_hole() -> None:
+    """False, nothing changed: a fork's shared rows (copy-on-write), a layer with extras of its own, no slot reuse
+    for ragged layers (the policy's), a layer in its padded view, a prompt (not decoding)."""
+    def ragged() -> EvictingLayer:
+        layer = _ragged_decoding_layer()
+        layer.unpack(kv=False)
+        layer.keep(torch.tensor([[[0, 2, 0], [1, 0, 0]]]), torch.tensor([[[True, True, False], [True, False, False]]]))
+        layer.update(torch.full((1, 2, 1, 1), 6.0), torch.full((1, 2, 1, 1), 6.0))
+        return layer
+
+    layer = ragged()
+    fork = layer.fork()
+    cases = [fork, ragged(), ragged(), ragged(), ragged()]
+    cases[1].extras["mine"] = object()
+    cases[2].reuse_ragged_slots = False
+    cases[3].unpack()
+    cases[4].decoding = False
+    for case in cases:
+        before = case.positions.clone()
+        assert not case.drop_position(6)
+        assert case.hole is None and torch.equal(case.positions, before)
+
+
 def test_the_setting_is_a_flag_recorded_with_every_run() -> None:
     assert RunSettings.from_config({}).slot_reuse is True  # the default
     s = RunSettings.from_config({"slot_reuse": False})

@@ -245,6 +245,8 @@ def _hooks(module: Any, cache: EvictingCache, layer: EvictingLayer, query: torch
             # a decoding token written into a hole: its state at the eviction, with the other layers' (settle_state)
             layer.state_due = (layer.block_slots, layer.block_states[0])
             return True
+        if policy.state_starts_zero and all(name in layer.state for name in policy.state_names):
+            return True  # the new tokens' rows are 0 already (EvictingLayer.update)
         new = policy.on_append(layer, module, *layer.block_kv(query.shape[-2]), query)
         for name in policy.state_names:
             layer.set_block_state(name, new[name])

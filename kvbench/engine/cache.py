@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvbench.engine.ragged import RaggedStorage
-from kvbench.engine.slots import SlotReuse, slot_rows
+from kvbench.engine.slots import SlotReuse, in_position_order, slot_rows
 from kvbench.engine.stash import QueryStash
 
 if TYPE_CHECKING:
@@ -150,10 +150,10 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
             raise RuntimeError("keep() indexes the padded view; unpack() the ragged layer first")
         if self.padded is None and valid is None:  # uniform before and after
             if not self._drop_one(idx):  # a decoding step's one token per head: a hole, nothing moves (SlotReuse)
-                self._gather(*self.in_position_order(idx, None))
+                self._gather(*in_position_order(self.positions, self.chronological, idx, None))
             return
         if not self._orders_at_pack():
-            idx, valid = self.in_position_order(idx, valid)
+            idx, valid = in_position_order(self.positions, self.chronological, idx, valid)
         self._keep_padded(idx, valid, slot_rows(idx, self.keys.shape[-2]))  # a padded view, or turning ragged
 
     def _gather(self, idx: torch.Tensor, valid: None = None) -> None:

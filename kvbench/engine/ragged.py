@@ -47,6 +47,16 @@ class FlatHeads:
                  start_rows: torch.Tensor, writable: bool = True) -> None:
         self.lengths, self.sizes = lengths, sizes
         self.starts, self.caps, self.start_rows, self.writable = starts, caps, start_rows, writable
+        self._live: torch.Tensor | None = None  # see live_rows
+
+    def live_rows(self, total: int) -> torch.Tensor:
+        """(total,) bool over the flat storage's `total` rows: those of a head's tokens (a hole included), not the free
+        rows with their leftovers. Built once per layout (a decoding step that fills a hole keeps the layout)."""
+        if self._live is None or self._live.shape[0] != total:
+            self._live = torch.zeros(total, dtype=torch.bool, device=self.lengths.device)
+            for s, n in zip(self.starts, self.sizes):
+                self._live[s:s + n] = True
+        return self._live
 
     @staticmethod
     def laid_out(lengths: torch.Tensor, sizes: list[int], slack: int = SLACK) -> FlatHeads:

@@ -30,13 +30,38 @@ from typing import Any
 
 import torch
 
-from kvbench.engine.ragged import PaddedView, true_slots
+from kvbench.engine.ragged import FlatHeads, PaddedView, true_slots
 
 
 def slot_rows(slots: torch.Tensor, n: int) -> torch.Tensor:
     """(b, h, k) slot indices of a (b, h, n, ...) layout -> (b*h*k,) rows of its flattened (b*h*n, ...) view."""
     b, h, _ = slots.shape
     return (slots + torch.arange(0, b * h * n, n, device=slots.device).view(b, h, 1)).view(-1)
+
+
+def slots_at(positions: torch.Tensor, flat: FlatHeads | None, position: int) -> tuple[torch.Tensor,
+                                                                                   torch.Tensor | None]:
+    """The slot (b, h_kv, 1) of each head that holds absolute `position` (every head holds it once), and its rows
+    (b*h_kv,) of the flat storage when stored flat per head (`flat`; positions (S,)), else None. One comparison."""
+    if flat is None:  # (b, h_kv, n)
+        return (positions == position).to(torch.uint8).argmax(dim=-1, keepdim=True), None
+    hit = (positions == position) & flat.live_rows(positions.shape[0])  # (S,): free rows hold leftovers
+    rows = hit.nonzero_static(size=len(flat.sizes)).view(-1)  # (b*h_kv,) in segment order
+    return (rows - flat.start_rows).view(*flat.lengths.shape, 1), rows
+
+
+def in_position_order(positions: torch.Tensor, chronological: bool, idx: torch.Tensor,
+                      valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A selection `idx` (b, h_kv, k) of slots holding `positions` (b, h_kv, n) (with its `valid`) reordered so the
+    kept slots come in position order: a gather by it leaves the layer chronological. Unchanged when the slots are in
+    position order already (`chronological`)."""
+    if chronological:
+        return idx, valid
+    order = positions.gather(2, idx)  # (b, h_kv, k) positions of the kept slots
+    if valid is not None:  # padding after the real slots, as compact() puts it
+        order = order.masked_fill(~valid, torch.iinfo(order.dtype).max)
+    perm = order.argsort(dim=-1)
+    return idx.gather(2, perm), None if valid is None else valid.gather(2, perm)
 
 
 class SlotReuse:
@@ -52,13 +77,11 @@ class SlotReuse:
     state: dict[str, torch.Tensor]
     extras: dict[str, Any]
     decoding: bool
-    seen: int  # EvictingLayer's: tokens ever appended
     ragged: bool  # RaggedStorage's: stored flat per head
     # RaggedStorage's: the heads' segments (FlatHeads) while the layer is ragged, else None; the padded view, its moves
     flat: Any
     padded: Any
     unpack: Any
-    pack: Any
     _keep_padded: Any
 
     def __init__(self, **kwargs: Any) -> None:
@@ -108,24 +131,27 @@ class SlotReuse:
         if not (self.reuse_slots and self.decoding and self.hole is None and idx.shape[-1] == n - 1):
             return False
         # The dropped slot is the one idx lacks: sum(0..n-1) - sum(idx), exact in int64 (no read of the device).
-        hole = (n * (n - 1) // 2) - idx.sum(dim=-1, keepdim=True)  # (b, h_kv, 1)
-        for extra in self.extras.values():
-            extra.on_reuse(self, hole)
-        self.positions.view(-1).index_fill_(0, slot_rows(hole, n), -1)
-        self.hole = hole
+        self._open_hole((n * (n - 1) // 2) - idx.sum(dim=-1, keepdim=True))  # (b, h_kv, 1)
         return True
 
-    def in_position_order(self, idx: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor,
-                                                                                       torch.Tensor | None]:
-        """A selection `idx` (b, h_kv, k) (with its `valid`) reordered so the kept slots come in position order: a
-        gather by it leaves the layer chronological. Unchanged when the layer is chronological already."""
-        if self.chronological:
-            return idx, valid
-        order = self.positions.gather(2, idx)  # (b, h_kv, k) positions of the kept slots
-        if valid is not None:  # padding after the real slots, as compact() puts it
-            order = order.masked_fill(~valid, torch.iinfo(order.dtype).max)
-        perm = order.argsort(dim=-1)
-        return idx.gather(2, perm), None if valid is None else valid.gather(2, perm)
+    def _open_hole(self, hole: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Each head's slot `hole` (b, h_kv, 1) (its flat `rows` (b*h_kv,), if known) freed for the next token."""
+        for extra in self.extras.values():
+            extra.on_reuse(self, hole)
+        self.positions.view(-1).index_fill_(0, self._hole_rows(hole) if rows is None else rows, -1)
+        self.hole = hole
+
+    def drop_position(self, position: int) -> bool:
+        """Drop from every head the token at absolute `position`, which the caller knows each head holds (Policy.
+        dropped_position): its slot becomes the head's hole, as `keep` leaves it (`_drop_one`, `_leave_holes`), found
+        by one comparison instead of a padded view, a selection and its store. False (nothing done) where keep leaves
+        none."""
+        flat = self.flat
+        if not (self.reuse_slots and self.decoding and self.hole is None and self.padded is None
+                and (flat is None or (self.reuse_ragged_slots and flat.writable and not self.extras))):
+            return False
+        self._open_hole(*slots_at(self.positions, flat, position))
+        return True
 
     def _close_hole(self) -> None:
         """Gather the held slots in position order (the hole left out): the chronological layout again."""
@@ -138,12 +164,12 @@ class SlotReuse:
         b, h = keep.shape[:2]
         idx = keep.view(-1, n).nonzero_static(size=b * h * (n - 1))[:, 1].view(b, h, n - 1)  # all but the hole
         self.hole = None
-        self._gather(*self.in_position_order(idx, None))
+        self._gather(*in_position_order(self.positions, self.chronological, idx, None))
 
     def _orders_at_pack(self) -> bool:
         """Whether a selection of the padded view is put in position order when `pack` stores it (a policy that
         leaves holes, `reuse_ragged_slots`, and no extras, which see the kept slots in `keep`'s order), rather than
-        in `keep` (SlotReuse.in_position_order): a hole moves nothing, so its usual slide never sorts."""
+        in `keep` (`in_position_order`): a hole moves nothing, so its usual slide never sorts."""
         return self.reuse_ragged_slots and not self.extras
 
     def _leave_holes(self, view: PaddedView, sizes: list[int]) -> bool:
@@ -175,8 +201,8 @@ class SlotReuse:
         kept = (view.rows.view(b, h, -1) % length).masked_fill(~view.valid, 0)  # (b, h, k) kept slots, padding 0
         n = flat.lengths  # (b, h)
         hole = (n * (n - 1) // 2 - kept.sum(dim=-1)).unsqueeze(-1)  # (b, h, 1): the real slot not kept (exact, int64)
-        self.flat, self.padded, self.hole = flat, None, hole
-        positions.index_fill_(0, self._hole_rows(hole), -1)  # the flat positions (a selection moves none)
+        self.flat, self.padded, self.positions = flat, None, positions  # the flat positions (a selection moves none)
+        self._open_hole(hole)
         state = {}
         for k, s in self.state.items():  # the flat state, unless the selection set a new one (SAGE-KV's pinned)
             if padded_state.get(k) is s:
@@ -185,7 +211,7 @@ class SlotReuse:
             real = true_slots(flat.valid_slots(), sum(flat.sizes))  # (S,) view rows of every real slot
             new = s.reshape(-1).index_select(0, real)
             state[k] = s.new_zeros(keys.shape[0]).index_copy_(0, flat.view_rows(real), new)
-        self.keys, self.values, self.positions, self.state = keys, values, positions, state
+        self.keys, self.values, self.state = keys, values, state
         return True
 
     def _close_ragged_hole(self) -> None:

@@ -68,6 +68,10 @@ class Policy:
     # `settle_state`), instead of in each layer's forward: the same values, a few operations a step instead of ~5 per
     # layer (K-norm's and KeyDiff's per-layer hooks took ~1.0-1.3 ms of a ~80 ms step on one CPU thread).
     state_from_keys: bool = False
+    # True: every per-token state of a new token starts at 0 and `on_append` returns just that (H2O's accumulator,
+    # SAGE-KV's pins). The layer fills a new token's row of an existing state with 0 itself, so the engine calls
+    # `on_append` only to create the state (a layer's first forward): ~5 operations less per layer and step.
+    state_starts_zero: bool = False
 
     def __init__(self, budget: int | None = None, n_sink: int = 0, n_recent: int = 0,
                  skip_layers: Sequence[int] = (), seed: int = 0, **kwargs: Any) -> None:
@@ -198,6 +202,12 @@ class Policy:
         padded view costs the most, say when."""
         return True
 
+    def dropped_position(self, layer: CacheLayer) -> int | None:
+        """The absolute position of the one token every head of `layer` drops in this eviction, where the policy knows
+        it on the host without scoring (SAGE-KV's slide, steady): the layer frees that slot itself
+        (`CacheLayer.drop_position`), keeping what `select` would keep. None (the default): `select`."""
+        return None
+
     def attention_rows(self, layer: CacheLayer, q: int) -> int:
         """How many of a forward's latest queries (of its `q`) the policy takes the attention probabilities of, as
         their mean per query head (`layer.forward_rows`), where the forward computes them anyway (a ragged layer's
@@ -234,6 +244,10 @@ class Policy:
         """
         if not self.due(layer):
             return False
+        if observe is None:  # diagnostics observe a selection
+            position = self.dropped_position(layer)
+            if position is not None and layer.drop_position(position):
+                return True
         layer.unpack(kv=observe is not None or self.needs_kv(layer))  # diagnostics may read K/V
         try:
             chosen = self.select(layer)

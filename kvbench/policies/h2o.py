@@ -29,6 +29,7 @@ class H2O(Policy):
     stackable = True  # scores from the layer's own arrays, row by row (Policy.stackable)
     needs_attention = True
     state_names = ("acc",)
+    state_starts_zero = True  # a new token has received no attention yet
 
     def __init__(self, recent_ratio: float = 0.0, n_recent: int = 0, budget: int | None = None, **kwargs) -> None:
         if not 0.0 <= recent_ratio < 1.0:

@@ -68,6 +68,9 @@ class CacheLayer(Protocol):
     # step wrote a token into a slot an eviction freed (slot_reuse; a ragged layer's only with
     # Policy.ragged_slot_reuse): then read the order from `positions`
     chronological: bool
+    # (b, h_kv, q) the slots the latest forward's tokens were written into when those were the holes the eviction
+    # before it freed (slot reuse: exactly one token per head came in since that eviction); None otherwise
+    block_slots: torch.Tensor | None
 
     # -- the queries a policy asked for (`query_window`) and the model's attention settings ----------------------
     stash: QueryView  # the latest post-RoPE queries and where they sit
@@ -98,6 +101,12 @@ class CacheLayer(Protocol):
     def pack(self, sizes: list[int] | None = None) -> None:
         """Store the padded view's real slots again (no-op when not in the padded view); `sizes`: the new head sizes
         when the caller read them (the engine), else the layer knows or reads them, or leaves them to the engine."""
+        ...
+
+    def drop_position(self, position: int) -> bool:
+        """Drop from every head the token at absolute `position`, which every head holds (`Policy.dropped_position`),
+        as `keep` of every other slot would, without a selection; False (nothing done) where the layer cannot (then
+        select and `keep`)."""
         ...
 
     def keep(self, idx: torch.Tensor, valid: torch.Tensor | None = None) -> None:

@@ -32,6 +32,7 @@ class SageKV(Policy):
     query_window = 1
     state_names = ("pinned",)  # 1 for the sinks and the selected tokens: never slid out while decoding
     ragged_slot_reuse = True  # the slide reads positions, the selection attention over each head's own keys
+    state_starts_zero = True  # a new token is not pinned
 
     def __init__(self, sink: int | None = None, k: int | None = None, recent: int | None = None,
                  budget: int | None = None, **kwargs: Any) -> None:
@@ -58,6 +59,16 @@ class SageKV(Policy):
         """`select`'s own terms: while decoding once a selection was made (the window slides), else over budget."""
         budget = self.layer_budget(layer.layer_idx, layer.seen)
         return budget is not None and (self._sliding(layer) or layer.physical() > budget)
+
+    def dropped_position(self, layer: CacheLayer) -> int | None:
+        """A slide one token after an eviction (that token written where the eviction freed a slot: `block_slots`)
+        drops from every head the token at position seen - recent - 2: every eviction (a selection or a slide) leaves
+        each head its pinned tokens and exactly the latest recent + 1 positions (all held then: the one before left
+        the latest ones too), none of them pinned, so one token later the oldest of those is the one the slide drops.
+        Otherwise (the first slide after the prompt, whose last block may have come in without an eviction): None."""
+        if not (self._sliding(layer) and layer.block_slots is not None):
+            return None
+        return layer.seen - self.sizes(layer.stash.queries.shape[1] // layer.kv_heads)[2] - 2
 
     def needs_kv(self, layer: CacheLayer) -> bool:
         """The slide reads positions and the pinned state only, a selection the last query's attention over each
