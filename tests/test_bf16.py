@@ -135,8 +135,8 @@ class Float32Twin:
 
     def on_append(self, layer: EvictingLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
-        # The twin first: HashEvict's probe (layer.scratch) is then overwritten by the real call. Values and query
-        # are None where the state waited for the eviction (Policy.state_from_keys: the keys alone)
+        # The twin first: HashEvict's probe (layer.scratch) is then overwritten by the real call. Values are None
+        # where the state waited for the eviction (Policy.state_from_tokens: the keys and queries alone)
         want = self._on_append(layer, module, *(None if x is None else x.float() for x in (keys, values, query)))
         got = self._on_append(layer, module, keys, values, query)
         for name, t in got.items():

@@ -315,7 +315,24 @@ def test_hashevict_codes_and_projection_are_seeded() -> None:
     keys = torch.randn(1, 2, 5, 16, generator=torch.Generator().manual_seed(0))
     layer = make_layer([[[0.0] * 16] * 5] * 2)
     layer.state.update(p.on_append(layer, None, keys, keys, torch.zeros(1, 2, 5, 16)))
-    assert torch.equal(p.key_bits(layer), p.hash_bits(keys, 0))
+    assert torch.equal(p.key_bits(layer), p.hash_bits(keys, layer))
+
+
+def test_hashevict_hashes_each_row_of_a_stack_by_its_own_layer() -> None:
+    """A stack's rows are several layers' (`row_layers`): by hand, layer 0's R reads x0's sign and layer 1's x1's (8
+    bits, d = 2), so (1, -1) hashes to all ones in a row of layer 0 and all zeros in a row of layer 1; a probe is the
+    mean over the group's queries of their bits."""
+    p = HashEvict(budget=40)
+    p.projections[0, 2] = torch.tensor([[1.0, 0.0]] * 8)
+    p.projections[1, 2] = torch.tensor([[0.0, 1.0]] * 8)
+    x = torch.tensor([1.0, -1.0]).expand(2, 1, 1, 2)  # (rows, h_kv, q, d): the same key in both rows
+    stack = SimpleNamespace(row_layers=(0, 1), layer_idx=0, scratch={})
+    bits = p.hash_bits(x, stack)
+    assert bits.shape == (2, 1, 1, 8) and bits[0].flatten().tolist() == [1.0] * 8 and bits[1].sum() == 0
+    query = torch.tensor([[1.0, -1.0], [1.0, 1.0]]).view(1, 2, 1, 2).expand(2, 2, 1, 2)  # 2 query heads, one group
+    codes = p.on_append(stack, None, x, None, query)["hash0"]
+    assert codes.flatten().tolist() == [255.0, 0.0]  # all 8 bits set in layer 0's row
+    assert stack.scratch["probe"].flatten().tolist() == [1.0] * 8 + [0.5] * 8  # layer 1: x1 > 0 for 1 query of 2
 
 
 # SAGE-KV -----------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvbench.engine.generate as generate_module
-from kvbench.engine.cache import EvictingLayer
+from kvbench.engine.cache import EvictingLayer, settle_state
 from kvbench.engine.generate import GenerationSettings, Job, Observer, generate, generate_batch
 from kvbench.engine.stack import LayerStack
 from kvbench.policies.adakv import AdaKV
@@ -66,6 +66,35 @@ def test_a_stack_evicts_each_member_as_alone_and_its_members_write_into_it() -> 
     assert policy.evict(stack)
     assert first.hole.tolist() == [[[4]]] and second.hole.tolist() == [[[1]]]
     assert [m.physical() for m in (first, second)] == [4, 4]
+
+
+def test_a_stack_settles_each_member_s_state_by_its_own_layer() -> None:
+    """settle_state over a stack (HashEvict, 8 bits, d = 2; by hand: layer 0's R reads x0's sign, layer 1's x1's): the
+    new keys (n, 0) hash to code 255 in layer 0 and 0 in layer 1, written at each member's slot; the probe of the query
+    (1, -1) is all ones in layer 0 and all zeros in layer 1, in the stack's scratch and each member's alike. A step
+    where one member alone waits is settled member by member, and the stack's scratch is its members' again."""
+    first, second = _layer([9.0, 1.0, 5.0]), _layer([9.0, 4.0, 1.0])
+    second.layer_idx = 1
+    policy = HashEvict(budget=3, n_sink=0, n_recent=0)
+    policy.projections[0, 2] = torch.tensor([[1.0, 0.0]] * 8)
+    policy.projections[1, 2] = torch.tensor([[0.0, 1.0]] * 8)
+    query = torch.tensor([1.0, -1.0]).view(1, 1, 1, 2)
+    for m in (first, second):
+        m.set_block_state("hash0", torch.full((1, 1, 3), 7.0))
+        m.scratch["probe"] = torch.full((1, 1, 8), 0.25)
+    stack = LayerStack([first, second], spare=True)
+    for m, norm in ((first, 6.0), (second, 2.0)):
+        m.update(*_token(norm, 3))  # into the spare slot 3
+        m.state_due = (m.block_slots, m.block_states[0], query)
+    stack.refresh()
+    settle_state(stack, policy)
+    assert stack.state["hash0"].tolist() == [[[7.0, 7.0, 7.0, 255.0]], [[7.0, 7.0, 7.0, 0.0]]]
+    assert stack.scratch["probe"].flatten().tolist() == [1.0] * 8 + [0.0] * 8
+    assert first.scratch["probe"].flatten().tolist() == [1.0] * 8 and second.scratch["probe"].sum() == 0
+    assert first.state_due is None and second.state_due is None
+    first.state_due = (first.block_slots, first.block_states[0], -query)  # layer 0 alone: probe all zeros now
+    settle_state(stack, policy)
+    assert first.scratch["probe"].sum() == 0 and stack.scratch["probe"].sum() == 0
 
 
 def test_a_stack_opened_with_a_spare_slot_takes_the_next_token_there() -> None:
@@ -346,17 +375,18 @@ def test_samples_leaving_a_batch_leave_its_stacks(name: str, monkeypatch: pytest
     assert per_step == [12] * 8 + [8] * 5 + [4] * 6
 
 
-@pytest.mark.parametrize("name", ["knorm", "keydiff"])
+@pytest.mark.parametrize("name", ["knorm", "keydiff", "hashevict"])
 def test_a_decoding_steps_state_computed_at_the_eviction_is_the_forwards(name: str) -> None:
-    """Policy.state_from_keys (K-norm's norms, KeyDiff's inverse norms): a decoding step's per-token state computed at
-    the eviction, for the stack's 3 layers in one call (cache.settle_state), against in each layer's forward: every
-    score bit-equal at every eviction, the same tokens held, tokens, logits and graded score (float64, 4 layers, a
-    90-token prompt, 20 new tokens and a graded branch); and one call of 3 rows a decoding step instead of 3 of one."""
+    """Policy.state_from_tokens (K-norm's norms, KeyDiff's inverse norms, HashEvict's codes and probe by each layer's
+    own R): a decoding step's per-token state computed at the eviction, for the stack's layers in one call
+    (cache.settle_state), against in each layer's forward: every score bit-equal at every eviction, the same tokens
+    held, tokens, logits and graded score (float64, 4 layers, a 90-token prompt, 20 new tokens and a graded branch);
+    and one call of 3 (4) rows a decoding step instead of 3 (4) of one."""
     model, ids = float64_model(4), random_prompt(90, 1)
     runs = []
     for deferred in (True, False):
         policy = STACKABLE[name]()
-        policy.state_from_keys = deferred
+        policy.state_from_tokens = deferred
         rows: list[int] = []  # per one-token on_append call: the rows of keys it got
         scores: list[torch.Tensor] = []
         on_append, score = policy.on_append, policy.score
@@ -384,6 +414,6 @@ def test_a_decoding_steps_state_computed_at_the_eviction_is_the_forwards(name: s
     assert len(s_on) == len(s_off) and all(torch.equal(a, b) for a, b in zip(s_on, s_off))
     # layers 1-3 evicted (K-norm skips layer 0; KeyDiff evicts all 4): the answer's 19 decoding steps and the graded
     # branch's 4, each one call over the stack's rows, against one call per layer and step
-    width = {"knorm": 3, "keydiff": 4}[name]
+    width = {"knorm": 3, "keydiff": 4, "hashevict": 4}[name]
     assert r_on == [width] * (19 + 4), r_on
     assert r_off == [1] * (width * (19 + 4))

@@ -241,9 +241,9 @@ def _hooks(module: Any, cache: EvictingCache, layer: EvictingLayer, query: torch
     if policy.state_names:
         if layer.state_due is not None:  # a previous token's, left due by a step that did not evict this layer
             settle_state(layer, policy)
-        if policy.state_from_keys and layer.block_slots is not None and not layer.ragged:
+        if policy.state_from_tokens and layer.block_slots is not None and not layer.ragged:
             # a decoding token written into a hole: its state at the eviction, with the other layers' (settle_state)
-            layer.state_due = (layer.block_slots, layer.block_states[0])
+            layer.state_due = (layer.block_slots, layer.block_states[0], query)
             return True
         if policy.state_starts_zero and all(name in layer.state for name in policy.state_names):
             return True  # the new tokens' rows are 0 already (EvictingLayer.update)

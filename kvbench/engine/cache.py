@@ -70,9 +70,10 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
         # use; the layer only calls their hooks where its storage changes (keep, unpack, pack, fork).
         self.extras: dict[str, LayerExtra] = {}
         self.in_stack = False  # its arrays are views of a LayerStack's (kvbench/engine/stack.py), written in place
-        # (slots (b, h_kv, 1), keys (b, h_kv, 1, d)) of a decoding token whose per-token state waits for the eviction
-        # (`settle_state`, Policy.state_from_keys); None: none waits
-        self.state_due: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (slots (b, h_kv, 1), keys (b, h_kv, 1, d), query (b, h_q, 1, d)) of a decoding token whose per-token state
+        # waits for the eviction (`settle_state`, Policy.state_from_tokens); None: none waits
+        self.state_due: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.row_layers: tuple[int, ...] | None = None  # one layer's rows (a LayerStack's are several layers')
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
@@ -223,23 +224,32 @@ class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
 
 
 def settle_state(unit: EvictingLayer, policy: Policy | None) -> None:
-    """Compute the per-token state a decoding step left due (`state_due`: Policy.state_from_keys) in `unit`, a layer or
-    a layer stack (kvbench/engine/stack.py, its `members`): for a stack whose every member has its token's state due,
-    one `on_append` over all their rows (the keys (L*b, h_kv, 1, d) of the L members' new tokens), written into the
-    stack's state at each member's slot; else member by member. Each row's values are what the layer's own call
-    computes (the policy treats each row on its own; tests/test_stack.py compares every bit)."""
+    """Compute the per-token state a decoding step left due (`state_due`: Policy.state_from_tokens) in `unit`, a layer
+    or a layer stack (kvbench/engine/stack.py, its `members`): for a stack whose every member has its token's state
+    due, one `on_append` over all their rows (the keys (L*b, h_kv, 1, d) and queries (L*b, h_q, 1, d) of the L
+    members' new tokens), written into the stack's state at each member's slot; else member by member. Each row's
+    values are what the layer's own call computes (the policy treats each row on its own; tests/test_stack.py compares
+    every bit). Per-layer values the call sets (`scratch`: HashEvict's probe) end up in the stack and its members
+    alike."""
     members = getattr(unit, "members", None) or [unit]
     due = [m for m in members if m.state_due is not None]
     if not due or policy is None:
         return
-    groups = [(unit, due)] if len(due) == len(members) else [(m, [m]) for m in due]
-    for target, layers in groups:
-        slots = torch.cat([m.state_due[0] for m in layers])  # (L*b, h_kv, 1)
-        new = policy.on_append(target, None, torch.cat([m.state_due[1] for m in layers]), None, None)
+    together = len(due) == len(members)
+    for target, layers in [(unit, due)] if together else [(m, [m]) for m in due]:
+        slots, keys, query = (torch.cat(parts) for parts in zip(*(m.state_due for m in layers)))
+        new = policy.on_append(target, None, keys, None, query)  # (L*b, h_kv, 1) each
         for name in policy.state_names:
             target.state[name].scatter_(2, slots, new[name].to(target.state[name].dtype))
         for m in layers:
             m.state_due = None
+    if len(members) > 1 and together:  # each member's rows of the stack's per-layer values
+        sizes = [m.keys.shape[0] for m in members]
+        for name, value in unit.scratch.items():
+            for m, part in zip(members, value.split(sizes)):
+                m.scratch[name] = part
+    elif len(members) > 1:  # the stack's again from its members'
+        unit.scratch = {k: torch.cat([m.scratch[k] for m in members]) for k in members[0].scratch}
 
 
 class EvictingCache(Cache):

@@ -276,7 +276,7 @@ def _evict(r: _Run, phase: str, device: torch.device) -> float:
     spent = diag.elapsed if diag is not None else 0.0
     # diagnostics observe each layer's own selection; otherwise layers may be evicted stacked (engine/stack.py)
     for layer in cache.evicting_layers() if diag is not None else eviction_units(cache):
-        settle_state(layer, cache.policy)  # the step's state left due (Policy.state_from_keys), a stack's in one call
+        settle_state(layer, cache.policy)  # the step's state left due (Policy.state_from_tokens), a stack's in one call
         cache.policy.evict(layer, diag.observe if diag is not None else None)
     if phase == "prefill":
         cache.settle()  # new head sizes of every layer in one host read; decoding reads them with its token

@@ -65,6 +65,7 @@ class LayerStack(EvictingLayer):
         positions = _stacked([m.positions for m in members], spare, -1)  # (L, b, h_kv, n (+ 1))
         state = {k: _stacked([m.state[k] for m in members], spare, 0.0) for k in names}
         b, h, n = lead.positions.shape
+        self.row_layers = tuple(m.layer_idx for m in members for _ in range(b))  # (HashEvict's per-layer projections)
         hole = torch.full((b, h, 1), n, dtype=torch.long, device=lead.positions.device) if spare else None
         for i, m in enumerate(members):
             m.keys, m.values, m.positions = keys[i], values[i], positions[i]

@@ -62,12 +62,14 @@ class Policy:
     # written into (slot reuse, as uniform layers do: kvbench/engine/slots.py) instead of storing the kept rows again:
     # no K/V copied. The heads' rows then stop being in position order (`layer.chronological`).
     ragged_slot_reuse: bool = False
-    # True: `on_append` reads only the new tokens' keys (not `layer`, `module`, values or queries) and treats each
-    # (batch row, KV head, token) on its own (K-norm's norms, KeyDiff's inverse norms). Then the engine may compute a
-    # decoding step's state at the eviction after it, for every layer of a stack in one call (kvbench/engine/cache.py
-    # `settle_state`), instead of in each layer's forward: the same values, a few operations a step instead of ~5 per
-    # layer (K-norm's and KeyDiff's per-layer hooks took ~1.0-1.3 ms of a ~80 ms step on one CPU thread).
-    state_from_keys: bool = False
+    # True: `on_append` reads only the new tokens' keys and queries (not `module` or values; of `layer` only which
+    # decoder layer each batch row is, `layer_idx` or a stack's `row_layers`, and it may set per-row `scratch`) and
+    # treats each (batch row, KV head) on its own (K-norm's norms, KeyDiff's inverse norms, HashEvict's codes and
+    # probe). Then the engine may compute a decoding step's state at the eviction after it, for every layer of a stack
+    # in one call (kvbench/engine/cache.py `settle_state`), instead of in each layer's forward: the same values, a few
+    # operations a step instead of ~5-10 per layer (the per-layer hooks took ~1.0-1.3 ms of a ~80 ms step on one CPU
+    # thread for K-norm and KeyDiff, ~3 for HashEvict).
+    state_from_tokens: bool = False
     # True: every per-token state of a new token starts at 0 and `on_append` returns just that (H2O's accumulator,
     # SAGE-KV's pins). The layer fills a new token's row of an existing state with 0 itself, so the engine calls
     # `on_append` only to create the state (a layer's first forward): ~5 operations less per layer and step.

@@ -30,6 +30,8 @@ CHUNK = 16  # bits per state entry (exact in float32)
 class HashEvict(Policy):
     name = "hashevict"
     stackable = True  # scores from the layer's codes and its probe (scratch), row by row (Policy.stackable)
+    # codes and probe from the new keys and queries, each row by its layer's R (Policy.state_from_tokens)
+    state_from_tokens = True
 
     def __init__(self, bits: int = 8, probe: str = "query", n_sink: int = 4, n_recent: int = 10,
                  **kwargs: Any) -> None:
@@ -40,6 +42,7 @@ class HashEvict(Policy):
         self.bits, self.probe = int(bits), probe
         self.state_names = tuple(f"hash{i}" for i in range(math.ceil(self.bits / CHUNK)))
         self.projections: dict[tuple[int, int], torch.Tensor] = {}  # (layer index, head_dim) -> R (bits, head_dim)
+        self._row_projections: dict[tuple[tuple[int, ...], int, torch.device], torch.Tensor] = {}  # see hash_bits
         self._packings: dict[torch.device, torch.Tensor] = {}  # device -> (bits, chunks) code packing
         self._codes: dict[torch.device, torch.Tensor] = {}  # device -> (2^bits, bits) every code's bits
         super().__init__(n_sink=n_sink, n_recent=n_recent, **kwargs)
@@ -54,18 +57,29 @@ class HashEvict(Policy):
             r = self.projections[layer_idx, dim] = r.to(device)
         return r
 
-    def hash_bits(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """(..., d) -> (..., bits) float 0/1: bit j = [R_j . x > 0]."""
-        r = self.projection(layer_idx, x.shape[-1], x.device)
-        return (x.float() @ r.T > 0).float()
+    def hash_bits(self, x: torch.Tensor, layer: CacheLayer) -> torch.Tensor:
+        """(b, h, q, d) -> (b, h, q, bits) float 0/1: bit j = [R_j . x > 0], R the layer's; where the batch rows are
+        several layers' (a stack's `row_layers`), each row's layer's, in one batched product of the very per-row
+        products (b = 1 rows: the same (h*q x d) by (d x bits) product as the layer's own call)."""
+        d = x.shape[-1]
+        rows = layer.row_layers
+        if rows is None:
+            r = self.projection(layer.layer_idx, d, x.device)
+            return (x.float() @ r.T > 0).float()
+        key = (rows, d, x.device)
+        stacked = self._row_projections.get(key)
+        if stacked is None:  # (rows, bits, d), kept: a decoding stack's rows are the same layers step after step
+            stacked = self._row_projections[key] = torch.stack([self.projection(i, d, x.device) for i in rows])
+        products = torch.matmul(x.float().reshape(len(rows), -1, d), stacked.transpose(1, 2))  # (rows, h*q, bits)
+        return (products > 0).float().view(*x.shape[:-1], self.bits)
 
     def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
-        kbits = self.hash_bits(keys, layer.layer_idx)  # (b, h_kv, q, bits)
+        kbits = self.hash_bits(keys, layer)  # (b, h_kv, q, bits)
         h_kv = keys.shape[1]
         if self.probe == "query":
             b, h_q, q, _ = query.shape
-            qbits = self.hash_bits(query, layer.layer_idx)  # (b, h_q, q, bits)
+            qbits = self.hash_bits(query, layer)  # (b, h_q, q, bits)
             p = qbits.view(b, h_kv, (h_q // h_kv) * q, self.bits).mean(dim=2)  # (b, h_kv, bits)
         else:
             p = kbits.mean(dim=2)

@@ -35,7 +35,7 @@ METRICS = ("cosine", "dot", "euclidean")
 class KeyDiff(Policy):
     name = "keydiff"
     stackable = True  # scores from the layer's own arrays, row by row (Policy.stackable)
-    state_from_keys = True  # the inverse norms: the new keys' own (Policy.state_from_keys)
+    state_from_tokens = True  # the inverse norms: the new keys' own (Policy.state_from_tokens)
 
     def __init__(self, anchor: str = "mean_normalized", metric: str = "cosine", recent_ratio: float = 0.0,
                  budget: int | None = None, **kwargs) -> None:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class KNorm(Policy):
     name = "knorm"
     stackable = True  # scores from the layer's own arrays, row by row (Policy.stackable)
-    state_from_keys = True  # the norms: the new keys' own (Policy.state_from_keys)
+    state_from_tokens = True  # the norms: the new keys' own (Policy.state_from_tokens)
 
     state_names = ("norm",)
 

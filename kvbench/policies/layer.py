@@ -59,6 +59,9 @@ class CacheLayer(Protocol):
     # -- where the layer is --------------------------------------------------------------------------------------
     kv_heads: int  # h_kv, whatever the storage: what `due` may read before a ragged layer is unpacked
     layer_idx: int  # the decoder layer's index in the model (per-layer budgets, per-layer random projections)
+    # each batch row's decoder layer where the rows are several layers' (a stack's, kvbench/engine/stack.py); None:
+    # every row is `layer_idx`'s
+    row_layers: tuple[int, ...] | None
     seen: int  # tokens ever appended: the next token's absolute position
     # (b, 1, 1) each batch row's own `seen` where the rows saw different numbers (a stack of several samples' layers,
     # kvbench/engine/stack.py); None: every row saw `seen`
