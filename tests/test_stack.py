@@ -97,6 +97,24 @@ def test_a_stack_settles_each_member_s_state_by_its_own_layer() -> None:
     assert first.scratch["probe"].sum() == 0 and stack.scratch["probe"].sum() == 0
 
 
+def test_a_stack_drops_a_position_as_each_member_would() -> None:
+    """drop_position on a stack (one comparison over all its rows): each member gets the hole of the slot holding the
+    position in its own rows, and the next token goes there."""
+    first, second = _layer([9.0, 1.0, 5.0]), _layer([9.0, 4.0, 1.0])
+    stack = LayerStack([first, second])
+    stack.refresh()
+    KNorm(budget=2, n_sink=1, skip_layers=()).evict(stack)  # layer 0 drops position 2 (slot 2), layer 1 position 1
+    first.update(*_token(0.5, 3))
+    second.update(*_token(0.5, 3))
+    assert stack.positions.tolist() == [[[0, 1, 3]], [[0, 3, 2]]]
+    assert stack.drop_position(3) and stack.hole is None
+    assert first.hole.tolist() == [[[2]]] and second.hole.tolist() == [[[1]]]
+    assert stack.positions.tolist() == [[[0, 1, -1]], [[0, -1, 2]]]
+    first.update(*_token(0.25, 4))
+    second.update(*_token(0.25, 4))
+    assert stack.current([first, second]) and stack.positions.tolist() == [[[0, 1, 4]], [[0, 4, 2]]]
+
+
 def test_a_stack_opened_with_a_spare_slot_takes_the_next_token_there() -> None:
     first, second = _layer([9.0, 1.0, 5.0]), _layer([9.0, 4.0, 1.0])
     first.set_block_state("norm", torch.tensor([[[9.0, 1.0, 5.0]]]))

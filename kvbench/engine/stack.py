@@ -120,14 +120,13 @@ class LayerStack(EvictingLayer):
         # per-layer values from the forward (HashEvict's probe), (b, ...) each -> (L*b, ...)
         self.scratch = {k: torch.cat([m.scratch[k] for m in self.members]) for k in lead.scratch}
 
-    def _drop_one(self, idx: torch.Tensor) -> bool:
-        if not super()._drop_one(idx):
-            return False
+    def _open_hole(self, hole: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """A one-token-per-head drop (`_drop_one`, `drop_position`): each member gets its rows' hole (b, h_kv, 1)."""
+        super()._open_hole(hole, rows)  # the positions marked in place, in the arrays the members view
         b = self.members[0].keys.shape[0]
-        for m, hole in zip(self.members, self.hole.split(b)):  # (b, h_kv, 1) each; positions were marked in place
-            m.hole = hole
+        for m, part in zip(self.members, hole.split(b)):
+            m.hole = part
         self.hole = None
-        return True
 
     def _gather(self, idx: torch.Tensor, valid: None = None) -> None:
         """A prompt block's eviction (`idx` (L*b, h_kv, k)): the kept slots gathered as one layer's are (new arrays),
