@@ -28,18 +28,6 @@ class QueryStash:
         """Keep the latest `window` queries (-1: only this forward's) after the forward's `query` (b, h_q, q, d),
         whose last token is at position seen - 1."""
         q = query.shape[-2]
-        if 0 < window <= q and self.queries is not None:
-            # Only this forward's latest `window` queries stay (TOVA's and SAGE-KV's one, every decoding step): the
-            # values and positions the concatenation below keeps, without concatenating (~6 small operations of a
-            # layer's step on one CPU thread)
-            if self.end != seen - q:
-                self.first = None  # a forward was not stashed: as below, the positions count as having a gap
-            self.queries, self.positions = query[..., q - window:, :], torch.arange(seen - window, seen,
-                                                                                     device=query.device)
-            if self.first is not None:
-                self.first = seen - window
-            self.window, self.end = window, seen
-            return
         pos = torch.arange(seen - q, seen, device=query.device)  # (q,)
         self.window = window
         if window < 0 or self.queries is None:
@@ -48,8 +36,11 @@ class QueryStash:
         else:
             if self.end != seen - q:
                 self.first = None  # a forward was not stashed: the positions have a gap
-            self.queries = torch.cat([self.queries, query], dim=-2)
-            self.positions = torch.cat([self.positions, pos])
+            if 0 < window <= q:  # only this forward's queries stay (TOVA's and SAGE-KV's one): nothing to concatenate
+                self.queries, self.positions = query, pos
+            else:
+                self.queries = torch.cat([self.queries, query], dim=-2)
+                self.positions = torch.cat([self.positions, pos])
         if window > 0 and self.queries.shape[-2] > window:
             self.queries = self.queries[..., -window:, :]
             self.positions = self.positions[-window:]
