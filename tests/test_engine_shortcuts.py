@@ -10,16 +10,17 @@ from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.engine.stash import QueryStash
 from kvbench.policies.h2o import H2O
 from kvbench.policies.sagekv import SageKV
+from kvbench.policies.streamingllm import StreamingLLM
 
 from helpers import float64_model, held_positions, random_prompt
 
 
-def _run(policy, layers: int = 2, new: int = 12, forwards: list | None = None):
+def _run(policy, layers: int = 2, new: int = 12, forwards: list | None = None, prompt: int = 90):
     logits: list[torch.Tensor] = []
     model = float64_model(layers)
     if forwards is not None:
         model.register_forward_hook(lambda *_: forwards.append(1))
-    res = generate(model, policy, random_prompt(90, 0),
+    res = generate(model, policy, random_prompt(prompt, 0),
                    GenerationSettings(block=16, max_new_tokens=new, slot_reuse=True), answer_ids=[11, 12, 13],
                    observer=Observer(trace=True, on_logits=lambda lg: logits.append(lg[0].clone())))
     return res, logits
@@ -120,3 +121,49 @@ def test_sagekv_names_the_position_only_one_token_after_an_eviction() -> None:
     assert policy.dropped_position(layer(block_slots=None)) is None
     assert policy.dropped_position(layer(held=100)) is None
     assert policy.dropped_position(layer(decoding=False)) is None
+
+
+def test_streamingllm_drops_the_known_position_one_token_over(monkeypatch) -> None:
+    """StreamingLLM one token over its budget drops position seen - N - 1 + n_sink from every head without a
+    selection (Policy.dropped_position): at every decoding eviction, on the two layers' stack, in the graded branch
+    too; after a prompt longer than N (the prompt's blocks select) and after one shorter than N (nothing evicted before
+    decoding: the first eviction at seen = N + 1); the same run as with every eviction selected."""
+    taken: list[bool] = []
+    original = EvictingLayer.drop_position
+
+    def counted(self, position):
+        done = original(self, position)
+        taken.append(done)
+        return done
+
+    monkeypatch.setattr(EvictingLayer, "drop_position", counted)
+    for prompt, evictions in ((90, 11 + 2), (20, 7)):
+        taken.clear()
+        short = _run(StreamingLLM(budget=24), prompt=prompt)
+        # one eviction of the two layers' stack a step: 90 prompt tokens, then 11 decoding forwards (the first token
+        # is the prompt's) and 2 of the graded branch's 3 answer tokens (its first fills the prompt's hole); 20
+        # prompt tokens, then seen 21 .. 31, over N = 24 from 25 on (7), the graded branch's 23 within it
+        assert taken == [True] * evictions, (prompt, taken)
+        with monkeypatch.context() as m:
+            m.setattr(StreamingLLM, "dropped_position", lambda self, layer: None)
+            long = _run(StreamingLLM(budget=24), prompt=prompt)
+        _same(short, long)
+
+
+def test_streamingllm_names_the_position_only_one_token_over() -> None:
+    """By hand, N = 8, n_sink = 4: at seen 100 a head holding 9 tokens holds sinks 0..3 and 95..99 and drops 95; at
+    seen 9 (nothing evicted yet) it holds 0..8 and drops 4. None when more than one token is over (a prompt block), when
+    each row saw its own count (a stack of samples), and on a layer the policy does not evict."""
+    from types import SimpleNamespace
+
+    def layer(**kw):
+        base = dict(layer_idx=0, seen=100, held=9, row_seen=None)
+        base.update(kw)
+        return SimpleNamespace(physical=lambda: base["held"], **base)
+
+    policy = StreamingLLM(budget=8)
+    assert policy.dropped_position(layer()) == 95
+    assert policy.dropped_position(layer(seen=9)) == 4
+    assert policy.dropped_position(layer(held=10)) is None
+    assert policy.dropped_position(layer(row_seen=torch.tensor([100, 101]).view(2, 1, 1))) is None
+    assert StreamingLLM(budget=8, skip_layers=[0]).dropped_position(layer()) is None
