@@ -206,8 +206,9 @@ class Policy:
 
     def dropped_position(self, layer: CacheLayer) -> int | None:
         """The absolute position of the one token every head of `layer` drops in this eviction, where the policy knows
-        it on the host without scoring (SAGE-KV's slide, steady): the layer frees that slot itself
-        (`CacheLayer.drop_position`), keeping what `select` would keep. None (the default): `select`."""
+        it on the host without scoring (SAGE-KV's steady slide, StreamingLLM one token over its budget): the layer
+        frees that slot itself (`CacheLayer.drop_position`), keeping what `select` would keep. None (the default):
+        `select`."""
         return None
 
     def attention_rows(self, layer: CacheLayer, q: int) -> int:
