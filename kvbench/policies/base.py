@@ -32,6 +32,7 @@ from kvbench.options import positive_int
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 
 class PolicyError(ValueError):
@@ -74,6 +75,9 @@ class Policy:
     # SAGE-KV's pins). The layer fills a new token's row of an existing state with 0 itself, so the engine calls
     # `on_append` only to create the state (a layer's first forward): ~5 operations less per layer and step.
     state_starts_zero: bool = False
+    # The static slot cache's query window (kvbench/engine/slotcache.py): how many of the latest queries it keeps for
+    # `slot_score` (None: `query_window`; -1: as many as the run's largest forward, the last forward's queries)
+    slot_window: int | None = None
 
     def __init__(self, budget: int | None = None, n_sink: int = 0, n_recent: int = 0,
                  skip_layers: Sequence[int] = (), seed: int = 0, **kwargs: Any) -> None:
@@ -132,6 +136,29 @@ class Policy:
 
     def on_attention(self, layer: CacheLayer, probs: torch.Tensor) -> None:
         """`probs` (b, h_kv, q, n): the block's attention, averaged over each KV head's query heads."""
+
+    # -- the static slot cache's contract (kvbench/engine/slotcache.py): a score over every evicting layer's slots ---
+    def slot_score(self, view: SlotView) -> torch.Tensor:
+        """(L, b, h_kv, S) scores over the slots of every evicting layer, higher = keep; free slots and protected
+        tokens are ranked by the engine (below and above everything)."""
+        raise NotImplementedError(f"policy '{self.name}' has no slot_score")
+
+    def slot_counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """(L, b, h_kv) or (L, b, 1) tokens each head keeps; `counts` (L, b, 1) are the layers' budgets for each row
+        (`layer_budget`), `ranked` the scores as the engine ranks them (protected +inf, free -inf). Per-head budgets
+        (AdaKV) allocate here."""
+        return counts
+
+    def token_state(self, layer_idx: int, module: Any, keys: torch.Tensor, values: torch.Tensor,
+                    query: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-token state (name -> (b, h_kv, t)) of the t tokens a forward just wrote into `slots` (b, h_kv, t) of
+        a layer whose buffers are keys/values (b, h_kv, S, d); a state not returned starts at 0."""
+        return {}
+
+    def on_slot_attention(self, state: dict[str, Sequence[torch.Tensor]], row: int, received: torch.Tensor) -> None:
+        """`received` (b, h_kv, S): the attention each slot of one layer received from a forward's queries (their
+        probabilities summed over the queries, averaged over each KV head's query heads), for a policy that
+        `needs_attention`; `state[name][row]` is that layer's per-token state (b, h_kv, S), written in place."""
 
     # -- scoring and selection ----------------------------------------------------------------------------------
     def score(self, layer: CacheLayer) -> torch.Tensor:

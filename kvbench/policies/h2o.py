@@ -14,7 +14,7 @@ as other papers run it (HashEvict §4: the first 4 and the latest 10 for every m
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from kvbench.policies.base import Policy, PolicyError
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 
 class H2O(Policy):
@@ -47,3 +48,9 @@ class H2O(Policy):
 
     def score(self, layer: CacheLayer) -> torch.Tensor:
         return layer.state["acc"]
+
+    def slot_score(self, view: SlotView) -> torch.Tensor:
+        return view.state["acc"]  # (L, b, h_kv, S)
+
+    def on_slot_attention(self, state: dict[str, Sequence[torch.Tensor]], row: int, received: torch.Tensor) -> None:
+        state["acc"][row].add_(received)  # (b, h_kv, S)

@@ -22,6 +22,7 @@ from kvbench.policies.base import Policy, PolicyError
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 PROBES = ("query", "key")
 CHUNK = 16  # bits per state entry (exact in float32)
@@ -32,6 +33,7 @@ class HashEvict(Policy):
     stackable = True  # scores from the layer's codes and its probe (scratch), row by row (Policy.stackable)
     # codes and probe from the new keys and queries, each row by its layer's R (Policy.state_from_tokens)
     state_from_tokens = True
+    slot_window = -1  # the static cache keeps the last forward's queries: the probe
 
     def __init__(self, bits: int = 8, probe: str = "query", n_sink: int = 4, n_recent: int = 10,
                  **kwargs: Any) -> None:
@@ -118,6 +120,26 @@ class HashEvict(Policy):
         # Mean over probes of [probe bit != key bit] = p (key bit 0) or 1 - p (key bit 1).
         hamming = (k * (1 - 2 * p) + p).sum(dim=-1)  # (b, h_kv, n)
         return -hamming
+
+    def slot_score(self, view: SlotView) -> torch.Tensor:
+        L, b, h_kv, S, d = view.keys.shape
+        r = torch.stack([self.projection(i, d, view.keys.device) for i in view.layers])  # (L, bits, d)
+        kbits = (torch.matmul(view.keys.float().view(L, b * h_kv * S, d), r.transpose(1, 2)) > 0).float()
+        kbits = kbits.view(L, b, h_kv, S, self.bits)
+        # the probe: the last forward's queries (HashEvict §3), or its keys (`probe: key`)
+        if self.probe == "query":
+            q = view.queries  # (L, b, h_q, w, d)
+            qbits = (torch.matmul(q.float().view(L, -1, d), r.transpose(1, 2)) > 0).float().view(*q.shape[:4], -1)
+            mine = (view.qpos >= (view.seen - view.fed).unsqueeze(1)).float()  # (b, w): this forward's queries
+            g = q.shape[2] // h_kv
+            weights = mine.view(1, b, 1, 1, -1, 1)
+            qbits = qbits.view(L, b, h_kv, g, -1, self.bits)
+            p = (qbits * weights).sum(dim=(3, 4)) / (weights.sum(dim=(3, 4)) * g)  # (L, b, h_kv, bits)
+        else:
+            new = (view.pos >= (view.seen - view.fed).view(1, -1, 1, 1)).float().unsqueeze(-1)  # (L, b, h_kv, S, 1)
+            p = (kbits * new).sum(dim=3) / new.sum(dim=3)
+        # mean over probes of [probe bit != key bit]
+        return -(kbits * (1 - 2 * p.unsqueeze(3)) + p.unsqueeze(3)).sum(dim=-1)  # (L, b, h_kv, S)
 
     def _all_codes(self, device: torch.device) -> torch.Tensor:
         """(2^bits, bits) float 0/1: row c holds code c's bits (`unpack`, as `key_bits` reads a token's)."""

@@ -27,6 +27,7 @@ from kvbench.policies.base import Policy, PolicyError
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 ANCHORS = ("mean_normalized", "mean", "median", "pairwise")
 METRICS = ("cosine", "dot", "euclidean")
@@ -76,6 +77,23 @@ class KeyDiff(Policy):
         else:
             a = k.median(dim=-2, keepdim=True).values
         if self.metric == "cosine":
+            return -F.cosine_similarity(k, a, dim=-1)
+        if self.metric == "dot":
+            return -(k * a).sum(-1)
+        return (k - a).norm(dim=-1)
+
+    def slot_score(self, view: SlotView) -> torch.Tensor:
+        k = view.keys.float()  # (L, b, h_kv, S, d)
+        held = view.held.unsqueeze(-1)  # (L, b, h_kv, S, 1): the anchor is over the held keys only
+        count = held.sum(dim=-2, keepdim=True).clamp_min(1)  # (L, b, h_kv, 1, 1)
+        unit = F.normalize(k, dim=-1)
+        if self.anchor == "mean_normalized" or self.anchor == "pairwise":
+            a = (unit * held).sum(dim=-2, keepdim=True) / count  # (L, b, h_kv, 1, d)
+        elif self.anchor == "mean":
+            a = (k * held).sum(dim=-2, keepdim=True) / count
+        else:
+            a = k.masked_fill(~held, math.nan).nanmedian(dim=-2, keepdim=True).values
+        if self.unit_anchor or self.metric == "cosine":
             return -F.cosine_similarity(k, a, dim=-1)
         if self.metric == "dot":
             return -(k * a).sum(-1)

@@ -15,6 +15,7 @@ from kvbench.policies.base import Policy
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 
 class KNorm(Policy):
@@ -37,3 +38,6 @@ class KNorm(Policy):
         if norm is None:  # a layer filled outside the attention wrapper (hand-built caches)
             norm = self.on_append(layer, None, layer.keys, None, None)["norm"]
         return -norm
+
+    def slot_score(self, view: SlotView) -> torch.Tensor:
+        return -torch.linalg.vector_norm(view.keys.float(), dim=-1)  # (L, b, h_kv, S)

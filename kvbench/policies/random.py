@@ -11,6 +11,7 @@ from kvbench.policies.ranks import slot_ranks
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 
 class Random(Policy):
@@ -33,3 +34,9 @@ class Random(Policy):
         # slots out of order (slot reuse): the i-th draw still goes to each head's i-th oldest token, so the same
         # tokens are evicted as in the chronological layout (ranks kept from step to step: kvbench/policies/ranks.py)
         return draws.gather(-1, slot_ranks(layer))
+
+    def slot_score(self, view: SlotView) -> torch.Tensor:
+        if not hasattr(self, "_gen"):
+            self.start_sample(0)
+        # one draw per slot, in the row's own generator; the engine ranks free slots below every draw
+        return torch.rand(view.pos.shape, generator=self._gen).to(view.pos.device)  # (L, b, h_kv, S)

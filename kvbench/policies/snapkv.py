@@ -21,6 +21,7 @@ from kvbench.policies.window import window_attention
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 
 class SnapKV(Policy):
@@ -71,6 +72,16 @@ class SnapKV(Policy):
 
     def score(self, layer: CacheLayer) -> torch.Tensor:
         return group_mean(self.window_scores(layer), layer.keys.shape[1])  # (b, h_kv, n)
+
+    def slot_score(self, view: SlotView) -> torch.Tensor:
+        probs = view.attention().mean(dim=-2)  # (L, b, h_q, S): the window's mean attention
+        g = probs.shape[2] // view.pos.shape[2]
+        window = (view.pos >= view.seen.view(1, -1, 1, 1) - self.window).repeat_interleave(g, dim=2)
+        # pooled along the sequence: the slots in position order (free slots, all 0, first: zero padding), the
+        # window's own attention left out of its neighbours' (it is protected)
+        order = view.position_order().repeat_interleave(g, dim=2)  # (L, b, h_q, S)
+        pooled = pool(probs.masked_fill(window, 0.0).gather(-1, order), self.kernel, self.pooling)
+        return view.group_mean(torch.empty_like(pooled).scatter_(-1, order, pooled))  # (L, b, h_kv, S)
 
 
 def pool(x: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ from kvbench.policies.base import Policy
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 
 class StreamingLLM(Policy):
@@ -21,6 +22,9 @@ class StreamingLLM(Policy):
 
     def score(self, layer: CacheLayer) -> torch.Tensor:
         return layer.positions.float()  # (b, h_kv, n): later = keep; sinks are protected by the base
+
+    def slot_score(self, view: SlotView) -> torch.Tensor:
+        return view.pos.float()  # (L, b, h_kv, S): later = keep; the sinks are protected
 
     def dropped_position(self, layer: CacheLayer) -> int | None:
         """One token over the budget N drops position seen - N - 1 + n_sink from every head, known on the host: every

@@ -1,0 +1,276 @@
+"""The static slot cache: fixed buffers per layer, tokens written into free slots, eviction by marking slots free.
+
+Layout. The cache's layers form two groups of stacked buffers: the evicting layers (S slots per KV head: N + B for a
+uniform budget, sized by the run's plan, `capacity`) and the layers the policy never evicts (as many slots as the run
+has tokens). A group holds keys and values (L, b, h_kv, S, d), each slot's absolute position (L, b, h_kv, S) int64
+(-1: free), each per-token policy state (L, b, h_kv, S) float32, and for a policy that scores with queries the latest
+w queries (L, b, h_q, w, d). A decoder layer's cache is a view of its group's row. Nothing ever changes shape, so a
+forward (and its eviction) can be one compiled graph.
+
+A forward of t tokens writes them into each head's first t free slots (`free_slots`), with their positions; attention
+runs over all S slots with a mask built from the positions (held, and not after the query: causal); eviction ranks the
+slots and marks the ones beyond each head's count free. No slot is copied or compacted, and nothing is read back to
+the host. Batch rows are independent runs: each has its own positions and seen count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache
+
+from kvbench.policies.base import Policy
+from kvbench.policies.view import SlotView
+
+IMPL = "kvbench_slots"
+
+
+class _Group:
+    """The stacked buffers of the layers with one capacity."""
+
+    def __init__(self, layers: list[int], b: int, h_kv: int, h_q: int, S: int, d: int, dtype: torch.dtype,
+                 device: torch.device, states: tuple[str, ...], window: int) -> None:
+        L = len(layers)
+        self.layers = layers
+        self.keys = torch.zeros(L, b, h_kv, S, d, dtype=dtype, device=device)
+        self.values = torch.zeros(L, b, h_kv, S, d, dtype=dtype, device=device)
+        self.pos = torch.full((L, b, h_kv, S), -1, dtype=torch.long, device=device)
+        self.state = {name: torch.zeros(L, b, h_kv, S, device=device) for name in states}
+        self.queries = torch.zeros(L, b, h_q, window, d, dtype=dtype, device=device) if window else None
+        self.rows()
+        self.write: torch.Tensor | None = None  # (L, b, h_kv, t) the slots this forward's tokens go into
+        # per layer, set by `SlotCache.begin` for a forward: the write index over K/V (b, h_kv, t, d), and the
+        # visibility (b, h_kv, t, S) and its copy per query head for sdpa (b, h_q, t, S)
+        self.write_kv: tuple[torch.Tensor, ...] = ()
+        self.visible: tuple[torch.Tensor, ...] = ()
+        self.masks: tuple[torch.Tensor, ...] = ()
+
+    def rows(self) -> None:
+        """Each layer's views of the stacked buffers, made once (a layer's forward then indexes nothing)."""
+        self.k_rows, self.v_rows = self.keys.unbind(0), self.values.unbind(0)
+        self.q_rows = self.queries.unbind(0) if self.queries is not None else ()
+        self.state_rows = {name: t.unbind(0) for name, t in self.state.items()}
+
+    def clone(self) -> _Group:
+        other = object.__new__(_Group)
+        other.layers, other.write = self.layers, None
+        other.keys, other.values, other.pos = self.keys.clone(), self.values.clone(), self.pos.clone()
+        other.state = {k: v.clone() for k, v in self.state.items()}
+        other.queries = None if self.queries is None else self.queries.clone()
+        other.rows()
+        return other
+
+
+def free_slots(pos: torch.Tensor, t: int) -> torch.Tensor:
+    """(..., S) positions -> (..., t) the first t free slots of each head, in slot order."""
+    return (pos >= 0).to(torch.uint8).argsort(dim=-1, stable=True)[..., :t]
+
+
+class SlotCache(Cache):
+    """A static, policy-managed cache for `b` runs (batch rows) of one model and one policy (module doc)."""
+
+    def __init__(self, model: Any, policy: Policy, batch: int, capacity: int, full_capacity: int,
+                 window: int = 0) -> None:
+        super().__init__(layers=[])
+        cfg = model.config.get_text_config(decoder=True)
+        n, h_kv, h_q = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q
+        policy.attach(n)
+        self.policy, self.num_layers = policy, n
+        dtype, device = model.dtype, model.device
+        evicted = [i for i in range(n) if policy.evicts and policy.layer_budget(i) is not None]
+        kept = [i for i in range(n) if i not in evicted]
+        w = window  # the query ring's length (Policy.slot_window)
+        self.evicting = _Group(evicted, batch, h_kv, h_q, capacity, d, dtype, device, policy.state_names, w) \
+            if evicted else None
+        self.full = _Group(kept, batch, h_kv, h_q, full_capacity, d, dtype, device, (), 0) if kept else None
+        self.where: dict[int, tuple[_Group, int]] = {}
+        for group in (self.evicting, self.full):
+            for row, layer in enumerate(group.layers if group is not None else []):
+                self.where[layer] = (group, row)
+        self.group_size = h_q // h_kv
+        self.zero = torch.zeros((), device=device)  # baddbmm's input (its beta is 0)
+        self.seen = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens each row has seen
+        self.fed = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens of the last forward
+        self.qpos = torch.full((batch, max(w, 1)), -1, dtype=torch.long, device=device)  # (b, w) stored queries'
+        self.positions: torch.Tensor | None = None  # (b, t) the current forward's positions
+        # decoder layer -> its attention module; the model's attention scale and softcap (what scores recompute)
+        self.modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
+        self.scaling: float = next(iter(self.modules.values())).scaling if self.modules else d ** -0.5
+        self.softcap: float | None = getattr(cfg, "attn_logit_softcapping", None)
+        self.peak = torch.zeros((), dtype=torch.long, device=device)  # most tokens a head held, over time
+        self.peak_total = torch.zeros((), dtype=torch.long, device=device)  # most tokens all layers held together
+
+    # -- one forward ----------------------------------------------------------------------------------------------
+    def begin(self, positions: torch.Tensor) -> None:
+        """Before a forward of positions (b, t): where each layer's new tokens go, and the query positions."""
+        b, t = positions.shape
+        self.positions = positions
+        for group in (self.evicting, self.full):
+            if group is None:
+                continue
+            L, _, h_kv, S, d = group.keys.shape
+            group.write = free_slots(group.pos, t)  # (L, b, h_kv, t)
+            group.pos.scatter_(-1, group.write, positions.view(1, b, 1, t).expand(L, b, h_kv, t))
+            for state in group.state.values():
+                state.scatter_(-1, group.write, 0.0)
+            group.write_kv = group.write.unsqueeze(-1).expand(L, b, h_kv, t, d).unbind(0)
+            pos = group.pos.unsqueeze(3)  # (L, b, h_kv, 1, S)
+            visible = (pos <= positions.view(1, b, 1, t, 1)) & (pos >= 0)  # (L, b, h_kv, t, S)
+            group.visible = visible.unbind(0)
+            group.masks = visible.repeat_interleave(self.group_size, dim=2).unbind(0)  # (b, h_q, t, S) each
+        w = self.qpos.shape[1]
+        self.qpos.copy_(torch.cat([self.qpos, positions], dim=1)[:, -w:])
+        self.fed.fill_(t)
+        self.seen.add_(t)
+
+    def end(self) -> None:
+        """After a forward, before its eviction: the peaks of tokens held."""
+        held = [(g.pos >= 0).sum(dim=-1) for g in (self.evicting, self.full) if g is not None]  # (L, b, h_kv) each
+        self.peak = torch.maximum(self.peak, torch.stack([h.amax() for h in held]).amax())
+        self.peak_total = torch.maximum(self.peak_total, sum(h.sum(dim=0).amax() for h in held))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a layer's new K/V (b, h_kv, t, d) into its free slots; returns its whole buffers (b, h_kv, S, d)."""
+        group, row = self.where[layer_idx]
+        keys, values = group.k_rows[row], group.v_rows[row]
+        keys.scatter_(2, group.write_kv[row], key_states)  # positions and states were written by `begin`
+        values.scatter_(2, group.write_kv[row], value_states)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly (position_ids)
+
+    # -- what the engine and observers read -------------------------------------------------------------------------
+    def view(self) -> SlotView:
+        g = self.evicting
+        assert g is not None
+        return SlotView(keys=g.keys, values=g.values, pos=g.pos, seen=self.seen, fed=self.fed,
+                        layers=tuple(g.layers), scaling=self.scaling, softcap=self.softcap, queries=g.queries,
+                        qpos=self.qpos if g.queries is not None else None, state=g.state,
+                        modules=tuple(self.modules.get(i) for i in g.layers))
+
+    def layer_positions(self) -> list[torch.Tensor]:
+        """Per decoder layer, its slots' positions (b, h_kv, S), -1 free (a trace's record)."""
+        return [self.where[i][0].pos[self.where[i][1]].clone() for i in range(self.num_layers)]
+
+    def fork(self) -> SlotCache:
+        """An independent copy (the graded branch goes on from it)."""
+        other = object.__new__(SlotCache)
+        other.__dict__.update(self.__dict__)
+        other.evicting = self.evicting.clone() if self.evicting is not None else None
+        other.full = self.full.clone() if self.full is not None else None
+        other.where = {}
+        for group in (other.evicting, other.full):
+            for row, layer in enumerate(group.layers if group is not None else []):
+                other.where[layer] = (group, row)
+        other.seen, other.fed, other.qpos = self.seen.clone(), self.fed.clone(), self.qpos.clone()
+        other.peak, other.peak_total = self.peak.clone(), self.peak_total.clone()
+        return other
+
+    def bytes_per_token(self) -> int:
+        """K+V bytes of one token in one layer."""
+        g = self.evicting if self.evicting is not None else self.full
+        return 2 * g.keys.shape[2] * g.keys.shape[4] * g.keys.element_size()
+
+
+# -- eviction ---------------------------------------------------------------------------------------------------------
+def protected(policy: Policy, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """(L, b, h_kv, S) bool: the slots always kept, the first `n_sink` positions and the latest `n_recent`."""
+    prot = (pos >= 0) & (pos < policy.n_sink)
+    if policy.n_recent > 0:
+        prot |= pos >= (seen.view(1, -1, 1, 1) - policy.n_recent)
+    return prot
+
+
+def evict(cache: SlotCache, counts: torch.Tensor) -> None:
+    """Keep each head's top `counts` (L, b, 1) tokens of the evicting layers by the policy's score (protected tokens
+    first, ties to the earlier token) and mark the other slots free: one ranking for all layers."""
+    view = cache.view()
+    policy = cache.policy
+    ranked = policy.slot_score(view).float()  # (L, b, h_kv, S)
+    ranked = torch.where(protected(policy, view.pos, view.seen), math.inf, ranked)
+    ranked = ranked.masked_fill(view.pos < 0, -math.inf)
+    counts = policy.slot_counts(view, ranked, counts)  # (L, b, h_kv | 1)
+    by_position = view.pos.argsort(dim=-1)  # ties go to the earlier token: rank in position order, stable
+    order = by_position.gather(-1, ranked.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True))
+    S = order.shape[-1]
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(S, device=order.device).expand_as(order))
+    view.pos.masked_fill_(rank >= counts.unsqueeze(-1), -1)
+
+
+# -- attention --------------------------------------------------------------------------------------------------------
+def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                   slot_cache: SlotCache | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention of the forward's queries (b, h_q, t, d) over a layer's slots (b, h_kv, S, d): a slot is visible
+    to a query when it holds a token at a position up to the query's (and within the layer's sliding window). Feeds
+    the policy what it asked for (its query window, the attention probabilities). Returns (b, t, h_q, d)."""
+    cache = slot_cache
+    assert cache is not None, "slot_attention runs only inside a kvbench slot-cache forward"
+    layer = module.layer_idx
+    group, row = cache.where[layer]
+    scaling = module.head_dim ** -0.5 if scaling is None else scaling
+    softcap = kwargs.get("softcap")
+    b, h_q, t, d = query.shape
+    h_kv = key.shape[1]
+    visible, mask = group.visible[row], group.masks[row]  # (b, h_kv, t, S), (b, h_q, t, S)
+    window = kwargs.get("sliding_window")
+    if window:  # a sliding layer (never evicted): the slot holding position p is slot p
+        pos = group.pos[row].unsqueeze(2)  # (b, h_kv, 1, S)
+        visible = visible & (pos > cache.positions.view(b, 1, t, 1) - window)
+        mask = visible.repeat_interleave(h_q // h_kv, dim=1)
+    policy = cache.policy
+    if group is cache.evicting:
+        if group.queries is not None:
+            ring = group.q_rows[row]  # (b, h_q, w, d)
+            ring.copy_(torch.cat([ring, query], dim=2)[:, :, -ring.shape[2]:])
+        fresh = policy.token_state(layer, module, key, value, query, group.write[row])
+        for name, new in fresh.items():
+            group.state_rows[name][row].scatter_(2, group.write[row], new.float())
+    if policy.needs_attention and group is cache.evicting:
+        # what each slot received from the forward's queries, averaged over the KV head's query heads (float32)
+        received = probabilities(query, key, visible, scaling, softcap, cache.zero).sum(dim=(2, 3)).div_(h_q // h_kv)
+        policy.on_slot_attention(group.state_rows, row, received)  # (b, h_kv, S)
+    if softcap:  # sdpa has none: the output from the probabilities, in the input dtype (as sdpa's kernels)
+        probs = probabilities(query, key, visible, scaling, softcap, cache.zero)  # (b, h_kv, g, t, S)
+        out = torch.bmm(probs.to(value.dtype).flatten(0, 1).flatten(1, 2), value.flatten(0, 1))
+        return out.view(b, h_q, t, -1).transpose(1, 2), None  # (b, t, h_q, d)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None
+
+
+def probabilities(query: torch.Tensor, key: torch.Tensor, visible: torch.Tensor, scaling: float,
+                  softcap: float | None, zero: torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, g, t, S) float32 attention probabilities of queries (b, h_q, t, d) over keys (b, h_kv, S, d) where
+    `visible` (b, h_kv, t, S): the model's scale fused into the product, its softcap, softmax."""
+    b, h_q, t, d = query.shape
+    h_kv, S = key.shape[1], key.shape[2]
+    logits = torch.baddbmm(zero, query.float().reshape(b * h_kv, h_q // h_kv * t, d),
+                           key.float().flatten(0, 1).transpose(1, 2), beta=0.0, alpha=scaling)
+    logits = logits.view(b, h_kv, h_q // h_kv, t, S)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return torch.softmax(torch.where(visible.unsqueeze(2), logits, -math.inf), dim=-1)
+
+
+def install(model: Any) -> None:
+    """Register the slot attention (no mask function: HF then builds no mask, the attention builds its own) and
+    select it for `model`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(IMPL, slot_attention)
+    model.set_attn_implementation(IMPL)
+
+
+def forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, keep: int = 1,
+            hook: Callable[[], None] | None = None) -> torch.Tensor:
+    """One forward of ids (b, t) at positions (b, t) through the cache -> logits (b, keep, vocab) of the last rows."""
+    cache.begin(positions)
+    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep,
+                slot_cache=cache)
+    return out.logits

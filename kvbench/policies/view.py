@@ -1,0 +1,66 @@
+"""What a policy's `slot_score` reads: every evicting layer of a static slot cache at once.
+
+The static layout (kvbench/engine/slotcache.py) gives each evicting layer S slots per KV head; a slot holds a token's
+post-RoPE key and value and its absolute position, or is free (position -1). The evicting layers are stacked on a
+leading axis L, so one policy call scores every layer (one batched selection follows, by the engine). Free slots keep
+whatever K/V they held last: a score may read them, the engine ranks them below every held token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SlotView:
+    keys: torch.Tensor  # (L, b, h_kv, S, d) post-RoPE keys, free slots stale
+    values: torch.Tensor  # (L, b, h_kv, S, d)
+    pos: torch.Tensor  # (L, b, h_kv, S) int64 absolute positions, -1 free
+    seen: torch.Tensor  # (b,) int64 tokens each row has seen (every position is below it)
+    fed: torch.Tensor  # (b,) int64 tokens of the forward just done (positions seen - fed .. seen - 1)
+    layers: tuple[int, ...]  # the decoder layer of each of the L rows
+    scaling: float  # the model's attention scale
+    softcap: float | None = None
+    queries: torch.Tensor | None = None  # (L, b, h_q, w, d) the latest w queries (Policy.query_window), post-RoPE
+    qpos: torch.Tensor | None = None  # (b, w) int64 their positions, -1: no query there yet
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (L, b, h_kv, S) float32 per-token state
+    modules: tuple[Any, ...] = ()  # the attention module of each row's layer
+
+    @property
+    def held(self) -> torch.Tensor:
+        """(L, b, h_kv, S) bool: the slots that hold a token."""
+        return self.pos >= 0
+
+    def attention(self) -> torch.Tensor:
+        """(L, b, h_q, w, S) float32 attention probabilities of the stored queries over the slots: a query sees the
+        held slots at positions up to its own; the model's scale and softcap; a query slot not filled yet (qpos -1)
+        gets zeros."""
+        assert self.queries is not None and self.qpos is not None, "the policy declares no query_window"
+        L, b, h_q, w, d = self.queries.shape
+        h_kv, S = self.keys.shape[2], self.keys.shape[3]
+        g = h_q // h_kv
+        q = self.queries.float().reshape(L * b * h_kv, g * w, d)
+        k = self.keys.float().reshape(L * b * h_kv, S, d)
+        logits = torch.baddbmm(q.new_zeros(()), q, k.transpose(1, 2), beta=0.0, alpha=self.scaling)
+        logits = logits.view(L, b, h_kv, g, w, S)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        qpos = self.qpos.view(1, b, 1, 1, w, 1)
+        visible = (self.pos.view(L, b, h_kv, 1, 1, S) <= qpos) & self.held.view(L, b, h_kv, 1, 1, S)
+        probs = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1).nan_to_num_(0.0)  # unfilled: 0
+        return probs.view(L, b, h_q, w, S)
+
+    def group_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """(L, b, h_q, ...) -> (L, b, h_kv, ...): the mean over each KV head's query heads (GQA)."""
+        L, b, h_q = x.shape[:3]
+        h_kv = self.keys.shape[2]
+        return x.view(L, b, h_kv, h_q // h_kv, *x.shape[3:]).mean(dim=3)
+
+    def position_order(self) -> torch.Tensor:
+        """(L, b, h_kv, S) each head's slots by position, free slots (-1) first: what a score that reads the sequence
+        as a sequence (SnapKV's pooling) gathers by and scatters back with."""
+        return self.pos.argsort(dim=-1)
