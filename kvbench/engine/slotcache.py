@@ -97,6 +97,7 @@ class SlotCache(Cache):
         self.fed = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens of the last forward
         self.qpos = torch.full((batch, max(w, 1)), -1, dtype=torch.long, device=device)  # (b, w) stored queries'
         self.positions: torch.Tensor | None = None  # (b, t) the current forward's positions
+        self.decoding = False  # set once the prompt is done (a policy may select differently then: SAGE-KV)
         # decoder layer -> its attention module; the model's attention scale and softcap (what scores recompute)
         self.modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
         self.scaling: float = next(iter(self.modules.values())).scaling if self.modules else d ** -0.5
@@ -149,7 +150,7 @@ class SlotCache(Cache):
     def view(self) -> SlotView:
         g = self.evicting
         assert g is not None
-        return SlotView(keys=g.keys, values=g.values, pos=g.pos, seen=self.seen, fed=self.fed,
+        return SlotView(decoding=self.decoding, keys=g.keys, values=g.values, pos=g.pos, seen=self.seen, fed=self.fed,
                         layers=tuple(g.layers), scaling=self.scaling, softcap=self.softcap, queries=g.queries,
                         qpos=self.qpos if g.queries is not None else None, state=g.state,
                         modules=tuple(self.modules.get(i) for i in g.layers))

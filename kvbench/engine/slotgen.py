@@ -63,7 +63,7 @@ class SlotRun:
         n = cfg.num_hidden_layers
         policy.attach(n)
         budgets = [policy.layer_budget(i, T) for i in range(n)] if policy.evicts else []
-        keep = max([b for b in budgets if b is not None], default=T + new)
+        keep = max([policy.head_capacity(b) for b in budgets if b is not None], default=T + new)
         S = capacity(self.chunks, keep, new, self.evicts_decoding)
         window = policy.query_window if policy.slot_window is None else policy.slot_window
         if window < 0:
@@ -114,6 +114,7 @@ def generate_slots(model: Any, policy: Policy, input_ids: Sequence[int], setting
         logits = run.step(ids[:, start:end], positions, run.counts(end) if evicted and evicting else None)
     sync(device)
     prefill_s = clock() - t0
+    run.cache.decoding = True
     graded = None
     if answer_ids:
         branch = run.cache.fork()

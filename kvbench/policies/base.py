@@ -149,6 +149,11 @@ class Policy:
         (AdaKV) allocate here."""
         return counts
 
+    def head_capacity(self, budget: int) -> int:
+        """The most tokens one KV head may keep under `budget` (the static cache's slots per head are this plus the
+        largest forward): the budget, unless the policy allocates per head (AdaKV's heads share the layer's)."""
+        return budget
+
     def token_state(self, layer_idx: int, module: Any, keys: torch.Tensor, values: torch.Tensor,
                     query: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token state (name -> (b, h_kv, t)) of the t tokens a forward just wrote into `slots` (b, h_kv, t) of

@@ -29,6 +29,7 @@ class SlotView:
     qpos: torch.Tensor | None = None  # (b, w) int64 their positions, -1: no query there yet
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (L, b, h_kv, S) float32 per-token state
     modules: tuple[Any, ...] = ()  # the attention module of each row's layer
+    decoding: bool = False  # the eviction after a decoding step (else after a prompt forward)
 
     @property
     def held(self) -> torch.Tensor:
