@@ -26,6 +26,7 @@ from kvbench.policies.base import Policy
 from kvbench.policies.view import SlotView
 
 IMPL = "kvbench_slots"
+PAD = -2  # the position of a padding token: it sees only padding, and its slot stays free
 
 
 class _Group:
@@ -97,13 +98,15 @@ class SlotCache(Cache):
         self.fed = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens of the last forward
         self.qpos = torch.full((batch, max(w, 1)), -1, dtype=torch.long, device=device)  # (b, w) stored queries'
         self.positions: torch.Tensor | None = None  # (b, t) the current forward's positions
+        self.ring: torch.Tensor | None = None  # (b, h_q, w, d) where the query ring's entries come from (`begin`)
         self.decoding = False  # set once the prompt is done (a policy may select differently then: SAGE-KV)
         # decoder layer -> its attention module; the model's attention scale and softcap (what scores recompute)
         self.modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
         self.scaling: float = next(iter(self.modules.values())).scaling if self.modules else d ** -0.5
         self.softcap: float | None = getattr(cfg, "attn_logit_softcapping", None)
-        self.peak = torch.zeros((), dtype=torch.long, device=device)  # most tokens a head held, over time
-        self.peak_total = torch.zeros((), dtype=torch.long, device=device)  # most tokens all layers held together
+        self.peak = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) most tokens a head held, over time
+        # (b,) most tokens all layers' heads held together, over time (x bytes_per_head_token: the K+V bytes held)
+        self.peak_total = torch.zeros(batch, dtype=torch.long, device=device)
 
     # -- one forward ----------------------------------------------------------------------------------------------
     def begin(self, positions: torch.Tensor) -> None:
@@ -120,19 +123,27 @@ class SlotCache(Cache):
                 state.scatter_(-1, group.write, 0.0)
             group.write_kv = group.write.unsqueeze(-1).expand(L, b, h_kv, t, d).unbind(0)
             pos = group.pos.unsqueeze(3)  # (L, b, h_kv, 1, S)
-            visible = (pos <= positions.view(1, b, 1, t, 1)) & (pos >= 0)  # (L, b, h_kv, t, S)
+            query = positions.view(1, b, 1, t, 1)
+            # held and not after the query; a padding token (PAD) sees the padding (never a held token)
+            visible = ((pos <= query) & (pos >= 0)) | (pos == query)  # (L, b, h_kv, t, S)
             group.visible = visible.unbind(0)
             group.masks = visible.repeat_interleave(self.group_size, dim=2).unbind(0)  # (b, h_q, t, S) each
+        # the query ring keeps each row's latest w real queries (a padded forward's padding never enters it)
         w = self.qpos.shape[1]
-        self.qpos.copy_(torch.cat([self.qpos, positions], dim=1)[:, -w:])
-        self.fed.fill_(t)
-        self.seen.add_(t)
+        both = torch.cat([self.qpos, positions], dim=1)  # (b, w + t)
+        ring = (both != PAD).to(torch.uint8).argsort(dim=1, stable=True)[:, -w:]  # (b, w)
+        self.qpos.copy_(both.gather(1, ring))
+        if self.evicting is not None and self.evicting.queries is not None:
+            _, _, h_q, _, d = self.evicting.queries.shape
+            self.ring = ring.view(b, 1, w, 1).expand(b, h_q, w, d)
+        self.fed.copy_((positions >= 0).sum(dim=1))  # padding is not seen
+        self.seen.add_(self.fed)
 
     def end(self) -> None:
         """After a forward, before its eviction: the peaks of tokens held."""
-        held = [(g.pos >= 0).sum(dim=-1) for g in (self.evicting, self.full) if g is not None]  # (L, b, h_kv) each
-        self.peak = torch.maximum(self.peak, torch.stack([h.amax() for h in held]).amax())
-        self.peak_total = torch.maximum(self.peak_total, sum(h.sum(dim=0).amax() for h in held))
+        held = torch.cat([(g.pos >= 0).sum(dim=-1) for g in (self.evicting, self.full) if g is not None])  # (n, b, h)
+        self.peak = torch.maximum(self.peak, held.amax(dim=(0, 2)))
+        self.peak_total = torch.maximum(self.peak_total, held.sum(dim=(0, 2)))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,19 +184,23 @@ class SlotCache(Cache):
         other.peak, other.peak_total = self.peak.clone(), self.peak_total.clone()
         return other
 
-    def bytes_per_token(self) -> int:
-        """K+V bytes of one token in one layer."""
+    def bytes_per_head_token(self) -> int:
+        """K+V bytes of one token in one KV head of one layer."""
         g = self.evicting if self.evicting is not None else self.full
-        return 2 * g.keys.shape[2] * g.keys.shape[4] * g.keys.element_size()
+        return 2 * g.keys.shape[4] * g.keys.element_size()
+
+    def held(self) -> list[torch.Tensor]:
+        """Per decoder layer, the tokens each row's heads hold, (b, h_kv)."""
+        return [(self.where[i][0].pos[self.where[i][1]] >= 0).sum(dim=-1) for i in range(self.num_layers)]
 
 
 # -- eviction ---------------------------------------------------------------------------------------------------------
 def protected(policy: Policy, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     """(L, b, h_kv, S) bool: the slots always kept, the first `n_sink` positions and the latest `n_recent`."""
-    prot = (pos >= 0) & (pos < policy.n_sink)
+    edge = pos < policy.n_sink
     if policy.n_recent > 0:
-        prot |= pos >= (seen.view(1, -1, 1, 1) - policy.n_recent)
-    return prot
+        edge |= pos >= (seen.view(1, -1, 1, 1) - policy.n_recent)
+    return edge & (pos >= 0)
 
 
 def evict(cache: SlotCache, counts: torch.Tensor) -> None:
@@ -229,7 +244,7 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     if group is cache.evicting:
         if group.queries is not None:
             ring = group.q_rows[row]  # (b, h_q, w, d)
-            ring.copy_(torch.cat([ring, query], dim=2)[:, :, -ring.shape[2]:])
+            ring.copy_(torch.cat([ring, query], dim=2).gather(2, cache.ring))
         fresh = policy.token_state(layer, module, key, value, query, group.write[row])
         for name, new in fresh.items():
             group.state_rows[name][row].scatter_(2, group.write[row], new.float())

@@ -149,10 +149,10 @@ def generate_slots(model: Any, policy: Policy, input_ids: Sequence[int], setting
         steps += 1
     sync(device)
     decode_s = clock() - t0
-    peak, total = (int(v) for v in torch.stack([run.cache.peak, run.cache.peak_total]).tolist())
+    peak, total = (int(v) for v in torch.stack([run.cache.peak, run.cache.peak_total]).view(-1).tolist())
     return GenerationResult(tokens=tokens, prompt_tokens=T, prefill_s=prefill_s, decode_s=decode_s,
                             decode_steps=steps, evict_s=0.0, peak_kv_tokens=peak,
-                            kv_bytes_peak=total * run.cache.bytes_per_token(), trace=traces,
+                            kv_bytes_peak=total * run.cache.bytes_per_head_token(), trace=traces,
                             answer_logprob=graded)
 
 
