@@ -28,20 +28,15 @@ LM_TOKENS_AFTER_EVICTION = "after_eviction"
 RUN_DEFAULTS: dict[str, Any] = {
     "compare": [], "budget": None, "block": None, "protocol": "blockwise", "seed": 0, "scenario": "question_aware",
     "save_prompts": False, "overwrite": False, "device": "auto", "shard": None, "diagnostics": [], "graded": True,
-    "progress": True, "batch_size": 1, "share": True, "slot_reuse": True, "evict_together": True,
-    "stack_prefill": "auto",
+    "progress": True, "batch_size": 1, "share": True, "compile": False,
 }
-# Settings whose default changed after runs were recorded without them: a stored config.yaml that lacks one of these
-# keys ran under the value here, not under today's default (RUN_DEFAULTS). slot_reuse was false until it became the
-# default; the runs written before it existed decoded chronologically. stack_prefill was false until "auto" became the
-# default; every run recorded before then (all CPU runs) evicted its prompt layer by layer.
-STORED_DEFAULTS: dict[str, Any] = {"slot_reuse": False, "stack_prefill": False}
-
-
+# Settings of the engine before the static slot cache that runs of that time recorded (how they decoded, never what a
+# result means): a reader of a stored config leaves them out.
+RETIRED_SETTINGS = ("slot_reuse", "evict_together", "stack_prefill")
 def stored_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A config as a run recorded it (its config.yaml), with the settings it lacks that ran under an older default
-    (STORED_DEFAULTS) filled in as that default; every reader of a stored config goes through this."""
-    return {**STORED_DEFAULTS, **cfg}
+    """A config as a run recorded it (its config.yaml), less the retired settings; every reader of a stored config
+    goes through this."""
+    return {k: v for k, v in cfg.items() if k not in RETIRED_SETTINGS}
 
 
 def positive_int(what: str, value: Any, allow_none: bool = False) -> int | None:

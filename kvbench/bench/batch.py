@@ -23,7 +23,7 @@ import torch
 
 from kvbench.bench.goals import family_line
 from kvbench.bench.setup import HF, make_policy, prompt_ids, variant
-from kvbench.engine.cache import kv_bytes
+from kvbench.bench.hfloop import kv_bytes
 from kvbench.engine.generate import GenerationSettings, Job, Observer, generate_batch, sync
 from kvbench.metrics.stats import one_sided_bounds, one_sided_p
 
@@ -44,7 +44,7 @@ def _kvbench(model: Any, name: str, budget: int, block: int, prompts: list[list[
              clock: Callable[[], float], seed: int) -> dict[str, Any]:
     """The prompts in batches of k through kvbench; time, tokens and the batches' peak K+V."""
     jobs = []
-    engine = variant(name)[1]  # NAME+alone: each sample evicts on its own; NAME+chrono: chronological decoding
+    engine = variant(name)[1]  # NAME+compiled: each forward and its eviction as one compiled graph
     for ids in prompts:
         policy = make_policy(name, budget, seed)
         policy.start_sample(seed)

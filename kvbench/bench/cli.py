@@ -18,7 +18,7 @@ from kvbench.bench.batch import (BATCH_POLICIES, WORKLOADS, batch_goal_lines, ba
 from kvbench.bench.goals import goal_lines, goals, goals_markdown, markdown_table
 from kvbench.bench.measure import CLOCKS, configurations, run_bench
 from kvbench.bench.sweep import DESIGNS, designs_from, run_sweep_bench, sweep_goal_lines, sweep_markdown
-from kvbench.bench.setup import (BASELINES, CHRONO, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies,
+from kvbench.bench.setup import (BASELINES, COMPILED, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies,
                                  build_model, load_real_model, make_policy, prompt_ids)
 from kvbench.run.machine import cpu_info
 
@@ -98,17 +98,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=None, help="with --batch: samples per workload (default: largest K)")
     p.add_argument("--sweep", default=None,
                    help=f"sweep designs, comma-separated from {', '.join(DESIGNS)}: configurations x samples per hour "
-                        "with the prompt forwards shared between a sample's runs (engine.generate.generate_shared) vs "
+                        "with a sample's runs as the rows of one cache (engine.generate.generate_batch) vs "
                         "run separately, interleaved (kvbench.bench.sweep); --policies, --budgets, --block, "
                         "--lengths (the first) and --new-tokens override the design's, --samples its samples "
                         "(default 2)")
     p.add_argument("--fork-batch", type=_int_list, default=None,
-                   help="with --sweep: how many runs leaving the shared forwards together go through the model "
-                        "together, one shared way per value, e.g. 1,12 (default 1: exact)")
-    p.add_argument("--chronological", action="store_true",
-                   help="measure every policy twice: as it is (slot reuse, the engine's default) and decoding "
-                        "chronologically (row NAME+chrono; docs/running.md 'Slot reuse'); NAME+chrono in --policies "
-                        "picks single ones")
+                   help="with --sweep: at most how many of a sample's runs go as the rows of one cache, one shared "
+                        "way per value, e.g. 1,4 (default 0: all of a policy's budgets; 1: exact)")
+    p.add_argument("--compiled", action="store_true",
+                   help="measure every policy twice: eager (the default) and with each forward and its eviction "
+                        "as one compiled graph (row NAME+compiled); NAME+compiled in --policies picks single ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json", help="rows and goals as JSON")
     p.add_argument("--markdown", default=None, help="markdown table file (default: --out with .md)")
@@ -139,8 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--sweep takes {', '.join(DESIGNS)} (comma-separated)")
         if a.batch:
             p.error("--sweep and --batch are separate measurements; give one")
-    if a.fork_batch is not None and (a.sweep is None or any(k < 1 for k in a.fork_batch)):
-        p.error("--fork-batch takes positive integers and goes with --sweep")
+    if a.fork_batch is not None and (a.sweep is None or any(k < 0 for k in a.fork_batch)):
+        p.error("--fork-batch takes integers >= 0 and goes with --sweep")
     if a.samples is not None and a.samples < 1:
         p.error("--samples must be positive")
     if a.model is not None and a.config is not None:
@@ -178,8 +177,8 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
             return _sweep(a, log)
         if policies == ["all"]:
             policies = all_policies()
-        if a.chronological:
-            policies = [p for name in policies for p in (name + CHRONO, name)]
+        if a.compiled:
+            policies = [p for name in policies for p in (name, name + COMPILED)]
         for name in policies:  # fail on bad names and budgets before anything is built
             for b in budgets:
                 make_policy(name, b, a.seed)
@@ -235,7 +234,7 @@ def _sweep(a: argparse.Namespace, log) -> int:
         log(f"kvbench-bench --sweep: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     t0 = time.perf_counter()
     rows = run_sweep_bench(model, tokenizer, designs, a.samples or 2, a.seed, CLOCKS[a.clock], log,
-                           fork_batches=a.fork_batch or (1,))
+                           fork_batches=a.fork_batch or (0,))
     return _write_rows(a, rows, sweep_goal_lines(rows), sweep_markdown(rows), desc, device, log, t0, "sweep",
                        "shared and separate interleaved sample by sample; every configuration decodes exactly its new "
                        "tokens")

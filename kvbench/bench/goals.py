@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
-from kvbench.bench.setup import FLOOR, FULL, HF_DECODE, HF_FORWARD, slot_reuse
+from kvbench.bench.setup import FLOOR, FULL, HF_DECODE, HF_FORWARD, base_name
 from kvbench.metrics.stats import ALPHA, holm, one_sided_bounds, one_sided_p
 
 # The lean-engine goals (issue 29). Eviction share of the whole run (prefill + decode), the same limit for every
@@ -89,7 +89,7 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = [r for r in pol if r["policy"] == name]
         add(f"eviction <= {100 * EVICT_SHARE:.0f} % of the run", name,
             [(r["evict_share"] <= EVICT_SHARE, f"{r['prompt_tokens']}: {100 * r['evict_share']:.1f} %") for r in mine])
-        limit = DECODE_VS_HF_SCORE_FREE if slot_reuse(name)[0] in SCORE_FREE_POLICIES else DECODE_VS_HF
+        limit = DECODE_VS_HF_SCORE_FREE if base_name(name) in SCORE_FREE_POLICIES else DECODE_VS_HF
         decoded = [_decode_check(r, hf_dec.get(r["budget"]), limit) for r in mine if r.get("decode_vs_hf") is not None]
         add(f"decode per token <= {limit:.2f}x HF's at cache size N", name, [(ok, d) for ok, d, _ in decoded])
         if decoded and all(t is not None for _, _, t in decoded):

@@ -16,7 +16,6 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvbench.bench.setup import BenchError
-from kvbench.engine.cache import kv_bytes
 from kvbench.engine.generate import sync
 
 
@@ -67,6 +66,12 @@ class HFLoop:
     def held(self) -> tuple[int, int]:
         """(the longest layer's tokens, K + V bytes of every layer) of its cache now."""
         return max(layer.get_seq_length() for layer in self.cache.layers), kv_bytes(self.cache)
+
+
+def kv_bytes(cache: Any) -> int:
+    """Bytes of K and V an HF cache's layers hold now."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.keys is not None
+               for t in (layer.keys, layer.values))
 
 
 def hf_layer_sizes(layer_tokens: Sequence[int] | None, budget: int | None) -> list[int] | None:

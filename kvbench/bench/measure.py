@@ -29,8 +29,7 @@ import torch
 
 from kvbench.bench.goals import add_ratios
 from kvbench.bench.hfloop import HFLoop, Lockstep, hf_layer_sizes
-from kvbench.bench.setup import (FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, BenchError, make_policy, prompt_ids,
-                                  slot_reuse, variant)
+from kvbench.bench.setup import FLOOR, FULL, HF, HF_DECODE, HF_FORWARD, BenchError, make_policy, prompt_ids, variant
 from kvbench.bench.syncs import count_host_syncs
 from kvbench.engine.generate import GenerationSettings, Observer, generate, sync
 
@@ -176,7 +175,7 @@ def host_syncs(model: Any, cfg: Config, seed: int = 0, prompt: Sequence[int] | N
     ids = list(prompt[:n]) if prompt is not None else prompt_ids(n, vocab, seed=seed)
     policy = make_policy(cfg.policy, cfg.budget, seed)
     policy.start_sample(seed)
-    c = count_host_syncs(model, policy, ids, cfg.block, SYNC_TOKENS, slots=slot_reuse(cfg.policy)[1])
+    c = count_host_syncs(model, policy, ids, cfg.block, SYNC_TOKENS)
     if not c.per_step:
         return dict(NO_SYNCS)
     steps = len(c.per_step)

@@ -41,7 +41,7 @@ def build_model(arch: str = "tiny-llama3", config: str | None = None, layers: in
     """A random-weight causal LM with the attention geometry of `arch` (a built-in tiny architecture) or of
     `config` (an HF config.json, a model directory, a hub id, or a conf/model preset name); `layers` overrides the
     number of layers. Returns (model on `device` with the kvbench attention installed, a short description)."""
-    from kvbench.engine.attention import install
+    from kvbench.engine.cache import install
     from kvbench.models.loading import DTYPES, resolve_device
     from kvbench.models.tiny import TINY_ARCHS, build_tiny_model
 
@@ -72,7 +72,7 @@ def build_model(arch: str = "tiny-llama3", config: str | None = None, layers: in
 def load_real_model(name: str, dtype: str | None = None, device: str = "cpu") -> tuple[Any, Any, str]:
     """A model with its own weights: a conf/model preset name (`smollm2-135m`, a hub id preset, ...) or a local HF
     directory. Returns (model with the kvbench attention installed, tokenizer, a short description)."""
-    from kvbench.engine.attention import install
+    from kvbench.engine.cache import install
     from kvbench.models.common import ModelError
     from kvbench.models.loading import DTYPES, load_model
     from kvbench.run.config import CONF_DIR, load_group
@@ -157,14 +157,10 @@ def _model_from_config(config: str, layers: int | None, dtype: torch.dtype, seed
     return model, src
 
 
-# A policy name ending so decodes chronologically (`keydiff+chrono`: GenerationSettings.slot_reuse false, each head's
-# slots gathered after every eviction); a plain name decodes as the engine does by default, with slot reuse. `+slots`
-# names the default explicitly: the rows of tables measured before slot reuse became the default. `+alone` (--batch):
-# each sample of a batch evicts on its own (GenerationSettings.evict_together false), not in one call with the others.
-# `+stackprefill`: the prompt's evictions stacked over the layers too (GenerationSettings.stack_prefill).
-CHRONO, SLOTS, ALONE, STACK_PREFILL = "+chrono", "+slots", "+alone", "+stackprefill"
-VARIANTS: dict[str, dict[str, bool]] = {CHRONO: {"slot_reuse": False}, SLOTS: {"slot_reuse": True},
-                                        ALONE: {"evict_together": False}, STACK_PREFILL: {"stack_prefill": True}}
+# A policy name ending so runs each forward with its eviction as one compiled graph (`keydiff+compiled`:
+# GenerationSettings.compile), beside the eager row of the plain name.
+COMPILED = "+compiled"
+VARIANTS: dict[str, dict[str, bool]] = {COMPILED: {"compile": True}}
 
 
 def variant(name: str) -> tuple[str, dict[str, bool]]:
@@ -175,17 +171,16 @@ def variant(name: str) -> tuple[str, dict[str, bool]]:
     return name, {}
 
 
-def slot_reuse(name: str) -> tuple[str, bool]:
-    """A bench policy name -> (the policy's own name, whether it decodes with slot reuse)."""
-    base, settings = variant(name)
-    return base, settings.get("slot_reuse", True)
+def base_name(name: str) -> str:
+    """A bench policy name -> the policy's own name."""
+    return variant(name)[0]
 
 
 def make_policy(name: str, budget: int | None, seed: int) -> Any:
     from kvbench.run.config import load_group
     from kvbench.run.settings import RunSettings, build_policy
 
-    name = slot_reuse(name)[0]
+    name = base_name(name)
     try:
         spec = load_group("policy", name)
     except ValueError as e:

@@ -1,15 +1,15 @@
 """`kvbench-bench --sweep niah_grid,prefill_once`: configurations x samples per CPU-hour of a sweep's design run with
-shared prompt forwards (`engine.generate.generate_shared`, one call per sample for every configuration) and run
-separately (`engine.generate.generate` per configuration and sample), in one interleaved run.
+a sample's configurations as the rows of one cache (`engine.generate.generate_batch`, one call per sample for every
+configuration: those whose policies select alike share each forward and eviction) and run separately (`engine.generate.generate` per configuration and sample), in one interleaved run.
 
 A design is a set of configurations (policies x budgets under one protocol and block) over S samples (distinct
 prompts of one length, as a task's samples). Per sample the ways run back to back, the order rotating from sample to
 sample (machine drift hits all alike), each timed with the chosen clock (cpu: the process's CPU time, robust to other
 processes on one thread). Every configuration decodes exactly its new tokens (no stop token). The number is
 configurations x samples / seconds x 3600; `identical` counts the (configuration, sample) pairs whose greedy tokens
-are equal shared and separate. `--fork-batch 1,12` measures the shared way once per K: K = 1 runs the runs leaving
-the shared forwards one at a time (exact by construction: every pair should be identical); K > 1 decodes them K at a
-time (batch_size's batching: a token may differ where a k-row product rounds a near-tie the other way).
+are equal shared and separate. `--fork-batch 0,4` measures the shared way once per K: at most K rows a cache (0: all
+of a policy's budgets); K = 1 is exact by construction, K > 1 batches (a token may differ where a K-row product
+rounds a near-tie the other way).
 
 The designs (issue 28): `niah_grid`, scripts/niah_grid.sh's policies without the h2o_original variant (12) at
 N = 512, 1024, blockwise B = 128, 2000-token prompts, 32 new tokens; `prefill_once`, 10 policies at N = 512 under
@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from kvbench.bench.setup import make_policy, prompt_ids
-from kvbench.engine.generate import GenerationSettings, Job, Observer, generate, generate_shared, sync
+from kvbench.engine.generate import GenerationSettings, Job, Observer, generate, generate_batch, sync
 
 
 @dataclass(frozen=True)
@@ -71,17 +71,16 @@ def _timed(model: Any, clock: Callable[[], float], run: Callable[[], list[Any]])
 
 def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], samples: int, seed: int,
                     clock: Callable[[], float], log: Callable[[str], None] | None = None,
-                    fork_batches: Sequence[int] = (1,)) -> list[dict[str, Any]]:
-    """One row per design and fork batch K: the design run shared (generate_shared with batch=K: the runs leaving
-    the shared forwards together decode K at a time) and separately, over the same samples; every way of a design
-    runs each sample back to back with the others, the order rotating from sample to sample."""
+                    fork_batches: Sequence[int] = (0,)) -> list[dict[str, Any]]:
+    """One row per design and batch K: the design run shared (generate_batch with batch=K: a sample's runs whose
+    policies select alike as the rows of one cache, K at a time) and separately, over the same samples; every way of a
+    design runs each sample back to back with the others, the order rotating from sample to sample."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     rows = []
     for design in designs:
         configs = len(design.policies) * len(design.budgets)
         ways: list[int | None] = [None, *fork_batches]  # None: separate
         seconds = {w: 0.0 for w in ways}
-        shared_forward_s = {k: 0.0 for k in fork_batches}
         identical = {k: 0 for k in fork_batches}
         first_difference: dict[int, Any] = {k: None for k in fork_batches}
         for s in range(samples):
@@ -91,8 +90,7 @@ def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], sampl
             for way in order:
                 jobs = _jobs(design, ids, clock, seed, s)
                 if way is not None:
-                    took, results = _timed(model, clock, lambda: generate_shared(model, jobs, batch=way))
-                    shared_forward_s[way] += sum(r.shared_s for r in results)
+                    took, results = _timed(model, clock, lambda: generate_batch(model, jobs, batch=way or None))
                 else:
                     took, results = _timed(model, clock, lambda: [
                         generate(model, j.policy, list(j.input_ids), j.settings, observer=j.observer) for j in jobs])
@@ -116,7 +114,6 @@ def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], sampl
                 "samples": samples, "prompt_tokens": design.length, "new_tokens": design.new_tokens,
                 "fork_batch": k,
                 "shared_s": round(seconds[k], 3), "separate_s": round(seconds[None], 3),
-                "shared_forward_s": round(shared_forward_s[k], 3),
                 "shared_per_hour": round(work / seconds[k] * 3600, 1),
                 "separate_per_hour": round(work / seconds[None] * 3600, 1),
                 "speedup": round(seconds[None] / seconds[k], 3),
@@ -149,24 +146,22 @@ def designs_from(names: Sequence[str], policies: Sequence[str] | None, budgets: 
 def sweep_goal_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Per design: the speed-up against its goal (a goal for SmolLM2 at the design's own sizes) and the identity
     count."""
-    return [f"{r['design']} (forks decoded {r.get('fork_batch', 1)} at a time): shared vs separate "
+    return [f"{r['design']} (rows per cache {r.get('fork_batch') or 'all'}): shared vs separate "
             f"{r['speedup']:.2f}x configurations x samples per hour "
             f"({'PASS' if r['speedup'] >= r['goal'] else 'MISS'} against the goal >= {r['goal']}x for SmolLM2 at "
             f"the design's sizes); identical predictions {r['identical']}/{r['pairs']}" for r in rows]
 
 
 def sweep_markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| design | protocol | B | configurations | samples | prompt / new tokens | forks decoded together | "
-            "shared (s) | separate (s) | "
-            "shared forwards (s) | shared cfg x samples / h | separate cfg x samples / h | speed-up | "
+    head = ("| design | protocol | B | configurations | samples | prompt / new tokens | rows per cache | "
+            "shared (s) | separate (s) | shared cfg x samples / h | separate cfg x samples / h | speed-up | "
             "identical predictions |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         out.append(f"| {r['design']} | {r['protocol']} | {r['block'] or '-'} | {r['configurations']} "
                    f"({len(r['policies'])} x N={','.join(map(str, r['budgets']))}) | {r['samples']} | "
-                   f"{r['prompt_tokens']} / {r['new_tokens']} | {r.get('fork_batch', 1)} | "
-                   f"{r['shared_s']:.1f} | {r['separate_s']:.1f} | "
-                   f"{r['shared_forward_s']:.1f} | {r['shared_per_hour']:.0f} | {r['separate_per_hour']:.0f} | "
+                   f"{r['prompt_tokens']} / {r['new_tokens']} | {r.get('fork_batch') or 'all'} | "
+                   f"{r['shared_s']:.1f} | {r['separate_s']:.1f} | {r['shared_per_hour']:.0f} | {r['separate_per_hour']:.0f} | "
                    f"{r['speedup']:.2f} | {r['identical']}/{r['pairs']} |")
     return "\n".join(out)
 

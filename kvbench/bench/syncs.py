@@ -157,9 +157,8 @@ class SyncCount:
 
 
 def count_host_syncs(model: Any, policy: Any, ids: Sequence[int], block: int | None, new_tokens: int,
-                     protocol: str = "blockwise", slots: bool = True) -> SyncCount:
-    """Run `generate` once (greedy, no stop tokens; `slots`: with slot reuse, the engine's default) and count the host
-    syncs of each decoding step."""
+                     protocol: str = "blockwise") -> SyncCount:
+    """Run `generate` once (greedy, no stop tokens) and count the host syncs of each decoding step."""
     from kvbench.engine import generate as engine_generate
 
     counter = SyncCounter()
@@ -176,8 +175,7 @@ def count_host_syncs(model: Any, policy: Any, ids: Sequence[int], block: int | N
     engine_generate.sync = timed_sync  # the engine's timer syncs: counted apart, never a dispatch op
     try:
         with counter:
-            settings = engine_generate.GenerationSettings(block=block, max_new_tokens=new_tokens, protocol=protocol,
-                                                          slot_reuse=slots)
+            settings = engine_generate.GenerationSettings(block=block, max_new_tokens=new_tokens, protocol=protocol)
             res = engine_generate.generate(model, policy, list(ids), settings,
                                            observer=engine_generate.Observer(on_logits=on_logits))
     finally:

@@ -1,460 +1,313 @@
-"""A KV cache whose layers can really drop tokens, and keep HF's masks and RoPE positions right when they do.
+"""The static slot cache: fixed buffers per layer, tokens written into free slots, eviction by marking slots free.
 
-Convention (the one HF's own `DynamicSlidingWindowLayer` uses): `get_seq_length()` is the number of tokens the
-layer has *seen*, not the number it holds, and `get_mask_sizes(q)` returns `(physical + q, seen - physical)`.
-With that, HF derives absolute RoPE positions (`seen + arange(q)`) and a causal mask over the physical slots by
-itself, in plain forwards and in `generate`. Kept keys keep their original rotation (they are stored post-RoPE).
+Layout. The cache's layers form two groups of stacked buffers: the evicting layers (S slots per KV head: N + B for a
+uniform budget, sized by the run's plan, `capacity`) and the layers the policy never evicts (as many slots as the run
+has tokens). A group holds keys and values (L, b, h_kv, S, d), each slot's absolute position (L, b, h_kv, S) int64
+(-1: free), each per-token policy state (L, b, h_kv, S) float32, and for a policy that scores with queries the latest
+w queries (L, b, h_q, w, d). A decoder layer's cache is a view of its group's row. Nothing ever changes shape, so a
+forward (and its eviction) can be one compiled graph.
+
+A forward of t tokens writes them into each head's first t free slots (`free_slots`), with their positions; attention
+runs over all S slots with a mask built from the positions (held, and not after the query: causal); eviction ranks the
+slots and marks the ones beyond each head's count free. No slot is copied or compacted, and nothing is read back to
+the host. Batch rows are independent runs: each has its own positions and seen count.
 """
 
 from __future__ import annotations
 
-import copy
-from typing import TYPE_CHECKING, Any
+import math
+from typing import Any, Callable
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+import torch.nn.functional as F
+from transformers.cache_utils import Cache
 
-from kvbench.engine.ragged import RaggedStorage
-from kvbench.engine.slots import SlotReuse, in_position_order, slot_rows
-from kvbench.engine.stash import QueryStash
+from kvbench.policies.base import Policy
+from kvbench.policies.view import SlotView
 
-if TYPE_CHECKING:
-    from kvbench.policies.base import Policy
-    from kvbench.policies.layer import LayerExtra
-
-
-class EvictingLayer(SlotReuse, RaggedStorage, DynamicLayer):
-    """One full-attention layer's cache: K/V plus, per token, its absolute position and per-token policy state.
-
-    Stored uniform (every KV head holds the same number of tokens): keys/values (b, h_kv, n, d), positions and each
-    state tensor (b, h_kv, n), slots in chronological order. A layer of per-head budgets (AdaKV, CriticalKV on
-    AdaKV, SAGE-KV) is stored flat per head instead (ragged: `flat`, a `FlatHeads`) and scored in a padded view
-    (`padded`, a `PaddedView`), chosen after every eviction by what the layer holds (kvbench/engine/ragged.py).
-    `update` appends the block at the end of every head and returns the layer's storage (for ragged layers the flat
-    (S, d) tensors, which only the kvbench attention wrapper reads, head by head). `keep` stores a uniform selection
-    of a uniform layer at once, any other through the padded view and `pack`, which may wait for the engine to read
-    the new head sizes (`defer_pack`, `EvictingCache.settle`). With `reuse_slots` a decoding step's eviction of one
-    token per head leaves a hole that the next token fills in place (kvbench/engine/slots.py: `SlotReuse`).
-
-    A policy's own incremental per-layer state lives in the policies layer, in objects the layer holds in `extras`
-    (`LayerExtra`, kvbench/policies/layer.py) and knows nothing about: it calls their hooks where its storage
-    changes (`on_keep`, `on_unpack`, `on_pack`, `fork`), so per-token rows of theirs follow the tokens. SnapKV's
-    observation window (kept incrementally by a `WindowRing`, kvbench/policies/window.py) is one.
-    """
-
-    is_sliding = False
-    is_croppable = False  # cropping by count would break the seen/physical bookkeeping
-
-    def __init__(self, layer_idx: int = 0) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.seen = 0  # tokens ever appended (logical length)
-        self.row_seen: torch.Tensor | None = None  # (b, 1, 1) per-row counts: only a stack of several samples' layers
-        self.positions: torch.Tensor | None = None  # (b, h_kv, n) or ragged (S,): absolute position of each token
-        self.state: dict[str, torch.Tensor] = {}  # name -> (b, h_kv, n) or ragged (S,) per-token policy state
-        self.stash = QueryStash()  # the latest queries the policy asked for (Policy.query_window)
-        self.peak_tokens = 0  # max over time of tokens held per KV head (ragged: layer total / (b * h_kv), ceil)
-        self.decoding = False  # set by generate once the prompt is done (SAGE-KV only slides its window then)
-        # tokens held per KV head at the first decoding step, its token included (kvbench-bench's HF reference then
-        # holds as many in this layer: GenerationResult.layer_tokens)
-        self.decode_tokens: int | None = None
-        # Set by the attention wrapper at every forward: the model's attention scale and softcap (query_attention
-        # rebuilds the weights with them) and the attention module (CriticalKV reads its o_proj).
-        self.scaling: float | None = None
-        self.softcap: float | None = None
-        self.module: Any = None
-        # Per-layer (not per-token) values a policy keeps from a forward to the eviction after it (HashEvict's
-        # probe code); per-token values go in `state`.
-        self.scratch: dict[str, torch.Tensor] = {}
-        # Policy-owned per-layer objects (`LayerExtra`: SnapKV's WindowRing), created by the policies layer on first
-        # use; the layer only calls their hooks where its storage changes (keep, unpack, pack, fork).
-        self.extras: dict[str, LayerExtra] = {}
-        self.in_stack = False  # its arrays are views of a LayerStack's (kvbench/engine/stack.py), written in place
-        # (slots (b, h_kv, 1), keys (b, h_kv, 1, d), query (b, h_q, 1, d)) of a decoding token whose per-token state
-        # waits for the eviction (`settle_state`, Policy.state_from_tokens); None: none waits
-        self.state_due: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.row_layers: tuple[int, ...] | None = None  # one layer's rows (a LayerStack's are several layers')
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.padded is not None:
-            raise RuntimeError("append to a layer in its padded scoring view; pack() it first")
-        b, h, q, d = key_states.shape  # (b, h_kv, q, d)
-        new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
-        self.block_slots, self.block_states = None, None
-        if self._fill_hole(key_states, value_states, new_pos):
-            pass  # written in place into the slots the last eviction freed (SlotReuse)
-        elif self.ragged:
-            self._append_flat(key_states, value_states, new_pos)
-        elif self.keys.numel() == 0:
-            self.keys, self.values, self.positions = key_states, value_states, new_pos.contiguous()
-        else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-            self.positions = torch.cat([self.positions, new_pos], dim=-1)
-            # policies fill the new tokens' state in the attention wrapper
-            self.state = {k: torch.cat([s, s.new_zeros(b, h, q)], dim=-1) for k, s in self.state.items()}
-        self.seen += q
-        held = self.tokens_per_head()
-        self.peak_tokens = max(self.peak_tokens, held)
-        if self.decoding and self.decode_tokens is None:
-            self.decode_tokens = held
-        return self.keys, self.values
-
-    def physical(self) -> int:
-        """Tokens of the longest head (uniform layers: every head's length; a hole is not a token)."""
-        if self.keys is None or self.keys.numel() == 0:
-            return 0
-        hole = self.hole is not None  # one slot of every head (ragged: one row of every head's segment)
-        return (max(self.flat.sizes) if self.ragged else self.keys.shape[-2]) - hole
-
-    def tokens_per_head(self) -> int:
-        """Tokens held per KV head: the layer's total over its b * h_kv heads, rounded up (exact when uniform)."""
-        if self.keys is None or self.keys.numel() == 0:
-            return 0
-        if self.ragged:
-            return -(-sum(self.flat.sizes) // len(self.flat.sizes)) - (self.hole is not None)
-        return self.keys.shape[-2]
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Ragged layers ignore HF's mask (the wrapper attends head by head); the size only has to be consistent.
-        phys = self.physical()
-        return phys + query_length, self.seen - phys
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("an evicting cache cannot be cropped by token count")
-
-    # -- the scoring view and eviction (the ragged moves: RaggedStorage) ---------------------------------------
-    def head_lengths(self) -> list[int]:
-        """Real tokens each (batch, KV head) holds, row-major, on the host (no read of the device)."""
-        if self.pending():
-            raise RuntimeError("the layer's head sizes are not known until its pending selection is packed")
-        if self.ragged:
-            return [n - (self.hole is not None) for n in self.flat.sizes]
-        if self.padded is not None:  # the padded view of a ragged layer
-            return list(self.padded.sizes)
-        if self.keys is None or self.keys.numel() == 0:
-            return []
-        b, h = self.keys.shape[:2]
-        return [self.physical()] * (b * h)
-
-    def keep(self, idx: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Keep only the slots `idx` (b, h_kv, k) of the (padded) layout, in chronological order; `valid` (b, h_kv, k)
-        marks padding. A uniform result of a uniform layer is stored at once; a selection with padding, or of a
-        padded view, is stored by `pack` (uniform or flat), which needs the new head sizes on the host: with
-        `defer_pack` it waits for the engine to read them (with the decoded token), else it reads them itself."""
-        if self.ragged:
-            raise RuntimeError("keep() indexes the padded view; unpack() the ragged layer first")
-        if self.padded is None and valid is None:  # uniform before and after
-            if not self._drop_one(idx):  # a decoding step's one token per head: a hole, nothing moves (SlotReuse)
-                self._gather(*in_position_order(self.positions, self.chronological, idx, None))
-            return
-        if not self._orders_at_pack():
-            idx, valid = in_position_order(self.positions, self.chronological, idx, valid)
-        self._keep_padded(idx, valid, slot_rows(idx, self.keys.shape[-2]))  # a padded view, or turning ragged
-
-    def _gather(self, idx: torch.Tensor, valid: None = None) -> None:
-        """Store the slots `idx` (b, h_kv, k) of a uniform layer, in that order (a copy of every per-token array)."""
-        b, h, kept = idx.shape
-        rows = slot_rows(idx, self.keys.shape[-2])
-        for extra in self.extras.values():  # their own per-token rows (WindowRing: pruned lazily)
-            extra.on_keep(self, idx, False)
-        # K and V are copied row by row (index_select over the flattened (b*h*n, d) rows): one memcpy per kept token,
-        # ~15x cheaper on CPU than gather with an index expanded over head_dim, which visits every element.
-        self.keys = self.keys.reshape(-1, self.keys.shape[-1]).index_select(0, rows).view(b, h, kept, -1)
-        self.values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, rows).view(b, h, kept, -1)
-        self.positions = self.positions.gather(2, idx)
-        self.state = {k: v.gather(2, idx) for k, v in self.state.items()}
-        self.chronological = True
-
-    def fork(self) -> EvictingLayer:
-        """An independent copy of this layer's state. K/V and positions are shared where they are only ever
-        replaced: cloned where slots are written in place (a hole, a stack's views); a ragged layer's, whose free rows
-        are written in place, shared copy-on-write (both layers' next append lays them out anew). Per-token policy
-        state is written in place (set_block_state, H2O's accumulator), so it is cloned, and each extra makes its own
-        copy (`LayerExtra.fork`), as the query stash does (its fields its own, its tensors shared)."""
-        new = copy.copy(self)
-        if self.hole is not None or self.in_stack:  # this layer's tensors are written in place: the copy's own
-            new.keys, new.values, new.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
-            new.in_stack = False
-        if self.flat is not None:  # a ragged layer's free rows are written in place: copy-on-write, both layers
-            self.flat = new.flat = self.flat.shared()
-        new.state = {k: v.clone() for k, v in self.state.items()}
-        new.scratch = dict(self.scratch)
-        new.extras = {k: extra.fork() for k, extra in self.extras.items()}
-        new.stash = self.stash.fork()
-        return new
-
-    def follow(self, lead: EvictingLayer) -> None:
-        """Append the block `lead` has just appended (`update`), holding lead's very K/V and positions instead of a
-        copy: a member of a shared trunk (TrunkCache), whose layer held exactly what lead's did before the block.
-        Safe to share because K/V and positions are only ever replaced, never written in place (as `fork` relies on);
-        per-token state is this layer's own, extended with zeros as `update` extends it."""
-        if not (self.uniform and lead.uniform):
-            raise RuntimeError("only uniform layers in chronological order follow a trunk (nothing evicted yet)")
-        q = lead.seen - self.seen
-        if not self.is_initialized:
-            self.lazy_initialization(lead.keys, lead.values)
-        self.keys, self.values, self.positions = lead.keys, lead.values, lead.positions
-        b, h = self.keys.shape[:2]
-        self.state = {k: torch.cat([s, s.new_zeros(b, h, q)], dim=-1) for k, s in self.state.items()}
-        self.seen = lead.seen
-        self.peak_tokens = max(self.peak_tokens, self.tokens_per_head())
-
-    def evicted_any(self) -> bool:
-        """Whether the layer ever dropped a token: it holds fewer than it has seen (or per-head counts)."""
-        if not self.uniform:
-            return True
-        return self.keys is not None and self.keys.numel() > 0 and self.keys.shape[-2] != self.seen
-
-    def kv_bytes(self) -> int:
-        """Bytes of K and V of the tokens held (ragged layers: their heads' tokens, not the free rows after them, at
-        most SLACK per head, kvbench/engine/ragged.py)."""
-        if self.keys is None:
-            return 0
-        if self.ragged:
-            rows = sum(self.flat.sizes) - (len(self.flat.sizes) if self.hole is not None else 0)
-            return rows * (self.keys.shape[-1] * self.keys.element_size()
-                           + self.values.shape[-1] * self.values.element_size())
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+IMPL = "kvbench_slots"
+PAD = -2  # the position of a padding token: it sees only padding, and its slot stays free
 
 
-def settle_state(unit: EvictingLayer, policy: Policy | None) -> None:
-    """Compute the per-token state a decoding step left due (`state_due`: Policy.state_from_tokens) in `unit`, a layer
-    or a layer stack (kvbench/engine/stack.py, its `members`): for a stack whose every member has its token's state
-    due, one `on_append` over all their rows (the keys (L*b, h_kv, 1, d) and queries (L*b, h_q, 1, d) of the L
-    members' new tokens), written into the stack's state at each member's slot; else member by member. Each row's
-    values are what the layer's own call computes (the policy treats each row on its own; tests/test_stack.py compares
-    every bit). Per-layer values the call sets (`scratch`: HashEvict's probe) end up in the stack and its members
-    alike."""
-    members = getattr(unit, "members", None) or [unit]
-    due = [m for m in members if m.state_due is not None]
-    if not due or policy is None:
-        return
-    together = len(due) == len(members)
-    for target, layers in [(unit, due)] if together else [(m, [m]) for m in due]:
-        slots, keys, query = (torch.cat(parts) for parts in zip(*(m.state_due for m in layers)))
-        new = policy.on_append(target, None, keys, None, query)  # (L*b, h_kv, 1) each
-        for name in policy.state_names:
-            target.state[name].scatter_(2, slots, new[name].to(target.state[name].dtype))
-        for m in layers:
-            m.state_due = None
-    if len(members) > 1 and together:  # each member's rows of the stack's per-layer values
-        sizes = [m.keys.shape[0] for m in members]
-        for name, value in unit.scratch.items():
-            for m, part in zip(members, value.split(sizes)):
-                m.scratch[name] = part
-    elif len(members) > 1:  # the stack's again from its members'
-        unit.scratch = {k: torch.cat([m.scratch[k] for m in members]) for k in members[0].scratch}
+class _Group:
+    """The stacked buffers of the layers with one capacity."""
+
+    def __init__(self, layers: list[int], b: int, h_kv: int, h_q: int, S: int, d: int, dtype: torch.dtype,
+                 device: torch.device, states: tuple[str, ...], window: int) -> None:
+        L = len(layers)
+        self.layers = layers
+        self.keys = torch.zeros(L, b, h_kv, S, d, dtype=dtype, device=device)
+        self.values = torch.zeros(L, b, h_kv, S, d, dtype=dtype, device=device)
+        self.pos = torch.full((L, b, h_kv, S), -1, dtype=torch.long, device=device)
+        self.state = {name: torch.zeros(L, b, h_kv, S, device=device) for name in states}
+        self.queries = torch.zeros(L, b, h_q, window, d, dtype=dtype, device=device) if window else None
+        self.rows()
+        self.write: torch.Tensor | None = None  # (L, b, h_kv, t) the slots this forward's tokens go into
+        # per layer, set by `SlotCache.begin` for a forward: the write index over K/V (b, h_kv, t, d), and the
+        # visibility (b, h_kv, t, S) and its copy per query head for sdpa (b, h_q, t, S)
+        self.write_kv: tuple[torch.Tensor, ...] = ()
+        self.visible: tuple[torch.Tensor, ...] = ()
+        self.masks: tuple[torch.Tensor, ...] = ()
+
+    def rows(self) -> None:
+        """Each layer's views of the stacked buffers, made once (a layer's forward then indexes nothing)."""
+        self.k_rows, self.v_rows = self.keys.unbind(0), self.values.unbind(0)
+        self.q_rows = self.queries.unbind(0) if self.queries is not None else ()
+        self.state_rows = {name: t.unbind(0) for name, t in self.state.items()}
+
+    def clone(self) -> _Group:
+        other = object.__new__(_Group)
+        other.layers, other.write = self.layers, None
+        other.keys, other.values, other.pos = self.keys.clone(), self.values.clone(), self.pos.clone()
+        other.state = {k: v.clone() for k, v in self.state.items()}
+        other.queries = None if self.queries is None else self.queries.clone()
+        other.rows()
+        return other
 
 
-class EvictingCache(Cache):
-    """One `EvictingLayer` per full-attention layer of the model; sliding layers stay HF's (bounded already)."""
-
-    def __init__(self, config: Any, policy: Policy | None = None) -> None:
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
-        text_cfg = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_cfg)
-        layers: list[Any] = []
-        for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
-            if kind == "full_attention":
-                layers.append(EvictingLayer(i))
-            elif kind in ("sliding_attention", "chunked_attention") and "sliding_window" in kw:
-                layers.append(DynamicSlidingWindowLayer(**kw))
-            else:
-                raise ValueError(f"layer {i} has attention type '{kind}', which kvbench does not support")
-        super().__init__(layers=layers)
-        self.policy = policy
-        if policy is not None:
-            policy.attach(len(layers))  # per-layer budgets (PyramidKV) depend on the model's depth
-        self.frozen = False  # context_only scenario: no eviction after the context
-        # Layers the policy ever evicts: the others (K-norm's first two) get no policy work in the attention wrapper.
-        self.evicted = {i for i, layer in enumerate(layers) if isinstance(layer, EvictingLayer)
-                        and policy is not None and policy.layer_budget(i) is not None}
-        self.masks: dict[Any, torch.Tensor] = {}  # causal masks rebuilt for layers HF's mask does not fit (attention)
-        # Latest queries to stash per layer (Policy.query_window; generate raises it to 1 for diagnostics).
-        self.query_window = policy.query_window if policy is not None else 0
-        # Evictions of many layers in one call (kvbench/engine/stack.py): the stacks by their first layer; the
-        # prompt's too with `stack_prefill` (GenerationSettings.stack_prefill)
-        self.stacks: dict[int, Any] = {}
-        self.stack_prefill = False
-
-    def fork(self) -> EvictingCache:
-        """A copy that evolves independently from here on, with its own copy of the policy (a stochastic policy's
-        generator included): the graded score's teacher-forced branch runs on it while the greedy decode goes on
-        unchanged in this cache. Costs no K/V copy (see EvictingLayer.fork)."""
-        new = copy.copy(self)
-        for layer in self.evicting_layers():  # a state still due is computed first: the fork's copy includes it
-            settle_state(layer, self.policy)
-        new.layers = [layer.fork() if isinstance(layer, EvictingLayer) else copy.copy(layer) for layer in self.layers]
-        new.policy = copy.deepcopy(self.policy)
-        new.masks = dict(self.masks)
-        new.stacks = {}  # its layers hold their own copies (EvictingLayer.fork): nothing stacked
-        return new
-
-    def reuse_decoding_slots(self) -> None:
-        """Let a decoding eviction of one token per head leave a hole that the next token fills in place, instead of
-        gathering the kept slots (GenerationSettings.slot_reuse; kvbench/engine/slots.py); ragged layers too where the
-        policy allows it (Policy.ragged_slot_reuse: RaggedStorage.pack)."""
-        ragged = self.policy is not None and self.policy.ragged_slot_reuse
-        for layer in self.evicting_layers():
-            layer.reuse_slots = True
-            layer.reuse_ragged_slots = ragged
-
-    def start_decoding(self) -> None:
-        for layer in self.evicting_layers():
-            layer.decoding = True
-
-    def defer_packing(self) -> None:
-        """Let selections that change head sizes wait for `settle` (see EvictingLayer.pack): the engine then reads
-        every layer's new sizes at once instead of one host read per layer."""
-        for layer in self.evicting_layers():
-            layer.defer_pack = True
-
-    def pending_layers(self) -> list[EvictingLayer]:
-        """The layers whose selection waits for its head sizes (in layer order)."""
-        return [layer for layer in self.evicting_layers() if layer.pending()]
-
-    def settle(self, layers: list[EvictingLayer] | None = None, sizes: list[int] | None = None) -> None:
-        """Store the pending selections of `layers` (default: every pending layer), given their head sizes `sizes`
-        (each pending view's `kept_counts`, concatenated in order) or reading them here in one host read."""
-        layers = self.pending_layers() if layers is None else layers
-        if not layers:
-            return
-        if sizes is None:
-            sizes = torch.cat([layer.padded.kept_counts() for layer in layers]).tolist()  # one host read for all
-        at = 0
-        for layer in layers:
-            n = layer.valid.shape[0] * layer.valid.shape[1]
-            layer.pack(sizes[at:at + n])
-            at += n
-
-    def evicting_layers(self) -> list[EvictingLayer]:
-        return [layer for layer in self.layers if isinstance(layer, EvictingLayer)]
-
-    def peak_tokens(self) -> int:
-        """Max over layers and over the cache's lifetime of the tokens a layer held per KV head.
-
-        Per KV head = the layer's total held tokens / (batch x h_kv), rounded up: every head's length for uniform
-        layers, the per-head average for ragged (per-head budget) layers, whose heads differ.
-        """
-        return max((layer.peak_tokens for layer in self.evicting_layers()), default=0)
-
-    def decode_tokens(self) -> list[int] | None:
-        """Per layer, the tokens it held per KV head at the first decoding step, that step's token included (as
-        `peak_tokens` counts them); None before a decoding step."""
-        held = [layer.decode_tokens for layer in self.evicting_layers()]
-        return None if not held or None in held else held
-
-    def kv_bytes(self) -> int:
-        """Bytes of K and V held now, all layers (exact: what the tensors hold, no padding)."""
-        return kv_bytes(self)
-
-    def head_positions(self) -> list[torch.Tensor | None]:
-        """Per layer, (b, h_kv, L) absolute positions of the tokens each head holds (-1 pads ragged heads);
-        None for layers HF bounds itself (sliding)."""
-        return [layer.head_positions() if isinstance(layer, EvictingLayer) else None for layer in self.layers]
+def free_slots(pos: torch.Tensor, t: int) -> torch.Tensor:
+    """(..., S) positions -> (..., t) the first t free slots of each head, in slot order."""
+    return (pos >= 0).to(torch.uint8).argsort(dim=-1, stable=True)[..., :t]
 
 
-class _MembersLayer(DynamicLayer):
-    """One model layer of a cache made of several runs' caches (`BatchCache`, `TrunkCache`): the members' own layers
-    at this depth, which hold the K/V; this layer only routes a forward's block to them."""
+class SlotCache(Cache):
+    """A static, policy-managed cache for `b` runs (batch rows) of one model and one policy (module doc)."""
 
-    is_sliding = False
-    is_compileable = False
+    def __init__(self, model: Any, policy: Policy, batch: int, capacity: int, full_capacity: int,
+                 window: int = 0) -> None:
+        super().__init__(layers=[])
+        cfg = model.config.get_text_config(decoder=True)
+        n, h_kv, h_q = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q
+        policy.attach(n)
+        self.policy, self.num_layers = policy, n
+        dtype, device = model.dtype, model.device
+        evicted = [i for i in range(n) if policy.evicts and policy.layer_budget(i) is not None]
+        kept = [i for i in range(n) if i not in evicted]
+        w = window  # the query ring's length (Policy.query_window)
+        self.evicting = _Group(evicted, batch, h_kv, h_q, capacity, d, dtype, device, policy.state_names, w) \
+            if evicted else None
+        self.full = _Group(kept, batch, h_kv, h_q, full_capacity, d, dtype, device, (), 0) if kept else None
+        self.where: dict[int, tuple[_Group, int]] = {}
+        for group in (self.evicting, self.full):
+            for row, layer in enumerate(group.layers if group is not None else []):
+                self.where[layer] = (group, row)
+        self.group_size = h_q // h_kv
+        self.zero = torch.zeros((), device=device)  # baddbmm's input (its beta is 0)
+        self.seen = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens each row has seen
+        self.fed = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens of the last forward
+        self.qpos = torch.full((batch, max(w, 1)), -1, dtype=torch.long, device=device)  # (b, w) stored queries'
+        self.positions: torch.Tensor | None = None  # (b, t) the current forward's positions
+        self.ring: torch.Tensor | None = None  # (b, h_q, w, d) where the query ring's entries come from (`begin`)
+        # each decoder layer's tokens per KV head (its fullest head) at the first decoding step, the step's token
+        # included, set by the loop once that step is done (kvbench-bench sizes HF's reference cache by it)
+        self.layer_tokens: list[int] | None = None
+        self.decoding = False  # set once the prompt is done (a policy may select differently then: SAGE-KV)
+        # decoder layer -> its attention module; the model's attention scale and softcap (what scores recompute)
+        self.modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
+        self.scaling: float = next(iter(self.modules.values())).scaling if self.modules else d ** -0.5
+        self.softcap: float | None = getattr(cfg, "attn_logit_softcapping", None)
+        self.peak = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) most tokens a head held, over time
+        # (b,) most tokens all layers' heads held together, over time (x bytes_per_head_token: the K+V bytes held)
+        self.peak_total = torch.zeros(batch, dtype=torch.long, device=device)
 
-    def __init__(self, members: list[EvictingLayer]) -> None:
-        super().__init__()
-        self.members = members
+    # -- one forward ----------------------------------------------------------------------------------------------
+    def begin(self, positions: torch.Tensor) -> None:
+        """Before a forward of positions (b, t): where each layer's new tokens go, and the query positions."""
+        b, t = positions.shape
+        self.positions = positions
+        for group in (self.evicting, self.full):
+            if group is None:
+                continue
+            L, _, h_kv, S, d = group.keys.shape
+            group.write = free_slots(group.pos, t)  # (L, b, h_kv, t)
+            group.pos.scatter_(-1, group.write, positions.view(1, b, 1, t).expand(L, b, h_kv, t))
+            for state in group.state.values():
+                state.scatter_(-1, group.write, 0.0)
+            group.write_kv = group.write.unsqueeze(-1).expand(L, b, h_kv, t, d).unbind(0)
+            pos = group.pos.unsqueeze(3)  # (L, b, h_kv, 1, S)
+            query = positions.view(1, b, 1, t, 1)
+            # held and not after the query; a padding token (PAD) sees the padding (never a held token)
+            visible = ((pos <= query) & (pos >= 0)) | (pos == query)  # (L, b, h_kv, t, S)
+            group.visible = visible.unbind(0)
+            group.masks = visible.repeat_interleave(self.group_size, dim=2).unbind(0)  # (b, h_q, t, S) each
+        # the query ring keeps each row's latest w real queries (a padded forward's padding never enters it)
+        w = self.qpos.shape[1]
+        both = torch.cat([self.qpos, positions], dim=1)  # (b, w + t)
+        ring = (both != PAD).to(torch.uint8).argsort(dim=1, stable=True)[:, -w:]  # (b, w)
+        self.qpos.copy_(both.gather(1, ring))
+        if self.evicting is not None and self.evicting.queries is not None:
+            _, _, h_q, _, d = self.evicting.queries.shape
+            self.ring = ring.view(b, 1, w, 1).expand(b, h_q, w, d)
+        self.fed.copy_((positions >= 0).sum(dim=1))  # padding is not seen
+        self.seen.add_(self.fed)
 
+    def end(self) -> None:
+        """After a forward, before its eviction: the peaks of tokens held."""
+        held = torch.cat([(g.pos >= 0).sum(dim=-1) for g in (self.evicting, self.full) if g is not None])  # (n, b, h)
+        self.peak = torch.maximum(self.peak, held.amax(dim=(0, 2)))
+        self.peak_total = torch.maximum(self.peak_total, held.sum(dim=(0, 2)))
 
-class _BatchLayer(_MembersLayer):
-    """One model layer of a `BatchCache`: hands each sample's rows of the new keys/values to that sample's own layer."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        # key_states (k, h_kv, q, d): row j is sample j's block
-        for j, layer in enumerate(self.members):
-            layer.update(key_states[j:j + 1], value_states[j:j + 1])
-        return key_states, value_states  # not read: the attention wrapper attends each sample over its own layer
-
-    def get_seq_length(self) -> int:
-        return 0  # positions come from the forward's position_ids (each sample's own), never from here
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0  # HF's mask is not used: the wrapper builds each sample's own (attention._fit_mask)
-
-
-class BatchCache(Cache):
-    """The per-sample caches of one batched forward, as the single `past_key_values` the model takes.
-
-    Each sample keeps its own `EvictingCache` (its own kept tokens, positions, per-token state and policy copy), so
-    nothing of one sample's cache depends on the others. The model runs its projections and MLPs on the k samples'
-    rows at once (what batching buys: the weights are read once per step); the kvbench attention wrapper sees this
-    cache and attends each sample over its own layer, as a batch-1 forward would, and each sample's policy evicts its
-    own cache afterwards. The forward must pass `position_ids` (k, q): each sample's own positions. Built per
-    forward (a list of references: nothing copied), so samples leave a batch by not being in the next one.
-    Only caches whose every layer is an `EvictingLayer` batch (a sliding layer's mask and length are per sample).
-    """
-
-    def __init__(self, caches: list[EvictingCache]) -> None:
-        if not caches or not all(batchable(c) for c in caches):
-            raise ValueError("only caches of full-attention layers batch (a sliding layer's length is per sample)")
-        super().__init__(layers=[_BatchLayer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))])
-        self.caches = caches
-
-
-class _TrunkLayer(_MembersLayer):
-    """One model layer of a `TrunkCache`: the block's K/V go into the lead member's layer (`update`), and every other
-    member's layer follows it (the same tensors, its own per-token state)."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        # key_states (1, h_kv, q, d): the one sample's block, the same for every member
-        lead = self.members[0]
-        keys, values = lead.update(key_states, value_states)
-        for layer in self.members[1:]:
-            layer.follow(lead)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a layer's new K/V (b, h_kv, t, d) into its free slots; returns its whole buffers (b, h_kv, S, d)."""
+        group, row = self.where[layer_idx]
+        keys, values = group.k_rows[row], group.v_rows[row]
+        keys.scatter_(2, group.write_kv[row], key_states)  # positions and states were written by `begin`
+        values.scatter_(2, group.write_kv[row], value_states)
         return keys, values
 
-    def get_seq_length(self) -> int:
-        return self.members[0].get_seq_length()  # every member has seen as many tokens: the solo positions
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly (position_ids)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.members[0].get_mask_sizes(query_length)  # every member holds the same slots: the solo mask
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0  # HF's mask function then builds nothing: slot_attention builds its own mask
+
+    # -- what the engine and observers read -------------------------------------------------------------------------
+    def view(self) -> SlotView:
+        g = self.evicting
+        assert g is not None
+        return SlotView(decoding=self.decoding, keys=g.keys, values=g.values, pos=g.pos, seen=self.seen, fed=self.fed,
+                        layers=tuple(g.layers), scaling=self.scaling, softcap=self.softcap, queries=g.queries,
+                        qpos=self.qpos if g.queries is not None else None, state=g.state,
+                        modules=tuple(self.modules.get(i) for i in g.layers))
+
+    def decode_tokens(self) -> list[int] | None:
+        return self.layer_tokens
+
+    def layer_positions(self) -> list[torch.Tensor]:
+        """Per decoder layer, its slots' positions (b, h_kv, S), -1 free (a trace's record)."""
+        return [self.where[i][0].pos[self.where[i][1]].clone() for i in range(self.num_layers)]
+
+    def fork(self) -> SlotCache:
+        """An independent copy (the graded branch goes on from it)."""
+        other = object.__new__(SlotCache)
+        other.__dict__.update(self.__dict__)
+        other.evicting = self.evicting.clone() if self.evicting is not None else None
+        other.full = self.full.clone() if self.full is not None else None
+        other.where = {}
+        for group in (other.evicting, other.full):
+            for row, layer in enumerate(group.layers if group is not None else []):
+                other.where[layer] = (group, row)
+        other.seen, other.fed, other.qpos = self.seen.clone(), self.fed.clone(), self.qpos.clone()
+        other.peak, other.peak_total = self.peak.clone(), self.peak_total.clone()
+        return other
+
+    def bytes_per_head_token(self) -> int:
+        """K+V bytes of one token in one KV head of one layer."""
+        g = self.evicting if self.evicting is not None else self.full
+        return 2 * g.keys.shape[4] * g.keys.element_size()
+
+    def held(self) -> list[torch.Tensor]:
+        """Per decoder layer, the tokens each row's heads hold, (b, h_kv)."""
+        return [(self.where[i][0].pos[self.where[i][1]] >= 0).sum(dim=-1) for i in range(self.num_layers)]
 
 
-class TrunkCache(Cache):
-    """The caches of several runs of one prompt (a sweep's policies and budgets) while none of them has evicted: they
-    hold identical K/V, so one batch-1 forward serves them all (`generate.generate_shared`).
-
-    Each run keeps its own `EvictingCache` (own policy copy, own per-token state, stashed queries, attention
-    statistics); the K/V tensors are held once, by reference (`EvictingLayer.follow`). The kvbench attention wrapper
-    runs every member's hooks on its own layer and computes the attention output once: every member must take the same
-    attention path (explicit attention on the same layers, or none), which `generate` groups by. A member leaves the
-    trunk as soon as its eviction drops anything; the forward is then exactly its solo forward. `hook_s` collects
-    each member's seconds inside the wrapper (its own work), with `clock`.
-    """
-
-    def __init__(self, caches: list[EvictingCache], clock: Any = None) -> None:
-        if not caches or not all(batchable(c) for c in caches):
-            raise ValueError("only caches of full-attention layers share a trunk")
-        super().__init__(layers=[_TrunkLayer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))])
-        self.caches = caches
-        self.clock = clock
-        self.hook_s = [0.0] * len(caches)
+# -- eviction ---------------------------------------------------------------------------------------------------------
+def protected(policy: Policy, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """(L, b, h_kv, S) bool: the slots always kept, the first `n_sink` positions and the latest `n_recent`."""
+    edge = pos < policy.n_sink
+    if policy.n_recent > 0:
+        edge |= pos >= (seen.view(1, -1, 1, 1) - policy.n_recent)
+    return edge & (pos >= 0)
 
 
-def kv_bytes(cache: Cache) -> int:
-    """Bytes of K and V held by any HF cache's layers now (sliding and evicting layers alike; no padding counted)."""
-    return sum(layer.kv_bytes() if isinstance(layer, EvictingLayer) else
-               sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
-               for layer in cache.layers if layer.keys is not None)
+def evict(cache: SlotCache, counts: torch.Tensor, observe: Callable[[SlotView, torch.Tensor], None] | None = None
+          ) -> None:
+    """Keep each head's top `counts` (L, b, 1) tokens of the evicting layers by the policy's score (protected tokens
+    first, ties to the earlier token) and mark the other slots free: one ranking for all layers. `observe(view,
+    keep)` (diagnostics) sees the selection, keep (L, b, h_kv, S) bool, while every token is still held."""
+    view = cache.view()
+    policy = cache.policy
+    ranked = policy.score(view).float()  # (L, b, h_kv, S)
+    ranked = torch.where(protected(policy, view.pos, view.seen), math.inf, ranked)
+    ranked = ranked.masked_fill(view.pos < 0, -math.inf)
+    counts = policy.counts(view, ranked, counts)  # (L, b, h_kv | 1)
+    by_position = view.pos.argsort(dim=-1)  # ties go to the earlier token: rank in position order, stable
+    order = by_position.gather(-1, ranked.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True))
+    S = order.shape[-1]
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(S, device=order.device).expand_as(order))
+    drop = rank >= counts.unsqueeze(-1)
+    if observe is not None:
+        observe(view, ~drop & (view.pos >= 0))
+    view.pos.masked_fill_(drop, -1)
 
 
-def batchable(cache: EvictingCache) -> bool:
-    """Whether `cache` can be one sample of a `BatchCache`: every layer is an EvictingLayer."""
-    return all(isinstance(layer, EvictingLayer) for layer in cache.layers)
+# -- attention --------------------------------------------------------------------------------------------------------
+def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                   slot_cache: SlotCache | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention of the forward's queries (b, h_q, t, d) over a layer's slots (b, h_kv, S, d): a slot is visible
+    to a query when it holds a token at a position up to the query's (and within the layer's sliding window). Feeds
+    the policy what it asked for (its query window, the attention probabilities). Returns (b, t, h_q, d)."""
+    cache = slot_cache
+    if cache is None:  # a forward outside kvbench's loop (HF's own generate, a plain forward): HF's sdpa
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    layer = module.layer_idx
+    group, row = cache.where[layer]
+    scaling = module.head_dim ** -0.5 if scaling is None else scaling
+    softcap = kwargs.get("softcap")
+    b, h_q, t, d = query.shape
+    h_kv = key.shape[1]
+    visible, mask = group.visible[row], group.masks[row]  # (b, h_kv, t, S), (b, h_q, t, S)
+    window = kwargs.get("sliding_window")
+    if window:  # a sliding layer (never evicted): the slot holding position p is slot p
+        pos = group.pos[row].unsqueeze(2)  # (b, h_kv, 1, S)
+        visible = visible & (pos > cache.positions.view(b, 1, t, 1) - window)
+        mask = visible.repeat_interleave(h_q // h_kv, dim=1)
+    policy = cache.policy
+    if group is cache.evicting:
+        if group.queries is not None:
+            ring = group.q_rows[row]  # (b, h_q, w, d)
+            ring.copy_(torch.cat([ring, query], dim=2).gather(2, cache.ring))
+        fresh = policy.token_state(layer, module, key, value, query, group.write[row])
+        for name, new in fresh.items():
+            group.state_rows[name][row].scatter_(2, group.write[row], new.float())
+    if policy.needs_attention and group is cache.evicting:
+        # what each slot received from the forward's queries, averaged over the KV head's query heads (float32)
+        received = probabilities(query, key, visible, scaling, softcap, cache.zero).sum(dim=(2, 3)).div_(h_q // h_kv)
+        policy.on_attention(group.state_rows, row, received)  # (b, h_kv, S)
+    if softcap:  # sdpa has none: the output from the probabilities, in the input dtype (as sdpa's kernels)
+        probs = probabilities(query, key, visible, scaling, softcap, cache.zero)  # (b, h_kv, g, t, S)
+        out = torch.bmm(probs.to(value.dtype).flatten(0, 1).flatten(1, 2), value.flatten(0, 1))
+        return out.view(b, h_q, t, -1).transpose(1, 2), None  # (b, t, h_q, d)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None
+
+
+def probabilities(query: torch.Tensor, key: torch.Tensor, visible: torch.Tensor, scaling: float,
+                  softcap: float | None, zero: torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, g, t, S) float32 attention probabilities of queries (b, h_q, t, d) over keys (b, h_kv, S, d) where
+    `visible` (b, h_kv, t, S): the model's scale fused into the product, its softcap, softmax."""
+    b, h_q, t, d = query.shape
+    h_kv, S = key.shape[1], key.shape[2]
+    logits = torch.baddbmm(zero, query.float().reshape(b * h_kv, h_q // h_kv * t, d),
+                           key.float().flatten(0, 1).transpose(1, 2), beta=0.0, alpha=scaling)
+    logits = logits.view(b, h_kv, h_q // h_kv, t, S)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return torch.softmax(torch.where(visible.unsqueeze(2), logits, -math.inf), dim=-1)
+
+
+def install(model: Any) -> None:
+    """Register the slot attention and select it for `model`. Its mask function is sdpa's, for forwards outside
+    kvbench's loop (HF's own generate: they attend through sdpa); a slot-cache forward asks it for nothing (its
+    sizes make HF skip the mask) and builds its own."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(IMPL, slot_attention)
+    AttentionMaskInterface.register(IMPL, sdpa_mask)
+    model.set_attn_implementation(IMPL)
+
+
+def forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, keep: int = 1,
+            hook: Callable[[], None] | None = None) -> torch.Tensor:
+    """One forward of ids (b, t) at positions (b, t) through the cache -> logits (b, keep, vocab) of the last rows."""
+    cache.begin(positions)
+    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep,
+                slot_cache=cache)
+    return out.logits

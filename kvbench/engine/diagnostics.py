@@ -22,8 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvbench.engine.cache import EvictingLayer
-from kvbench.policies.base import query_attention
+from kvbench.policies.view import SlotView
 
 NAMES = ("attention_loss", "perturbation", "key_logdet")
 _QUERY_NAMES = ("attention_loss", "perturbation")
@@ -38,45 +37,53 @@ class Diagnostics:
         self.names = tuple(dict.fromkeys(names))
         self.sums: dict[str, dict[int, list[float]]] = {n: {} for n in self.names}  # name -> layer -> [sum, count]
         self.elapsed = 0.0  # seconds spent here (generate leaves them out of the eviction time)
-
-    @property
-    def query_window(self) -> int:
-        """Latest queries the engine must stash for these diagnostics (declared, whatever the policy needs)."""
-        return 1 if any(n in _QUERY_NAMES for n in self.names) else 0
+        self._charged = 0.0  # of which already left out (`elapsed_now`)
 
     def _add(self, name: str, layer_idx: int, value: float) -> None:
         acc = self.sums[name].setdefault(layer_idx, [0.0, 0])
         acc[0] += value
         acc[1] += 1
 
+    def elapsed_now(self) -> float:
+        """The seconds spent here since the last call (the engine leaves them out of the eviction time)."""
+        spent, self._charged = self.elapsed - self._charged, self.elapsed
+        return spent
+
     @torch.no_grad()
-    def observe(self, layer: EvictingLayer, idx: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Called by Policy.evict with the selection (idx, valid) while `layer` still holds every token."""
+    def observe(self, view: SlotView, keep: torch.Tensor, row: int) -> None:
+        """Called by the eviction with its selection, keep (L, b, h_kv, S), while every token is still held: the
+        measures of batch row `row`, for each layer that drops a token (an eviction event)."""
         t0 = time.perf_counter()
-        # padding repeats a kept slot
-        keep = torch.zeros_like(layer.positions, dtype=torch.bool).scatter_(-1, idx, True)
-        if any(n in _QUERY_NAMES for n in self.names):
-            self._query_terms(layer, keep)
-        if "key_logdet" in self.names:
-            self._add("key_logdet", layer.layer_idx, key_logdet(layer.keys, keep))
+        held = view.pos[:, row] >= 0  # (L, h_kv, S)
+        kept = keep[:, row]
+        dropped = (held & ~kept).flatten(1).any(dim=1).tolist()  # (L,)
+        probs = view.attention()[:, row, :, -1] if any(n in _QUERY_NAMES for n in self.names) else None  # (L, h_q, S)
+        for i, layer in enumerate(view.layers):
+            if not dropped[i]:
+                continue
+            if probs is not None:
+                self._query_terms(layer, view.values[i, row], probs[i], kept[i], view.modules[i])
+            if "key_logdet" in self.names:
+                self._add("key_logdet", layer, key_logdet(view.keys[i, row:row + 1], kept[i:i + 1]))
         self.elapsed += time.perf_counter() - t0
 
-    def _query_terms(self, layer: EvictingLayer, keep: torch.Tensor) -> None:
-        v = layer.values.float()  # (b, h_kv, n, d)
-        b, h_kv, n, _ = v.shape
-        # The latest query's attention over the pre-eviction cache (padding gets 0), the policies' own helper.
-        probs = query_attention(layer)[:, :, -1]  # (b, h_q, n)
-        g = probs.shape[1] // h_kv
-        probs = probs.view(b, h_kv, g, n)
-        kept = probs * keep.unsqueeze(2)  # (b, h_kv, g, n)
+    def _query_terms(self, layer: int, values: torch.Tensor, probs: torch.Tensor, keep: torch.Tensor,
+                     module: Any) -> None:
+        """values (h_kv, S, d), the latest query's attention probs (h_q, S) over the pre-eviction cache (free slots
+        0), keep (h_kv, S)."""
+        v = values.float()
+        h_kv, S, d_v = v.shape
+        g = probs.shape[0] // h_kv
+        probs = probs.view(h_kv, g, S)
+        kept = probs * keep.unsqueeze(1)  # (h_kv, g, S)
         if "attention_loss" in self.names:
-            self._add("attention_loss", layer.layer_idx, float((1.0 - kept.sum(dim=-1)).mean()))
+            self._add("attention_loss", layer, float((1.0 - kept.sum(dim=-1)).mean()))
         if "perturbation" in self.names:
             kept = kept / kept.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-            diff = torch.matmul(probs - kept, v).reshape(b, h_kv * g, v.shape[-1])  # (b, h_q, d_v)
-            w = layer.module.o_proj.weight.float()  # (hidden, h_q * d_v)
-            proj = torch.einsum("bhd,ohd->bho", diff, w.view(w.shape[0], h_kv * g, v.shape[-1]))  # (b, h_q, hidden)
-            self._add("perturbation", layer.layer_idx, float(proj.abs().sum(dim=-1).mean()))
+            diff = torch.matmul(probs - kept, v).reshape(h_kv * g, d_v)  # (h_q, d_v)
+            w = module.o_proj.weight.float()  # (hidden, h_q * d_v)
+            proj = torch.einsum("hd,ohd->ho", diff, w.view(w.shape[0], h_kv * g, d_v))  # (h_q, hidden)
+            self._add("perturbation", layer, float(proj.abs().sum(dim=-1).mean()))
 
     def summary(self) -> dict[str, Any]:
         """Per diagnostic: per-layer means over eviction events, their mean, and the number of events."""

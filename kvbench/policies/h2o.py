@@ -14,23 +14,20 @@ as other papers run it (HashEvict §4: the first 4 and the latest 10 for every m
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from kvbench.policies.base import Policy, PolicyError
 
 if TYPE_CHECKING:
-    from kvbench.policies.layer import CacheLayer
     from kvbench.policies.view import SlotView
 
 
 class H2O(Policy):
     name = "h2o"
-    stackable = True  # scores from the layer's own arrays, row by row (Policy.stackable)
     needs_attention = True
-    state_names = ("acc",)
-    state_starts_zero = True  # a new token has received no attention yet
+    state_names = ("acc",)  # a token enters with 0: it has received no attention yet
 
     def __init__(self, recent_ratio: float = 0.0, n_recent: int = 0, budget: int | None = None, **kwargs) -> None:
         if not 0.0 <= recent_ratio < 1.0:
@@ -39,18 +36,8 @@ class H2O(Policy):
         ratio_recent = math.floor(self.recent_ratio * budget) if budget else 0
         super().__init__(budget=budget, n_recent=max(int(n_recent), ratio_recent), **kwargs)
 
-    def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
-                  query: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"acc": keys.new_zeros(keys.shape[:3], dtype=torch.float32)}  # (b, h_kv, q)
-
-    def on_attention(self, layer: CacheLayer, probs: torch.Tensor) -> None:
-        layer.state["acc"] += probs.sum(dim=-2)  # (b, h_kv, n): column sums over this chunk's queries
-
-    def score(self, layer: CacheLayer) -> torch.Tensor:
-        return layer.state["acc"]
-
-    def slot_score(self, view: SlotView) -> torch.Tensor:
-        return view.state["acc"]  # (L, b, h_kv, S)
-
-    def on_slot_attention(self, state: dict[str, Sequence[torch.Tensor]], row: int, received: torch.Tensor) -> None:
+    def on_attention(self, state: dict[str, Sequence[torch.Tensor]], row: int, received: torch.Tensor) -> None:
         state["acc"][row].add_(received)  # (b, h_kv, S)
+
+    def score(self, view: SlotView) -> torch.Tensor:
+        return view.state["acc"]  # (L, b, h_kv, S)

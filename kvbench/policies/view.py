@@ -1,6 +1,6 @@
-"""What a policy's `slot_score` reads: every evicting layer of a static slot cache at once.
+"""What a policy's `score` reads: every evicting layer of a static slot cache at once.
 
-The static layout (kvbench/engine/slotcache.py) gives each evicting layer S slots per KV head; a slot holds a token's
+The static layout (kvbench/engine/cache.py) gives each evicting layer S slots per KV head; a slot holds a token's
 post-RoPE key and value and its absolute position, or is free (position -1). The evicting layers are stacked on a
 leading axis L, so one policy call scores every layer (one batched selection follows, by the engine). Free slots keep
 whatever K/V they held last: a score may read them, the engine ranks them below every held token.

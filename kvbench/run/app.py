@@ -28,7 +28,7 @@ from kvbench.run import gitstate
 from kvbench.run.config import load_group
 from kvbench.run.labels import describe_run
 from kvbench.run.machine import accelerator, cpu_info
-from kvbench.run.loop import SharedRun, batching_note, check_lm_settings, run_shared, run_task
+from kvbench.run.loop import SharedRun, check_lm_settings, run_shared, run_task
 from kvbench.run.records import summarize
 from kvbench.run.settings import ConfigError, RunSettings, build_policy, build_task, user_errors
 from kvbench.run.threads import current_threads
@@ -176,7 +176,7 @@ class Session:
         m = dict(settings.model)
         key = json.dumps([m, settings.device, settings.seed], sort_keys=True)
         if self._model is None or self._model[0] != key:
-            from kvbench.engine.attention import install
+            from kvbench.engine.cache import install
 
             if m.get("path") in (None, "", "???"):
                 raise ConfigError("model.path is required (a hub id or a local directory)")
@@ -258,23 +258,20 @@ def _run_locked(settings: RunSettings, policy_name: str, run_dir: Path, session:
     if finished is not None:
         return finished
     loaded = session.model(settings)
-    note = batching_note(loaded.model, settings)
-    if note:
-        print(f"kvbench: {note}", file=sys.stderr)
     records = run_task(loaded.model, loaded.tokenizer, policy, task, task_env(loaded, settings), settings, run_dir,
                        references=session.references)
-    return _close_run(settings, policy_name, run_dir, loaded, policy, task, records, note)
+    return _close_run(settings, policy_name, run_dir, loaded, policy, task, records)
 
 
 def _close_run(settings: RunSettings, policy_name: str, run_dir: Path, loaded: LoadedModel, policy: Policy,
-               task: Task, records: list[dict[str, Any]], note: str | None = None) -> dict[str, Any]:
+               task: Task, records: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's metrics.json from its records (written last: a run with metrics.json is finished)."""
     return write_metrics(settings, policy_name, run_dir, policy, task, records, loaded.name,
-                         provenance(loaded, task), note)
+                         provenance(loaded, task))
 
 
 def write_metrics(settings: RunSettings, policy_name: str, run_dir: Path, policy: Policy, task: Task,
-                  records: list[dict[str, Any]], model_name: str, prov: dict[str, Any], note: str | None = None,
+                  records: list[dict[str, Any]], model_name: str, prov: dict[str, Any],
                   stopped: dict[str, Any] | None = None, threads: int | None = None) -> dict[str, Any]:
     """Write and return metrics.json from a run's records; `prov` is the loading process's `provenance`, `threads`
     its torch threads (None: this process's). `stopped`: set when the run was stopped before its last sample and
@@ -303,7 +300,7 @@ def write_metrics(settings: RunSettings, policy_name: str, run_dir: Path, policy
         "stats": summarize(records, settings.budget, policy.evicts),
         # torch intra-op threads (a SLURM job: its CPUs; kvbench.run.threads)
         "threads": current_threads() if threads is None else threads,
-        **({"batch": {"size": settings.batch_size, "note": note}} if settings.batch_size > 1 else {}),
+        **({"batch": {"size": settings.batch_size}} if settings.batch_size > 1 else {}),
         "provenance": prov,
         **({"stopped": stopped} if stopped is not None else {}),
     }

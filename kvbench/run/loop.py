@@ -15,9 +15,7 @@ from typing import Any
 
 import torch
 
-from kvbench.engine.cache import EvictingCache, batchable
-from kvbench.engine.generate import (GenerationResult, GenerationSettings, Job, Observer, generate_batch,
-                                     generate_shared, shared_bytes)
+from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate_batch, shared_bytes
 from kvbench.metrics.degenerate import is_degenerate
 from kvbench.metrics.lm import lm_summary
 from kvbench.options import LM_TOKENS_AFTER_EVICTION
@@ -93,7 +91,7 @@ def memory_limit(model: Any) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
-def split_to_fit(model: Any, jobs: list[Job], batch: int, limit: int) -> list[list[int]]:
+def split_to_fit(model: Any, jobs: list[Job], batch: int | None, limit: int) -> list[list[int]]:
     """The jobs (indices, in order) in as few consecutive parts as keep each part's shared_bytes under `limit`; a
     job too big alone is a part of its own."""
     parts: list[list[int]] = [[]]
@@ -117,17 +115,6 @@ def run_samples(task: Task, env: TaskEnv, settings: RunSettings) -> list[Sample]
         i, n = settings.shard
         samples = [s for k, s in enumerate(samples) if k % n == i]
     return samples
-
-
-def batching_note(model: Any, settings: RunSettings) -> str | None:
-    """Why a run with batch_size > 1 runs its samples one by one (one line, for metrics.json and the log), or None
-    when it batches (or batch_size is 1)."""
-    if settings.batch_size <= 1:
-        return None
-    if not batchable(EvictingCache(model.config)):
-        return (f"batch_size={settings.batch_size} not applied: the model has sliding-window layers, whose cache is "
-                "per sample; samples run one at a time")
-    return None
 
 
 def _generate_samples(model: Any, tokenizer: Any, policy: Policy, task: Task, batch: list[Sample],
@@ -175,13 +162,12 @@ class SharedRun:
 def run_shared(model: Any, tokenizer: Any, runs: list[SharedRun], task: Task,
                env: TaskEnv) -> list[list[dict[str, Any]]]:
     """Every run's missing samples, sample-major: for each sample, the runs that lack it go through
-    `engine.generate.generate_shared` together (the prompt forwards that are bit-for-bit the same between them run
-    once), and each run's record is appended to its own predictions.jsonl as soon as the sample ends, so a kill loses
-    at most the sample under way and a relaunch resumes per (run, sample). Each record equals the run's batch-1
-    record but for the timings (and `shared`: the shared seconds, when a forward was shared). batch_size > 1: the
-    runs leaving the shared forwards together decode together, that many at a time (generate_shared's `batch`: a
-    token may differ where batch_size's rounding decides a near-tie, as with batched samples). Returns each run's
-    records in the task's sample order."""
+    `engine.generate.generate_batch` together (the runs whose policies select alike, budgets included, as the rows of
+    one cache: one forward and one eviction for all of them), and each run's record is appended to its own
+    predictions.jsonl as soon as the sample ends, so a kill loses at most the sample under way and a relaunch resumes
+    per (run, sample). Each record is the run's batch-1 record but for the timings (its equal share of each forward)
+    and the batch's rounding (a token may differ where it decides a near-tie, as with batched samples; the record's
+    `batch` says it was a row). Returns each run's records in the task's sample order."""
     from tqdm import tqdm
 
     settings = runs[0].settings  # the group's common settings (samples, shard, progress)
@@ -203,16 +189,15 @@ def run_shared(model: Any, tokenizer: Any, runs: list[SharedRun], task: Task,
         for j in members:
             runs[j].policy.start_sample(sample_seed(sample.id))
             jobs.append(sample_job(tokenizer, runs[j].policy, task, sample, runs[j].settings, default_stop))
-        parts = split_to_fit(model, jobs, settings.batch_size, limit)
+        parts = split_to_fit(model, jobs, None, limit)
         if len(parts) > 1 and not said:
-            need = shared_bytes(model, jobs, settings.batch_size)
+            need = shared_bytes(model, jobs)
             print(f"kvbench: {len(jobs)} runs sharing a sample's work would hold ~{_size(need)} of caches, over the "
                   f"{_size(limit)} kvbench allows (half the free memory): they run as {len(parts)} groups",
                   file=sys.stderr)
             said = True
         # (the parts are consecutive: their results come in the jobs' order)
-        results = [res for part in parts for res in generate_shared(model, [jobs[k] for k in part],
-                                                                    batch=settings.batch_size)]
+        results = [res for part in parts for res in generate_batch(model, [jobs[k] for k in part])]
         for j, job, res in zip(members, jobs, results):
             record = sample_record(tokenizer, task, sample, job, res, runs[j].settings)
             append_record(runs[j].pred_path, record)
@@ -293,8 +278,7 @@ def generation_settings(settings: RunSettings, sample: Sample, stop_ids: Any,
     return GenerationSettings(block=settings.block, protocol=settings.protocol, scenario=settings.scenario,
                               diagnostics=settings.diagnostics, context_tokens=sample.context_tokens,
                               stop_ids=tuple(stop_ids), min_new_tokens=sample.min_new_tokens,
-                              slot_reuse=settings.slot_reuse, evict_together=settings.evict_together,
-                              stack_prefill=None if settings.stack_prefill == "auto" else settings.stack_prefill,
+                              compile=settings.compile,
                               max_new_tokens=sample.max_new_tokens if max_new_tokens is None else max_new_tokens)
 
 
@@ -365,13 +349,6 @@ def make_record(sample: Sample, prediction: str, res: GenerationResult, score: f
         rec["diagnostics"] = res.diagnostics
     if settings.save_prompts:
         rec["prompt"] = sample.prompt
-    if settings.batch_size > 1:
+    if res.batch_size > 1:  # a row of a batch (samples, or a shared group's runs): its rounding, its share of time
         rec["batch"] = {"size": res.batch_size, "kv_bytes_peak": res.batch_kv_bytes_peak}
-    if settings.slot_reuse:
-        rec["slot_reuse"] = True  # decoded with slot reuse (kvbench/engine/slots.py): its rounding, not chronological
-    if res.shared_with > 1:
-        # generate_shared's shared forwards: how many runs one of them served, this run's equal share of their seconds
-        # (inside prefill_s), and their seconds in full (what the group's shares add up to)
-        rec["shared"] = {"with": res.shared_with, "s": round(res.shared_s, 6),
-                         "forward_s": round(res.shared_forward_s, 6)}
     return rec

@@ -61,7 +61,6 @@ def summarize(records: list[dict[str, Any]], budget: int | None, evicts: bool) -
     steps = sum(r["decode_steps"] for r in records)
     decode = sum(r["decode_s"] for r in records)
     batched = [r for r in records if "batch" in r]
-    shared = [r["shared"] for r in records if "shared" in r]
     ratio = [min(1.0, budget / r["prompt_tokens"]) if (evicts and budget) else 1.0 for r in records]
     return {
         "samples": len(records),
@@ -78,11 +77,8 @@ def summarize(records: list[dict[str, Any]], budget: int | None, evicts: bool) -
         # Outputs that collapsed (empty, whitespace, one token or n-gram repeated); a record without the flag (made by
         # hand, in tests) counts as not degenerate.
         "degenerate": sum(1 for r in records if r.get("degenerate")),
-        # shared-work sweeps (kvbench.run.loop.run_shared): the samples whose prompt forwards were shared, this run's
-        # share of their seconds (inside prefill_s) and the most runs one forward served
-        **({"shared_samples": len(shared), "shared_s": round(sum(x["s"] for x in shared), 4),
-            "shared_with": max(x["with"] for x in shared)} if shared else {}),
-        # batched runs: the largest batch and the most K+V bytes its caches held together
+        # batched runs (samples, or a shared group's runs as rows): the largest batch and the most K+V bytes its rows
+        # held together
         **({"batch_size": max(r["batch"]["size"] for r in batched),
             "batch_kv_bytes_peak": max(r["batch"]["kv_bytes_peak"] for r in batched)} if batched else {}),
     }

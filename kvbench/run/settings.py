@@ -67,20 +67,9 @@ class RunSettings:
     # common prompt forwards done once (kvbench.run.app.run_group); false runs each alone. Results are identical
     # either way, so the key leaves it out.
     share: bool = _setting(True, changes_results=False)
-    # Decoding steps write each new token into the slot the previous step's eviction freed (no O(N) copy per step;
-    # kvbench/engine/slots.py): the same kept tokens, attention summed in another order, so a token may differ where
-    # the rounding decides a near-tie, as with batch_size; the key leaves it out and every record made with it says
-    # so. A stored config without the key decoded chronologically (kvbench.options.stored_config).
-    slot_reuse: bool = _setting(True, changes_results=False)
-    # batch_size > 1: a decoding step's evictions of the samples whose policies select alike in one call
-    # (kvbench/engine/stack.py: SampleStacks), each keeping what it keeps alone; false: each sample on its own. The
-    # same results either way (tests/test_stack.py), so the key leaves it out.
-    evict_together: bool = _setting(True, changes_results=False)
-    # The prompt's evictions of a run of layers of one budget in one call too (kvbench/engine/stack.py): the same
-    # selections as layer by layer (tests/test_stack.py), so the key leaves it out; "auto": on for a CUDA device,
-    # where it cut the prompt's evictions 4.7-13.7x, off on the CPU, where it made SnapKV's prompt slower
-    # (kvbench.engine.generate.stacks_prefill).
-    stack_prefill: bool | str = _setting("auto", changes_results=False)
+    # Each prompt block and decoding step (its eviction included) as one compiled graph (torch.compile; on a GPU a
+    # CUDA graph): the same predictions as eager (tests/test_compile.py), so the key leaves it out.
+    compile: bool = _setting(False, changes_results=False)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RunSettings:
@@ -124,10 +113,7 @@ class RunSettings:
                    shard=shard, diagnostics=tuple(cfg["diagnostics"] or ()),
                    graded=_flag("graded", cfg["graded"]),
                    progress=_flag("progress", cfg["progress"]), batch_size=batch_size,
-                   share=_flag("share", cfg["share"]),
-                   slot_reuse=_flag("slot_reuse", cfg["slot_reuse"]),
-                   evict_together=_flag("evict_together", cfg["evict_together"]),
-                   stack_prefill=_flag_or_auto("stack_prefill", cfg["stack_prefill"]))
+                   share=_flag("share", cfg["share"]), compile=_flag("compile", cfg["compile"]))
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the run records them (config.yaml; the resume key; metrics): plain values in the
@@ -155,10 +141,9 @@ class RunSettings:
 
     def group_key(self) -> str | None:
         """Which runs may share work (kvbench.run.app.run_group): equal keys share model, task, protocol, block,
-        scenario, shard and every other setting but the policy and the budget, so they run the same samples and
-        engine.generate.generate_shared finds what their prompt forwards have in common (batch_size: how many of a
-        sample's runs leaving the shared forwards together then go through the model together). None: the run goes
-        alone (share=false)."""
+        scenario, shard and every other setting but the policy and the budget, so they run the same samples, each
+        sample's runs together (engine.generate.generate_batch: those whose policies select alike as the rows of one
+        cache). None: the run goes alone (share=false)."""
         if not self.share:
             return None
         common = {k: v for k, v in self.recorded().items()
@@ -173,15 +158,6 @@ class RunSettings:
 def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be true or false, got {value!r}")
-    return value
-
-
-def _flag_or_auto(name: str, value: Any) -> bool | str:
-    """A flag that may also be "auto" (the device decides when the run starts)."""
-    if value == "auto":
-        return value
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be true, false or auto, got {value!r}")
     return value
 
 
