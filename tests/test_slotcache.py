@@ -5,6 +5,7 @@ ops (eviction included) stay near HF's own forward."""
 from __future__ import annotations
 
 import collections
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -16,14 +17,19 @@ from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.engine.slotcache import SlotCache, evict, free_slots, install
 from kvbench.engine.slotgen import SlotRun, capacity, generate_slots, plan
 from kvbench.models.tiny import build_tiny_model
+from kvbench.policies.adakv import AdaKV
+from kvbench.policies.base import Policy
+from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.h2o import H2O
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
 from kvbench.policies.pyramidkv import PyramidKV
+from kvbench.policies.sagekv import SageKV
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
+from kvbench.policies.view import SlotView
 
 from float64_reference import reference_logits
 from helpers import random_prompt
@@ -37,7 +43,18 @@ POLICIES = {
     "snapkv": lambda: SnapKV(budget=24, window=4, kernel=3),
     "pyramidkv": lambda: PyramidKV(budget=24, window=4, kernel=3),  # per-layer budgets
     "hashevict": lambda: HashEvict(budget=24),
+    "adakv": lambda: AdaKV(budget=24, window=4, kernel=3),  # per-head counts (the layer's h_kv * N shared)
+    "adakv_kvpress": lambda: AdaKV(budget=24, window=4, kernel=3, allocation="kvpress"),
+    "criticalkv": lambda: CriticalKV(budget=24, window=4, kernel=3),  # value norms as per-token state
+    "criticalkv_adakv": lambda: CriticalKV(base="adakv", budget=24, window=4, kernel=3),
+    "criticalkv_inside": lambda: CriticalKV(base="adakv", allocation="kvpress", stage1_window="inside", budget=24,
+                                            window=4, kernel=3),
+    "sagekv": lambda: SageKV(budget=24, sink=2, k=4, recent=8),  # per-head unions; pins, then slides
 }
+# Heads that keep different numbers of tokens: the chronological engine reports a layer's total over h_kv as its
+# peak_kv_tokens and the bytes the heads hold; the slot cache the most one head held (and that head's tokens over all
+# layers times h_kv heads), never less
+PER_HEAD = {"adakv", "adakv_kvpress", "criticalkv_adakv", "criticalkv_inside", "sagekv"}
 
 
 def _model(layers: int = 2, slots: bool = True, dtype: torch.dtype = torch.float64):
@@ -111,23 +128,92 @@ def test_slots_match_float64_reference(name: str) -> None:
     """Blocks of 16 over a 70-token prompt, 6 greedy steps: every logit the run saw equals the float64 reference
     attending, per layer and head, to exactly the positions the run held; each head held the same positions as in
     the chronological engine (kvbench.engine.generate), forward by forward."""
+    _match_reference_and_chronological(POLICIES[name], name in PER_HEAD, 70, 6)
+
+
+@pytest.mark.parametrize("name", ["adakv", "criticalkv_adakv", "sagekv"])
+def test_per_head_prompt_within_budget_then_decoding(name: str) -> None:
+    """A 20-token prompt (within N = 24), 12 steps: AdaKV's layers stay under h_kv * N for the first steps (counts =
+    every held token), SAGE-KV makes its one selection at the first decoding eviction over budget, then slides."""
+    _match_reference_and_chronological(POLICIES[name], True, 20, 12)
+
+
+def _match_reference_and_chronological(make: Callable[[], Policy], per_head: bool, T: int, new: int) -> None:
     model, old = _model(), _model(slots=False)
-    ids = random_prompt(70, 0)
-    settings = GenerationSettings(block=16, max_new_tokens=6)
+    ids = random_prompt(T, 0)
+    settings = GenerationSettings(block=16, max_new_tokens=new)
     logged: list[torch.Tensor] = []
-    res = generate_slots(model, POLICIES[name](), ids, settings,
+    res = generate_slots(model, make(), ids, settings,
                          observer=Observer(trace=True, on_logits=lambda lg: logged.append(lg[0])))
-    chunks = [ids[s:s + 16] for s in range(0, 70, 16)] + [[t] for t in res.tokens[:-1]]
+    chunks = [ids[s:s + 16] for s in range(0, T, 16)] + [[t] for t in res.tokens[:-1]]
     assert len(res.trace) == len(chunks)
     ref = reference_logits(model, chunks, res.trace)
     first = len(chunks) - len(res.tokens)
     for got, want in zip(logged, [ref[first]] + ref[first + 1:], strict=True):
         assert (got.double() - want).abs().max().item() < 1e-5
-    assert min(int((t >= 0).sum(dim=-1).max()) for t in res.trace[-1]) < 70  # some layer evicted
-    chrono = generate(old, POLICIES[name](), ids, settings, observer=Observer(trace=True))
+    assert min(int((t >= 0).sum(dim=-1).max()) for t in res.trace[-1]) < T + len(res.tokens) - 1  # some evicted
+    chrono = generate(old, make(), ids, settings, observer=Observer(trace=True))
     assert chrono.tokens == res.tokens
     assert _held(chrono.trace) == _held(res.trace)
-    assert res.peak_kv_tokens == chrono.peak_kv_tokens and res.kv_bytes_peak == chrono.kv_bytes_peak
+    if per_head:  # PER_HEAD: the two engines report different peaks where heads differ
+        assert res.peak_kv_tokens >= chrono.peak_kv_tokens and res.kv_bytes_peak >= chrono.kv_bytes_peak
+    else:
+        assert res.peak_kv_tokens == chrono.peak_kv_tokens and res.kv_bytes_peak == chrono.kv_bytes_peak
+
+
+# -- AdaKV's head cap (the static bound of a per-head allocation) ------------------------------------------------------
+@pytest.mark.parametrize("allocation", ["kvpress", "adakv"])
+def test_adakv_head_cap_clamps_counts_by_hand(allocation: str) -> None:
+    """3 heads, N = 4, head_cap 1.5: a head keeps at most ceil(6.0) = 6. Each head holds 8 tokens, 1 protected (+inf);
+    head 0's scores beat every other head's, so the allocation gives it all its 8 (safeguard 0): clamped to 6, the 2
+    clamped away unused (10 kept of h_kv * N = 12). Under h_kv * N in all (7 + 2 + 2 = 11) a head keeps every held
+    token, up to the cap too."""
+    policy = AdaKV(budget=4, window=1, kernel=1, alpha_safeguard=0.0, allocation=allocation, head_cap=1.5)
+    assert policy.head_capacity(4) == 6
+    inf = float("inf")
+    scores = torch.tensor([[inf, .9, .8, .7, .6, .5, .4, .3],
+                           [inf, .1, .08, .06, .04, .02, .01, .005],
+                           [inf, .09, .07, .05, .03, .015, .008, .003]]).view(1, 1, 3, 8)  # (L, b, h_kv, S)
+    budgets = torch.tensor([4]).view(1, 1, 1)
+    # adakv: F = 3 per head, c = (7, 1, 1) of the top 9 unprotected; k = round(c) = (7, 1, 1)
+    assert policy.slot_allocation(scores, budgets).tolist() == [[[8, 2, 2]]]
+    assert policy.slot_counts(None, scores, budgets).tolist() == [[[6, 2, 2]]]  # type: ignore[arg-type]
+    under = scores.clone()
+    under[..., 1, 2:] = -inf  # head 1 holds 2 (free slots -inf)
+    under[..., 2, 2:] = -inf
+    under[..., 0, 7:] = -inf  # head 0 holds 7: 11 in all, not over 12
+    assert policy.slot_allocation(under, budgets).tolist() == [[[7, 2, 2]]]
+    assert policy.slot_counts(None, under, budgets).tolist() == [[[6, 2, 2]]]  # type: ignore[arg-type]
+
+
+class _CapCount(AdaKV):
+    """AdaKV that counts, per eviction, the heads whose allocation the cap clamped (a host read: eager tests only)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.binds: list[int] = []
+
+    def slot_counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        kept = super().slot_counts(view, ranked, counts)
+        self.binds.append(int((kept < self.slot_allocation(ranked, counts)).sum()))
+        return kept
+
+
+@pytest.mark.parametrize("allocation", ["kvpress", "adakv"])
+def test_adakv_head_cap_on_a_small_run(allocation: str) -> None:
+    """The 70-token run of the reference test: with 2 KV heads the default cap (2N = h_kv * N) never binds; at
+    head_cap 1.0 (every head at most N) it binds in some evictions, and every head holds at most N after each."""
+    model = _model()
+    ids = random_prompt(70, 0)
+    settings = GenerationSettings(block=16, max_new_tokens=6)
+    default = _CapCount(budget=24, window=4, kernel=3, allocation=allocation)
+    generate_slots(model, default, ids, settings)
+    assert len(default.binds) == 5 + 5 and sum(default.binds) == 0  # 5 blocks, 5 decoding evictions
+    tight = _CapCount(budget=24, window=4, kernel=3, allocation=allocation, head_cap=1.0)
+    res = generate_slots(model, tight, ids, settings, observer=Observer(trace=True))
+    assert sum(b > 0 for b in tight.binds) > 0
+    for step in res.trace[1:]:  # before each forward: what the eviction before it left
+        assert all(int((t >= 0).sum(dim=-1).max()) <= 24 for t in step)
 
 
 def test_graded_branch_leaves_the_greedy_run_alone() -> None:

@@ -25,6 +25,7 @@ from kvbench.policies.base import Policy, PolicyError, compact, latest_mask, que
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 
 class SageKV(Policy):
@@ -109,3 +110,38 @@ class SageKV(Policy):
         pinned = sinks | union
         layer.state["pinned"] = pinned.float()  # gathered with the kept tokens by layer.keep
         return compact(pinned | latest)
+
+    # -- the static slot cache: the kept set as a 0/1 score, its size as the counts -----------------------------------
+    def slot_score(self, view: SlotView) -> torch.Tensor:
+        """1 for the slots this eviction keeps, 0 for the held ones it drops (free slots: the engine's -inf), the
+        three cases of `select` per layer row as tensor logic: a slide (decoding after a selection: the pinned tokens
+        and the latest recent + 1), a selection (over budget otherwise: sinks | union | the latest recent + 1, pinning
+        sinks | union in `state["pinned"]`, in place), else every held token."""
+        held = view.held  # (L, b, h_kv, S)
+        L, b, h_kv, S = held.shape
+        assert view.queries is not None
+        h_q = view.queries.shape[2]
+        g = h_q // h_kv
+        sink, k, recent = self.sizes(g)
+        seen = view.seen.view(1, b, 1, 1)
+        budgets = torch.tensor([self.layer_budget(i) for i in view.layers], device=held.device).view(L, 1, 1, 1)
+        longest = held.sum(dim=-1, keepdim=True).amax(dim=2, keepdim=True)  # (L, b, 1, 1): `physical()`
+        # A selection was made exactly when the row holds fewer tokens than it saw (`_sliding`); only while decoding
+        sliding = (longest < seen) if view.decoding else torch.zeros_like(longest, dtype=torch.bool)
+        selecting = ~sliding & (longest > budgets)  # (L, b, 1, 1)
+        pinned = (view.state["pinned"] > 0) & held
+        # The latest recent + 1 positions are all held whenever a slide or a selection runs (every token is held before
+        # the first selection; a selection and a slide keep the latest ones), so by position, as `select`'s slide
+        latest = held & (view.pos >= seen - recent - 1)
+        sinks = held & (view.pos < sink)
+        cand = (held & ~sinks & ~latest).repeat_interleave(g, dim=2)  # (L, b, h_q, S)
+        probs = view.attention()[..., -1, :].masked_fill(~cand, -math.inf)  # (L, b, h_q, S): the last query's
+        order = view.pos.repeat_interleave(g, dim=2).reshape(L * b, h_q, S)  # ties to the earlier token
+        top = rank_mask(probs.reshape(L * b, h_q, S), k, order)  # each query head's top-k
+        chosen = sinks | top.view(L, b, h_kv, g, S).any(dim=3)  # (L, b, h_kv, S): sinks | union
+        keep = torch.where(selecting, chosen | latest, torch.where(sliding, pinned | latest, held))
+        view.state["pinned"].copy_(torch.where(selecting, chosen, pinned).float())
+        return keep.float()
+
+    def slot_counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return (ranked > 0).sum(dim=-1)  # (L, b, h_kv): the slots `slot_score` keeps (no protected +inf here)

@@ -36,6 +36,15 @@ class SlotView:
         """(L, b, h_kv, S) bool: the slots that hold a token."""
         return self.pos >= 0
 
+    def protected(self, n_sink: int, n_recent: int) -> torch.Tensor:
+        """(L, b, h_kv, S) bool: the held slots a selection always keeps, the first `n_sink` positions and the latest
+        `n_recent` (by position: seen - n_recent on). The engine's +inf ranks (kvbench/engine/slotcache.py `evict`),
+        here so that a score that needs them before the engine applies them (CriticalKV's stage 1) marks the same."""
+        prot = self.held & (self.pos < n_sink)
+        if n_recent > 0:
+            prot |= self.pos >= self.seen.view(1, -1, 1, 1) - n_recent
+        return prot
+
     def attention(self) -> torch.Tensor:
         """(L, b, h_q, w, S) float32 attention probabilities of the stored queries over the slots: a query sees the
         held slots at positions up to its own; the model's scale and softcap; a query slot not filled yet (qpos -1)
