@@ -109,14 +109,13 @@ class CriticalKV(Policy):
 
     def slot_score(self, view: SlotView) -> torch.Tensor:
         """The stage-2 ranking (`stage2_scores`) over the base's scores A: it needs each head's count, so the base's
-        allocation runs here (on A as the engine ranks it: protected +inf, free -inf, re-derived from the view),
-        and `slot_counts` hands the same counts to the engine (kept from this call)."""
+        allocation runs here (on A as the engine ranks it: protected +inf, free -inf, re-derived from the view; the
+        budgets `view.row_budgets`), and `slot_counts` hands the same counts to the engine (kept from this call)."""
         ranked = self.base.slot_score(view).float()  # (L, b, h_kv, S): A
         ranked = torch.where(view.protected(self.n_sink, self.n_recent), math.inf, ranked)
         ranked = ranked.masked_fill(~view.held, -math.inf)
         L, b, h, S = ranked.shape
-        budgets = torch.tensor([self.base.layer_budget(i) for i in view.layers], dtype=torch.long,
-                               device=ranked.device).view(L, 1, 1).expand(L, b, 1)  # (L, b, 1): N per row
+        budgets = view.row_budgets(self.base.layer_budget)  # (L, b, 1): N per row
         counts = self.base.slot_counts(view, ranked, budgets).expand(L, b, h)  # SnapKV: N; AdaKV: per head
         n_prot = (ranked == math.inf).sum(dim=-1)  # (L, b, h)
         R = L * b
