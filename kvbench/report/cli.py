@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from kvbench.report.collect import Entry, ReportError, Run, collect_entries, entry_from_run
 from kvbench.report.output import render_markdown, write_csv, write_runs_csv
@@ -76,6 +76,13 @@ def print_metrics_table(results: list[dict[str, Any]]) -> str:
     text = tabulate(rows, headers=head, tablefmt="github", disable_numparse=True)
     print(text)
     return text
+
+
+def print_job_tables(jobs: Sequence[Any], metrics: Sequence[list[dict[str, Any]]]) -> None:
+    """After `kvbench` ran its jobs (kvbench.run.jobs.run_planned): each job's table and its run directory."""
+    for job, results in zip(jobs, metrics):
+        print_metrics_table(results)
+        print(f"\nrun directory: {job.run_dir}")
 
 
 def main(argv: list[str] | None = None) -> None:
