@@ -19,16 +19,10 @@ def test_help_prints_and_exits_0(name: str, capsys: pytest.CaptureFixture[str]) 
     assert capsys.readouterr().out.startswith("usage:")
 
 
-@pytest.mark.parametrize("name", ["claims_table", "niah_heatmaps"])
+@pytest.mark.parametrize("name", ["claims_table"])
 def test_positional_scripts_print_help_and_exit_0(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     # (their main() takes paths, for the tests that call them; the command line is cli())
     with pytest.raises(SystemExit) as e:
         load_script(name).cli(["--help"])
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
-
-
-def test_niah_heatmaps_refuses_a_missing_runs_directory(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert load_script("niah_heatmaps").cli([str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is not a directory" in err and not (tmp_path / "out").exists()
