@@ -1,10 +1,9 @@
 """`kvbench`: the Hydra entry point. Composes the config, builds model/policy/task, runs, writes the run directory.
 
 Only this module, kvbench.run.config, kvbench.run.settings (Hydra's instantiate) and kvbench.run.jobs (Hydra's
-task function) import Hydra. A run is planned and
-run by kvbench.run.jobs, as kvbench's launchers run a sweep's jobs; Hydra finds the launchers as plugins
-(kvbench.run.config.expose_plugins), so this module does not import them. Bad input ends in one line on stderr and
-exit code 2.
+task function) import Hydra. A run is planned and run by kvbench.run.jobs, as kvbench's launchers run a sweep's jobs;
+Hydra finds the launchers as plugins (kvbench.run.config.expose_plugins), so this module does not import them. Bad
+input ends in one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
