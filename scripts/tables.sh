@@ -78,10 +78,13 @@ tables() {
     fi
     # (the parts of evidence_qwen, evidence_knorm and evidence_ruler* hold different tasks or the pilot: a report of
     # each, below)
+    # (the NIAH grid: a heatmap figure per budget too)
+    local extra=""
+    [[ $name != niah_grid ]] || extra=--heatmaps-per-budget
     [[ $name == evidence_qwen || $name == evidence_knorm || $name == evidence_ruler* ]] || \
-        $REPORT "$out/runs" --out "$out" -q
+        $REPORT "$out/runs" --out "$out" -q $extra
     case $name in
-        niah_grid) python scripts/niah_heatmaps.py "$out/runs" "$out" ;;
+        niah_grid) ;;
         ruler_4k) ;;
         evidence_niah)
             # Every claim's planned comparisons on the designed grid, each within its own runs' folder (the claims'

@@ -78,8 +78,8 @@ class RunSettings:
     evict_together: bool = _setting(True, changes_results=False)
     # The prompt's evictions of a run of layers of one budget in one call too (kvbench/engine/stack.py): the same
     # selections as layer by layer (tests/test_stack.py), so the key leaves it out; "auto": on for a CUDA device,
-    # where it cut the prompt's evictions 4.7-13.7x, off on the CPU, where it made SnapKV's prompt slower
-    # (kvbench.engine.generate.stacks_prefill).
+    # where it cut the prompt's evictions, off on the CPU, where it made SnapKV's prompt slower
+    # (kvbench.engine.generate.stacks_prefill; results/bench_gpu/RUN.md and results/bench_smollm2/RUN.md hold both).
     stack_prefill: bool | str = _setting("auto", changes_results=False)
 
     @classmethod
