@@ -346,3 +346,13 @@ def cluster_bootstrap(d: Sequence[float], factors: Sequence[Sequence[object]], r
     lo, hi = np.percentile(t, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
     p = min(1.0, 2 * (min(int(np.sum(t <= 0)), int(np.sum(t >= 0))) + 1) / (resamples + 1))
     return float(lo), float(hi), p, float(t.std(ddof=1))
+
+
+def at_mc_floor(r: PairedResult, resamples: int = RESAMPLES) -> bool:
+    """Whether r's p is a Monte-Carlo sign-flip p at its floor (random patterns, beyond the exact enumeration)."""
+    return r.test == "sign-flip" and r.n > EXACT_FLIPS_UP_TO and r.p_value <= mc_floor(resamples) * (1 + 1e-9)
+
+
+def p_text(r: PairedResult) -> str:
+    """r's p in 3 digits, or "<= " its floor where `at_mc_floor`: a bound, never a measured value."""
+    return f"<= {r.p_value:.3g}" if at_mc_floor(r) else f"{r.p_value:.3g}"

@@ -27,8 +27,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvbench.metrics.stats import (ALPHA, EXACT_FLIPS_UP_TO, PairedResult, Stratum, cluster_bootstrap, holm,
-                                   mc_floor, min_detectable_diff, paired_compare)
+from kvbench.metrics.stats import (ALPHA, EXACT_FLIPS_UP_TO, PairedResult, Stratum, at_mc_floor, cluster_bootstrap,
+                                   holm, mc_floor, min_detectable_diff, paired_compare)
 from kvbench.report.collect import Entry, ReportError, collect_entries, pair_key
 from kvbench.report.samples import LOGPROB, leaves, logprob_values, score_of
 from kvbench.run.labels import NA
@@ -203,8 +203,7 @@ def test_one(plan: Planned, a: Entry, b: Entry, clustered: bool = True) -> Teste
     if factors is None:
         r = paired_compare([Stratum(xa, xb, 1.0)])
         test = r.test if r.test == "mcnemar" or len(ids) > EXACT_FLIPS_UP_TO else "sign-flip (exact)"
-        floor = test == "sign-flip" and r.p_value <= mc_floor() * (1 + 1e-9)
-        return Tested(plan, r.n, test, "", r.diff, r.ci_low, r.ci_high, r.p_value, floor, r)
+        return Tested(plan, r.n, test, "", r.diff, r.ci_low, r.ci_high, r.p_value, at_mc_floor(r), r)
     lo, hi, p, se = cluster_bootstrap(xa - xb, factors)
     n = len(ids)
     basis = PairedResult(n, float(xa.mean()), float(xb.mean()), float((xa - xb).mean()), lo, hi, p, "sign-flip",
