@@ -206,8 +206,9 @@ def test_one(plan: Planned, a: Entry, b: Entry, clustered: bool = True) -> Teste
         return Tested(plan, r.n, test, "", r.diff, r.ci_low, r.ci_high, r.p_value, at_mc_floor(r), r)
     lo, hi, p, se = cluster_bootstrap(xa - xb, factors)
     n = len(ids)
+    # sd_d = sqrt(n) * the resampled se, so that min_detectable_diff's (z_a/2 + z_b) sd_d / sqrt(n) uses that se
     basis = PairedResult(n, float(xa.mean()), float(xb.mean()), float((xa - xb).mean()), lo, hi, p, "sign-flip",
-                         sd_d=se * float(np.sqrt(n)))  # (z_a/2 + z_b) * se: the normal approximation on the resampled se
+                         sd_d=se * float(np.sqrt(n)))
     text = f"{len(set(factors[0]))} windows x {len(set(factors[1]))} needles"
     return Tested(plan, n, "cluster bootstrap", text, basis.diff, lo, hi, p, p <= mc_floor() * (1 + 1e-9), basis)
 
