@@ -76,10 +76,6 @@ def numbers(t: Tested) -> str:
     return f"{num(t.diff)} [{num(t.lo)}, {num(t.hi)}], n = {t.n}, Holm p {pval(t, True)}"
 
 
-def word(t: Tested) -> str:
-    return "exploratory: no verdict" if t.plan.role == "exploratory" else t.verdict
-
-
 def claim_verdict(key: str, tests: list[Tested]) -> str:
     """The claim on its stated comparisons (module docstring)."""
     stated = [t for t in tests if t.plan.claim == key and t.plan.role == "stated"]
@@ -152,7 +148,7 @@ def tests_table(tests: list[Tested]) -> list[str]:
         test = t.test + (f" ({t.clusters})" if t.clusters else "")
         lines.append(f"| {p.column} | {p.claim or '-'} ({p.role}{', ' + p.half if p.half else ''}) | {p.a} | {p.b} | "
                      f"{p.budget} | {p.score} | {t.n} | {test} | {num(t.diff)} [{num(t.lo)}, {num(t.hi)}] | "
-                     f"{pval(t)} | {pval(t, True)} | **{word(t)}** | {mdd} |")
+                     f"{pval(t)} | {pval(t, True)} | **{t.verdict}** | {mdd} |")
     return lines
 
 

@@ -79,7 +79,9 @@ class Tested:
 
     @property
     def verdict(self) -> str:
-        p = self.q if self.q is not None else self.p
+        if self.q is None:  # outside every family: its p is not corrected for what it is outside of
+            return "exploratory: no verdict"
+        p = self.q
         if p < ALPHA and self.lo > 0:
             return f"resolved: {self.plan.a} higher"
         if p < ALPHA and self.hi < 0:
