@@ -66,6 +66,24 @@ def test_an_edited_record_fails_the_check(tmp_path: Path, capsys: pytest.Capture
     assert "tests.csv line 2" in capsys.readouterr().out
 
 
+def test_an_edited_0_100_score_fails_the_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The designed RULER 4K run (28 samples): one KeyDiff record's 0/100 score turned round moves its McNemar test
+    shutil.copytree(ROOT / "results/evidence_ruler/runs/final", tmp_path / "ruler/runs")
+    (tmp_path / "README.md").write_text(f"{v.BEGIN}\n{v.END}\n", encoding="utf-8")
+    _design(tmp_path / "design.csv", [["M", "keydiff_ruler", "", "stated", "RULER", "ruler/runs", "keydiff", "tova",
+                                       "3072", "avg", "", "28"]])
+    args = ["--design", str(tmp_path / "design.csv"), "--results", str(tmp_path)]
+    assert v.main(args) == 0 and v.main([*args, "--check"]) == 0
+    pred = next(p for p in sorted((tmp_path / "ruler/runs").rglob("predictions.jsonl")) if "keydiff_" in str(p))
+    lines = pred.read_text(encoding="utf-8").splitlines()
+    rec = json.loads(lines[0])
+    rec["score"] = 100.0 - rec["score"]
+    pred.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert v.main([*args, "--check"]) == 1
+    assert "tests.csv line 2: committed" in capsys.readouterr().out
+
+
 def test_bad_design_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "design.csv").write_text("family,claim\n", encoding="utf-8")
     assert v.main(["--design", str(tmp_path / "design.csv"), "--results", str(tmp_path)]) == 2
