@@ -171,9 +171,12 @@ def evidence(tests: list[Tested]) -> str:
         "flips for graded ones (exact up to 16 samples).",
         f"- A Monte-Carlo p ({RESAMPLES:,} draws) at its floor {mc_floor():.1g} is written \"<= \": a bound, "
         "not a measurement.",
-        "- One look: `n_planned` and `look` in design.csv fix each part's n; a part run past its planned n after "
-        "an unresolved look is tested at the planned look, and the extended n is shown as exploratory, outside "
-        "the families.",
+        "- One look: `n_planned` records each part's n as its script and RUN.md fixed it before the final runs, "
+        "and `look` the records of the planned look; a part run past its planned n after an unresolved look is "
+        "tested at the planned look, and the extended n is shown as exploratory, outside the families.",
+        "- design.csv was written after the runs, from the scripts' planned comparisons: the families and the "
+        "stated / related split were drawn after the data. Both only make verdicts harder to reach than the "
+        "per-folder families before them.",
         "- A claim is judged on what it claims (the `stated` comparisons): every one must be resolved for the "
         "claim's winner, and a claim of two halves needs both. `related` scores (graded scores, code, the LM "
         "score) are shown beside it and decide nothing.", "",
