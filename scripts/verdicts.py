@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.check:
         errors = check(tests, out / "tests.csv", out / "evidence.md", out / "README.md")
-        print("\n".join(errors) or f"verdicts: all {len(tests)} tests, evidence.md and README.md as the records give")
+        print("\n".join(errors) or f"verdicts: all {len(tests)} tests, evidence.md and every verdicts block as the "
+              "records give")
         return 1 if errors else 0
     write_tests(tests, out / "tests.csv")
     (out / "evidence.md").write_text(evidence(tests), encoding="utf-8")
