@@ -139,15 +139,16 @@ def claims_table(tests: list[Tested]) -> list[str]:
 
 
 def tests_table(tests: list[Tested]) -> list[str]:
-    lines = ["| part | claim (role) | a | b | N | score | n (of planned) | test | diff [95 % CI] | p | Holm p | verdict | smallest "
-             "resolvable diff |", "|---" * 13 + "|"]
+    lines = ["| part | claim (role) | a | b | N | score | n (of planned) | test | diff [95 % CI] | p | Holm p | verdict "
+             "| smallest resolvable diff |", "|---" * 13 + "|"]
     for t in tests:
         p = t.plan
         mdd = "-" if t.verdict != "not resolved" or p.role == "exploratory" else \
             "not reachable at this n" if t.mdd is None else f"{t.mdd:.3g}"
         test = t.test + (f" ({t.clusters})" if t.clusters else "")
+        n = f"{t.n}" + ("" if p.n_planned in (None, t.n) else f" of {p.n_planned}")
         lines.append(f"| {p.column} | {p.claim or '-'} ({p.role}{', ' + p.half if p.half else ''}) | {p.a} | {p.b} | "
-                     f"{p.budget} | {p.score} | {t.n}{'' if p.n_planned in (None, t.n) else f' of {p.n_planned}'} | {test} | {num(t.diff)} [{num(t.lo)}, {num(t.hi)}] | "
+                     f"{p.budget} | {p.score} | {n} | {test} | {num(t.diff)} [{num(t.lo)}, {num(t.hi)}] | "
                      f"{pval(t)} | {pval(t, True)} | **{t.verdict}** | {mdd} |")
     return lines
 
