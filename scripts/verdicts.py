@@ -139,8 +139,8 @@ def claims_table(tests: list[Tested]) -> list[str]:
 
 
 def tests_table(tests: list[Tested]) -> list[str]:
-    lines = ["| part | claim (role) | a | b | N | score | n (of planned) | test | diff [95 % CI] | p | Holm p | verdict "
-             "| smallest resolvable diff |", "|---" * 13 + "|"]
+    lines = ["| part | claim (role) | a | b | N | score | n (of planned) | test | diff [95 % CI] | p | Holm p | "
+             "verdict | smallest resolvable diff |", "|---" * 13 + "|"]
     for t in tests:
         p = t.plan
         mdd = "-" if t.verdict != "not resolved" or p.role == "exploratory" else \
