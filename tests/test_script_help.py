@@ -7,8 +7,8 @@ import pytest
 
 from helpers import load_script
 
-SCRIPTS = ("batch_identity", "budget_choice", "claims_side_by_side", "evidence_table", "graded_validity",
-           "logit_margin", "power_plan", "reproduce", "verdicts")
+SCRIPTS = ("batch_identity", "budget_choice", "claims_side_by_side", "graded_validity", "logit_margin", "power_plan",
+           "reproduce", "verdicts")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -344,3 +344,19 @@ def test_slot_cache_has_no_host_sync_in_a_step() -> None:
             run.step(ids[:, start:end], torch.arange(start, end)[None], run.counts(end))
     assert "aten._local_scalar_dense.default" not in ops.count
     assert isinstance(run.cache, SlotCache)
+
+
+@pytest.mark.parametrize("name", ["adakv_kvpress", "criticalkv_adakv", "sagekv_derived"])
+def test_per_head_policies_read_nothing_back(name: str) -> None:
+    """The per-head policies' scores and counts (allocation, stage 2, SAGE-KV's selection and slide) in eager steps,
+    prompt blocks and a decoding step: no `_local_scalar_dense`."""
+    model = _model(dtype=torch.float32)
+    run = SlotRun(model, POLICIES[name](), 40, GenerationSettings(block=16, max_new_tokens=2), new=2)
+    ids = torch.tensor([random_prompt(40, 5)])
+    with torch.inference_mode(), _Ops() as ops:
+        for start in (0, 16, 32):
+            end = min(40, start + 16)
+            run.step(ids[:, start:end], torch.arange(start, end)[None], run.counts(end))
+        run.cache.decoding = True
+        run.step(ids[:, :1], torch.tensor([[40]]), run.counts(41))
+    assert "aten._local_scalar_dense.default" not in ops.count

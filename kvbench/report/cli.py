@@ -1,5 +1,7 @@
 """`kvbench-report DIR [--paired POLICY]`: collect the runs below DIR, build the report, write table.md / table.csv /
 runs.csv / paired.csv and the plots; and the one table `kvbench` prints after its runs.
+`kvbench-report DIR --design CSV`: the design's planned comparisons instead (runs paths below DIR), tested from the
+records with one Holm family per model (kvbench.report.family), written as tests.csv.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from kvbench.report.collect import Entry, ReportError, Run, collect_entries, entry_from_run
+from kvbench.report.family import read_design, run_design, write_tests
 from kvbench.report.output import render_markdown, write_csv, write_runs_csv
 from kvbench.report.paired import check_policy, pairs, write_paired_csv
 from kvbench.report.plots import plot_budget_heatmaps, plot_heatmaps, plot_score_vs_budget
@@ -102,11 +105,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heatmaps-per-budget", action="store_true",
                         help="also one NIAH heatmap figure per (model, budget, block, protocol): the full cache and "
                              "every policy side by side, niah_<model>_N<budget>_B<block>_<protocol>.png")
+    parser.add_argument("--design", type=Path, default=None, metavar="CSV",
+                        help="test the planned comparisons of this design file (runs paths below DIR) instead: "
+                             "one Holm family per model, written as OUT/tests.csv")
     args = parser.parse_args(argv)
     try:
+        if args.design is not None:
+            out = args.out or args.dir
+            out.mkdir(parents=True, exist_ok=True)
+            tests = run_design(read_design(args.design), args.dir)
+            write_tests(tests, out / "tests.csv")
+            if not args.quiet:
+                print(f"{len(tests)} planned comparisons tested: {out / 'tests.csv'}")
+            return
         report(args.dir, plots=not args.no_plots, quiet=args.quiet, paired=args.paired, out=args.out,
                per_budget=args.heatmaps_per_budget)
-    except ReportError as e:
+    except (ReportError, ValueError, OSError) as e:
         print(f"kvbench-report: error: {e}", file=sys.stderr)
         sys.exit(2)
 
