@@ -3,9 +3,7 @@
 # KeyDiff, SnapKV and StreamingLLM (N = 1024, B = 128, each sample with its own cache) next to HF's own batched
 # generate (full cache), for one workload: niah (8 prompts of 1957-2048 tokens, 32 new tokens each) or longbench
 # (8 prompts of 4005-4096 tokens, 256 new tokens each). Writes results/bench_smollm2/batch_<workload>.{json,md}.
-#
-# One thread and CPU time (--clock cpu), as scripts/bench_smollm2.sh: the two workloads can run side by side on the
-# two cores. CPU budget (measured piecewise before the run): niah ~17 CPU-min, longbench ~50 CPU-min.
+# Design, samples and CPU budget: results/bench_smollm2/RUN.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 workload=${1:?usage: scripts/bench_batch.sh niah|longbench [out_dir] [kvbench-bench options]}

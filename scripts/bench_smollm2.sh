@@ -3,11 +3,7 @@
 # against HF's own loop (one full forward; plain decoding at cache size N) on SmolLM2-135M-Instruct (fp32, CPU),
 # N=1024, B=128, 32 new tokens, prompts of 2k, 4k and 8000 tokens (8000 + 32 stays inside the 8192 context).
 # Writes results/bench_smollm2/bench.{json,md}: the table, the command and the goal pass/fail lines.
-#
-# One thread and CPU time (--clock cpu): on the shared 2-core machine these results come from, other processes
-# kept the load near 12 (cpu_per_wall ~0.2), so wall time measured the scheduler; CPU time of a single-threaded
-# process does not. One interleaved round: ~20 minutes of CPU time. Pass --threads 2 --clock wall (and more
-# --repeats) on a quiet machine to measure latency instead.
+# Design, samples and CPU budget: results/bench_smollm2/RUN.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/bench_smollm2}

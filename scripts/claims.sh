@@ -6,22 +6,7 @@
 #   scripts/claims.sh                 # after scripts/niah_grid.sh (and ideally scripts/ruler_4k.sh)
 #   QUICK=1 scripts/claims.sh         # one 500-token cell per configuration (scratch output only)
 #
-# Each claim runs with the settings of the paper that makes it (docs/policies.md, "Baselines as each paper runs
-# them"). NIAH claims use the NIAH grid's samples (NIAH_2K in lib.sh: 2000 tokens of the essays, depths 10/50/90 %,
-# 5 needles per cell), so every run pairs with the grid's full cache and with each other on the same 15 samples;
-# budgets are absolute token counts, the papers' fractions of a ~1900-token prompt:
-#   K-norm vs Random (K-norm): one compression after the prompt (prefill_once), layers 0-1 kept whole for both
-#     (random policy.skip_layers=[0,1]: equal compression), N = 1024 (about 54 % of the prompt kept).
-#   CriticalKV on SnapKV and AdaKV: prefill_once as in CriticalKV Alg. 2, max pooling, window 32, N = 512.
-#   SAGE-KV vs StreamingLLM (SAGE-KV): one selection after the prompt, eviction at every decoding step
-#     (prefill_once_decode_evict), the same N = 512.
-#   One budget per claim (KNORM_BUDGETS=1024,512 CKV_BUDGETS=256,512 ... add more): the CPU this session had.
-#   HashEvict vs H2O (HashEvict): RULER niah_multikey_1 at 4K (one of the paper's Figure 5 tasks; its other, cwe,
-#     came out the same for every policy and the full cache in the one-sample table, so it cannot separate), 10 samples,
-#     N = 1229 (30 % of 4K; HASH_BUDGETS=1229,2048 adds the paper's 50 %), block-wise; the first 4 and latest 10 tokens protected for both
-#     (HashEvict §4); the paper hashes token by token (B = 1), kvbench's B = 128 is its faster approximation.
-# From the NIAH grid and the RULER table: KeyDiff vs TOVA/SnapKV/H2O under block-wise processing (KeyDiff App. B.2).
-# CPU budget: 8 NIAH runs x 15 samples x ~12 s + 3 RULER runs x 10 samples x ~18 s = ~33 CPU-min.
+# Design, samples and CPU budget: results/claims/RUN.md.
 NAME=claims
 source "$(dirname "$0")/lib.sh"
 

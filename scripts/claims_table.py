@@ -396,6 +396,9 @@ def write(rows: list[dict[str, str]], tests: list[dict[str, Any]], table: dict[i
              f"Model: {model.model if model else '?'} ({src.get('package')} {src.get('package_version')}, "
              f"{src.get('quantization')} dequantized to {src.get('dequantized_to', 'float32')}); scores 0-100 "
              f"(NIAH: substring recall; RULER: string_match). N = budget in tokens per layer and KV head.", "",
+             "A screening table: 10-15 samples per run, its NIAH samples sharing haystack windows and needles, its "
+             "Holm family this table alone. It came before the designed runs and decides no claim: the claims' "
+             "verdicts, one Holm family per model over the designed runs, are in results/evidence.md.", "",
              "Verdicts: paired comparisons at equal budget over the samples both runs hold (diff = claimed winner - "
              "rival, 95 % paired bootstrap interval, p from the exact McNemar test for 0/100 scores, else sign "
              "flips); resolved = the interval excludes 0 and the Holm-adjusted p < 0.05. holds = resolved for the "

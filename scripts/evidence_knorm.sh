@@ -6,21 +6,7 @@
 #   scripts/evidence_knorm.sh                 # results/evidence_knorm/ (pilot, then the grid's shards 0-9)
 #   QUICK=1 scripts/evidence_knorm.sh         # a tiny sub-grid that checks the script end to end (scratch output)
 #
-# Protocol and policies as scripts/claims.sh runs the claim: prefill_once (the K-norm paper compresses the cache once
-# the prompt is read), K-norm (layers 0-1 unpruned, its default) against Random with the same layers unpruned.
-#   pilot  the designed grid's pilot shard 10/11 (9 samples, left out of the grid, as results/pilot_niah): the full
-#          cache, and K-norm and Random at N = 1280, 1536, 1792 of the 2000-token prompts. scripts/budget_choice.py
-#          --pick chooses the grid's budget by the rule fixed before the pilot ran (the full cache >= 90, at least half
-#          the samples informative, then the most informative budget, a tie to the larger); when no budget passes,
-#          the grid runs at N = 1536, the fallback stated before the pilot ran, and also at the pilot's most
-#          informative budget (budget_choice.py --most-informative; added after the first pilot was read, where no
-#          budget passed and 1536 told the two policies apart on 2 of 9 samples, 1792 on 4: RUN.md). One command per
-#          shard and policy runs both budgets, sharing the prompt's forward.
-#   grid   K-norm and Random at that budget on the grid's shards 0-9 (the 93 samples the pilot leaves), the full cache
-#          being results/evidence_niah's (the same samples, the same model; a full cache has no protocol).
-# CPU, stated before running: ~3 s per sample and run on this machine's CPU, so ~4 CPU-min for the pilot (63 runs of
-# a sample) and ~10 for the grid (186). (Measured in the first pilot: ~12 s for the full cache's sample, ~9 s of it
-# the prompt's forward, which the budgets of one command share: ~40 CPU-min for the grid at two budgets.)
+# Design, samples and CPU budget: results/evidence_knorm/RUN.md.
 NAME=evidence_knorm
 source "$(dirname "$0")/lib.sh"
 

@@ -7,23 +7,7 @@
 #   PARTS="pilot lm niah code" ... scripts/evidence_qwen.sh   # also the real-code task (long prompts: the costliest)
 #   QUICK=1 MODEL=smollm2-135m scripts/evidence_qwen.sh   # a tiny sub-grid that checks the script end to end
 #
-# Each part's runs go to their own folder (pilot/, lm/, grid/, code/), and scripts/tables.sh reports each apart.
-# Parts, in the order they are queued (shard-major, so that wherever the runs are stopped every configuration holds
-# the same samples; the grid waits for the pilot, the other parts run beside it):
-#   pilot  the designed grid's pilot shard 10/11 (9 samples, left out of the final grid, as results/pilot_niah for
-#          SmolLM2): the full cache and KeyDiff, TOVA, SnapKV, H2O, StreamingLLM at N = 512 and 1024, B = 128. The
-#          block-wise budget of the grid is then chosen by scripts/budget_choice.py --pick (a rule fixed before the
-#          pilot ran: the full cache >= 90, at least half the samples informative, then the most informative budget);
-#          when no budget passes, N = 1024, SmolLM2's, and RUN.md says so.
-#   code   the real-code task (results/evidence_code's design: N = 512, B = 128; KeyDiff, TOVA, SnapKV, StreamingLLM,
-#          the full cache, one command each) on shards CODE_SHARDS (default 0/8 4/8).
-#   lm     the LM score on code (results/evidence_lm's design: 2048-token texts of the pinned wheels' files, N = 1024,
-#          B = 128, every token after the first eviction scored): full, K-norm, random (layers 0-1 unpruned, as
-#          K-norm), StreamingLLM, on 100 texts (task.limit=100) in shards LM_SHARDS (default 0/2: 50 texts).
-#   niah   the designed grid's shards NIAH_SHARDS (default 0-4: 48 samples), every configuration of
-#          scripts/evidence_niah.sh (14), the block-wise ones at the pilot's budget, the one-pass ones at N = 512;
-#          into grid/<claim>/ (each claim's runs apart: their protocols and options differ).
-# Commands run in queue order, WORKERS at a time (lib.sh's DYNAMIC=1): they are uneven, and a GPU machine has cores.
+# Design, samples and CPU budget: results/evidence_qwen/RUN.md.
 NAME=evidence_qwen
 MODEL=${MODEL:-qwen2.5-coder-1.5b}
 DYNAMIC=${DYNAMIC:-1}

@@ -24,14 +24,7 @@
 #                                  # the pilot shard 9/10 (7 samples), the final runs the other 63
 #   QUICK=1 [PILOT=run] scripts/evidence_ruler.sh   # 1024-token samples, one in the final run (scratch output)
 #
-# Final runs, per shard: the full cache; KeyDiff and TOVA at N (one shared-work group: their prompt blocks before
-# the first eviction are computed once); SnapKV and H2O at N; B = 128. Planned comparisons (scripts/tables.sh, Holm
-# over the four, 0/100 score and the graded score each a family): KeyDiff vs TOVA, SnapKV, H2O and the full cache.
-# Commands run in queue order, WORKERS at a time (lib.sh's DYNAMIC=1: the shards' commands are uneven).
-# CPU, stated before running (SmolLM2, 2 cores): the pilot measured 23.6 CPU-min for 7 samples x 13 runs (~15 s per
-# sample and run, the prompt blocks shared); the final: 28 samples x 5 runs at ~15-20 s: ~40 CPU-min, ~20 min wall
-# on two workers. At 2K (SmolLM2, stated before running): ~8 s per sample and run: the pilot 7 x 13 runs ~12 CPU-min,
-# the final 68 x 5 ~45 CPU-min; ~30 min wall on two workers.
+# Design, samples and CPU budget: results/evidence_ruler/RUN.md.
 NAME=${NAME:-evidence_ruler}
 DYNAMIC=${DYNAMIC:-1}
 source "$(dirname "$0")/lib.sh"

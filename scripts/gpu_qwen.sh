@@ -22,11 +22,7 @@
 #                                                its design's settings (LENGTH, NUM, OF, PILOT_BUDGETS, FALLBACK_N)
 #                                                pass through from the environment
 #
-# State between calls lives in $GPU_STATE (default: $TMPDIR or /tmp, then kvbench-gpu), outside the checkout.
-# The 64 MiB a call counts the travelling tree's disk blocks, directories included: results/ (~2,000 small files in
-# many folders) counts ~22 MB so, so it is moved aside here before the calls (and the runs then record `dirty: true`),
-# and the GGUF goes in pieces of at most 59 MB. The device's copy carried the git metadata of the commit the session
-# started from, not the checkout's HEAD: the runs record that commit (results/evidence_ruler_qwen_2k/RUN.md).
+# Design, samples and CPU budget: results/evidence_qwen/RUN.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE=${GPU_STATE:-${TMPDIR:-/tmp}/kvbench-gpu}

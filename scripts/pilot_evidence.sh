@@ -6,15 +6,7 @@
 #   scripts/pilot_evidence.sh            # results/pilot_evidence/
 #   QUICK=1 scripts/pilot_evidence.sh    # 2 samples, 2 policies (scratch output only)
 #
-# Two workloads on SmolLM2-135M, block-wise B = 128:
-# - the LM score on real code (task=lm source=code, the first 2048 tokens of the pinned wheels' .py files, the last
-#   1024 of them scored): the full cache and 7 policies at N = 256 and 512;
-# - next-line completion of real code (task=code, LongBench lcc's prompt and code_sim_score, graded = the gold
-#   line's log-probability): the full cache and KeyDiff, SnapKV, TOVA, StreamingLLM at N = 512.
-# Pilot samples: shard 7/40 of each task's sample order (every 40th sample from the 8th: 10 of the 393 code-LM texts,
-# 6 of the 211 completion samples), which the final runs must leave out.
-# CPU budget: LM 15 runs x 10 samples x ~11 s = ~30 CPU-min; code 5 runs x 6 samples x ~25 s = ~13
-# CPU-min; ~45 CPU-min in all, ~25 min wall on two workers.
+# Design, samples and CPU budget: results/pilot_evidence/RUN.md.
 NAME=pilot_evidence
 source "$(dirname "$0")/lib.sh"
 

@@ -7,12 +7,7 @@
 #   scripts/pilot_niah.sh            # results/pilot_niah/
 #   QUICK=1 scripts/pilot_niah.sh    # 1 sample, 1 policy (scratch output only)
 #
-# The final grid this pilot sizes: 2000-token prompts, depths 10/50/90 %, 34 samples per depth (102 samples: the
-# first 76 in disjoint 2000-token windows of the essays, the other 26 wrapped, see docs/niah.md), 32 new tokens.
-# Pilot samples: shard 10/11 of that grid (9 samples, k = 10, 21, ..., 98; the last three wrapped windows), which the
-# final runs leave out. Policies: KeyDiff, TOVA, SnapKV, H2O, StreamingLLM at N = 256, 512, 1024, B = 128, and the
-# full cache; each worker's runs are one shared-work group (their prompt blocks before the first eviction once).
-# CPU budget: 16 runs x 9 samples x ~25 s = ~60 CPU-min, ~35 min wall on two workers beside other work.
+# Design, samples and CPU budget: results/pilot_niah/RUN.md.
 NAME=pilot_niah
 source "$(dirname "$0")/lib.sh"
 

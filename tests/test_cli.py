@@ -159,3 +159,33 @@ def test_hydra_flag_values_are_not_taken_for_overrides() -> None:
 
     assert validate_overrides(["--cfg", "job", "model=tiny-llama"]) is None  # `job` is --cfg's value
     assert validate_overrides(["-c", "job", "policy=nope"]).startswith("unknown policy 'nope'; choose one of: ")
+
+
+EDITABLE_INSTALL = """
+import importlib.machinery, pkgutil, sys
+repo = sys.argv[1]
+sys.path = [p for p in sys.path if p not in ("", repo)]
+class Finder:  # as an editable install's finder: kvbench's packages by name, no hydra_plugins folder on sys.path
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        where = {"kvbench": repo, "hydra_plugins.kvbench_launcher": repo + "/hydra_plugins",
+                 "hydra_plugins.kvbench_slurm_launcher": repo + "/hydra_plugins"}.get(name)
+        return importlib.machinery.PathFinder.find_spec(name, [where]) if where else None
+sys.meta_path.insert(0, Finder)
+import hydra_plugins
+print("kvbench_launcher" in {m.name for m in pkgutil.iter_modules(hydra_plugins.__path__)})
+from kvbench.run import config
+config.expose_plugins()
+from hydra.core.plugins import Plugins
+from hydra.plugins.launcher import Launcher
+print(sorted(c.__name__ for c in Plugins.instance().discover(Launcher) if c.__module__.startswith("hydra_plugins.kv")))
+"""
+
+
+def test_hydra_finds_the_launchers_of_an_editable_install(tmp_path: Path) -> None:
+    # kvbench.cli imports no launcher: Hydra's plugin scan finds them, also where an editable install maps them
+    # through an import finder that the scan cannot list (the first line: without expose_plugins it would not).
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", EDITABLE_INSTALL, str(repo)], capture_output=True, text=True,
+                         cwd=tmp_path, check=True).stdout.splitlines()
+    assert out == ["False", "['KvbenchLauncher', 'KvbenchSlurmLauncher']"]

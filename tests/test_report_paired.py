@@ -271,13 +271,13 @@ def test_runs_on_different_samples_are_never_paired(tmp_path: Path) -> None:
 
 
 def test_runs_of_an_older_kvbench_are_named_not_read(tmp_path: Path) -> None:
-    # A run without composition (an older kvbench) is not read another way: the notes name it and the migration.
+    # A run without composition (an older kvbench) is not read another way: the notes name it and say to rerun it.
     write_run(tmp_path, "a", "full", FULL)
     write_run(tmp_path, "b", "keydiff", KEYDIFF, composition=None)
     report_main([str(tmp_path), "--no-plots", "-q"])
     assert [r["policy"] for r in _csv(tmp_path / "table.csv")] == ["full"]
-    assert "b: written by an older kvbench (no composition in metrics.json), skipped; scripts/migrate_runs.py " \
-        "brings it up to date" in (tmp_path / "table.md").read_text()
+    assert "b: written by an older kvbench (no composition in metrics.json), skipped; run it again " \
+        "with this kvbench" in (tmp_path / "table.md").read_text()
 
 
 def test_shards_stacked_or_not_merge(tmp_path: Path) -> None:

@@ -207,3 +207,17 @@ def test_one_sided_p_by_hand() -> None:
     assert under <= 0.05 and one_sided_bounds([1.0, 2.0, 3.0])[1] <= 4.0
     assert one_sided_p([5.0, 5.0], 4.0) == (1.0, 0.0) and one_sided_p([3.0, 3.0], 4.0) == (0.0, 1.0)  # no spread
     assert one_sided_p([1.0], 4.0) is None
+
+
+def test_a_monte_carlo_p_at_its_floor_is_written_as_a_bound() -> None:
+    from kvbench.metrics.stats import at_mc_floor, mc_floor, p_text
+
+    # 10,000 random sign patterns: the smallest p is (0 + 1) / 10,001 per tail, x 2 = 2 / 10,001 = 0.00019998
+    floor = 2 / 10_001
+    assert mc_floor() == floor
+    mc = PairedResult(100, 0, 0, 1, 0.5, 1.5, floor, "sign-flip")
+    assert at_mc_floor(mc) and p_text(mc) == "<= 0.0002"
+    # Above the floor, an exact enumeration (n <= 16) or an exact McNemar p: a measured value
+    assert p_text(PairedResult(100, 0, 0, 1, 0.5, 1.5, 0.0008, "sign-flip")) == "0.0008"
+    assert not at_mc_floor(PairedResult(16, 0, 0, 1, 0.5, 1.5, floor, "sign-flip"))
+    assert p_text(PairedResult(100, 0, 0, 1, 0.5, 1.5, 1e-9, "mcnemar")) == "1e-09"

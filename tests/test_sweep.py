@@ -187,6 +187,28 @@ def test_report_draws_niah_heatmaps_side_by_side(tmp_path: Path) -> None:
     assert not (tmp_path / "score_vs_budget.png").exists()  # one budget: no curve
 
 
+def test_report_draws_a_heatmap_figure_per_budget_on_request(tmp_path: Path, capsys) -> None:
+    # --heatmaps-per-budget: one figure per (model, budget, block, protocol), the full cache's panel in each; the
+    # tables and the default heatmap are those of the report without it.
+    niah, full = "kvbench.tasks.niah.NIAH", "kvbench.policies.full.Full"
+    cells = {"L1024_D0": 100.0, "L1024_D50": 0.0, "avg": 50.0}
+    _fake_run(tmp_path, "full", _metrics("llama", "full", None, "niah", {**cells, "L1024_D50": 100.0}, 100.0),
+              _cfg(full, None, niah))
+    for policy, target, budget in (("tova", "kvbench.policies.tova.TOVA", 512),
+                                   ("keydiff", "kvbench.policies.keydiff.KeyDiff", 512),
+                                   ("keydiff", "kvbench.policies.keydiff.KeyDiff", 256)):
+        _fake_run(tmp_path, f"{policy}{budget}", _metrics("llama", policy, budget, "niah", cells, 50.0),
+                  _cfg(target, budget, niah))
+    report_main([str(tmp_path), "-q", "--no-plots"])
+    table = (tmp_path / "table.md").read_text()
+    report_main([str(tmp_path), "-q", "--no-plots", "--heatmaps-per-budget"])
+    assert (tmp_path / "table.md").read_text() == table
+    assert sorted(p.name for p in tmp_path.glob("niah_*.png")) == ["niah_llama_N256_B128_blockwise.png",
+                                                                  "niah_llama_N512_B128_blockwise.png"]
+    assert capsys.readouterr().out.count("wrote ") == 2
+    assert not list(tmp_path.glob("heatmap_*.png"))  # (--no-plots: the default plots only)
+
+
 def test_report_of_an_empty_directory_is_a_one_line_error(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:

@@ -3,8 +3,9 @@
 Hydra's BasicLauncher runs each job of `kvbench -m` to its end before the next one starts, so the runs of a sweep
 cannot share the prompt forwards they have in common. Here every job is first set up as Hydra sets it up (its output
 directory, `.hydra/`, logging, callbacks: `hydra.core.utils.run_job`) with a task function that only parses the job
-into its runs (kvbench.cli.plan_job); then all the jobs' runs go to kvbench.cli.run_planned, which runs the runs that
-differ only in policy and budget sample-major in one group (share=false: each alone, as the basic launcher does).
+into its runs (kvbench.run.jobs.plan_job); then all the jobs' runs go to kvbench.run.jobs.run_planned, which runs the
+runs that differ only in policy and budget sample-major in one group (share=false: each alone, as the basic launcher
+does).
 A bad job fails at planning, before any run starts. The SLURM launcher (hydra_plugins/kvbench_slurm_launcher) runs
 one such group per array task with `plan_and_run`.
 """
@@ -24,12 +25,13 @@ log = logging.getLogger(__name__)
 
 def plan_and_run(hydra_context: HydraContext, config: DictConfig, job_overrides: Sequence[Sequence[str]],
                  job_nums: Sequence[int], job_ids: Sequence[Any] | None = None) -> list[JobReturn]:
-    """Set up each job (Hydra's run_job with kvbench.cli.plan_job: output directory, .hydra/, no run), then run all
-    their runs in this process with shared work (kvbench.cli.run_planned); each JobReturn's value is its job's
-    metrics. `job_ids`: Hydra's job ids (default: the job numbers)."""
+    """Set up each job (Hydra's run_job with kvbench.run.jobs.plan_job: output directory, .hydra/, no run), then run
+    all their runs in this process with shared work (kvbench.run.jobs.run_planned) and print each job's table; each
+    JobReturn's value is its job's metrics. `job_ids`: Hydra's job ids (default: the job numbers)."""
     from hydra.core.utils import JobStatus
 
-    from kvbench.cli import plan_job, run_planned
+    from kvbench.report.cli import print_job_tables
+    from kvbench.run.jobs import plan_job, run_planned
 
     returns, planned = [], []
     for k, (num, overrides) in enumerate(zip(job_nums, job_overrides)):
@@ -45,8 +47,10 @@ def plan_and_run(hydra_context: HydraContext, config: DictConfig, job_overrides:
         returns.append(ret)
         planned.append(ret.return_value)
         configure_log(config.hydra.hydra_logging, config.hydra.verbose)
-    for ret, metrics in zip(returns, run_planned(planned)):
-        ret.return_value = metrics
+    metrics = run_planned(planned)
+    print_job_tables(planned, metrics)
+    for ret, job_metrics in zip(returns, metrics):
+        ret.return_value = job_metrics
     return returns
 
 

@@ -3,7 +3,7 @@ between each two of a kvbench call's decoding steps (`Lockstep`, kvbench-bench -
 
 Why lockstep: the decoding goal compares a policy's time per token with HF's at the same cache size, and on a shared
 machine a call's time moves with the stretch it ran in. HF's call measured right after each kvbench call
-(--hf-beside) shares that call's stretch only where the stretch outlasts both calls (~25 s); in lockstep HF's k-th
+(--hf-beside) shares that call's stretch only where the stretch outlasts both calls; in lockstep HF's k-th
 step runs right after kvbench's k-th, a tenth of a second apart, so the two sides' steps sample the same stretches
 and what the machine moves, it moves alike on both sides of each call's ratio. The kvbench call's clock is paused
 while HF steps (`Lockstep.clock`), so its times (prefill, decoding, eviction) stay its own.

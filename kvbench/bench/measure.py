@@ -210,10 +210,9 @@ def warm_ups(configs: Sequence[Config], new_tokens: int, device_type: str) -> li
     allocator warmed before any round. One short call per kvbench policy (its first configuration, on the first
     min(prompt, N + 2B) tokens, 2 new tokens). HF's own loop on a GPU: every HF configuration at its own shape
     (prompt and new tokens). Its `DynamicCache` grows by a concatenation per layer per step, a new size each time,
-    so a short call leaves most of a measured call's allocations new; with the short call only, HF's rows decoded
-    2.0-4.3x slower in round 1 than in later rounds in all 15 committed GPU tables of 3 rounds (kvbench's rows
-    0.6-1.9x but for two), which made the paired per-round ratios of the decoding goal meaningless there. On a CPU
-    the rounds agree (0.86-1.24x over 12 tables), so the short call is kept there."""
+    so a short call leaves most of a measured call's allocations new; with the short call only, HF's first round
+    on a GPU decoded much slower than its later ones, which made the paired per-round ratios of the decoding goal
+    meaningless there (results/bench_gpu/RUN.md). On a CPU the rounds agree, so the short call is kept there."""
     out: list[tuple[Config, int]] = []
     for name in dict.fromkeys(c.policy for c in configs):
         same = [c for c in configs if c.policy == name]
@@ -242,13 +241,9 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
     (K-norm leaves its first two layers whole, PyramidKV gives the lower layers more and the upper fewer), HF's
     reference holds those per-layer sizes instead (`hf_layer_sizes`, the row's `hf_layer_sizes`), so both sides
     attend as many keys in every layer; its prompt forward is then over the longest layer's tokens (its time is not
-    used). Why: on a shared machine a call's time moves with the stretch it ran in (HF's own decoding 33 % apart
-    between the rounds of one committed table), and a round's hf-decode call ran minutes before or after most of the
-    round's rows; a reference seconds away shares more of its call's stretch.
-    How much that buys depends on the machine: on the 2-core Xeon of results/bench_smollm2 (engine_4k_hf_beside,
-    5 rounds) the ratios' spread fell for 8 of 13 policies and rose for 5 (median sd 0.069 against 0.072; an sd from
-    5 rounds is uncertain by about a third): no clear gain there, where most of the noise looks like each call's own.
-    The price: one more HF call (prompt of N tokens, or of the longest layer's, then the decoding) per kvbench
+    used). Why: on a shared machine a call's time moves with the stretch it ran in, and a round's hf-decode call ran
+    minutes before or after most of the round's rows; a reference seconds away shares more of its call's stretch
+    (how much that buys depends on the machine: results/bench_smollm2/RUN.md). The price: one more HF call (prompt of N tokens, or of the longest layer's, then the decoding) per kvbench
     call.
 
     `hf_reference` "lockstep": the same reference (HF's decoding at the call's per-layer sizes), made one step after

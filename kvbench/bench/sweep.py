@@ -13,7 +13,7 @@ rounds a near-tie the other way).
 
 The designs (issue 28): `niah_grid`, scripts/niah_grid.sh's policies without the h2o_original variant (12) at
 N = 512, 1024, blockwise B = 128, 2000-token prompts, 32 new tokens; `prefill_once`, 10 policies at N = 512 under
-prefill_once. The goals (>= 1.6x and >= 3.5x) are SmolLM2's on a CPU clock (docs/sweeps.md)."""
+prefill_once. The goals (>= 1.6x and >= 3.5x) are SmolLM2's on a CPU clock (docs/bench.md, "Goals")."""
 
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ class SyncCounter:
         def tolist(t: torch.Tensor) -> Any:  # on a CPU it reads the data directly: no aten op to see
             counter.record("tolist")
             # On a GPU tolist copies to the host through an aten op, which the mode would count a second time
-            # (measured on an H100: every step read 2 where one tolist ran); the read is this one sync.
+            # (results/bench_gpu/RUN.md: every step read 2 where one tolist ran); the read is this one sync.
             counter.muted += 1
             try:
                 return original(t)

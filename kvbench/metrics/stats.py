@@ -305,3 +305,54 @@ def min_detectable_diff(r: PairedResult, alpha: float = ALPHA, power: float = PO
         else:
             hi = mid
     return max(100 * hi, 100 * k / r.n)
+
+
+def mc_floor(resamples: int = RESAMPLES) -> float:
+    """The smallest two-sided p a Monte-Carlo test of `resamples` draws can give, 2 / (resamples + 1): a p at this
+    floor says "at most this", not a measured value."""
+    return 2 / (resamples + 1)
+
+
+def cluster_bootstrap(d: Sequence[float], factors: Sequence[Sequence[object]], resamples: int = RESAMPLES,
+                      seed: int = SEED, level: float = 0.95) -> tuple[float, float, float, float]:
+    """(lo, hi, p, se) of the mean of paired differences `d` whose samples share clusters: each factor (e.g. the
+    haystack window a sample was cut from, and its needle) labels every sample with a cluster. Each resample draws
+    every factor's clusters with replacement, independently (Owen 2007, "The pigeonhole bootstrap", Ann. Appl.
+    Stat. 1: 386-411), and weighs sample i by the product of its clusters' draw counts; the resampled statistic is
+    the weighted mean. Two samples that share a cluster of any factor move together, so the spread counts their
+    dependence (with crossed factors it errs on the wide side, which Owen shows). lo, hi: percentile interval at
+    `level`; p: the two-sided p that inverts it, 2 * min(#{T* <= 0} + 1, #{T* >= 0} + 1) / (resamples + 1) capped at 1
+    (never below `mc_floor`); se: the resampled statistics' standard deviation. Resamples that draw no sample (every
+    weight 0) are drawn again."""
+    x = np.asarray(d, dtype=float)
+    if x.size == 0:
+        raise ValueError("no paired samples")
+    codes = [np.unique(np.asarray([str(v) for v in f]), return_inverse=True)[1] for f in factors]
+    if any(c.size != x.size for c in codes):
+        raise ValueError("every factor labels every sample")
+    rng = np.random.default_rng(seed)
+    stats_out: list[np.ndarray] = []
+    need = resamples
+    while need > 0:
+        w = np.ones((need, x.size))
+        for c in codes:
+            g = int(c.max()) + 1
+            w *= rng.multinomial(g, np.full(g, 1 / g), size=need)[:, c]
+        total = w.sum(axis=1)
+        ok = total > 0
+        stats_out.append((w[ok] @ x) / total[ok])
+        need -= int(ok.sum())
+    t = np.concatenate(stats_out)
+    lo, hi = np.percentile(t, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
+    p = min(1.0, 2 * (min(int(np.sum(t <= 0)), int(np.sum(t >= 0))) + 1) / (resamples + 1))
+    return float(lo), float(hi), p, float(t.std(ddof=1))
+
+
+def at_mc_floor(r: PairedResult, resamples: int = RESAMPLES) -> bool:
+    """Whether r's p is a Monte-Carlo sign-flip p at its floor (random patterns, beyond the exact enumeration)."""
+    return r.test == "sign-flip" and r.n > EXACT_FLIPS_UP_TO and r.p_value <= mc_floor(resamples) * (1 + 1e-9)
+
+
+def p_text(r: PairedResult) -> str:
+    """r's p in 3 digits, or "<= " its floor where `at_mc_floor`: a bound, never a measured value."""
+    return f"<= {r.p_value:.3g}" if at_mc_floor(r) else f"{r.p_value:.3g}"

@@ -269,7 +269,7 @@ def converted_dir(name: str, root: Path) -> tuple[Path, dict[str, Any]]:
 def with_package(source: dict[str, Any], package: str) -> dict[str, Any]:
     """`source` with `package` (the family's one name) before `packages`, as provenance() writes it. A GGUF split
     over many packages once recorded only the list, and everything that prints a model's source reads `package`
-    (a converted directory's marker, and runs, written then lack it: this fills it in, scripts/migrate_runs.py too)."""
+    (a converted directory's marker written then lacks it: this fills it in)."""
     if "package" in source:
         return source
     out: dict[str, Any] = {}

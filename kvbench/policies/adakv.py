@@ -15,6 +15,11 @@ Defaults follow the AdaKV/CriticalKV setting (CriticalKV 4.3): window 32, kernel
 (kvpress's default; CriticalKV gives none, AdaKV's README example uses 0.5).
 Choice: eviction runs when the layer holds more than h_kv * N real tokens. With `adakv`, rounding can make the
 counts exceed h_kv * F by a few tokens; kvbench takes them back (heads rounded up the most first).
+Static slot cache (kvbench/engine/slotcache.py): a head has a fixed number of slots, so a head keeps at most
+ceil(`head_cap` * N) tokens (default 2.0; at least 1): the allocation's counts are clamped to it after every eviction
+(also one that is not over h_kv * N: a head may never hold more than its slots allow), and the budget clamped away
+stays unused (not handed to the other heads). The chronological engine has no cap; the two keep the same tokens
+whenever no head's count passes it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from kvbench.policies.window import window_attention
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 
 class AdaKV(SnapKV):
@@ -38,13 +44,16 @@ class AdaKV(SnapKV):
     stackable = False  # its own `due` and `select` (per-head budgets over a layer's total, Policy.stackable)
 
     def __init__(self, alpha_safeguard: float = 0.2, allocation: str = "adakv", pooling: str = "max",
-                 **kwargs) -> None:
+                 head_cap: float = 2.0, **kwargs) -> None:
+        if not head_cap >= 1.0:  # below 1 a layer could not hold its h_kv * N
+            raise PolicyError(f"adakv head_cap must be at least 1, got {head_cap}")
         if not 0.0 <= alpha_safeguard <= 1.0:
             raise PolicyError(f"adakv alpha_safeguard must be in [0, 1], got {alpha_safeguard}")
         if allocation not in ALLOCATIONS:
             raise PolicyError(f"adakv allocation '{allocation}' unknown; choose one of: {', '.join(ALLOCATIONS)}")
         self.alpha_safeguard = float(alpha_safeguard)
         self.allocation = allocation
+        self.head_cap = float(head_cap)
         super().__init__(pooling=pooling, **kwargs)
 
     def window_scores(self, layer: CacheLayer) -> torch.Tensor:
@@ -98,3 +107,60 @@ class AdaKV(SnapKV):
             return None
         scores = self.ranked_scores(layer)
         return compact(rank_mask(scores, self.head_counts(layer, scores, budget)))
+
+    # -- the static slot cache: SnapKV's slot_score, the allocation as counts ---------------------------------------
+    def head_capacity(self, budget: int) -> int:
+        return math.ceil(self.head_cap * budget)
+
+    def slot_counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """(L, b, h_kv) `slot_allocation` clamped to `head_capacity` (the slots a head has; what is clamped away
+        stays unused)."""
+        cap = (counts.double() * self.head_cap).ceil().long()  # (L, b | 1, 1): head_capacity's ceil per row
+        return self.slot_allocation(ranked, counts).minimum(cap)
+
+    def slot_allocation(self, ranked: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """(L, b, h_kv) tokens each head keeps, uncapped: `adaptive_counts` over each layer row whose heads hold more
+        than h_kv * N in all (`over_budget`), every held token elsewhere. `ranked` (L, b, h_kv, S): protected +inf,
+        free -inf; `budgets` (L, b | 1, 1) each row's N."""
+        L, b, h, S = ranked.shape
+        N = budgets.expand(L, b, 1).reshape(L * b, 1)  # (R, 1), R = L * b rows
+        scores = ranked.reshape(L * b, h, S)
+        held = (scores > -math.inf).sum(dim=-1)  # (R, h)
+        n_prot = (scores == math.inf).sum(dim=-1)  # (R, h)
+        alloc = static_counts(scores, N, n_prot, self.alpha_safeguard, self.allocation)
+        over = held.sum(dim=-1, keepdim=True) > h * N  # (R, 1)
+        return torch.where(over, alloc, held).view(L, b, h)
+
+
+def static_counts(scores: torch.Tensor, budget: torch.Tensor, n_protected: torch.Tensor, alpha_safeguard: float,
+                  rule: str) -> torch.Tensor:
+    """`adaptive_counts` with tensors only (no host read, static shapes; the static slot cache's graph): (R, h) tokens
+    each head keeps. `scores` (R, h, S) protected +inf, free -inf; `budget` (R, 1) each row's N; `n_protected` (R, h).
+    The pooled top-`total` is a rank in one stable descending sort of the row's h * S scores (`total` a (R, 1) tensor,
+    each row's own: the chronological engine takes the fewest over a batch's rows) instead of a topk of a host size;
+    the two differ only in how scores tied at the cut across heads are split (topk's order is unspecified)."""
+    R, h, S = scores.shape
+
+    def top_per_head(flat: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """(R, h) how many of each row's top `total` (R, 1) of `flat` (R, h * S) are each head's."""
+        order = flat.sort(dim=-1, descending=True, stable=True).indices  # (R, h*S)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(h * S, device=flat.device).expand_as(order))
+        return (rank < total).view(R, h, S).sum(dim=-1)
+
+    if rule == "kvpress":
+        safe_count = n_protected.maximum((budget.double() * alpha_safeguard).floor().long())  # (R, h)
+        # (R, h, S): which of tokens tied at a head's cut is `safe` changes no head's count (they are one head's)
+        safe = rank_mask(scores, safe_count)
+        pooled = scores.masked_fill(safe, math.inf).reshape(R, h * S)
+        total = (pooled > -math.inf).sum(dim=-1, keepdim=True).minimum(h * budget)  # (R, 1)
+        return top_per_head(pooled, total)
+    free = budget - n_protected  # (R, h) F per head
+    floor_cap = (free.double() * alpha_safeguard).floor()  # (R, h) int(a * F) in double, as Python computes it
+    unprot = scores.masked_fill(scores == math.inf, -math.inf).reshape(R, h * S)
+    total = torch.minimum(free.sum(dim=-1, keepdim=True), (unprot > -math.inf).sum(dim=-1, keepdim=True))  # (R, 1)
+    c = top_per_head(unprot, total)  # (R, h)
+    exact = c * (1 - alpha_safeguard) + floor_cap.float()  # (R, h) float32, as AdaKV's code computes it
+    k = torch.round(exact).long()
+    excess = (k.sum(dim=-1) - free.sum(dim=-1)).clamp_min(0)  # (R,) > 0 only through rounding up
+    k = k - rank_mask((k - exact).unsqueeze(0), excess.unsqueeze(0))[0].long()  # one back from the most rounded up
+    return n_protected + k

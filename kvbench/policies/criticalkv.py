@@ -16,7 +16,10 @@ Stage-1 split (`stage1_window`), for a head keeping `count` tokens of which `w` 
   writes AdaKV's safeguard (each head's top floor(alpha_safeguard * N)) into the scores before stage 1, so a head
   whose count is below 2 x that keeps max(safeguard, floor(alpha * count)) there: kvbench's AdaKV base differs in
   such heads (measured: 1-4 kept tokens in one head, greedy answers still identical; results/peer_kvpress).
-With `base: adakv` the per-head counts come from the AdaKV allocation (`allocation`, `alpha_safeguard`).
+With `base: adakv` the per-head counts come from the AdaKV allocation (`allocation`, `alpha_safeguard`; `head_cap`, the
+static slot cache's bound on a head's count, see adakv.py).
+Static slot cache: the value norms are per-token state (`token_state`); `slot_score` ranks by stage 2, the base's
+counts (its allocation) computed there and handed to the engine by `slot_counts`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from kvbench.policies.snapkv import SnapKV
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 BASES = {"snapkv": SnapKV, "adakv": AdaKV}
 STAGE1 = ("outside", "inside")
@@ -48,9 +52,12 @@ class CriticalKV(Policy):
 
     name = "criticalkv"
     state_names = ("vnorm",)
+    # (L, b, h_kv) the static cache's counts, set by `slot_score` (a class default: batch_key reads the instance's)
+    _slot_counts: torch.Tensor | None = None
 
     def __init__(self, base: str = "snapkv", alpha: float = 0.5, eps: float = 1e-4, stage1_window: str = "outside",
-                 pooling: str = "max", allocation: str = "adakv", alpha_safeguard: float = 0.2, **kwargs: Any) -> None:
+                 pooling: str = "max", allocation: str = "adakv", alpha_safeguard: float = 0.2, head_cap: float = 2.0,
+                 **kwargs: Any) -> None:
         if base not in BASES:
             raise PolicyError(f"criticalkv base '{base}' unknown; choose one of: {', '.join(BASES)}")
         if not 0.0 <= alpha <= 1.0:
@@ -59,8 +66,9 @@ class CriticalKV(Policy):
             raise PolicyError(f"criticalkv stage1_window '{stage1_window}' unknown; choose one of: "
                               f"{', '.join(STAGE1)}")
         self.alpha, self.eps, self.stage1_window = float(alpha), float(eps), stage1_window
-        # allocation and alpha_safeguard are AdaKV's options (criticalkv.yaml lists them for base=adakv).
-        extra = {"allocation": allocation, "alpha_safeguard": alpha_safeguard} if base == "adakv" else {}
+        # allocation, alpha_safeguard and head_cap are AdaKV's options (criticalkv.yaml lists them for base=adakv).
+        extra = ({"allocation": allocation, "alpha_safeguard": alpha_safeguard, "head_cap": head_cap}
+                 if base == "adakv" else {})
         self.base: Policy = BASES[base](pooling=pooling, **kwargs, **extra)  # max pooling: CriticalKV 4.3
         b = self.base
         self.query_window = b.query_window  # the engine stashes the queries the base scores with
@@ -82,27 +90,44 @@ class CriticalKV(Policy):
 
     def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
                   query: torch.Tensor) -> dict[str, torch.Tensor]:
-        b, h_kv, q, d = values.shape  # (b, h_kv, q, d)
+        d = values.shape[-1]
+        return {"vnorm": value_norms(values, head_columns(module.o_proj.weight, d))}  # (b, h_kv, q)
+
+    def token_state(self, layer_idx: int, module: Any, keys: torch.Tensor, values: torch.Tensor,
+                    query: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The value norms of a forward's t new tokens, read from the layer's value buffer (b, h_kv, S, d) at their
+        `slots` (b, h_kv, t). W_O's head columns as a strided view rather than `head_columns`' cached copy (a weak
+        reference and a version check are no graph ops): the same products, bit for bit (its docstring)."""
+        b, h_kv, S, d = values.shape
+        new = values.gather(2, slots.unsqueeze(-1).expand(*slots.shape, d))  # (b, h_kv, t, d)
         w = module.o_proj.weight  # (hidden, h_q * d)
-        h_q = w.shape[1] // d
-        g = h_q // h_kv
-        v = values.float()
-        w_heads = head_columns(w, d).float()  # (h_q, d, hidden): head h's columns of W_O, transposed
-        if b * q <= BATCHED_TOKENS:
-            # A decoding step (and any small block): all query heads in one batched product instead of h_q small
-            # ones (~4x cheaper per layer on CPU for one token). Each head's product is the same (q x d) by
-            # (d x hidden) product as in the loop below; the BLAS kernel may round it differently (a one-row product
-            # can take a matrix-vector path): equal to the loop within float32 rounding (tests/test_window_state.py;
-            # bit-identical at SmolLM2's shapes, where the committed runs are reproduced exactly).
-            v_heads = v.permute(1, 0, 2, 3).reshape(h_kv, 1, b * q, d).expand(h_kv, g, b * q, d)
-            proj = torch.bmm(v_heads.reshape(h_q, b * q, d), w_heads)  # (h_q, b*q, hidden), b*q <= BATCHED_TOKENS
-            norms = proj.abs().sum(dim=-1).view(h_q, b, q).permute(1, 0, 2)  # (b, h_q, q)
-        else:
-            norms = torch.empty(b, h_q, q, device=values.device)
-            for h in range(h_q):  # one head at a time: never a (b, h_q, q, hidden) tensor for a long block
-                proj = v[:, h // g] @ w_heads[h]  # (b, q, hidden)
-                norms[:, h] = proj.abs().sum(dim=-1)
-        return {"vnorm": norms.reshape(b, h_kv, g, q).mean(dim=2)}  # (b, h_kv, q)
+        w_heads = w.view(w.shape[0], -1, d).permute(1, 2, 0)  # (h_q, d, hidden)
+        return {"vnorm": value_norms(new, w_heads)}
+
+    def head_capacity(self, budget: int) -> int:
+        return self.base.head_capacity(budget)
+
+    def slot_score(self, view: SlotView) -> torch.Tensor:
+        """The stage-2 ranking (`stage2_scores`) over the base's scores A: it needs each head's count, so the base's
+        allocation runs here (on A as the engine ranks it: protected +inf, free -inf, re-derived from the view; the
+        budgets `view.row_budgets`), and `slot_counts` hands the same counts to the engine (kept from this call)."""
+        ranked = self.base.slot_score(view).float()  # (L, b, h_kv, S): A
+        ranked = torch.where(view.protected(self.n_sink, self.n_recent), math.inf, ranked)
+        ranked = ranked.masked_fill(~view.held, -math.inf)
+        L, b, h, S = ranked.shape
+        budgets = view.row_budgets(self.base.layer_budget)  # (L, b, 1): N per row
+        counts = self.base.slot_counts(view, ranked, budgets).expand(L, b, h)  # SnapKV: N; AdaKV: per head
+        n_prot = (ranked == math.inf).sum(dim=-1)  # (L, b, h)
+        R = L * b
+        stage2 = stage2_scores(ranked.reshape(R, h, S), view.state["vnorm"].reshape(R, h, S), counts.reshape(R, h),
+                               n_prot.reshape(R, h), self.alpha, self.eps, self.stage1_window,
+                               view.pos.reshape(R, h, S))  # ties by position, as the engine's
+        self._slot_counts = counts
+        return stage2.view(L, b, h, S)
+
+    def slot_counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        assert self._slot_counts is not None, "slot_counts before slot_score"
+        return self._slot_counts  # (L, b, h_kv): what `slot_score` ranked for (the engine calls it right after)
 
     def score(self, layer: CacheLayer) -> torch.Tensor:
         return self.base.score(layer)  # (b, h_kv, n): A, the base's scores (stage 1)
@@ -135,6 +160,31 @@ class CriticalKV(Policy):
         if uniform:
             return top_slots(stage2, budget, ties), None
         return compact(rank_mask(stage2, counts, ties))
+
+
+def value_norms(values: torch.Tensor, w_heads: torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, q) ||v W_O||_1 of new tokens' values (b, h_kv, q, d) through each query head's columns of W_O,
+    `w_heads` (h_q, d, hidden), averaged over each KV head's query heads (float32)."""
+    b, h_kv, q, d = values.shape
+    h_q = w_heads.shape[0]
+    g = h_q // h_kv
+    v = values.float()
+    w_heads = w_heads.float()
+    if b * q <= BATCHED_TOKENS:
+        # A decoding step (and any small block): all query heads in one batched product instead of h_q small
+        # ones (~4x cheaper per layer on CPU for one token). Each head's product is the same (q x d) by
+        # (d x hidden) product as in the loop below; the BLAS kernel may round it differently (a one-row product
+        # can take a matrix-vector path): equal to the loop within float32 rounding (tests/test_window_state.py;
+        # bit-identical at SmolLM2's shapes, where the committed runs are reproduced exactly).
+        v_heads = v.permute(1, 0, 2, 3).reshape(h_kv, 1, b * q, d).expand(h_kv, g, b * q, d)
+        proj = torch.bmm(v_heads.reshape(h_q, b * q, d), w_heads)  # (h_q, b*q, hidden), b*q <= BATCHED_TOKENS
+        norms = proj.abs().sum(dim=-1).view(h_q, b, q).permute(1, 0, 2)  # (b, h_q, q)
+    else:
+        norms = torch.empty(b, h_q, q, device=values.device)
+        for h in range(h_q):  # one head at a time: never a (b, h_q, q, hidden) tensor for a long block
+            proj = v[:, h // g] @ w_heads[h]  # (b, q, hidden)
+            norms[:, h] = proj.abs().sum(dim=-1)
+    return norms.reshape(b, h_kv, g, q).mean(dim=2)  # (b, h_kv, q)
 
 
 def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor | int, n_prot: torch.Tensor | int,

@@ -25,6 +25,7 @@ from kvbench.policies.base import Policy, PolicyError, compact, latest_mask, que
 
 if TYPE_CHECKING:
     from kvbench.policies.layer import CacheLayer
+    from kvbench.policies.view import SlotView
 
 
 class SageKV(Policy):
@@ -109,3 +110,51 @@ class SageKV(Policy):
         pinned = sinks | union
         layer.state["pinned"] = pinned.float()  # gathered with the kept tokens by layer.keep
         return compact(pinned | latest)
+
+    # -- the static slot cache: the kept set as a 0/1 score, its size as the counts -----------------------------------
+    def slot_score(self, view: SlotView) -> torch.Tensor:
+        """1 for the slots this eviction keeps, 0 for the held ones it drops (free slots: the engine's -inf), the
+        three cases of `select` per batch row and layer as tensor logic: a slide (decoding after a selection: the
+        pinned tokens and the latest recent + 1), a selection (over budget otherwise: sinks | union | the latest
+        recent + 1, pinning sinks | union in `state["pinned"]`, in place), else every held token. A row whose budget
+        is the capacity S or more (a batch row that does not evict now) keeps every held token: under such a budget
+        no head ever passed it, so it never selected and never slides."""
+        held = view.held  # (L, b, h_kv, S)
+        L, b, h_kv, S = held.shape
+        assert view.queries is not None
+        h_q = view.queries.shape[2]
+        g = h_q // h_kv
+        budgets = view.row_budgets(self.layer_budget).view(L, b, 1, 1)
+        sink, k, recent = self.row_sizes(budgets, g)  # ints, or (L, b, 1, 1) from each row's budget
+        seen = view.seen.view(1, b, 1, 1)
+        longest = held.sum(dim=-1, keepdim=True).amax(dim=2, keepdim=True)  # (L, b, 1, 1): `physical()`
+        # A selection was made exactly when the row holds fewer tokens than it saw (`_sliding`); only while decoding
+        sliding = (longest < seen) if view.decoding else torch.zeros_like(longest, dtype=torch.bool)
+        sliding &= budgets < S
+        selecting = ~sliding & (longest > budgets)  # (L, b, 1, 1)
+        pinned = (view.state["pinned"] > 0) & held
+        # The latest recent + 1 positions are all held whenever a slide or a selection runs (every token is held before
+        # the first selection; a selection and a slide keep the latest ones), so by position, as `select`'s slide
+        latest = held & (view.pos >= seen - recent - 1)
+        sinks = held & (view.pos < sink)
+        cand = (held & ~sinks & ~latest).repeat_interleave(g, dim=2)  # (L, b, h_q, S)
+        probs = view.attention()[..., -1, :].masked_fill(~cand, -math.inf)  # (L, b, h_q, S): the last query's
+        order = view.pos.repeat_interleave(g, dim=2).reshape(L * b, h_q, S)  # ties to the earlier token
+        top_k = k if isinstance(k, int) else k.view(L * b, 1).expand(L * b, h_q)
+        top = rank_mask(probs.reshape(L * b, h_q, S), top_k, order)  # each query head's top-k
+        chosen = sinks | top.view(L, b, h_kv, g, S).any(dim=3)  # (L, b, h_kv, S): sinks | union
+        keep = torch.where(selecting, chosen | latest, torch.where(sliding, pinned | latest, held))
+        view.state["pinned"].copy_(torch.where(selecting, chosen, pinned).float())
+        return keep.float()
+
+    def row_sizes(self, budgets: torch.Tensor, group: int) -> tuple[Any, Any, Any]:
+        """`sizes` for each row's budget N (a tensor): the explicit sizes as ints, the derived ones as tensors of
+        `budgets`' shape (a batch's rows may have different budgets)."""
+        n = budgets
+        sink = n // 4 if self.sink is None else int(self.sink)
+        k = n // 2 ** math.ceil(math.log2(2 * group)) if self.k is None else int(self.k)
+        recent = n - sink - group * k - 1 if self.recent is None else int(self.recent)
+        return sink, k, recent
+
+    def slot_counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return (ranked > 0).sum(dim=-1)  # (L, b, h_kv): the slots `slot_score` keeps (no protected +inf here)

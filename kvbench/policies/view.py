@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,11 +30,33 @@ class SlotView:
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (L, b, h_kv, S) float32 per-token state
     modules: tuple[Any, ...] = ()  # the attention module of each row's layer
     decoding: bool = False  # the eviction after a decoding step (else after a prompt forward)
+    # (L, b, 1) int64 each row's budget per layer in this eviction (the engine's `counts`: per-row budgets of a batch,
+    # the capacity S for a row that does not evict); None: not given, `row_budgets` asks the policy per layer
+    budgets: torch.Tensor | None = None
 
     @property
     def held(self) -> torch.Tensor:
         """(L, b, h_kv, S) bool: the slots that hold a token."""
         return self.pos >= 0
+
+    def row_budgets(self, layer_budget: Callable[[int], int | None]) -> torch.Tensor:
+        """(L, b, 1) int64 the budgets of this eviction, for a score that depends on them (CriticalKV's stage 1, SAGE-KV's
+        selection): `budgets` when the engine gave them, else `layer_budget(layer)` of each row's layer for every
+        batch row (right for a run alone)."""
+        if self.budgets is not None:
+            return self.budgets
+        L, b = self.pos.shape[:2]
+        table = torch.tensor([layer_budget(i) for i in self.layers], dtype=torch.long, device=self.pos.device)
+        return table.view(L, 1, 1).expand(L, b, 1)
+
+    def protected(self, n_sink: int, n_recent: int) -> torch.Tensor:
+        """(L, b, h_kv, S) bool: the held slots a selection always keeps, the first `n_sink` positions and the latest
+        `n_recent` (by position: seen - n_recent on). The engine's +inf ranks (kvbench/engine/slotcache.py `evict`),
+        here so that a score that needs them before the engine applies them (CriticalKV's stage 1) marks the same."""
+        edge = self.pos < n_sink
+        if n_recent > 0:
+            edge |= self.pos >= self.seen.view(1, -1, 1, 1) - n_recent
+        return edge & self.held
 
     def attention(self) -> torch.Tensor:
         """(L, b, h_q, w, S) float32 attention probabilities of the stored queries over the slots: a query sees the

@@ -1,5 +1,7 @@
 """`kvbench-report DIR [--paired POLICY]`: collect the runs below DIR, build the report, write table.md / table.csv /
 runs.csv / paired.csv and the plots; and the one table `kvbench` prints after its runs.
+`kvbench-report DIR --design CSV`: the design's planned comparisons instead (runs paths below DIR), tested from the
+records with one Holm family per model (kvbench.report.family), written as tests.csv.
 """
 
 from __future__ import annotations
@@ -7,21 +9,22 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from kvbench.report.collect import Entry, ReportError, Run, collect_entries, entry_from_run
+from kvbench.report.family import read_design, run_design, write_tests
 from kvbench.report.output import render_markdown, write_csv, write_runs_csv
 from kvbench.report.paired import check_policy, pairs, write_paired_csv
-from kvbench.report.plots import plot_heatmaps, plot_score_vs_budget
+from kvbench.report.plots import plot_budget_heatmaps, plot_heatmaps, plot_score_vs_budget
 from kvbench.report.tables import ALWAYS_SHOWN, SPEED_HEAD, Report, build_report, score_table, speed_cells
 from kvbench.run.labels import fmt
 
 
 def report(root: Path, plots: bool = True, quiet: bool = False, paired: str | None = None,
-           out: Path | None = None) -> Report:
+           out: Path | None = None, per_budget: bool = False) -> Report:
     """Collect every run below `root`, write table.md, table.csv, runs.csv, paired.csv (and plots) into `out`
     (default: `root`). `paired`: only the pairs with an entry of that policy (as policy_b) in paired.csv and
-    table.md."""
+    table.md. `per_budget`: NIAH heatmaps per (model, budget, block, protocol) too (plots.plot_budget_heatmaps)."""
     root = Path(root)
     if not root.is_dir():
         raise ReportError(f"not a directory: {root}")
@@ -45,6 +48,9 @@ def report(root: Path, plots: bool = True, quiet: bool = False, paired: str | No
     write_csv(rep, out / "table.csv")
     write_runs_csv(rep, out / "runs.csv", root)
     write_paired_csv(found, out / "paired.csv")
+    if per_budget:
+        for path in plot_budget_heatmaps(entries, out):
+            print(f"wrote {path}")
     if not quiet:
         print(text)
     return rep
@@ -78,6 +84,13 @@ def print_metrics_table(results: list[dict[str, Any]]) -> str:
     return text
 
 
+def print_job_tables(jobs: Sequence[Any], metrics: Sequence[list[dict[str, Any]]]) -> None:
+    """After `kvbench` ran its jobs (kvbench.run.jobs.run_planned): each job's table and its run directory."""
+    for job, results in zip(jobs, metrics):
+        print_metrics_table(results)
+        print(f"\nrun directory: {job.run_dir}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvbench-report", description="Paper-shaped tables from kvbench runs: "
                                      "writes table.md, table.csv, runs.csv, paired.csv and plots into DIR (or --out).")
@@ -89,10 +102,25 @@ def main(argv: list[str] | None = None) -> None:
                              "default: every pair of runs on the same samples")
     parser.add_argument("--out", type=Path, default=None, metavar="OUT",
                         help="write the tables and plots into OUT instead of DIR (e.g. committed runs, read-only)")
+    parser.add_argument("--heatmaps-per-budget", action="store_true",
+                        help="also one NIAH heatmap figure per (model, budget, block, protocol): the full cache and "
+                             "every policy side by side, niah_<model>_N<budget>_B<block>_<protocol>.png")
+    parser.add_argument("--design", type=Path, default=None, metavar="CSV",
+                        help="test the planned comparisons of this design file (runs paths below DIR) instead: "
+                             "one Holm family per model, written as OUT/tests.csv")
     args = parser.parse_args(argv)
     try:
-        report(args.dir, plots=not args.no_plots, quiet=args.quiet, paired=args.paired, out=args.out)
-    except ReportError as e:
+        if args.design is not None:
+            out = args.out or args.dir
+            out.mkdir(parents=True, exist_ok=True)
+            tests = run_design(read_design(args.design), args.dir)
+            write_tests(tests, out / "tests.csv")
+            if not args.quiet:
+                print(f"{len(tests)} planned comparisons tested: {out / 'tests.csv'}")
+            return
+        report(args.dir, plots=not args.no_plots, quiet=args.quiet, paired=args.paired, out=args.out,
+               per_budget=args.heatmaps_per_budget)
+    except (ReportError, ValueError, OSError) as e:
         print(f"kvbench-report: error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -119,7 +119,7 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
         missing = [k for k in REQUIRED if k not in metrics]
         if missing or stored_layout(metrics) is None:
             notes.append(f"{where}: written by an older kvbench (no {', '.join(missing) or 'valid layout'} in "
-                         f"metrics.json), skipped; scripts/migrate_runs.py brings it up to date")
+                         f"metrics.json), skipped; run it again with this kvbench")
             continue
         stopped = metrics.get("stopped")
         if isinstance(stopped, dict):  # closed over the samples it finished (kvbench-score --close-stopped)

@@ -1,8 +1,8 @@
 """How a task's scores are laid out, read from metrics.json `layout` (written by the task: kvbench.tasks.base
 Task.layout), so the report knows nothing of any task: the score columns in order with their category headers and
 sort keys, the summary scores, the length x depth cells of heatmaps, the average's score, and the recipe a shard
-merge recomputes the scores with (kvbench.metrics.aggregate). Runs written before metrics.json carried `layout`
-are brought up to date once by scripts/migrate_runs.py (their tasks write it from their records).
+merge recomputes the scores with (kvbench.metrics.aggregate). A run without `layout` (an older kvbench) is skipped
+with a note.
 """
 
 from __future__ import annotations

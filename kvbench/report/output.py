@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kvbench.metrics.stats import MeanSE
+from kvbench.metrics.stats import MeanSE, p_text
 from kvbench.report.collect import IDENTITY, Entry, rel_path
 from kvbench.report.paired import PAIRED_HEAD, Pair, markdown_pairs, row_values
 from kvbench.report.tables import (SPEED_HEAD, Report, Row, avg_stat, cell_stat, cell_value, has_degenerate,
@@ -126,7 +126,7 @@ def _paired_section(rep: Report, found: list[Pair] | None, policy: str | None) -
         v = dict(zip(PAIRED_HEAD, row_values(p)))
         body.append([v["task"], v["score"], v["policy_a"], v["settings_a"], v["policy_b"], v["settings_b"], v["n"],
                      f"{v['mean_a']:.2f}", f"{v['mean_b']:.2f}", f"{v['diff']:+.2f}",
-                     f"[{v['ci_low']:+.2f}, {v['ci_high']:+.2f}]", f"{v['p_value']:.3g}", v["n_required"],
+                     f"[{v['ci_low']:+.2f}, {v['ci_high']:+.2f}]", p_text(p.result), v["n_required"],
                      f"{v['min_detectable_diff']:.3g}" if isinstance(v["min_detectable_diff"], float)
                      else v["min_detectable_diff"]])
     head = ["task", "score", "policy_a", "settings_a", "policy_b", "settings_b", "n", "mean_a", "mean_b", "diff",

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbench.metrics.stats import (NO_DIFFERENCE, PairedResult, is_binary, min_detectable_diff, paired_compare,
-                                   required_n, resolved)
+from kvbench.metrics.stats import (EXACT_FLIPS_UP_TO, NO_DIFFERENCE, RESAMPLES, PairedResult, is_binary, mc_floor,
+                                   min_detectable_diff, paired_compare, required_n, resolved)
 from kvbench.report.collect import Entry, ReportError, pair_key
 from kvbench.report.samples import LOGPROB, compare, strata
 from kvbench.report.tables import Report, Row
@@ -155,7 +155,9 @@ def markdown_pairs(rep: Report, found: list[Pair], policy: str | None) -> tuple[
     what = f"pairs against `{anchor}`" if anchor else "all pairs"
     return shown, (f"diff = mean_a - mean_b over the samples both runs hold (n), with its 95 % paired bootstrap "
                    f"interval; p: exact McNemar test for 0/100 scores, else a paired sign-flip permutation test "
-                   f"(stratified by component for means of scores). n needed: for an unresolved pair, the samples the observed "
+                   f"(stratified by component for means of scores; exact up to {EXACT_FLIPS_UP_TO} samples, else "
+                   f"{RESAMPLES:,} random patterns, whose smallest p is written \"<= {mc_floor():.1g}\": a bound). "
+                   f"n needed: for an unresolved pair, the samples the observed "
                    f"difference would need to be resolved at alpha 0.05 with 80 % power (McNemar sample size from the "
                    f"discordant shares for 0/100 scores, else the paired normal approximation); min. diff: the smallest "
                    f"difference this n resolves at 80 % power. Shown: {what}"

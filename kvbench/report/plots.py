@@ -77,6 +77,78 @@ def plot_heatmaps(rep: Report, out_dir: Path) -> list[Path]:
     return written
 
 
+def _model_source(entry: Any) -> str:
+    """The model and where its weights came from, for a figure's title (a GGUF package: its name, version and
+    quantization)."""
+    src = (entry.provenance or {}).get("model_source") or {}
+    if not src:
+        return entry.model
+    return (f"{entry.model} ({src.get('package')} {src.get('package_version')}, {src.get('quantization')} "
+            f"dequantized to {src.get('dequantized_to', 'float32')})")
+
+
+def plot_budget_heatmaps(entries: list[Any], out_dir: Path) -> list[Path]:
+    """NIAH heatmaps side by side, one figure per (model, budget, block, protocol): the full cache and every policy
+    run there (`kvbench-report --heatmaps-per-budget`), each figure titled with what it shows (model and its source,
+    budget, block, protocol, scorer, haystack and n per cell), one panel per policy with its average; context length
+    on x, needle depth on y. Writes out_dir/niah_<model>_N<budget>_B<block>_<protocol>.png."""
+    import numpy as np
+
+    entries = [e for e in entries if e.task == "niah"]
+    full = [e for e in entries if e.budget is NA]
+    groups: dict[tuple, list] = {}
+    for e in entries:
+        if e.budget is not NA:
+            key = (e.model, e.budget, e.settings.get("block"), e.settings.get("protocol", "blockwise"))
+            groups.setdefault(key, []).append(e)
+    written = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for (model, budget, block, protocol), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        panels = [e for e in full if e.model == model] + group
+        cells = [{e.layout["cells"][k]: v for k, v in e.scores.items() if k in e.layout["cells"]} for e in panels]
+        lengths = sorted({L for c in cells for L, _ in c})
+        depths = sorted({d for c in cells for _, d in c})
+        ncol = min(4, len(panels))
+        nrow = math.ceil(len(panels) / ncol)
+        fig = _figure(3.3 * ncol + 1.2, 2.6 * nrow + 1.3, layout="constrained")
+        axes = fig.subplots(nrow, ncol, squeeze=False)
+        im = None
+        for k, (e, c) in enumerate(zip(panels, cells)):
+            ax = axes[k // ncol][k % ncol]
+            grid = np.array([[c.get((L, d), np.nan) for L in lengths] for d in depths])  # (depths, lengths)
+            im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+            ax.set_xticks(range(len(lengths)), [f"{L:g}" for L in lengths], fontsize=8)
+            ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=8)
+            for i in range(len(depths)):
+                for j in range(len(lengths)):
+                    if not np.isnan(grid[i, j]):
+                        ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=7, color="black")
+            name = "full cache (no eviction)" if e.budget is NA else e.policy
+            ax.set_title(f"{name}  avg {e.average:.0f}", fontsize=10)
+            if k % ncol == 0:
+                ax.set_ylabel("needle depth (%)", fontsize=9)
+            if k // ncol == nrow - 1 or k + ncol >= len(panels):
+                ax.set_xlabel("context length (tokens)", fontsize=9)
+        for k in range(len(panels), nrow * ncol):
+            axes[k // ncol][k % ncol].set_axis_off()
+        first = panels[0]
+        notes = " ".join(first.notes)
+        haystack = ("Paul Graham essays" if "Paul Graham essays" in notes else
+                    "built-in filler haystack" if "builtin" in notes or "filler" in notes else "haystack: see table.md")
+        ns = sorted({st.n for e in panels for k, st in e.cells.items() if k in e.layout["cells"] and st.n})
+        if ns:  # samples behind each cell's mean (the scores are cell means)
+            haystack += f"; n = {ns[0]}{'' if len(ns) == 1 else f'-{ns[-1]}'} samples per cell"
+        fig.suptitle(f"NIAH (substring recall, 0-100) on {_model_source(first)}\n"
+                     f"budget N = {budget} tokens per layer and KV head, block B = {block}, protocol {protocol}; "
+                     f"{haystack}; full cache: no eviction", fontsize=11)
+        if im is not None:
+            fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6, label="score")
+        path = out_dir / f"niah_{model}_N{budget}_B{block}_{protocol}.png"
+        fig.savefig(path, dpi=100)
+        written.append(path)
+    return written
+
+
 def plot_score_vs_budget(rep: Report, out_dir: Path) -> Path | None:
     """Each task's average against budget, one line per policy (and setting), one panel per (model, task) (tasks
     are not averaged together: their scales differ); the full cache dashed. Where the runs carry per-sample data,

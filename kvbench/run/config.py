@@ -75,6 +75,27 @@ def load_group(group: str, name: str, dirs: Sequence[Path] | None = None) -> dic
     raise ValueError(f"unknown {group} '{name}'; choose one of: {', '.join(group_choices(group, dirs))}")
 
 
+def expose_plugins() -> None:
+    """Let Hydra's plugin scan find kvbench's launchers (hydra_plugins/kvbench_launcher, kvbench_slurm_launcher).
+
+    The scan lists the `hydra_plugins` namespace's folders. A wheel installs kvbench's into site-packages' folder, which
+    it lists; an editable install reaches them through setuptools' import finder, whose namespace entry the scan cannot
+    list, so the folder that holds them joins the namespace's path. Nothing is imported here but the namespace."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("hydra_plugins.kvbench_launcher")
+    except ImportError:
+        return
+    if spec is None or not spec.submodule_search_locations:
+        return
+    import hydra_plugins
+
+    root = str(Path(list(spec.submodule_search_locations)[0]).parent)
+    if root not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__ = [*hydra_plugins.__path__, root]
+
+
 def register_resolvers() -> None:
     """The resolvers conf/config.yaml's run directory names use (${kvbench_model:...}, ${kvbench_protocol:...},
     ${kvbench_policy:...}).
