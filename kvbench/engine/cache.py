@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from kvbench.policies.base import Policy
-from kvbench.policies.view import SlotView
+from kvbench.policies.view import SlotView, ranks
 
 IMPL = "kvbench_slots"
 PAD = -2  # the position of a padding token: it sees only padding, and its slot stays free
@@ -204,30 +204,19 @@ class SlotCache(Cache):
 
 
 # -- eviction ---------------------------------------------------------------------------------------------------------
-def protected(policy: Policy, pos: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """(L, b, h_kv, S) bool: the slots always kept, the first `n_sink` positions and the latest `n_recent`."""
-    edge = pos < policy.n_sink
-    if policy.n_recent > 0:
-        edge |= pos >= (seen.view(1, -1, 1, 1) - policy.n_recent)
-    return edge & (pos >= 0)
-
-
 def evict(cache: SlotCache, counts: torch.Tensor, observe: Callable[[SlotView, torch.Tensor], None] | None = None
           ) -> None:
     """Keep each head's top `counts` (L, b, 1) tokens of the evicting layers by the policy's score (protected tokens
     first, ties to the earlier token) and mark the other slots free: one ranking for all layers. `observe(view,
     keep)` (diagnostics) sees the selection, keep (L, b, h_kv, S) bool, while every token is still held."""
     view = cache.view()
+    view.budgets = counts
     policy = cache.policy
     ranked = policy.score(view).float()  # (L, b, h_kv, S)
-    ranked = torch.where(protected(policy, view.pos, view.seen), math.inf, ranked)
+    ranked = torch.where(view.protected(policy.n_sink, policy.n_recent), math.inf, ranked)
     ranked = ranked.masked_fill(view.pos < 0, -math.inf)
     counts = policy.counts(view, ranked, counts)  # (L, b, h_kv | 1)
-    by_position = view.pos.argsort(dim=-1)  # ties go to the earlier token: rank in position order, stable
-    order = by_position.gather(-1, ranked.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True))
-    S = order.shape[-1]
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(S, device=order.device).expand_as(order))
-    drop = rank >= counts.unsqueeze(-1)
+    drop = ranks(ranked, view.pos) >= counts.unsqueeze(-1)
     if observe is not None:
         observe(view, ~drop & (view.pos >= 0))
     view.pos.masked_fill_(drop, -1)

@@ -129,15 +129,19 @@ def plan(T: int, settings: GenerationSettings, policy: Policy) -> list[tuple[int
     return out
 
 
-def capacity(chunks: list[tuple[int, int, bool]], keep: int, new: int, evicts_decoding: bool) -> int:
-    """The slots per head an evicting layer needs for the run: the most it holds between two evictions, when every
-    eviction leaves it `keep` tokens (the most a head may keep)."""
+def capacity(chunks: list[tuple[int, int, bool]], keep: int, new: int, evicts_decoding: bool,
+             widths: Sequence[int] | None = None) -> int:
+    """The slots per head an evicting layer needs for the run: the most it holds during a forward, when every
+    eviction leaves it `keep` tokens (the most a head may keep). `widths`: each prompt round's forward in a batch
+    (its padding takes free slots during the forward too; default: the run's own forwards)."""
     held = peak = 0
-    for start, end, evicted in chunks:
-        held += end - start
-        peak = max(peak, held)
-        if evicted:
-            held = min(held, keep)
+    for i, width in enumerate(widths if widths is not None else [e - s for s, e, _ in chunks]):
+        peak = max(peak, held + width)
+        if i < len(chunks):
+            start, end, evicted = chunks[i]
+            held += end - start
+            if evicted:
+                held = min(held, keep)
     for _ in range(new):
         held += 1
         peak = max(peak, held)
@@ -180,8 +184,25 @@ class _Row:
         return len(self.job.input_ids)
 
 
-def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+def _forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, keep: int,
+             counts: torch.Tensor | None) -> torch.Tensor:
+    """ids (K, t) at positions (K, t) -> logits (K, keep, vocab) of the last positions; then the eviction when
+    `counts` (L, K, 1) is given (with it in one graph when compiled)."""
+    logits = forward(model, cache, ids, positions, keep)
+    cache.end()  # the peaks held: before the eviction
+    if counts is not None:
+        evict(cache, counts)
+    return logits
+
+
+_compiled: Callable[..., torch.Tensor] | None = None  # `_forward` compiled, made once (graphs are kept per shape)
+
+
+def compiled_forward() -> Callable[..., torch.Tensor]:
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_forward, fullgraph=True, dynamic=False)
+    return _compiled
 
 
 class Batch:
@@ -194,17 +215,21 @@ class Batch:
         self.compiled = jobs[0].settings.compile
         n = model.config.get_text_config(decoder=True).num_hidden_layers
         self.rows: list[_Row] = []
+        plans = [plan(len(job.input_ids), job.settings, job.policy) for job in jobs]
+        # each prompt round's forward: the widest row's (compiled: at least a block, the one graph's shape)
+        floor = max(job.settings.block or 0 for job in jobs) if self.compiled else 0
+        widths = [max([p[i][1] - p[i][0] for p in plans if i < len(p)] + [floor]) for i in range(max(map(len, plans)))]
         keep, full, window = 1, 1, 0
-        for job in jobs:
+        for job, chunks in zip(jobs, plans):
             s, T = job.settings, len(job.input_ids)
             job.policy.attach(n)
-            chunks = plan(T, s, job.policy)
             evicts = PROTOCOLS[s.protocol][1] and chunks[-1][2]  # context_only's question froze the cache
             limit = s.max_new_tokens if job.forced is None else min(s.max_new_tokens, len(job.forced))
             new = max(limit, len(job.answer_ids or ()))
             budgets = [job.policy.layer_budget(i, T) for i in range(n)] if job.policy.evicts else []
             head = max([job.policy.head_capacity(b) for b in budgets if b is not None], default=T + new)
-            keep, full = max(keep, capacity(chunks, head, new, evicts)), max(full, T + new)
+            keep = max(keep, capacity(chunks, head, new, evicts, widths))
+            full = max(full, capacity(chunks, T + new, new, False, widths))  # the layers never evicted
             w = job.policy.query_window
             window = max(window, max(e - b for b, e, _ in chunks) if w < 0 else w, 1 if s.diagnostics else 0)
             seq = torch.tensor([list(job.input_ids) + [0] * max(limit, 0)], device=self.device)  # (1, T + limit)
@@ -220,17 +245,7 @@ class Batch:
         self.layer_tokens: list[int] | None = None  # the first row's SlotCache.layer_tokens, known after the prompt
         self.tracing = True  # Observer.trace records the run's forwards (not its graded branch's)
         self.clock = self.rows[0].obs.clock
-        self.forward = _compiled(self._forward) if self.compiled else self._forward
-
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int,
-                 counts: torch.Tensor | None) -> torch.Tensor:
-        """ids (K, t) at positions (K, t) -> logits (K, keep, vocab) of the last positions; then the eviction when
-        `counts` (L, K, 1) is given (with it in one graph when compiled)."""
-        logits = forward(self.model, self.cache, ids, positions, keep)
-        self.cache.end()  # the peaks held: before the eviction
-        if counts is not None:
-            evict(self.cache, counts)
-        return logits
+        self.forward = compiled_forward() if self.compiled else _forward
 
     def counts(self, evicting: list[bool]) -> torch.Tensor | None:
         """(L, K, 1) each row's budget per evicting layer after the tokens it has seen (a row not evicting keeps
@@ -265,7 +280,7 @@ class Batch:
         keep = max([self._scored(k, span)[2] for k, span in enumerate(spans)] + [1])
         t0 = self.clock()
         counts = self.counts(evicting)
-        logits = self.forward(ids, positions, keep, counts if self.compiled else None)
+        logits = self.forward(self.model, self.cache, ids, positions, keep, counts if self.compiled else None)
         sync(self.device)
         evict_s = 0.0
         if counts is not None and not self.compiled:

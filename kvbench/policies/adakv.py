@@ -2,24 +2,23 @@
 
 In each layer the h_kv heads share h_kv * N slots: every head keeps its protected tokens (the SnapKV window),
 and the rest of the layer's budget goes to heads by their scores, with a safeguard `alpha_safeguard` (a) so
-that no head is starved. Two published allocation rules (`allocation`; details in base.adaptive_counts):
+that no head is starved. Two published allocation rules (`allocation`; details in `allocate`):
 - `adakv` (default; AdaKV's own code, the method "as originally defined" that CriticalKV 4.3 runs): with F = N - window,
   head h keeps its window + its top round((1 - a) * c_h + floor(a * F)), c_h = its share of the layer's top
   h_kv * F scores;
 - `kvpress` (NVIDIA kvpress AdaKVPress): each head keeps its top floor(a * N) slots counting the window, the rest
   of the h_kv * N slots go to the layer's best remaining scores.
-Heads thus keep different numbers of tokens: the layer is stored flat per head (engine/ragged.py), so what it holds is
-the layer total (at most h_kv * N after an eviction), reported in peak_kv_tokens (per-head average) and
-kv_bytes_peak. Scoring runs on a padded view built only during the eviction.
+Heads thus keep different numbers of tokens (the layer at most h_kv * N after an eviction); peak_kv_tokens reports
+the fullest head, kv_bytes_peak what the heads hold together.
 Defaults follow the AdaKV/CriticalKV setting (CriticalKV 4.3): window 32, kernel 7, max pooling; alpha_safeguard 0.2
 (kvpress's default; CriticalKV gives none, AdaKV's README example uses 0.5).
 Choice: eviction runs when the layer holds more than h_kv * N real tokens. With `adakv`, rounding can make the
 counts exceed h_kv * F by a few tokens; kvbench takes them back (heads rounded up the most first).
-Static slot cache (kvbench/engine/slotcache.py): a head has a fixed number of slots, so a head keeps at most
+The static bound: a head has a fixed number of slots (kvbench/engine/cache.py), so a head keeps at most
 ceil(`head_cap` * N) tokens (default 2.0; at least 1): the allocation's counts are clamped to it after every eviction
 (also one that is not over h_kv * N: a head may never hold more than its slots allow), and the budget clamped away
-stays unused (not handed to the other heads). The chronological engine has no cap; the two keep the same tokens
-whenever no head's count passes it.
+stays unused (not handed to the other heads). With 2 KV heads the default never binds (a head's count is at most
+h_kv * N); docs/policies.md says how often it binds elsewhere.
 """
 
 from __future__ import annotations
@@ -29,19 +28,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvbench.policies.base import (ALLOCATIONS, PolicyError, adaptive_counts, adaptive_total, compact, latest_mask,
-                                   rank_mask)
-from kvbench.policies.snapkv import SnapKV, pool
-from kvbench.policies.window import window_attention
+from kvbench.policies.base import PolicyError
+from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.view import rank_mask
 
 if TYPE_CHECKING:
-    from kvbench.policies.layer import CacheLayer
     from kvbench.policies.view import SlotView
+
+ALLOCATIONS = ("adakv", "kvpress")
 
 
 class AdaKV(SnapKV):
     name = "adakv"
-    stackable = False  # its own `due` and `select` (per-head budgets over a layer's total, Policy.stackable)
 
     def __init__(self, alpha_safeguard: float = 0.2, allocation: str = "adakv", pooling: str = "max",
                  head_cap: float = 2.0, **kwargs) -> None:
@@ -56,70 +54,17 @@ class AdaKV(SnapKV):
         self.head_cap = float(head_cap)
         super().__init__(pooling=pooling, **kwargs)
 
-    def window_scores(self, layer: CacheLayer) -> torch.Tensor:
-        """SnapKV's pooled window scores (b, h_q, n), on ragged layers too.
-
-        The padded view holds each head's real tokens first, in position order, then padding, so pooling in slot
-        order never mixes a token with a later block; the window (each head's latest `window` tokens) and the
-        padding read as zero padding.
-        """
-        if layer.valid is None:
-            return super().window_scores(layer)
-        probs = window_attention(layer)  # (b, h_q, n); 0 on padding
-        h_kv = layer.keys.shape[1]
-        g = probs.shape[1] // h_kv
-        window = latest_mask(layer, self.window).repeat_interleave(g, dim=1)  # (b, h_q, n)
-        prefix = probs.masked_fill(window, 0.0)
-        n = prefix.shape[-1]
-        scores = pool(prefix, self.kernel, self.pooling)  # (b, h_q, n)
-        return scores.masked_fill(window, scores.max() if n else 0.0)  # a 0-d tensor: no host read
-
-    def needs_kv(self, layer: CacheLayer) -> bool:
-        """The window's attention is its only read of the keys: over each head's own keys, K/V left flat."""
-        return False
-
-    def due(self, layer: CacheLayer) -> bool:
-        """Only over the layer's total budget (its heads sit under it for many decoding steps)."""
-        return self.over_budget(layer) is not None
-
-    def over_budget(self, layer: CacheLayer) -> int | None:
-        """N when the layer's heads hold more than h_kv * N tokens in all (heads share the layer's budget)."""
-        budget = super().over_budget(layer)
-        if budget is None:
-            return None
-        h = layer.kv_heads  # the stored layer's (flat storage holds (S, d) keys)
-        sizes = layer.head_lengths()  # on the host: no read of the device
-        if max(sum(sizes[i:i + h]) for i in range(0, len(sizes), h)) <= budget * h:
-            return None
-        return budget
-
-    def head_counts(self, layer: CacheLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        """(b, h_kv) tokens each head keeps (AdaKV allocation). The pooled top-k's size is counted on the host from
-        the head sizes and protected counts the layer and the policy know (no device read)."""
-        n_prot = (scores == math.inf).sum(dim=-1)  # (b, h_kv)
-        total = adaptive_total(layer.head_lengths(), self.protected_sizes(layer), scores.shape[1], budget,
-                               self.allocation)
-        return adaptive_counts(scores, budget, n_prot, self.alpha_safeguard, self.allocation, total)
-
-    def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        budget = self.over_budget(layer)
-        if budget is None:
-            return None
-        scores = self.ranked_scores(layer)
-        return compact(rank_mask(scores, self.head_counts(layer, scores, budget)))
-
-    # -- the static slot cache: SnapKV's slot_score, the allocation as counts ---------------------------------------
     def head_capacity(self, budget: int) -> int:
         return math.ceil(self.head_cap * budget)
 
-    def slot_counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """(L, b, h_kv) `slot_allocation` clamped to `head_capacity` (the slots a head has; what is clamped away
+    def counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """(L, b, h_kv) `allocation` clamped to `head_capacity` (the slots a head has; what is clamped away
         stays unused)."""
         cap = (counts.double() * self.head_cap).ceil().long()  # (L, b | 1, 1): head_capacity's ceil per row
-        return self.slot_allocation(ranked, counts).minimum(cap)
+        return self.allocation_counts(ranked, counts).minimum(cap)
 
-    def slot_allocation(self, ranked: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
-        """(L, b, h_kv) tokens each head keeps, uncapped: `adaptive_counts` over each layer row whose heads hold more
+    def allocation_counts(self, ranked: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """(L, b, h_kv) tokens each head keeps, uncapped: `allocate` over each layer row whose heads hold more
         than h_kv * N in all (`over_budget`), every held token elsewhere. `ranked` (L, b, h_kv, S): protected +inf,
         free -inf; `budgets` (L, b | 1, 1) each row's N."""
         L, b, h, S = ranked.shape
@@ -127,18 +72,24 @@ class AdaKV(SnapKV):
         scores = ranked.reshape(L * b, h, S)
         held = (scores > -math.inf).sum(dim=-1)  # (R, h)
         n_prot = (scores == math.inf).sum(dim=-1)  # (R, h)
-        alloc = static_counts(scores, N, n_prot, self.alpha_safeguard, self.allocation)
+        alloc = allocate(scores, N, n_prot, self.alpha_safeguard, self.allocation)
         over = held.sum(dim=-1, keepdim=True) > h * N  # (R, 1)
         return torch.where(over, alloc, held).view(L, b, h)
 
 
-def static_counts(scores: torch.Tensor, budget: torch.Tensor, n_protected: torch.Tensor, alpha_safeguard: float,
-                  rule: str) -> torch.Tensor:
-    """`adaptive_counts` with tensors only (no host read, static shapes; the static slot cache's graph): (R, h) tokens
-    each head keeps. `scores` (R, h, S) protected +inf, free -inf; `budget` (R, 1) each row's N; `n_protected` (R, h).
-    The pooled top-`total` is a rank in one stable descending sort of the row's h * S scores (`total` a (R, 1) tensor,
-    each row's own: the chronological engine takes the fewest over a batch's rows) instead of a topk of a host size;
-    the two differ only in how scores tied at the cut across heads are split (topk's order is unspecified)."""
+def allocate(scores: torch.Tensor, budget: torch.Tensor, n_protected: torch.Tensor, alpha_safeguard: float,
+             rule: str) -> torch.Tensor:
+    """The AdaKV allocation (CriticalKV Alg. 2 line 1): (R, h) tokens each head keeps, protected ones included, with
+    tensors only (no host read, static shapes). `scores` (R, h, S) protected +inf, free -inf; `budget` (R, 1) each
+    row's N; `n_protected` (R, h); a = `alpha_safeguard`. The row's heads share h * N slots:
+    - `adakv` (AdaKV's own code): with F = N - protected per head, c_h = how many of the row's top sum(F) unprotected
+      scores are head h's; head h keeps its protected tokens and round((1 - a) * c_h + floor(a * F)) (torch.round,
+      half to even, in float32 as that code computes it); a total rounded above sum(F) gives one token back from the
+      heads rounded up the most (the lower head first);
+    - `kvpress` (NVIDIA kvpress AdaKVPress): each head first keeps its top floor(a * N) slots counting its protected
+      ones (at least those), the rest of the h * N go to the best remaining scores over all heads.
+    The pooled top-`total` is a rank in one stable descending sort of the row's h * S scores; scores tied at the cut
+    across heads go to the lower head."""
     R, h, S = scores.shape
 
     def top_per_head(flat: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

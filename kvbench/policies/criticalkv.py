@@ -5,7 +5,7 @@ window (N - window for `base: snapkv`; the AdaKV allocation minus the window for
 stage 1 keeps the top floor(alpha * b) tokens by A; stage 2 keeps the top b - floor(alpha * b) of the rest by
 (A + eps) * ||v W_O||_1, where ||v_i W_O||_1 is the L1 norm of token i's value projected through the output
 projection columns of each query head of the group, averaged over the group (GQA). That norm is a per-token
-constant: computed once when the token enters the cache (`on_append`) and kept as per-token state.
+constant: computed once when the token enters the cache (`token_state`) and kept as per-token state.
 Defaults: alpha 0.5, eps 1e-4 (CriticalKV 4.3 and footnote 2); window 32, kernel 7, max pooling (CriticalKV 4.3).
 Stage-1 split (`stage1_window`), for a head keeping `count` tokens of which `w` protected:
 - `outside` (default): stage 1 keeps w + floor(alpha * (count - w)): alpha splits the budget outside the window,
@@ -17,33 +17,28 @@ Stage-1 split (`stage1_window`), for a head keeping `count` tokens of which `w` 
   whose count is below 2 x that keeps max(safeguard, floor(alpha * count)) there: kvbench's AdaKV base differs in
   such heads (measured: 1-4 kept tokens in one head, greedy answers still identical; results/peer_kvpress).
 With `base: adakv` the per-head counts come from the AdaKV allocation (`allocation`, `alpha_safeguard`; `head_cap`, the
-static slot cache's bound on a head's count, see adakv.py).
-Static slot cache: the value norms are per-token state (`token_state`); `slot_score` ranks by stage 2, the base's
-counts (its allocation) computed there and handed to the engine by `slot_counts`.
+static bound on a head's count, see adakv.py). `score` ranks by stage 2, which needs each head's count: the base's
+counts are computed there and handed to the engine by `counts`.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import Policy, PolicyError, compact, rank_mask, tie_positions, top_slots
+from kvbench.policies.base import Policy, PolicyError
 from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.view import rank_mask
 
 if TYPE_CHECKING:
-    from kvbench.policies.layer import CacheLayer
     from kvbench.policies.view import SlotView
 
 BASES = {"snapkv": SnapKV, "adakv": AdaKV}
 STAGE1 = ("outside", "inside")
-# Appended tokens (batch x block) up to which the value norms of all query heads come from one batched product;
-# measured on CPU (SmolLM2, 9 heads, hidden 576): 4x cheaper than the per-head loop for 1 token, 1.7x for 32,
-# 2.7x dearer for 128 (a (h_q, 128, hidden) intermediate).
-BATCHED_TOKENS = 32
+BATCHED_TOKENS = 32  # new tokens (batch x block) up to which the value norms of all query heads are one product
 
 
 class CriticalKV(Policy):
@@ -52,8 +47,7 @@ class CriticalKV(Policy):
 
     name = "criticalkv"
     state_names = ("vnorm",)
-    # (L, b, h_kv) the static cache's counts, set by `slot_score` (a class default: batch_key reads the instance's)
-    _slot_counts: torch.Tensor | None = None
+    _counts: torch.Tensor | None = None  # (L, b, h_kv) the counts `score` ranked for
 
     def __init__(self, base: str = "snapkv", alpha: float = 0.5, eps: float = 1e-4, stage1_window: str = "outside",
                  pooling: str = "max", allocation: str = "adakv", alpha_safeguard: float = 0.2, head_cap: float = 2.0,
@@ -71,11 +65,7 @@ class CriticalKV(Policy):
                  if base == "adakv" else {})
         self.base: Policy = BASES[base](pooling=pooling, **kwargs, **extra)  # max pooling: CriticalKV 4.3
         b = self.base
-        self.query_window = b.query_window  # the engine stashes the queries the base scores with
-        # Over SnapKV every (batch row, KV head) is ranked on its own (SnapKV's scores, the value norms kept per
-        # token, the two stages' cuts) and a decoding step drops one token per head: a layer stack (engine/stack.py)
-        # selects what each layer selects alone. Over AdaKV the heads of a layer share its budget: never stacked
-        self.stackable = b.stackable
+        self.query_window = b.query_window  # the engine keeps the queries the base scores with
         super().__init__(budget=b.budget, n_sink=b.n_sink, n_recent=b.n_recent, skip_layers=b.skip_layers,
                          seed=b.seed)
 
@@ -83,21 +73,10 @@ class CriticalKV(Policy):
         super().attach(num_layers)
         self.base.attach(num_layers)
 
-    def batch_key(self) -> tuple[Any, ...] | None:
-        """Policy.batch_key with the base's settings (window, kernel, pooling), which live in `base`."""
-        key, base = super().batch_key(), self.base.batch_key()
-        return None if key is None or base is None else (*key, base)
-
-    def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
-                  query: torch.Tensor) -> dict[str, torch.Tensor]:
-        d = values.shape[-1]
-        return {"vnorm": value_norms(values, head_columns(module.o_proj.weight, d))}  # (b, h_kv, q)
-
     def token_state(self, layer_idx: int, module: Any, keys: torch.Tensor, values: torch.Tensor,
                     query: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """The value norms of a forward's t new tokens, read from the layer's value buffer (b, h_kv, S, d) at their
-        `slots` (b, h_kv, t). W_O's head columns as a strided view rather than `head_columns`' cached copy (a weak
-        reference and a version check are no graph ops): the same products, bit for bit (its docstring)."""
+        `slots` (b, h_kv, t); W_O's head columns read as a strided view of the weight."""
         b, h_kv, S, d = values.shape
         new = values.gather(2, slots.unsqueeze(-1).expand(*slots.shape, d))  # (b, h_kv, t, d)
         w = module.o_proj.weight  # (hidden, h_q * d)
@@ -107,59 +86,27 @@ class CriticalKV(Policy):
     def head_capacity(self, budget: int) -> int:
         return self.base.head_capacity(budget)
 
-    def slot_score(self, view: SlotView) -> torch.Tensor:
+    def score(self, view: SlotView) -> torch.Tensor:
         """The stage-2 ranking (`stage2_scores`) over the base's scores A: it needs each head's count, so the base's
         allocation runs here (on A as the engine ranks it: protected +inf, free -inf, re-derived from the view; the
-        budgets `view.row_budgets`), and `slot_counts` hands the same counts to the engine (kept from this call)."""
-        ranked = self.base.slot_score(view).float()  # (L, b, h_kv, S): A
+        budgets `view.row_budgets`), and `counts` hands the same counts to the engine (kept from this call)."""
+        ranked = self.base.score(view).float()  # (L, b, h_kv, S): A
         ranked = torch.where(view.protected(self.n_sink, self.n_recent), math.inf, ranked)
         ranked = ranked.masked_fill(~view.held, -math.inf)
         L, b, h, S = ranked.shape
         budgets = view.row_budgets(self.base.layer_budget)  # (L, b, 1): N per row
-        counts = self.base.slot_counts(view, ranked, budgets).expand(L, b, h)  # SnapKV: N; AdaKV: per head
+        counts = self.base.counts(view, ranked, budgets).expand(L, b, h)  # SnapKV: N; AdaKV: per head
         n_prot = (ranked == math.inf).sum(dim=-1)  # (L, b, h)
         R = L * b
         stage2 = stage2_scores(ranked.reshape(R, h, S), view.state["vnorm"].reshape(R, h, S), counts.reshape(R, h),
                                n_prot.reshape(R, h), self.alpha, self.eps, self.stage1_window,
                                view.pos.reshape(R, h, S))  # ties by position, as the engine's
-        self._slot_counts = counts
+        self._counts = counts
         return stage2.view(L, b, h, S)
 
-    def slot_counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        assert self._slot_counts is not None, "slot_counts before slot_score"
-        return self._slot_counts  # (L, b, h_kv): what `slot_score` ranked for (the engine calls it right after)
-
-    def score(self, layer: CacheLayer) -> torch.Tensor:
-        return self.base.score(layer)  # (b, h_kv, n): A, the base's scores (stage 1)
-
-    def due(self, layer: CacheLayer) -> bool:
-        return self.base.due(layer)
-
-    def needs_kv(self, layer: CacheLayer) -> bool:
-        return self.base.needs_kv(layer)  # stage 2 reads the value norms of `on_append` (state), not the values
-
-    def attention_rows(self, layer: CacheLayer, q: int) -> int:
-        return self.base.attention_rows(layer, q)
-
-    def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        budget = self.base.over_budget(layer)
-        if budget is None:
-            return None
-        scores = self.base.ranked_scores(layer)  # (b, h_kv, n): protected +inf, padding -inf
-        ties = tie_positions(layer)
-        # SnapKV's budget on a layer without padding (no -inf score): every head keeps exactly `budget`, the top of
-        # stage2 (a decoding step: all but its lowest, one argmin instead of a sort); nothing is read back from the
-        # device. Its protected counts are the host's (the only +inf scores are the protected slots'): one count for
-        # every head, and stage 1 one count too (a cut, not a sort, when ties follow slots)
-        uniform = layer.valid is None and not isinstance(self.base, AdaKV)
-        prot = set(self.base.protected_sizes(layer)) if uniform else set()
-        n_prot = prot.pop() if len(prot) == 1 else (scores == math.inf).sum(dim=-1)  # int, or (b, h_kv)
-        counts = budget if uniform else self.base.head_counts(layer, scores, budget)  # int, or (b, h_kv)
-        stage2 = stage2_scores(scores, layer.state["vnorm"], counts, n_prot, self.alpha, self.eps,
-                               self.stage1_window, ties)
-        if uniform:
-            return top_slots(stage2, budget, ties), None
-        return compact(rank_mask(stage2, counts, ties))
+    def counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        assert self._counts is not None, "counts before score"
+        return self._counts  # (L, b, h_kv): what `score` ranked for (the engine calls it right after)
 
 
 def value_norms(values: torch.Tensor, w_heads: torch.Tensor) -> torch.Tensor:
@@ -171,11 +118,8 @@ def value_norms(values: torch.Tensor, w_heads: torch.Tensor) -> torch.Tensor:
     v = values.float()
     w_heads = w_heads.float()
     if b * q <= BATCHED_TOKENS:
-        # A decoding step (and any small block): all query heads in one batched product instead of h_q small
-        # ones (~4x cheaper per layer on CPU for one token). Each head's product is the same (q x d) by
-        # (d x hidden) product as in the loop below; the BLAS kernel may round it differently (a one-row product
-        # can take a matrix-vector path): equal to the loop within float32 rounding (tests/test_window_state.py;
-        # bit-identical at SmolLM2's shapes, where the committed runs are reproduced exactly).
+        # A decoding step (and any small block): all query heads in one batched product instead of h_q small ones;
+        # each head's is the same (q x d) by (d x hidden) product as in the loop below
         v_heads = v.permute(1, 0, 2, 3).reshape(h_kv, 1, b * q, d).expand(h_kv, g, b * q, d)
         proj = torch.bmm(v_heads.reshape(h_q, b * q, d), w_heads)  # (h_q, b*q, hidden), b*q <= BATCHED_TOKENS
         norms = proj.abs().sum(dim=-1).view(h_q, b, q).permute(1, 0, 2)  # (b, h_q, q)
@@ -195,9 +139,8 @@ def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tenso
     `scores`: protected +inf, padding -inf.
 
     Stage-1 count: n_prot + floor(alpha * (counts - n_prot)) (`outside`) or max(n_prot, floor(alpha * counts))
-    (`inside`), floors of the double products as Python's int() takes them. `positions`: ties by position, not
-    slot (`tie_positions`). `counts` and `n_prot` may be ints, one for every head (known on the host): the same
-    floors in Python's double arithmetic.
+    (`inside`), floors of the double products as Python's int() takes them. `positions`: ties by position. `counts`
+    and `n_prot` may be ints, one for every head: the same floors in Python's double arithmetic.
     """
     if isinstance(counts, int) and isinstance(n_prot, int):
         first: torch.Tensor | int = (n_prot + math.floor((counts - n_prot) * alpha) if stage1_window == "outside"
@@ -210,30 +153,3 @@ def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tenso
             first = torch.maximum(n_prot, (counts.double() * alpha).floor().long())
     stage1 = rank_mask(scores, first, positions)
     return ((scores + eps) * vnorm).masked_fill(stage1, math.inf).masked_fill(scores == -math.inf, -math.inf)
-
-
-# W_O's per-head copies, by id(weight): (a weak reference to the weight, its version, the copy). Derived from the
-# model's weights and never written, so every CriticalKV policy of the process reads the same copy (a sweep's runs of
-# one sample, a batch's members, a fork); an entry leaves with its weight (the reference's callback)
-_HEAD_COLUMNS: dict[int, tuple[weakref.ReferenceType, int, torch.Tensor]] = {}
-
-
-def head_columns(weight: torch.Tensor, d: int) -> torch.Tensor:
-    """(h_q, d, hidden) head h's columns of W_O (hidden, h_q * d), transposed: the view of a (h_q, hidden, d)
-    contiguous copy, made once per weight (in its own dtype) and kept while the weight lives.
-
-    Why: a decoding step projects one token's values through every layer's W_O. Read through the strided view of W_O
-    itself (head h's block a d-wide stripe of each of its hidden rows), that product took ~440 us per layer on one CPU
-    thread in a decoding step of SmolLM2 (13 ms a step), ~210 us from the copy, where each head's block is one
-    contiguous run. Both are the same transposed (d x hidden) operand to the same kernel, only its leading dimension
-    differs: the very same products, bit for bit (tests/test_window_state.py). The price is one copy of each W_O per
-    process (SmolLM2: 30 x 1.3 MB in float32). A weight changed in place (its version) is copied again.
-    """
-    key = id(weight)
-    hit = _HEAD_COLUMNS.get(key)
-    if hit is None or hit[0]() is not weight or hit[1] != weight._version:
-        hidden, h_q = weight.shape[0], weight.shape[1] // d
-        layout = weight.detach().view(hidden, h_q, d).permute(1, 0, 2).contiguous()  # (h_q, hidden, d)
-        ref = weakref.ref(weight, lambda _, key=key: _HEAD_COLUMNS.pop(key, None))
-        hit = _HEAD_COLUMNS[key] = (ref, weight._version, layout)
-    return hit[2].transpose(1, 2)  # (h_q, d, hidden)

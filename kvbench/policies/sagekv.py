@@ -5,10 +5,9 @@ tokens by the last token's attention (chosen among the tokens that are neither s
 `recent` most recent tokens plus the last token. Sizes from the budget N and the group size g = h_q / h_kv
 (SAGE-KV App. A.2; N = 8192: g = 4 -> sink 2048, k 1024, recent 2047 + last; g = 7 -> sink 2048, k 512,
 recent 2559 + last): sink = N // 4, k = N // 2^ceil(log2(2g)), recent = N - sink - g*k - 1; each can be set.
-Heads whose unions overlap keep fewer than N tokens: the layer is stored ragged (flat per head, see engine/ragged.py).
-Decoding: the sinks and selected tokens stay fixed; each new token joins the recent window and the window's oldest
-token is dropped, so every head keeps a constant size. With slot reuse the new token is written into the row the
-dropped one held (`ragged_slot_reuse`): a step copies no K/V, and a head's rows are then out of position order.
+Heads whose unions overlap keep fewer than N tokens (per-head counts). Decoding: the sinks and selected tokens stay
+fixed (per-token state `pinned`); each new token joins the recent window and the window's oldest token is dropped,
+so every head keeps a constant size. `score` is 1 for the slots an eviction keeps, and `counts` their number.
 Deviation: under block processing the same selection is made after every block that overflows the budget, with
 that block's last query (the paper evicts once after a full prefill; `block=null` is exact). If the prompt never
 overflowed the budget, the first decoding step that does makes the selection.
@@ -21,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvbench.policies.base import Policy, PolicyError, compact, latest_mask, query_attention, rank_mask
+from kvbench.policies.base import Policy, PolicyError
+from kvbench.policies.view import rank_mask
 
 if TYPE_CHECKING:
-    from kvbench.policies.layer import CacheLayer
     from kvbench.policies.view import SlotView
 
 
@@ -32,8 +31,6 @@ class SageKV(Policy):
     name = "sagekv"
     query_window = 1
     state_names = ("pinned",)  # 1 for the sinks and the selected tokens: never slid out while decoding
-    ragged_slot_reuse = True  # the slide reads positions, the selection attention over each head's own keys
-    state_starts_zero = True  # a new token is not pinned
 
     def __init__(self, sink: int | None = None, k: int | None = None, recent: int | None = None,
                  budget: int | None = None, **kwargs: Any) -> None:
@@ -52,67 +49,7 @@ class SageKV(Policy):
                               f"budget {n} (need sink + group*k + recent + 1 <= budget, k >= 1)")
         return sink, k, recent
 
-    def on_append(self, layer: CacheLayer, module: Any, keys: torch.Tensor, values: torch.Tensor,
-                  query: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"pinned": keys.new_zeros(keys.shape[:3], dtype=torch.float32)}  # (b, h_kv, q)
-
-    def due(self, layer: CacheLayer) -> bool:
-        """`select`'s own terms: while decoding once a selection was made (the window slides), else over budget."""
-        budget = self.layer_budget(layer.layer_idx, layer.seen)
-        return budget is not None and (self._sliding(layer) or layer.physical() > budget)
-
-    def dropped_position(self, layer: CacheLayer) -> int | None:
-        """A slide one token after an eviction (that token written where the eviction freed a slot: `block_slots`)
-        drops from every head the token at position seen - recent - 2: every eviction (a selection or a slide) leaves
-        each head its pinned tokens and exactly the latest recent + 1 positions (all held then: the one before left
-        the latest ones too), none of them pinned, so one token later the oldest of those is the one the slide drops.
-        Otherwise (the first slide after the prompt, whose last block may have come in without an eviction): None."""
-        if not (self._sliding(layer) and layer.block_slots is not None):
-            return None
-        return layer.seen - self.sizes(layer.stash.queries.shape[1] // layer.kv_heads)[2] - 2
-
-    def needs_kv(self, layer: CacheLayer) -> bool:
-        """The slide reads positions and the pinned state only, a selection the last query's attention over each
-        head's own keys: K/V stay flat in the padded view."""
-        return False
-
-    @staticmethod
-    def _sliding(layer: CacheLayer) -> bool:
-        # Whether a selection was made (some token pinned), known on the host: a selection is the only eviction
-        # SAGE-KV makes, it pins at least one token (it runs only when a head holds more than the budget, so that
-        # head has candidates beyond its sinks and recent tokens), and pinned tokens stay; so the layer holds fewer
-        # tokens than it has seen exactly when tokens are pinned.
-        return layer.decoding and layer.physical() < layer.seen
-
-    def select(self, layer: CacheLayer) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        budget = self.layer_budget(layer.layer_idx, layer.seen)
-        if budget is None:
-            return None
-        h_kv = layer.keys.shape[1]
-        g = layer.stash.queries.shape[1] // h_kv
-        sink, k, recent = self.sizes(g)
-        real = layer.positions >= 0  # (b, h_kv, n)
-        pinned = (layer.state["pinned"] > 0) & real
-        if self._sliding(layer):  # slide: pinned + the latest recent + 1 other tokens
-            # The unpinned tokens a head holds are exactly the latest positions: a selection keeps the latest recent + 1
-            # (all held: the window before it held them) and pins only older ones, and a slide keeps the latest. So
-            # the latest recent + 1 of them are those from position seen - recent - 1 on, whatever the slots' order
-            # (the row a slide frees takes the next token: ragged_slot_reuse): one comparison, no ranking
-            return compact(pinned | (real & (layer.positions >= layer.seen - recent - 1)))
-        if layer.physical() <= budget:  # the longest head (physical: on the host, no read)
-            return None
-        sinks = real & (layer.positions < sink)
-        latest = latest_mask(layer, recent + 1)
-        cand = (real & ~sinks & ~latest).repeat_interleave(g, dim=1)  # (b, h_q, n)
-        probs = query_attention(layer)[:, :, -1]  # (b, h_q, n): the last token's attention
-        top = rank_mask(probs.masked_fill(~cand, -math.inf), k)  # (b, h_q, n): each query head's top-k
-        union = top.view(top.shape[0], h_kv, g, -1).any(dim=2)  # (b, h_kv, n)
-        pinned = sinks | union
-        layer.state["pinned"] = pinned.float()  # gathered with the kept tokens by layer.keep
-        return compact(pinned | latest)
-
-    # -- the static slot cache: the kept set as a 0/1 score, its size as the counts -----------------------------------
-    def slot_score(self, view: SlotView) -> torch.Tensor:
+    def score(self, view: SlotView) -> torch.Tensor:
         """1 for the slots this eviction keeps, 0 for the held ones it drops (free slots: the engine's -inf), the
         three cases of `select` per batch row and layer as tensor logic: a slide (decoding after a selection: the
         pinned tokens and the latest recent + 1), a selection (over budget otherwise: sinks | union | the latest
@@ -156,5 +93,5 @@ class SageKV(Policy):
         recent = n - sink - group * k - 1 if self.recent is None else int(self.recent)
         return sink, k, recent
 
-    def slot_counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return (ranked > 0).sum(dim=-1)  # (L, b, h_kv): the slots `slot_score` keeps (no protected +inf here)
+    def counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return (ranked > 0).sum(dim=-1)  # (L, b, h_kv): the slots `score` keeps (no protected +inf here)

@@ -51,7 +51,7 @@ class SlotView:
 
     def protected(self, n_sink: int, n_recent: int) -> torch.Tensor:
         """(L, b, h_kv, S) bool: the held slots a selection always keeps, the first `n_sink` positions and the latest
-        `n_recent` (by position: seen - n_recent on). The engine's +inf ranks (kvbench/engine/slotcache.py `evict`),
+        `n_recent` (by position: seen - n_recent on). The engine's +inf ranks (kvbench/engine/cache.py `evict`),
         here so that a score that needs them before the engine applies them (CriticalKV's stage 1) marks the same."""
         edge = self.pos < n_sink
         if n_recent > 0:
@@ -87,3 +87,23 @@ class SlotView:
         """(L, b, h_kv, S) each head's slots by position, free slots (-1) first: what a score that reads the sequence
         as a sequence (SnapKV's pooling) gathers by and scatters back with."""
         return self.pos.argsort(dim=-1)
+
+
+def ranks(scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., n) each entry's rank in its row by `scores` (..., n), highest first (0); ties go to the earlier token:
+    the lower position when `positions` (..., n) are given, else the lower index. Two stable sorts, so a ranking never
+    depends on how a kernel orders equal scores (HashEvict's Hamming scores tie all the time)."""
+    n = scores.shape[-1]
+    if positions is None:
+        order = scores.argsort(dim=-1, descending=True, stable=True)
+    else:
+        by_position = positions.argsort(dim=-1)
+        order = by_position.gather(-1, scores.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True))
+    return torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
+
+
+def rank_mask(scores: torch.Tensor, count: int | torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., n) bool: each row's top `count` entries (an int, or a tensor of the rows' shape), -inf never; ties as
+    `ranks` breaks them."""
+    count = torch.as_tensor(count, device=scores.device)
+    return (ranks(scores, positions) < count.unsqueeze(-1)) & (scores > -math.inf)
