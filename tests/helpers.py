@@ -1,6 +1,6 @@
-"""Helpers the tests call as functions (`from helpers import make_layer`; pyproject.toml puts tests/ on the path):
-the tiny model with kvbench's attention installed, hand-built cache layers, and run configs composed from the real
-conf/config.yaml. Fixtures live in conftest.py, which pytest finds by itself.
+"""Helpers the tests call as functions (`from helpers import make_view`; pyproject.toml puts tests/ on the path):
+the tiny model with kvbench's attention installed, hand-built slot views and their selection, and run configs
+composed from the real conf/config.yaml. Fixtures live in conftest.py, which pytest finds by itself.
 """
 
 from __future__ import annotations
@@ -21,25 +21,24 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from kvbench.engine import attention
-from kvbench.engine.cache import EvictingLayer
+from kvbench.engine.cache import install, select
 from kvbench.models.tiny import build_tiny_model
+from kvbench.policies.view import SlotView
 
 
 def installed_model(arch: str = "tiny-llama", **kw: Any) -> tuple[Any, Any]:
     """A tiny random model (and its tokenizer) with kvbench's attention wrapper installed; `kw` go to
     `build_tiny_model` (seed, dtype, output_scale, config overrides such as num_hidden_layers)."""
     model, tok = build_tiny_model(arch, **kw)
-    attention.install(model)
+    install(model)
     return model, tok
 
 
 def float64_model(layers: int) -> Any:
-    """tiny-llama with `layers` layers (output scale 1), sdpa with kvbench's attention installed, in float64: the
-    model the slot-reuse and stacking tests decode with, where attention summed in another order cannot swap a step."""
+    """tiny-llama with `layers` layers (output scale 1), kvbench's attention installed, in float64: the model the
+    batch tests decode with, where a product over more rows cannot swap a step."""
     model, _ = build_tiny_model("tiny-llama", output_scale=1.0, num_hidden_layers=layers)
-    model.set_attn_implementation("sdpa")
-    attention.install(model)
+    install(model)
     return model.double()
 
 
@@ -49,32 +48,43 @@ def random_prompt(n: int, seed: int) -> list[int]:
 
 
 def held_positions(trace: list[list[torch.Tensor | None]]) -> list[list[list[list[int]] | None]]:
-    """A trace (Observer(trace=True)): per forward, layer and KV head, the positions held, sorted (holes and padding,
-    position -1, left out; None where the layer held nothing yet), whatever slots they sit in."""
+    """A trace (Observer(trace=True)): per forward, layer and KV head, the positions held, sorted (free slots left
+    out), whatever slots they sit in."""
     return [[None if t is None else [sorted(p for p in row if p >= 0) for row in t[0].tolist()] for t in step]
             for step in trace]
 
 
 def held_counts(step: list[torch.Tensor | None]) -> list[int]:
-    """One traced step (Observer(trace=True)): per layer, the most tokens any KV head holds (holes and padding,
-    position -1, left out), whatever slots they sit in: the bound a budget sets, with or without slot reuse."""
+    """One traced step (Observer(trace=True)): per layer, the most tokens any KV head holds (free slots left out):
+    the bound a budget sets."""
     return [0 if pos is None else int((pos >= 0).sum(dim=-1).max()) for pos in step]
 
 
-def make_layer(keys: list, queries: list | None = None, values: list | None = None, layer_idx: int = 0,
-               scaling: float = 1.0) -> EvictingLayer:
-    """A layer holding `keys` (h_kv, n, d) at positions 0..n-1 (values zero unless given), and optionally stashed
-    `queries` (h_q, w, d) at the latest w positions."""
-    k = torch.tensor(keys, dtype=torch.float32).unsqueeze(0)  # (1, h_kv, n, d)
-    v = torch.zeros_like(k) if values is None else torch.tensor(values, dtype=torch.float32).unsqueeze(0)
-    layer = EvictingLayer(layer_idx)
-    layer.update(k, v)
-    layer.scaling, layer.softcap = scaling, None
+def make_view(keys: list, queries: list | None = None, values: list | None = None, layer_idx: int = 0,
+              scaling: float = 1.0, positions: list | None = None) -> SlotView:
+    """One layer's slots holding `keys` (h_kv, n, d) at positions 0..n-1 (or `positions`, (h_kv, n), -1 free), values
+    zero unless given, and optionally `queries` (h_q, w, d) as the latest w queries (positions seen - w .. seen - 1):
+    a view with L = b = 1, as the engine hands a policy."""
+    k = torch.tensor(keys, dtype=torch.float32)[None, None]  # (1, 1, h_kv, n, d)
+    v = torch.zeros_like(k) if values is None else torch.tensor(values, dtype=torch.float32)[None, None]
+    h_kv, n = k.shape[2], k.shape[3]
+    pos = (torch.arange(n).expand(1, 1, h_kv, n) if positions is None
+           else torch.tensor(positions)[None, None]).clone()  # (1, 1, h_kv, n)
+    seen = torch.tensor([int(pos.max()) + 1])
+    view = SlotView(keys=k, values=v, pos=pos, seen=seen, fed=seen.clone(), layers=(layer_idx,), scaling=scaling)
     if queries is not None:
-        q = torch.tensor(queries, dtype=torch.float32).unsqueeze(0)  # (1, h_q, w, d)
-        layer.stash.queries = q
-        layer.stash.positions = torch.arange(layer.seen - q.shape[2], layer.seen)
-    return layer
+        q = torch.tensor(queries, dtype=torch.float32)[None, None]  # (1, 1, h_q, w, d)
+        view.queries, view.qpos = q, torch.arange(int(seen) - q.shape[3], int(seen))[None]
+    return view
+
+
+def kept(policy: Any, view: SlotView, budget: int | None = None) -> list[list[int]]:
+    """Per KV head, the positions the engine's selection keeps of `view` (L = b = 1) at `budget` (default: the
+    policy's layer budget), sorted."""
+    n = budget if budget is not None else policy.layer_budget(view.layers[0], int(view.seen))
+    drop = select(policy, view, torch.tensor([[[n]]]))[0, 0]  # (h_kv, S)
+    return [sorted(int(p) for p, d in zip(view.pos[0, 0, h].tolist(), drop[h].tolist()) if p >= 0 and not d)
+            for h in range(view.pos.shape[2])]
 
 
 def run_config(*overrides: str, values: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -204,19 +204,24 @@ class SlotCache(Cache):
 
 
 # -- eviction ---------------------------------------------------------------------------------------------------------
-def evict(cache: SlotCache, counts: torch.Tensor, observe: Callable[[SlotView, torch.Tensor], None] | None = None
-          ) -> None:
-    """Keep each head's top `counts` (L, b, 1) tokens of the evicting layers by the policy's score (protected tokens
-    first, ties to the earlier token) and mark the other slots free: one ranking for all layers. `observe(view,
-    keep)` (diagnostics) sees the selection, keep (L, b, h_kv, S) bool, while every token is still held."""
-    view = cache.view()
+def select(policy: Policy, view: SlotView, counts: torch.Tensor) -> torch.Tensor:
+    """(L, b, h_kv, S) bool: the slots an eviction frees. Each head keeps its top `counts` (L, b, 1) tokens (the
+    layers' budgets per row; the policy's `counts` may allocate per head) by the policy's score, the protected tokens
+    first, ties to the earlier token: one ranking for every layer."""
     view.budgets = counts
-    policy = cache.policy
     ranked = policy.score(view).float()  # (L, b, h_kv, S)
     ranked = torch.where(view.protected(policy.n_sink, policy.n_recent), math.inf, ranked)
     ranked = ranked.masked_fill(view.pos < 0, -math.inf)
     counts = policy.counts(view, ranked, counts)  # (L, b, h_kv | 1)
-    drop = ranks(ranked, view.pos) >= counts.unsqueeze(-1)
+    return ranks(ranked, view.pos) >= counts.unsqueeze(-1)
+
+
+def evict(cache: SlotCache, counts: torch.Tensor, observe: Callable[[SlotView, torch.Tensor], None] | None = None
+          ) -> None:
+    """Mark free the slots `select` frees in the evicting layers (counts (L, b, 1)). `observe(view, keep)`
+    (diagnostics) sees the selection, keep (L, b, h_kv, S) bool, while every token is still held."""
+    view = cache.view()
+    drop = select(cache.policy, view, counts)
     if observe is not None:
         observe(view, ~drop & (view.pos >= 0))
     view.pos.masked_fill_(drop, -1)
