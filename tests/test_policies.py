@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from kvbench.engine.cache import EvictingLayer
 from kvbench.policies.base import PolicyError
 from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
@@ -18,54 +17,50 @@ from kvbench.policies.snapkv import SnapKV, pool
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
 
-from helpers import make_layer as shared_make_layer
+from helpers import kept
+from helpers import make_view as shared_make_view
 
 
-def make_layer(keys: list, queries: list | None = None, layer_idx: int = 2, scaling: float = 1.0) -> EvictingLayer:
-    return shared_make_layer(keys, queries=queries, layer_idx=layer_idx, scaling=scaling)  # layer 2: K-norm evicts it
-
-
-def kept(policy, layer) -> list:
-    idx, _ = policy.select(layer)
-    return idx[0].tolist()
+def make_view(keys: list, queries: list | None = None, layer_idx: int = 2):
+    return shared_make_view(keys, queries, layer_idx=layer_idx)  # layer 2: K-norm evicts it
 
 
 def test_streamingllm_keeps_sinks_and_recent() -> None:
-    layer = make_layer([[[float(i)] for i in range(10)]])
-    assert kept(StreamingLLM(budget=6), layer) == [[0, 1, 2, 3, 8, 9]]
+    view = make_view([[[float(i)] for i in range(10)]])
+    assert kept(StreamingLLM(budget=6), view) == [[0, 1, 2, 3, 8, 9]]
 
 
 def test_knorm_keeps_lowest_norms_and_skips_layers() -> None:
     # norms: 5, 1, 3, 2, 4 -> keep the three lowest: slots 1, 3, 2 -> sorted [1, 2, 3]
-    layer = make_layer([[[3.0, 4.0], [1.0, 0.0], [0.0, 3.0], [0.0, -2.0], [4.0, 0.0]]])
-    assert kept(KNorm(budget=3), layer) == [[1, 2, 3]]
-    assert KNorm(budget=3).select(make_layer([[[1.0]] * 5], layer_idx=1)) is None  # layers 0, 1 not evicted
+    view = make_view([[[3.0, 4.0], [1.0, 0.0], [0.0, 3.0], [0.0, -2.0], [4.0, 0.0]]])
+    assert kept(KNorm(budget=3), view) == [[1, 2, 3]]
+    assert [KNorm(budget=3).layer_budget(i) for i in range(3)] == [None, None, 3]  # layers 0, 1 not evicted
 
 
 def test_keydiff_keeps_keys_least_similar_to_mean_unit_key() -> None:
     # Unit keys at 0, 0, 0, 90, 180 degrees: anchor = mean = (1/5)(2, 1) -> direction (2, 1)/sqrt5.
     # cos with anchor: 2/sqrt5 (x3), 1/sqrt5, -2/sqrt5 -> least similar: slot 4, then slot 3.
     keys = [[[1.0, 0.0], [2.0, 0.0], [0.5, 0.0], [0.0, 3.0], [-1.0, 0.0]]]
-    assert kept(KeyDiff(budget=2), make_layer(keys)) == [[3, 4]]
+    assert kept(KeyDiff(budget=2), make_view(keys)) == [[3, 4]]
     # Two heads are scored independently: head 1 mirrors head 0 (y <-> x): same slots.
     mirrored = [[[k[1], k[0]] for k in keys[0]]]
-    assert kept(KeyDiff(budget=2), make_layer(keys + mirrored)) == [[3, 4], [3, 4]]
+    assert kept(KeyDiff(budget=2), make_view(keys + mirrored)) == [[3, 4], [3, 4]]
 
 
 def test_keydiff_variants() -> None:
     keys = [[[4.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]
     # mean anchor = (1.5, 0.5). dot: 6, 1.5, 0.5, 2 -> keep lowest dot: slots 2, 1.
-    assert kept(KeyDiff(budget=2, anchor="mean", metric="dot"), make_layer(keys)) == [[1, 2]]
+    assert kept(KeyDiff(budget=2, anchor="mean", metric="dot"), make_view(keys)) == [[1, 2]]
     # euclidean to (1.5, 0.5): 2.55, 0.71, 1.58, 0.71 -> farthest: slots 0 and 2.
-    assert kept(KeyDiff(budget=2, anchor="mean", metric="euclidean"), make_layer(keys)) == [[0, 2]]
+    assert kept(KeyDiff(budget=2, anchor="mean", metric="euclidean"), make_view(keys)) == [[0, 2]]
     # median anchor (lower median of 4 values, torch semantics) = (1, 0): cosine 1, 1, 0, 0.707 -> keep 2, 3.
-    assert kept(KeyDiff(budget=2, anchor="median"), make_layer(keys)) == [[2, 3]]
+    assert kept(KeyDiff(budget=2, anchor="median"), make_view(keys)) == [[2, 3]]
     # pairwise: -sum_j cos(k_i, k_j). Unit keys (1,0), (0,1), (.6,.8), (-.6,.8) sum to S = (1.0, 2.6);
     # sum_j cos(k_i, k_j) = u_i . S = 1.0, 2.6, 2.68, 1.48 -> keep the two smallest sums: slots 0 and 3.
     pair_keys = [[[2.0, 0.0], [0.0, 1.0], [0.6, 0.8], [-1.2, 1.6]]]
-    assert kept(KeyDiff(budget=2, anchor="pairwise"), make_layer(pair_keys)) == [[0, 3]]
+    assert kept(KeyDiff(budget=2, anchor="pairwise"), make_view(pair_keys)) == [[0, 3]]
     # recent_ratio 0.5 of budget 2 reserves the newest slot (3); the other by KeyDiff: slot 2.
-    assert kept(KeyDiff(budget=2, recent_ratio=0.5), make_layer(keys)) == [[2, 3]]
+    assert kept(KeyDiff(budget=2, recent_ratio=0.5), make_view(keys)) == [[2, 3]]
 
 
 def test_tova_last_query_attention_with_gqa_mean() -> None:
@@ -76,24 +71,26 @@ def test_tova_last_query_attention_with_gqa_mean() -> None:
     mean = [(a / sum(e) + b / sum(f)) / 2 for a, b in zip(e, f)]  # 0.5*(p_head0 + p_head1)
     expect = sorted(sorted(range(5), key=lambda i: -mean[i])[:2])
     assert expect == [1, 2]  # hand check: slot 1 (0.400+0.006), slot 2 (0.001+0.505)
-    layer = make_layer(keys, queries=[[[1.0]], [[-1.0]]])
-    assert kept(TOVA(budget=2), layer) == [expect]
+    assert kept(TOVA(budget=2), make_view(keys, queries=[[[1.0]], [[-1.0]]])) == [expect]
 
 
 def test_h2o_keeps_largest_accumulated_attention() -> None:
-    layer = make_layer([[[0.0]] * 5])
-    layer.state["acc"] = torch.tensor([[[0.5, 2.0, 0.1, 1.5, 0.2]]])
-    assert kept(H2O(budget=2), layer) == [[1, 3]]
-    assert kept(H2O(budget=3, recent_ratio=0.5), layer) == [[1, 3, 4]]  # newest slot reserved + top 2
+    view = make_view([[[0.0]] * 5])
+    view.state["acc"] = torch.tensor([[[[0.5, 2.0, 0.1, 1.5, 0.2]]]])  # (L, b, h_kv, S)
+    assert kept(H2O(budget=2), view) == [[1, 3]]
+    assert kept(H2O(budget=3, recent_ratio=0.5), view) == [[1, 3, 4]]  # newest slot reserved + top 2
 
 
-def test_h2o_accumulates_column_sums() -> None:
-    layer = make_layer([[[0.0]] * 3])
+def test_h2o_accumulates_what_each_forward_gives() -> None:
+    # The engine hands each forward's attention per slot (b, h_kv, S), summed over its queries; H2O adds it in place
+    # into its layer's row of the state. Three forwards' rows [1, 0, 0], [.25, .75, 0], [.25, .25, .5] sum to
+    # [1.5, 1.0, 0.5] (exact in binary floating point); the other layer's row stays 0.
+    acc = torch.zeros(2, 1, 1, 3)
+    state = {"acc": acc.unbind(0)}
     policy = H2O(budget=2)
-    layer.state["acc"] = torch.zeros(1, 1, 3)
-    probs = torch.tensor([[[[1.0, 0.0, 0.0], [0.25, 0.75, 0.0], [0.25, 0.25, 0.5]]]])  # (b, h_kv, q, n)
-    policy.on_attention(layer, probs)
-    assert layer.state["acc"].tolist() == [[[1.5, 1.0, 0.5]]]  # exact in binary floating point
+    for received in ([1.0, 0.0, 0.0], [0.25, 0.75, 0.0], [0.25, 0.25, 0.5]):
+        policy.on_attention(state, 1, torch.tensor([[received]]))
+    assert acc.tolist() == [[[[0.0, 0.0, 0.0]]], [[[1.5, 1.0, 0.5]]]]
 
 
 def test_snapkv_window_attention_pooled() -> None:
@@ -101,10 +98,12 @@ def test_snapkv_window_attention_pooled() -> None:
     # The last slot is the window (kept). Prefix p * 18 = [3, 8, 1, 1, 4]; avg pool k=3 with zero padding:
     # [11, 12, 10, 6, 5] / 3 -> top 2 of the prefix: slots 1, 0 -> kept [0, 1, 5].
     w = [3.0, 8.0, 1.0, 1.0, 4.0, 1.0]
-    layer = make_layer([[[math.log(v)] for v in w]], queries=[[[1.0]]])
-    assert kept(SnapKV(budget=3, window=1, kernel=3), layer) == [[0, 1, 5]]
-    # max pooling: [8, 8, 8, 4, 4] -> ties among 0-2; kernel 1 (no smoothing): prefix p -> slots 1, 4
-    assert kept(SnapKV(budget=3, window=1, kernel=1), layer) == [[1, 4, 5]]
+    view = make_view([[[math.log(v)] for v in w]], queries=[[[1.0]]])
+    assert kept(SnapKV(budget=3, window=1, kernel=3), view) == [[0, 1, 5]]
+    # max pooling: [8, 8, 8, 4, 4] -> ties among 0-2, to the earlier positions: 0, 1
+    assert kept(SnapKV(budget=3, window=1, kernel=3, pooling="max"), view) == [[0, 1, 5]]
+    # kernel 1 (no smoothing): prefix p -> slots 1, 4
+    assert kept(SnapKV(budget=3, window=1, kernel=1), view) == [[1, 4, 5]]
 
 
 def test_pooling_by_hand_and_bit_for_bit_as_torchs() -> None:
@@ -126,30 +125,26 @@ def test_pooling_by_hand_and_bit_for_bit_as_torchs() -> None:
 
 def test_snapkv_window_queries_are_causal() -> None:
     # Two window queries at positions 3 and 4. The query at position 3 must not see slot 4.
-    layer = make_layer([[[0.0], [0.0], [0.0], [0.0], [0.0]]], queries=[[[1.0], [1.0]]])
-    layer.keys[0, 0, :, 0] = torch.tensor([0.0, math.log(4.0), 0.0, 0.0, 0.0])
+    view = make_view([[[0.0], [math.log(4.0)], [0.0], [0.0], [0.0]]], queries=[[[1.0], [1.0]]])
     # query@3 over slots 0..3: w = [1, 4, 1, 1] / 7; query@4 over 0..4: [1, 4, 1, 1, 1] / 8
-    from kvbench.policies.base import query_attention
-
-    probs = query_attention(layer)[0, 0]  # (w, n)
+    probs = view.attention()[0, 0, 0]  # (w, S)
     assert torch.allclose(probs[0], torch.tensor([1 / 7, 4 / 7, 1 / 7, 1 / 7, 0.0]))
     assert torch.allclose(probs[1], torch.tensor([1 / 8, 4 / 8, 1 / 8, 1 / 8, 1 / 8]))
 
 
 def test_random_is_seeded_per_sample() -> None:
-    layer = make_layer([[[0.0]] * 20])
+    view = make_view([[[0.0]] * 20])
     a, b = Random(budget=5, seed=1), Random(budget=5, seed=1)
     a.start_sample(7)
     b.start_sample(7)
-    assert kept(a, layer) == kept(b, layer)
+    assert kept(a, view) == kept(b, view)
     b.start_sample(8)
-    assert kept(a, layer) != kept(b, layer)  # another sample draws another subset (fixed seeds: checked once)
+    assert kept(a, view) != kept(b, view)  # another sample draws another subset (fixed seeds: checked once)
 
 
 def test_no_eviction_within_budget_and_full() -> None:
-    layer = make_layer([[[1.0]] * 4])
-    assert KeyDiff(budget=4).select(layer) is None
-    assert Full().select(layer) is None
+    assert kept(KeyDiff(budget=4), make_view([[[1.0]] * 4])) == [[0, 1, 2, 3]]
+    assert Full().layer_budget(0) is None  # the full baseline evicts no layer
 
 
 @pytest.mark.parametrize("factory", [lambda: StreamingLLM(budget=4), lambda: SnapKV(budget=32),
