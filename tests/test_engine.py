@@ -1,66 +1,88 @@
-"""The engine's invariants: block prefill = full forward, eviction = explicit float64 reference,
-cache bound, hand loop = generate(prefill_chunk_size), and canaries for transformers upgrades."""
+"""The engine's invariants (kvbench/engine/cache.py, generate.py): block prefill equals one forward; a block writes into
+free slots and an eviction marks slots free; the logits equal an explicit float64 reference attending to exactly the
+positions each head held, with uniform, per-layer and per-head budgets; the cache stays within its bounds; batch rows
+keep what their runs alone keep; compiled equals eager in two graphs; a step's aten ops stay near HF's own forward and
+read nothing back to the host; canaries for what the engine relies on in transformers."""
 
 from __future__ import annotations
 
-import inspect
+import collections
+from typing import Any, Callable
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
 
-from kvbench.engine import attention
-from kvbench.engine.cache import EvictingCache
-from kvbench.engine.generate import GenerationSettings, Observer, generate
+from kvbench.engine.cache import free_slots, install
+from kvbench.engine.generate import Batch, GenerationSettings, Job, Observer, capacity, generate, generate_batch, plan
 from kvbench.models.tiny import build_tiny_model
+from kvbench.policies.adakv import AdaKV
+from kvbench.policies.base import Policy
+from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
+from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
 from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.random import Random
+from kvbench.policies.sagekv import SageKV
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
+from kvbench.policies.view import SlotView
 
 from float64_reference import reference_logits
-from helpers import held_counts
+from helpers import held_counts, random_prompt
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-gemma"]
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "streamingllm": lambda: StreamingLLM(budget=24),
+    "random": lambda: Random(budget=24),
+    "knorm": lambda: KNorm(budget=24, skip_layers=[0]),  # layer 0 in the never-evicted group
+    "keydiff": lambda: KeyDiff(budget=24),
+    "h2o": lambda: H2O(budget=24),  # attention accumulated inside the forward
+    "tova": lambda: TOVA(budget=24),
+    "snapkv": lambda: SnapKV(budget=24, window=4, kernel=3),
+    "pyramidkv": lambda: PyramidKV(budget=24, window=4, kernel=3),  # per-layer budgets
+    "hashevict": lambda: HashEvict(budget=24),
+    "adakv": lambda: AdaKV(budget=24, window=4, kernel=3),  # per-head counts (the layer's h_kv * N shared)
+    "adakv_kvpress": lambda: AdaKV(budget=24, window=4, kernel=3, allocation="kvpress"),
+    "criticalkv": lambda: CriticalKV(budget=24, window=4, kernel=3),  # value norms as per-token state
+    "criticalkv_adakv": lambda: CriticalKV(base="adakv", budget=24, window=4, kernel=3),
+    "criticalkv_inside": lambda: CriticalKV(base="adakv", allocation="kvpress", stage1_window="inside", budget=24,
+                                            window=4, kernel=3),
+    "sagekv": lambda: SageKV(budget=24, sink=2, k=4, recent=8),  # per-head unions; pins, then slides
+    "sagekv_derived": lambda: SageKV(budget=24),  # sizes from N and the group: sink 6, k 6, recent 5
+}
 
 
-def _model(arch: str, impl: str = "sdpa", **kw):
+def _model(arch: str = "tiny-llama", dtype: torch.dtype = torch.float64, **kw: Any) -> Any:
     # Output scale 1: logits of order 1, the scale the 1e-5 tolerances refer to.
-    model, tok = build_tiny_model(arch, output_scale=1.0, **kw)
-    model.set_attn_implementation(impl)  # before install: the wrapper delegates to the implementation set here
-    attention.install(model)
-    return model, tok
+    model, _ = build_tiny_model(arch, output_scale=1.0, **kw)
+    install(model)
+    return model.to(dtype)
 
 
-def _prompt(n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(8, 500, (1, n), generator=g)
-
-
-# 1. No eviction: block prefill equals one full forward ----------------------------------------------------------
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+# 1. No eviction: block prefill equals one full forward -------------------------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
-def test_block_prefill_equals_full_forward(arch: str, impl: str) -> None:
-    model, _ = _model(arch, impl)
-    ids = _prompt(150)
+def test_block_prefill_equals_full_forward(arch: str) -> None:
+    """Every prompt position's next-token log-probability (the LM score) through blocks of 1, 7 and 128 tokens and a
+    budget above the prompt equals one plain forward's, sliding-window layers (gemma) included."""
+    model = _model(arch, dtype=torch.float32)
+    ids = random_prompt(150, 0)
     with torch.inference_mode():
-        ref = model(ids).logits  # (1, T, V)
-        for block in (1, 7, 128):
-            cache = EvictingCache(model.config, None)
-            with attention.active(cache):
-                out = torch.cat([model(ids[:, s:s + block], past_key_values=cache).logits
-                                 for s in range(0, ids.shape[1], block)], dim=1)
-            assert (out - ref).abs().max().item() < 1e-5, (arch, impl, block)
-            assert cache.get_seq_length() == 150
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)  # (T - 1, vocab)
+    want = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    for block in (1, 7, 128):
+        res = generate(model, StreamingLLM(budget=400), ids, GenerationSettings(block=block, score_from=0))
+        assert (torch.tensor(res.lm_logprobs) - want).abs().max().item() < 1e-5, (arch, block)
 
 
 def test_budget_at_least_prompt_evicts_nothing() -> None:
-    model, _ = _model("tiny-llama")
-    ids = _prompt(200)[0].tolist()
+    model = _model(dtype=torch.float32)
+    ids = random_prompt(200, 1)
     full = generate(model, Full(), ids, GenerationSettings(block=None, max_new_tokens=12))
     for policy in (KeyDiff(budget=400), StreamingLLM(budget=400), TOVA(budget=400), H2O(budget=400),
                    SnapKV(budget=400), KNorm(budget=400, skip_layers=[]), Random(budget=400)):
@@ -69,62 +91,106 @@ def test_budget_at_least_prompt_evicts_nothing() -> None:
         assert res.peak_kv_tokens == 200 + 11  # prompt + fed-back generated tokens, nothing dropped
 
 
-# 2. With eviction: explicit float64 re-implementation driven by the logged kept positions ------------------------
-@pytest.mark.parametrize("policy_factory,layers", [
-    (lambda: KeyDiff(budget=24), 2),  # per-head kept sets, uniform budget
-    (lambda: H2O(budget=24), 2),  # attention computed by the wrapper itself
-    (lambda: KNorm(budget=24, skip_layers=[0]), 3),  # per-layer lengths: layer 0 keeps all, mask rebuilt per layer
-    (lambda: SnapKV(budget=24, window=4, kernel=3), 2),
-    (lambda: PyramidKV(budget=24, window=4, kernel=3), 3),  # per-layer budgets shrinking with depth
-])
-def test_eviction_matches_float64_reference(policy_factory, layers: int) -> None:
-    model, _ = _model("tiny-llama", num_hidden_layers=layers)
-    model.double()
-    ids = _prompt(70)[0].tolist()
+# 2. The layout, by hand --------------------------------------------------------------------------------------------
+def test_free_slots_are_the_first_free_in_slot_order() -> None:
+    pos = torch.tensor([[[5, -1, 2, -1, -1, 7]]])  # (1, 1, 6): slots 1, 3, 4 free
+    assert free_slots(pos, 2).tolist() == [[[1, 3]]]
+    assert free_slots(pos, 3).tolist() == [[[1, 3, 4]]]
+
+
+def test_capacity_is_the_most_held_during_a_forward() -> None:
+    settings = GenerationSettings(block=16, max_new_tokens=5)
+    chunks = plan(70, settings, StreamingLLM(budget=24))
+    assert [(a, b) for a, b, _ in chunks] == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 70)]
+    assert capacity(chunks, 24, 5, evicts_decoding=True) == 24 + 16  # N + B
+    assert capacity(chunks, 24, 20, evicts_decoding=False) == 24 + 20  # N after the prompt, then growing
+    one = plan(70, GenerationSettings(block=None, max_new_tokens=5), StreamingLLM(budget=24))
+    assert one == [(0, 70, True)] and capacity(one, 24, 5, evicts_decoding=True) == 70
+    # in a batch whose rounds are 16 wide, a 13-token last block is padded to 16: 24 held + 16 during that forward
+    tail = plan(61, settings, StreamingLLM(budget=24))
+    assert capacity(tail, 24, 5, True) == 40 and capacity(tail, 24, 5, True, widths=[16] * 5) == 40
+    assert capacity(tail, 24, 5, True, widths=[16] * 4 + [20]) == 24 + 20
+
+
+def test_a_block_writes_into_free_slots_and_eviction_marks_slots_free() -> None:
+    """StreamingLLM, N = 6 (2 sinks), B = 4, one layer, 12 tokens: worked out slot by slot."""
+    model = _model(num_hidden_layers=1)
+    ids = random_prompt(12, 0)
+    batch = Batch(model, [Job(ids, StreamingLLM(budget=6, n_sink=2), GenerationSettings(block=4))])
+    pos = batch.cache.evicting.pos  # (1, 1, h_kv, 10): N + B slots
+    assert pos.shape[-1] == 10 and bool((pos == -1).all())
+    with torch.inference_mode():
+        for start in (0, 4):
+            batch.step([(start, start + 4)], [ids[start:start + 4]], [True], "prefill")
+        # 8 held in slots 0-7 in order; the eviction kept sinks 0, 1 and positions 4-7, freed slots 2, 3
+        assert pos[0, 0, 0].tolist() == [0, 1, -1, -1, 4, 5, 6, 7, -1, -1]
+        batch.step([(8, 12)], [ids[8:12]], [True], "prefill")
+    # positions 8-11 went into the first free slots 2, 3, 8, 9; then 4-7 were freed
+    assert pos[0, 0, 0].tolist() == [0, 1, 8, 9, -1, -1, -1, -1, 10, 11]
+    assert bool((pos[0, 0] == pos[0, 0, :1]).all())  # every head alike (StreamingLLM ranks by position)
+
+
+def test_per_layer_budgets_keep_each_layers_own() -> None:
+    """PyramidKV on 4 layers, N = 24, window 4, beta 20 (F = 20: the deepest layer 1, the first 39, the mirror pairs
+    summing to 40; kvbench.policies.pyramidkv): after a 100-token prompt each layer holds its own N_l = 4 + F_l."""
+    model = _model(num_hidden_layers=4)
+    policy = PyramidKV(budget=24, window=4, kernel=3)
+    res = generate(model, policy, random_prompt(100, 2), GenerationSettings(block=16, max_new_tokens=2),
+                   observer=Observer(trace=True))
+    # F_l = 39 - l * 38 / 3 rounded half to even: 39, 26.33 -> 26, 13.67 -> 14, 1
+    assert held_counts(res.trace[-1]) == [4 + 39, 4 + 26, 4 + 14, 4 + 1]
+
+
+# 3. With eviction: the explicit float64 re-implementation driven by the logged positions ---------------------------
+def _match_reference(make: Callable[[], Policy], T: int, new: int) -> Any:
+    model = _model()
+    ids = random_prompt(T, 0)
     logged: list[torch.Tensor] = []
-    policy = policy_factory()
-    res = generate(model, policy, ids, GenerationSettings(block=16, max_new_tokens=6),
+    res = generate(model, make(), ids, GenerationSettings(block=16, max_new_tokens=new),
                    observer=Observer(trace=True, on_logits=lambda lg: logged.append(lg[0])))
-    chunks = [ids[s:s + 16] for s in range(0, len(ids), 16)] + [[t] for t in res.tokens[:-1]]
+    chunks = [ids[s:s + 16] for s in range(0, T, 16)] + [[t] for t in res.tokens[:-1]]
     assert len(res.trace) == len(chunks)
     ref = reference_logits(model, chunks, res.trace)
-    # logged[0] comes from the last prompt block; each later one from a one-token decoding step
-    ref_steps = [ref[len(chunks) - len(res.tokens)]] + ref[len(chunks) - len(res.tokens) + 1:]
-    for got, want in zip(logged, ref_steps, strict=True):
+    first = len(chunks) - len(res.tokens)  # logged[0] comes from the last prompt block, each later from a step
+    for got, want in zip(logged, [ref[first]] + ref[first + 1:], strict=True):
         assert (got.double() - want).abs().max().item() < 1e-5
-    # the run really evicted: some layer held fewer tokens than it had seen
-    assert any(t is not None and t.shape[-1] < 70 for t in res.trace[-1])
+    return res
 
 
-# 3. The cache never exceeds N + B, and is cut back to N after every step -------------------------------------------
-@pytest.mark.parametrize("slot_reuse", [False, True])
-@pytest.mark.parametrize("policy", [KeyDiff(budget=40), StreamingLLM(budget=40), TOVA(budget=40), H2O(budget=40),
-                                    SnapKV(budget=40), Random(budget=40), KNorm(budget=40, skip_layers=[])],
-                         ids=lambda p: p.name)
-def test_cache_bounded(policy, slot_reuse: bool) -> None:
-    model, _ = _model("tiny-llama")
-    ids = _prompt(300)[0].tolist()
-    res = generate(model, policy, ids, GenerationSettings(block=16, max_new_tokens=10, slot_reuse=slot_reuse),
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_eviction_matches_float64_reference(name: str) -> None:
+    """Blocks of 16 over a 70-token prompt, 6 greedy steps: every logit the run saw equals the float64 reference, and
+    the run really evicted (some layer held fewer tokens than it had seen)."""
+    res = _match_reference(POLICIES[name], 70, 6)
+    assert min(int((t >= 0).sum(dim=-1).max()) for t in res.trace[-1]) < 70 + 5
+
+
+@pytest.mark.parametrize("name", ["adakv", "criticalkv_adakv", "sagekv"])
+def test_per_head_prompt_within_budget_then_decoding(name: str) -> None:
+    """A 20-token prompt (within N = 24), 12 steps: AdaKV's layers stay under h_kv * N for the first steps, SAGE-KV
+    makes its one selection at the first decoding eviction over budget, then slides."""
+    _match_reference(POLICIES[name], 20, 12)
+
+
+# 4. The cache never exceeds N + B, and is cut back to N after every forward ----------------------------------------
+@pytest.mark.parametrize("name", ["keydiff", "streamingllm", "tova", "h2o", "snapkv", "random", "hashevict"])
+def test_cache_bounded(name: str) -> None:
+    model = _model(dtype=torch.float32)
+    policy = {**POLICIES, "knorm": lambda: KNorm(budget=24, skip_layers=[])}[name]()
+    res = generate(model, policy, random_prompt(300, 3), GenerationSettings(block=16, max_new_tokens=10),
                    observer=Observer(trace=True))
     for step in res.trace[1:]:  # before every forward after the first: at most N held
-        assert all(n <= 40 for n in held_counts(step))
-        for pos in step:
-            if slot_reuse:  # at most the N held and one hole (position -1), the slot the next token goes into
-                assert pos.shape[-1] <= 40 + 1
-            else:
-                assert pos.shape[-1] <= 40 and bool((pos.diff(dim=-1) > 0).all())  # chronological order kept
-    if slot_reuse:  # after the last decoding eviction: N held, one hole per head
-        assert all(int((pos < 0).sum()) == pos.shape[1] and pos.shape[-1] == 41 for pos in res.trace[-1])
-    assert res.peak_kv_tokens == 40 + 16
+        assert all(n <= 24 for n in held_counts(step))
+        assert all(pos.shape[-1] == 24 + 16 for pos in step)  # N + B slots, never more
+    assert res.peak_kv_tokens == 24 + 16
     bytes_per_token = 2 * 2 * 64 * 4 * 2  # K+V x 2 kv heads x head_dim 64 x fp32 x 2 layers
-    assert res.kv_bytes_peak == (40 + 16) * bytes_per_token
+    assert res.kv_bytes_peak == (24 + 16) * bytes_per_token
 
 
 def test_knorm_default_skips_layers_0_and_1_and_bounds_the_rest() -> None:
     # K-norm's default leaves layers 0 and 1 uncompressed; on a 2-layer model it would evict nothing, so use 4.
-    model, _ = _model("tiny-llama", num_hidden_layers=4)
-    ids = _prompt(100)[0].tolist()
-    res = generate(model, KNorm(budget=40), ids, GenerationSettings(block=16, max_new_tokens=5),
+    model = _model(dtype=torch.float32, num_hidden_layers=4)
+    res = generate(model, KNorm(budget=40), random_prompt(100, 4), GenerationSettings(block=16, max_new_tokens=5),
                    observer=Observer(trace=True))
     assert len(res.trace) == 7 + 4  # 7 prompt blocks (100 = 6 x 16 + 4), then 4 one-token decoding steps
     for k, step in enumerate(res.trace[1:], 1):  # before forward k: the tokens seen so far, or N after eviction
@@ -134,50 +200,197 @@ def test_knorm_default_skips_layers_0_and_1_and_bounds_the_rest() -> None:
 
 
 def test_block_null_is_one_forward_then_one_eviction() -> None:
-    model, _ = _model("tiny-llama")
-    ids = _prompt(300)[0].tolist()
-    res = generate(model, KeyDiff(budget=40), ids, GenerationSettings(block=None, max_new_tokens=3),
+    model = _model(dtype=torch.float32)
+    res = generate(model, KeyDiff(budget=40), random_prompt(300, 5), GenerationSettings(block=None, max_new_tokens=3),
                    observer=Observer(trace=True))
     assert len(res.trace) == 1 + 2  # prompt forward + two decoding steps
     assert res.peak_kv_tokens == 300
     assert held_counts(res.trace[1]) == [40, 40]
 
 
-# 4. The hand loop equals generate(prefill_chunk_size=B) with the same eviction in forward hooks -------------------
-@pytest.mark.parametrize("policy_factory", [lambda: KeyDiff(budget=48), lambda: TOVA(budget=48),
-                                            lambda: H2O(budget=48)])
-def test_hand_loop_equals_hf_generate(policy_factory) -> None:
-    model, tok = _model("tiny-llama")
-    ids = _prompt(200)[0].tolist()
-    mine = generate(model, policy_factory(), ids, GenerationSettings(block=32, max_new_tokens=15))
-    policy = policy_factory()
-    cache = EvictingCache(model.config, policy)
+# 5. AdaKV's head cap: the static bound of a per-head allocation ----------------------------------------------------
+@pytest.mark.parametrize("allocation", ["kvpress", "adakv"])
+def test_adakv_head_cap_clamps_counts_by_hand(allocation: str) -> None:
+    """3 heads, N = 4, head_cap 1.5: a head keeps at most ceil(6.0) = 6. Each head holds 8 tokens, 1 protected (+inf);
+    head 0's scores beat every other head's, so the allocation gives it all its 8 (safeguard 0): clamped to 6, the 2
+    clamped away unused (10 kept of h_kv * N = 12). Under h_kv * N in all (7 + 2 + 2 = 11) a head keeps every held
+    token, up to the cap too."""
+    policy = AdaKV(budget=4, window=1, kernel=1, alpha_safeguard=0.0, allocation=allocation, head_cap=1.5)
+    assert policy.head_capacity(4) == 6
+    inf = float("inf")
+    scores = torch.tensor([[inf, .9, .8, .7, .6, .5, .4, .3],
+                           [inf, .1, .08, .06, .04, .02, .01, .005],
+                           [inf, .09, .07, .05, .03, .015, .008, .003]]).view(1, 1, 3, 8)  # (L, b, h_kv, S)
+    budgets = torch.tensor([4]).view(1, 1, 1)
+    # adakv: F = 3 per head, c = (7, 1, 1) of the top 9 unprotected; k = round(c) = (7, 1, 1)
+    assert policy.allocation_counts(scores, budgets).tolist() == [[[8, 2, 2]]]
+    assert policy.counts(None, scores, budgets).tolist() == [[[6, 2, 2]]]  # type: ignore[arg-type]
+    under = scores.clone()
+    under[..., 1, 2:] = -inf  # head 1 holds 2 (free slots -inf)
+    under[..., 2, 2:] = -inf
+    under[..., 0, 7:] = -inf  # head 0 holds 7: 11 in all, not over 12
+    assert policy.allocation_counts(under, budgets).tolist() == [[[7, 2, 2]]]
+    assert policy.counts(None, under, budgets).tolist() == [[[6, 2, 2]]]  # type: ignore[arg-type]
 
-    def evict(*_):
-        for layer in cache.evicting_layers():
-            policy.evict(layer)
 
-    hook = model.register_forward_hook(evict)
-    try:
-        with attention.active(cache), torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), past_key_values=cache, prefill_chunk_size=32, do_sample=False,
-                                 max_new_tokens=15, min_new_tokens=15, eos_token_id=None, pad_token_id=0)
-    finally:
-        hook.remove()
-    assert out[0, len(ids):].tolist() == mine.tokens
+class _CapCount(AdaKV):
+    """AdaKV that counts, per eviction, the heads whose allocation the cap clamped (a host read: eager tests only)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.binds: list[int] = []
+
+    def counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        kept = super().counts(view, ranked, counts)
+        self.binds.append(int((kept < self.allocation_counts(ranked, counts)).sum()))
+        return kept
 
 
-# 5. Canaries: fail loudly when transformers changes what the engine relies on -------------------------------------
+@pytest.mark.parametrize("allocation", ["kvpress", "adakv"])
+def test_adakv_head_cap_on_a_small_run(allocation: str) -> None:
+    """70 tokens, blocks of 16, 6 steps: with 2 KV heads the default cap (2N = h_kv * N) never binds; at head_cap 1.0
+    (every head at most N) it binds in some evictions, and every head holds at most N after each."""
+    model = _model()
+    ids = random_prompt(70, 0)
+    settings = GenerationSettings(block=16, max_new_tokens=6)
+    default = _CapCount(budget=24, window=4, kernel=3, allocation=allocation)
+    generate(model, default, ids, settings)
+    assert len(default.binds) == 5 + 5 and sum(default.binds) == 0  # 5 blocks, 5 decoding evictions
+    tight = _CapCount(budget=24, window=4, kernel=3, allocation=allocation, head_cap=1.0)
+    res = generate(model, tight, ids, settings, observer=Observer(trace=True))
+    assert sum(b > 0 for b in tight.binds) > 0
+    for step in res.trace[1:]:  # before each forward: what the eviction before it left
+        assert all(n <= 24 for n in held_counts(step))
+
+
+# 6. Batch rows: each keeps what its run alone keeps ------------------------------------------------------------------
+ROW_POLICIES: dict[str, Callable[[int], Policy]] = {
+    "keydiff": lambda n: KeyDiff(budget=n),
+    "snapkv": lambda n: SnapKV(budget=n, window=4, kernel=3),
+    "hashevict": lambda n: HashEvict(budget=n),
+    "adakv": lambda n: AdaKV(budget=n, window=4, kernel=3),
+    "criticalkv": lambda n: CriticalKV(budget=n, window=4, kernel=3),
+    "criticalkv_adakv": lambda n: CriticalKV(base="adakv", allocation="kvpress", budget=n, window=4, kernel=3),
+    "sagekv": lambda n: SageKV(budget=n, sink=2, k=4, recent=8),
+    "sagekv_derived": lambda n: SageKV(budget=n),  # sizes from each row's own budget
+}
+
+
+def _states(trace: list[list[torch.Tensor | None]]) -> list[list[list[int]]]:
+    """Each head's held positions per forward, consecutive repeats (a batch row's idle rounds) dropped."""
+    out: list[list[list[int]]] = []
+    for step in trace:
+        held = [sorted(p for p in t[0, h].tolist() if p >= 0) for t in step if t is not None for h in range(t.shape[1])]
+        if not out or out[-1] != held:
+            out.append(held)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ROW_POLICIES))
+def test_rows_with_their_own_budgets_keep_what_their_runs_alone_keep(name: str) -> None:
+    """Three runs as the rows of one cache, budgets 24, 20 and 28, prompts of 70 (a 6-token last block, padded in the
+    batch's rounds), 16 (within its budget: SAGE-KV selects while decoding) and 45 tokens, 6-12 steps, float64: each
+    row holds what its run alone holds, forward by forward, and decodes the same tokens."""
+    model = _model()
+    jobs, alone = [], []
+    for k, (T, new, budget) in enumerate([(70, 6, 24), (16, 12, 20), (45, 9, 28)]):
+        ids, settings = random_prompt(T, k), GenerationSettings(block=16, max_new_tokens=new)
+        jobs.append(Job(ids, ROW_POLICIES[name](budget), settings, observer=Observer(trace=True)))
+        alone.append(generate(model, ROW_POLICIES[name](budget), ids, settings, observer=Observer(trace=True)))
+    for row, run in zip(generate_batch(model, jobs), alone, strict=True):
+        assert row.tokens == run.tokens and row.batch_size == 3
+        want = _states(run.trace)
+        assert _states(row.trace)[:len(want)] == want
+
+
+def test_graded_branch_leaves_the_greedy_run_alone() -> None:
+    """The graded score teacher-forces the answer through a fork: the greedy tokens are those of the run without it,
+    and the score is the mean of the log-probabilities the answer's tokens get when forced in the same loop."""
+    model = _model()
+    ids, answer = random_prompt(60, 2), [10, 11, 12]
+    settings = GenerationSettings(block=16, max_new_tokens=5)
+    alone = generate(model, KeyDiff(budget=24), ids, settings)
+    graded = generate(model, KeyDiff(budget=24), ids, settings, answer_ids=answer)
+    assert graded.tokens == alone.tokens
+    logps: list[float] = []
+    forced = GenerationSettings(block=16, max_new_tokens=len(answer))
+    generate(model, KeyDiff(budget=24), ids, forced, forced=answer, observer=Observer(
+        on_logits=lambda lg: logps.append(float(torch.log_softmax(lg[0], dim=-1)[answer[len(logps)]]))))
+    assert graded.answer_logprob == pytest.approx(sum(logps) / len(logps), abs=1e-6)  # a float32 mean
+
+
+# 7. Compiled equals eager ------------------------------------------------------------------------------------------
+def test_compiled_equals_eager_in_two_graphs() -> None:
+    """One graph for the prompt's blocks (the last partial one padded to B) and one for a decoding step, reused by
+    the next sample (another length): no graph break, no recompilation; the same tokens as eager."""
+    from torch._dynamo.utils import counters
+
+    model = _model(dtype=torch.float32)
+    torch._dynamo.reset()
+    counters.clear()
+    for T in (70, 61):
+        ids = random_prompt(T, 3)
+        eager = generate(model, SnapKV(budget=24, window=4, kernel=3), ids, GenerationSettings(block=16,
+                                                                                           max_new_tokens=6))
+        compiled = generate(model, SnapKV(budget=24, window=4, kernel=3), ids,
+                            GenerationSettings(block=16, max_new_tokens=6, compile=True))
+        assert compiled.tokens == eager.tokens
+    assert counters["stats"]["unique_graphs"] == 2
+    assert not counters["graph_break"]
+
+
+# 8. Launches: aten ops per forward against HF's own --------------------------------------------------------------------
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_ops_per_step_near_hf() -> None:
+    """A decoding step (its eviction included) of a 28-layer model runs at most 1.10x the aten ops of HF's own
+    decoding step over a DynamicCache (StreamingLLM, K-norm, KeyDiff; SnapKV within 1.25x), and reads nothing back
+    to the host (no aten._local_scalar_dense)."""
+    model, _ = build_tiny_model("tiny-llama", output_scale=1.0, num_hidden_layers=28)
+    ids = random_prompt(200, 4)
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([ids[:199]]), past_key_values=cache, use_cache=True)
+        with _Ops() as hf:
+            model(input_ids=torch.tensor([ids[199:]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for policy, bound in ((StreamingLLM(budget=64), 1.10), (KNorm(budget=64), 1.10), (KeyDiff(budget=64), 1.10),
+                              (SnapKV(budget=64), 1.25)):
+            batch = Batch(model, [Job(ids, policy, GenerationSettings(block=128, max_new_tokens=2))])
+            for start in (0, 128):
+                end = min(200, start + 128)
+                batch.step([(start, end)], [ids[start:end]], [True], "prefill")
+            with _Ops() as ours:
+                batch.step([(200, 201)], [[ids[0]]], [True], "decode")
+            ratio = sum(ours.count.values()) / sum(hf.count.values())
+            assert ratio <= bound, (policy.name, ratio)
+            assert "aten._local_scalar_dense.default" not in ours.count
+
+
+# 9. Canaries: fail loudly when transformers changes what the engine relies on ---------------------------------------
 def test_transformers_canaries() -> None:
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.models.llama.modeling_llama import LlamaModel
+    """An attention function registered with transformers receives the forward's extra keyword arguments (the slot
+    cache travels so) and no mask when its name has no mask function."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    assert "cache_position" not in inspect.signature(LlamaModel.forward).parameters
-    assert "sdpa" in AttentionMaskInterface._global_mapping
-    from transformers.cache_utils import DynamicSlidingWindowLayer
+    seen: dict[str, Any] = {}
 
-    # The evicting layer follows the sliding layer's convention: seen length vs physical length.
-    layer = DynamicSlidingWindowLayer(sliding_window=4)
-    k = torch.zeros(1, 1, 6, 2)
-    layer.update(k, k)
-    assert layer.get_seq_length() == 6 and layer.get_mask_sizes(1) == (4, 3)
+    def probe(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
+              **kwargs: Any) -> Any:
+        seen["kwargs"], seen["mask"] = sorted(kwargs), mask
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+    AttentionInterface.register("kvbench_canary", probe)
+    model, _ = build_tiny_model("tiny-llama", num_hidden_layers=1)
+    model.set_attn_implementation("kvbench_canary")
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([random_prompt(5, 0)]), use_cache=False, marker=1)
+    assert "marker" in seen["kwargs"] and seen["mask"] is None
