@@ -1,5 +1,5 @@
 """Pinned selections of AdaKV, CriticalKV, HashEvict and SAGE-KV on hand-built caches (expected indices worked out
-by hand from the papers' formulas), ragged per-head caches against an explicit float64 model, determinism, cache
+by hand from the papers' formulas), per-head caches against an explicit float64 model, determinism, cache
 bounds, and the eviction diagnostics."""
 
 from __future__ import annotations
@@ -10,36 +10,25 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvbench.engine import attention
-from kvbench.engine.cache import EvictingCache, EvictingLayer
 from kvbench.engine.diagnostics import Diagnostics, aggregate, key_logdet
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.models.tiny import build_tiny_model
-from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import Policy, PolicyError, adaptive_counts, compact, latest_in_order, latest_mask
+from kvbench.policies.adakv import AdaKV, allocate
+from kvbench.policies.base import PolicyError
 from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.sagekv import SageKV
+from kvbench.policies.view import SlotView
 
-from helpers import held_counts, installed_model, make_layer, run_config
+from helpers import held_counts, installed_model, kept, make_view, run_config
 from float64_reference import reference_logits
 
 
 def log_keys(weights: list[float]) -> list[list[float]]:
     """1-d keys ln(w): with query 1 and scaling 1 the attention to slot i is w_i / sum(w)."""
     return [[math.log(w)] for w in weights]
-
-
-def kept_lists(idx: torch.Tensor, valid: torch.Tensor | None) -> list[list[int]]:
-    out = []
-    for h in range(idx.shape[1]):
-        row = idx[0, h].tolist()
-        if valid is not None:
-            row = [i for i, ok in zip(row, valid[0, h].tolist()) if ok]
-        out.append(row)
-    return out
 
 
 # AdaKV -------------------------------------------------------------------------------------------------------------
@@ -73,22 +62,13 @@ ADA_QUERIES = [[[1.0]], [[1.0]]]
 ])
 def test_adakv_per_head_budgets(allocation: str, alpha: float, expected: list[list[int]]) -> None:
     policy = AdaKV(budget=4, window=1, kernel=1, alpha_safeguard=alpha, allocation=allocation)
-    layer = make_layer(ADA_KEYS, ADA_QUERIES)
-    idx, valid = policy.select(layer)
-    assert kept_lists(idx, valid) == expected
-    # the selection is padded to the view's width (8), never asking the device for the longest head; storing it
-    # drops the padding: equal counts (alpha 1) are stored uniform again, the others flat per head
-    assert idx.shape[-1] == 8
-    layer.keep(idx, valid)
-    assert layer.ragged == (alpha != 1.0)
-    assert layer.head_lengths() == [len(row) for row in expected]
+    assert kept(policy, make_view(ADA_KEYS, ADA_QUERIES)) == expected
 
 
 def test_adakv_defaults_are_adakv_code_allocation_with_a_fifth_safeguard() -> None:
     policy = AdaKV(budget=4, window=1, kernel=1)
     assert (policy.allocation, policy.alpha_safeguard) == ("adakv", 0.2)
-    idx, valid = policy.select(make_layer(ADA_KEYS, ADA_QUERIES))
-    assert kept_lists(idx, valid) == [[0, 1, 2, 3, 7], [6, 7]]
+    assert kept(policy, make_view(ADA_KEYS, ADA_QUERIES)) == [[0, 1, 2, 3, 7], [6, 7]]
     with pytest.raises(PolicyError):
         AdaKV(budget=4, alpha_safeguard=1.5)
     with pytest.raises(PolicyError, match="allocation"):
@@ -101,51 +81,21 @@ def test_adakv_code_rounding_never_exceeds_the_layer_budget() -> None:
     # 2, 2, 3 = 7 > 6: one token back from a head rounded up the most (h0, h1 tie: h0) -> 1, 2, 3 (+1 protected).
     inf = math.inf
     scores = torch.tensor([[[inf, .9, .1, .1, .1, .1], [inf, .8, .1, .1, .1, .1], [inf, .7, .6, .5, .4, .1]]])
-    counts = adaptive_counts(scores, 3, torch.ones(1, 3, dtype=torch.long), 0.5, "adakv")
-    assert counts.tolist() == [[2, 3, 4]]
+    one = torch.ones(1, 3, dtype=torch.long)
+    assert allocate(scores, torch.tensor([[3]]), one, 0.5, "adakv").tolist() == [[2, 3, 4]]
     # kvpress on the same scores: safeguard floor(1.5) = 1 = the protected slot; then the global top 6 -> (2, 2, 5)
-    assert adaptive_counts(scores, 3, torch.ones(1, 3, dtype=torch.long), 0.5, "kvpress").tolist() == [[2, 2, 5]]
+    assert allocate(scores, torch.tensor([[3]]), one, 0.5, "kvpress").tolist() == [[2, 2, 5]]
 
 
-def test_ragged_layer_is_stored_flat_per_head() -> None:
-    layer = make_layer(ADA_KEYS, ADA_QUERIES)
-    assert AdaKV(budget=4, window=1, kernel=1, alpha_safeguard=0.0).evict(layer)
-    # flat: head 0's six kept tokens, then head 1's two, each chronological; no padding is held
-    assert layer.ragged and layer.lengths.tolist() == [[6, 2]] and layer.valid is None
-    assert layer.positions.tolist() == [0, 1, 2, 3, 4, 7, 6, 7]
-    assert layer.keys[:, 0].tolist() == pytest.approx([math.log(8)] * 5 + [0.0, math.log(6), 0.0])
-    # 8 tokens x d 1 x 4 bytes x (K + V); the padded layout held 2 heads x 6 slots
-    assert layer.kv_bytes() == 8 * 1 * 4 * 2 and layer.tokens_per_head() == 4
-    new = torch.ones(1, 2, 2, 1)
-    layer.update(new, new)  # a block of two tokens (positions 8, 9) joins the end of each head's segment
-    assert layer.positions.tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 6, 7, 8, 9]
-    assert layer.head_positions()[0].tolist() == [[0, 1, 2, 3, 4, 7, 8, 9], [6, 7, 8, 9, -1, -1, -1, -1]]
-    assert layer.kv_bytes() == 12 * 1 * 4 * 2 and layer.tokens_per_head() == 6
-    assert layer.peak_tokens == 8  # the first 8 tokens per head, before the eviction
-    # within budget (2 x 6 = 12 >= 12 held): evict packs the scoring view back unchanged
-    assert not AdaKV(budget=6, window=1, kernel=1).evict(layer)
-    assert layer.ragged and layer.positions.tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 6, 7, 8, 9]
-    # the scoring view: each head's tokens first, then padding; the recent window (3 latest) and sink (position
-    # 0) are found by position, not by slot
-    layer.unpack()
-    assert layer.valid[0].tolist() == [[True] * 8, [True] * 4 + [False] * 4]
-    prot = Policy(budget=10, n_sink=1, n_recent=3).protected(layer)
-    assert prot[0].tolist() == [[True, False, False, False, False, True, True, True],
-                                [False, True, True, True, False, False, False, False]]
-    # a selection that leaves every head the same count stores the layer uniform again (sdpa path)
-    layer.keep(torch.tensor([[[5, 7], [1, 3]]]))
-    assert not layer.ragged and layer.valid is None and layer.positions[0].tolist() == [[7, 9], [7, 9]]
-
-
-def test_compact_pads_with_a_kept_slot() -> None:
-    keep = torch.tensor([[[True, False, True, True], [False, True, False, False]]])
-    idx, valid = compact(keep)  # padded to the view's width (4): no read of the longest head's count
-    assert idx[0].tolist() == [[0, 2, 3, 0], [1, 1, 1, 1]]
-    assert valid[0].tolist() == [[True, True, True, False], [True, False, False, False]]
-    idx, valid = compact(keep[:, :1], 3)  # a count the caller knows: that many per head, no padding
-    assert idx[0].tolist() == [[0, 2, 3]] and valid is None
-    idx, valid = compact(torch.tensor([[[False, False, False], [True, True, True]]]))  # none kept; all kept
-    assert idx[0].tolist() == [[0, 0, 0], [0, 1, 2]] and valid[0].int().tolist() == [[0, 0, 0], [1, 1, 1]]
+def test_adakv_head_cap_bounds_a_head() -> None:
+    # alpha 0 gave head 0 six tokens (above). head_cap 1.25: a head keeps at most ceil(1.25 * 4) = 5 tokens, its
+    # protected one included: head 0's last unprotected by rank (slot 4, tied at 8/43, goes after slots 0-3) is
+    # dropped, and the slot clamped away is not handed to head 1.
+    policy = AdaKV(budget=4, window=1, kernel=1, alpha_safeguard=0.0, head_cap=1.25)
+    assert policy.head_capacity(4) == 5
+    assert kept(policy, make_view(ADA_KEYS, ADA_QUERIES)) == [[0, 1, 2, 3, 7], [6, 7]]
+    with pytest.raises(PolicyError, match="head_cap"):
+        AdaKV(budget=4, head_cap=0.5)
 
 
 # CriticalKV --------------------------------------------------------------------------------------------------------
@@ -159,13 +109,16 @@ CRIT_KEYS = [log_keys([6, 5, 4, 3, 2, 1, 1, 1])]
 CRIT_VNORM = [0.1, 1, 1, 1, 10, 1, 50, 1]
 
 
+def crit_view() -> SlotView:
+    view = make_view(CRIT_KEYS, [[[1.0]]])
+    view.state["vnorm"] = torch.tensor(CRIT_VNORM).view(1, 1, 1, 8)
+    return view
+
+
 @pytest.mark.parametrize("alpha,expected", [(0.5, [0, 1, 4, 6, 7]), (1.0, [0, 1, 2, 3, 7]),
                                             (0.0, [1, 2, 4, 6, 7])])
 def test_criticalkv_two_stages(alpha: float, expected: list[int]) -> None:
-    layer = make_layer(CRIT_KEYS, [[[1.0]]])
-    layer.state["vnorm"] = torch.tensor([[CRIT_VNORM]])
-    idx, valid = CriticalKV(budget=5, window=1, kernel=1, alpha=alpha).select(layer)
-    assert valid is None and idx[0].tolist() == [expected]
+    assert kept(CriticalKV(budget=5, window=1, kernel=1, alpha=alpha), crit_view()) == [expected]
 
 
 # Stage-1 split, same cache, alpha .75, the head keeps 5 (window 1):
@@ -173,11 +126,8 @@ def test_criticalkv_two_stages(alpha: float, expected: list[int]) -> None:
 #  inside (kvpress) : stage 1 = max(1, floor(.75 * 5)) = 3 -> window + slots 0, 1; stage 2 keeps 2: slots 6, 4
 @pytest.mark.parametrize("stage1_window,expected", [("outside", [0, 1, 2, 6, 7]), ("inside", [0, 1, 4, 6, 7])])
 def test_criticalkv_stage1_window(stage1_window: str, expected: list[int]) -> None:
-    layer = make_layer(CRIT_KEYS, [[[1.0]]])
-    layer.state["vnorm"] = torch.tensor([[CRIT_VNORM]])
     policy = CriticalKV(budget=5, window=1, kernel=1, alpha=0.75, stage1_window=stage1_window)
-    idx, valid = policy.select(layer)
-    assert valid is None and idx[0].tolist() == [expected]
+    assert kept(policy, crit_view()) == [expected]
     assert CriticalKV(budget=40).stage1_window == "outside"
     with pytest.raises(PolicyError, match="stage1_window"):
         CriticalKV(budget=40, stage1_window="both")
@@ -190,20 +140,24 @@ def test_criticalkv_value_norm_through_output_projection() -> None:
     with torch.no_grad():
         o_proj.weight.copy_(torch.tensor([[1.0, 0, 2, 0], [0, 1, 0, -1]]))
     module = SimpleNamespace(o_proj=o_proj)
-    values = torch.tensor([[[[1.0, -3.0], [0.0, 0.0]]]])  # (1, 1, 2, 2)
+    values = torch.tensor([[[[9.0, 9.0], [1.0, -3.0], [0.0, 0.0]]]])  # (b, h_kv, S, d): slot 0 an older token
     policy = CriticalKV(budget=40)
-    out = policy.on_append(make_layer([[[0.0, 0.0]]]), module, values, values, torch.zeros(1, 2, 2, 2))
-    assert out["vnorm"].tolist() == [[[4.5, 0.0]]]
+    out = policy.token_state(0, module, values, values, torch.zeros(1, 2, 2, 2), torch.tensor([[[1, 2]]]))
+    assert out["vnorm"].tolist() == [[[4.5, 0.0]]]  # the new tokens' slots 1, 2 only
+    # a long block (more than BATCHED_TOKENS new tokens) takes the per-head loop: the same numbers
+    values = torch.zeros(1, 1, 40, 2)
+    values[0, 0, 1] = torch.tensor([1.0, -3.0])
+    out = policy.token_state(0, module, values, values, torch.zeros(1, 2, 40, 2), torch.arange(40).view(1, 1, 40))
+    assert out["vnorm"].tolist() == [[[0.0, 4.5] + [0.0] * 38]]
 
 
 def test_criticalkv_on_adakv_follows_adakv_budgets() -> None:
     # With vnorm = 1 everywhere, stage 2 ranks by A + eps as stage 1 does: the selection is AdaKV's (see above).
-    layer = make_layer(ADA_KEYS, ADA_QUERIES)
-    layer.state["vnorm"] = torch.ones(1, 2, 8)
+    view = make_view(ADA_KEYS, ADA_QUERIES)
+    view.state["vnorm"] = torch.ones(1, 1, 2, 8)
     for allocation, alpha in (("adakv", 0.5), ("kvpress", 0.75)):
         policy = CriticalKV(budget=4, window=1, kernel=1, base="adakv", alpha_safeguard=alpha, allocation=allocation)
-        idx, valid = policy.select(layer)
-        assert kept_lists(idx, valid) == [[0, 1, 2, 3, 7], [5, 6, 7]]
+        assert kept(policy, view) == [[0, 1, 2, 3, 7], [5, 6, 7]]
     with pytest.raises(PolicyError):
         CriticalKV(budget=40, base="h2o")
 
@@ -238,12 +192,11 @@ def test_pyramidkv_scores_like_snapkv_within_its_layer_budget() -> None:
     policy = PyramidKV(budget=6, window=1, kernel=1, beta=10)
     weights = [9, 1, 8, 2, 7, 3, 6, 4, 5, 1]
     with pytest.raises(PolicyError, match="number of layers"):
-        policy.select(make_layer([log_keys(weights)], [[[1.0]]], layer_idx=1))
+        kept(policy, make_view([log_keys(weights)], [[[1.0]]], layer_idx=1))
     policy.attach(2)
     assert [policy.layer_budget(i, 10) for i in (0, 1)] == [10, 2]
-    assert policy.select(make_layer([log_keys(weights)], [[[1.0]]], layer_idx=0)) is None
-    idx, valid = policy.select(make_layer([log_keys(weights)], [[[1.0]]], layer_idx=1))
-    assert valid is None and idx[0].tolist() == [[0, 9]]
+    assert kept(policy, make_view([log_keys(weights)], [[[1.0]]], layer_idx=0)) == [list(range(10))]
+    assert kept(policy, make_view([log_keys(weights)], [[[1.0]]], layer_idx=1)) == [[0, 9]]
     # uncapped (a long prompt), min .5 rounds to 0: the deepest layer keeps only its window
     assert policy.layer_budget(1) == 1
     with pytest.raises(PolicyError, match="beta"):
@@ -269,12 +222,9 @@ def test_pyramidkv_run_keeps_n_per_layer_on_average() -> None:
 HASH_KEYS = [[[-1.0, -1.0], [1.0, 1.0], [-1.0, 1.0], [1.0, -1.0], [-1.0, -1.0]]]
 
 
-def hash_layer(policy: HashEvict, queries: list) -> EvictingLayer:
-    layer = make_layer(HASH_KEYS)
+def hash_view(policy: HashEvict, queries: list | None) -> SlotView:
     policy.projections[0, 2] = torch.eye(2)
-    keys = layer.keys
-    layer.state.update(policy.on_append(layer, None, keys, keys, torch.tensor([queries])))
-    return layer
+    return make_view(HASH_KEYS, queries)  # every token (and query) is the last forward's: the probe's
 
 
 @pytest.mark.parametrize("queries,probe,budget,expected", [
@@ -284,55 +234,47 @@ def hash_layer(policy: HashEvict, queries: list) -> EvictingLayer:
     # slot 1: .5, slot 2: 1.5, slot 3: .5 -> keep 1 and 3
     ([[[1.0, 1.0], [1.0, -1.0]]], "query", 4, [0, 1, 3, 4]),
     # probe = key: the block's key codes 00 11 01 10 00 -> p = (.4, .4); slot 1: 1.2, slot 2: 1.0, slot 3: 1.0
-    ([[[1.0, 1.0]]], "key", 4, [0, 2, 3, 4]),
+    (None, "key", 4, [0, 2, 3, 4]),
 ])
 def test_hashevict_hamming_to_probe(queries, probe: str, budget: int, expected: list[int]) -> None:
     policy = HashEvict(budget=budget, bits=2, probe=probe, n_sink=1, n_recent=1)
-    idx, _ = policy.select(hash_layer(policy, queries))
-    assert idx[0].tolist() == [expected]
+    assert kept(policy, hash_view(policy, queries)) == [expected]
 
 
-@pytest.mark.parametrize("tokens", [5, 3])
-def test_hashevict_scores_by_table_and_by_unpacked_codes(tokens: int) -> None:
+def test_hashevict_scores_are_minus_the_mean_hamming_distance() -> None:
     """Queries (1, 1), (1, -1): p = (1, .5). Codes 00 (slots 0, 4): 1 + .5 = 1.5; 11 (slot 1): 0 + .5; 01 (slot 2,
-    bits (0, 1)): 1 + .5; 10 (slot 3): 0 + .5. Score = -distance. 5 tokens >= 2^2 codes: the per-code table looked up;
-    3 tokens: the codes unpacked per token. The same numbers."""
+    bits (0, 1)): 1 + .5; 10 (slot 3): 0 + .5. Score = -distance. A query from before the last forward (position 2
+    here, the last forward being positions 3, 4) is no part of the probe."""
     policy = HashEvict(budget=4, bits=2, n_sink=1, n_recent=1)
-    layer = make_layer([HASH_KEYS[0][:tokens]])
-    policy.projections[0, 2] = torch.eye(2)
-    layer.state.update(policy.on_append(layer, None, layer.keys, layer.keys, torch.tensor([[[[1.0, 1.0],
-                                                                                          [1.0, -1.0]]]])))
-    assert policy.score(layer)[0, 0].tolist() == [-1.5, -0.5, -1.5, -0.5, -1.5][:tokens]
+    view = hash_view(policy, [[[1.0, 1.0], [1.0, -1.0]]])
+    assert policy.score(view)[0, 0, 0].tolist() == [-1.5, -0.5, -1.5, -0.5, -1.5]
+    view = hash_view(policy, [[[-1.0, -1.0], [1.0, 1.0], [1.0, -1.0]]])
+    view.fed = torch.tensor([2])
+    assert policy.score(view)[0, 0, 0].tolist() == [-1.5, -0.5, -1.5, -0.5, -1.5]
 
 
-def test_hashevict_codes_and_projection_are_seeded() -> None:
+def test_hashevict_projection_is_seeded() -> None:
     a, b = HashEvict(budget=40, seed=3), HashEvict(budget=40, seed=3)
     assert torch.equal(a.projection(1, 16, torch.device("cpu")), b.projection(1, 16, torch.device("cpu")))
     assert not torch.equal(a.projection(0, 16, torch.device("cpu")), a.projection(1, 16, torch.device("cpu")))
-    # 20 bits are stored in two 16-bit chunks and unpack to the same bits
-    p = HashEvict(budget=40, bits=20)
-    assert p.state_names == ("hash0", "hash1")
-    keys = torch.randn(1, 2, 5, 16, generator=torch.Generator().manual_seed(0))
-    layer = make_layer([[[0.0] * 16] * 5] * 2)
-    layer.state.update(p.on_append(layer, None, keys, keys, torch.zeros(1, 2, 5, 16)))
-    assert torch.equal(p.key_bits(layer), p.hash_bits(keys, layer))
+    assert not torch.equal(HashEvict(budget=40, seed=4).projection(1, 16, torch.device("cpu")),
+                           a.projection(1, 16, torch.device("cpu")))
 
 
-def test_hashevict_hashes_each_row_of_a_stack_by_its_own_layer() -> None:
-    """A stack's rows are several layers' (`row_layers`): by hand, layer 0's R reads x0's sign and layer 1's x1's (8
-    bits, d = 2), so (1, -1) hashes to all ones in a row of layer 0 and all zeros in a row of layer 1; a probe is the
-    mean over the group's queries of their bits."""
+def test_hashevict_hashes_each_layer_of_a_view_by_its_own_projection() -> None:
+    """A view's L rows are several layers': by hand, layer 0's R reads x0's sign and layer 1's x1's (8 bits, d = 2).
+    The key (1, -1) hashes to all ones in layer 0 and all zeros in layer 1; the probe is the mean over the group's
+    two queries (1, -1), (1, 1): all ones in layer 0 (p = 1: distance 0), bits of mean .5 in layer 1 (distance
+    8 x .5 = 4)."""
     p = HashEvict(budget=40)
     p.projections[0, 2] = torch.tensor([[1.0, 0.0]] * 8)
     p.projections[1, 2] = torch.tensor([[0.0, 1.0]] * 8)
-    x = torch.tensor([1.0, -1.0]).expand(2, 1, 1, 2)  # (rows, h_kv, q, d): the same key in both rows
-    stack = SimpleNamespace(row_layers=(0, 1), layer_idx=0, scratch={})
-    bits = p.hash_bits(x, stack)
-    assert bits.shape == (2, 1, 1, 8) and bits[0].flatten().tolist() == [1.0] * 8 and bits[1].sum() == 0
-    query = torch.tensor([[1.0, -1.0], [1.0, 1.0]]).view(1, 2, 1, 2).expand(2, 2, 1, 2)  # 2 query heads, one group
-    codes = p.on_append(stack, None, x, None, query)["hash0"]
-    assert codes.flatten().tolist() == [255.0, 0.0]  # all 8 bits set in layer 0's row
-    assert stack.scratch["probe"].flatten().tolist() == [1.0] * 8 + [0.5] * 8  # layer 1: x1 > 0 for 1 query of 2
+    keys = torch.tensor([1.0, -1.0]).expand(2, 1, 1, 1, 2)  # (L, b, h_kv, S, d): the same key in both layers
+    queries = torch.tensor([[1.0, -1.0], [1.0, 1.0]]).view(1, 1, 2, 1, 2).expand(2, 1, 2, 1, 2)  # 2 query heads
+    one = torch.tensor([1])
+    view = SlotView(keys=keys, values=keys, pos=torch.zeros(2, 1, 1, 1, dtype=torch.long), seen=one, fed=one,
+                    layers=(0, 1), scaling=1.0, queries=queries, qpos=torch.tensor([[0]]))
+    assert p.score(view).flatten().tolist() == [0.0, -4.0]
 
 
 # SAGE-KV -----------------------------------------------------------------------------------------------------------
@@ -358,43 +300,32 @@ def test_sagekv_selection_then_sliding_window() -> None:
         keys[slot][0] = x
     for slot, y in ((7, 5.0), (11, 4.0), (4, 3.0), (14, 9.0)):
         keys[slot][1] = y
-    layer = make_layer([keys], [[[1.0, 0.0]], [[0.0, 1.0]]])
-    layer.state["pinned"] = torch.zeros(1, 1, 16)
+    view = make_view([keys], [[[1.0, 0.0]], [[0.0, 1.0]]])
+    view.state["pinned"] = torch.zeros(1, 1, 1, 16)
     policy = SageKV(budget=12)
-    assert policy.due(layer)  # 16 tokens over a budget of 12: the selection
-    layer.keep(*policy.select(layer))
-    assert layer.positions[0].tolist() == [[0, 1, 2, 4, 5, 7, 9, 11, 13, 14, 15]]
-    assert layer.state["pinned"][0].tolist() == [[1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]]
-    assert not policy.due(layer)  # 11 tokens, still in the prompt: nothing to do
-    # decoding: a new token joins the recent window, whose oldest token (13) leaves; the selection stays
-    layer.decoding = True
-    new = torch.zeros(1, 1, 1, 2)
-    layer.update(new, new)
-    assert policy.due(layer)  # 12 tokens (within the budget) of 17 seen: the window slides at every step
-    layer.keep(*policy.select(layer))
-    assert layer.positions[0].tolist() == [[0, 1, 2, 4, 5, 7, 9, 11, 14, 15, 16]]
+    chosen = [0, 1, 2, 4, 5, 7, 9, 11]
+    assert kept(policy, view) == [chosen + [13, 14, 15]]  # 16 tokens over a budget of 12: the selection
+    assert view.state["pinned"][0, 0, 0].nonzero().flatten().tolist() == chosen  # sinks | union
+    view.pos[~torch.isin(view.pos, torch.tensor(chosen + [13, 14, 15]))] = -1  # the eviction frees the others
+    assert kept(policy, view) == [chosen + [13, 14, 15]]  # 11 tokens, still in the prompt: nothing to do
+    # decoding: a new token (position 16) goes into the first free slot (3, freed above, its state 0); it joins the
+    # recent window, whose oldest token (13) leaves; the selection stays
+    view.decoding = True
+    view.pos[0, 0, 0, 3], view.keys[0, 0, 0, 3] = 16, torch.zeros(2)
+    view.state["pinned"][0, 0, 0, 3] = 0.0
+    view.seen, view.fed, view.qpos = torch.tensor([17]), torch.tensor([1]), torch.tensor([[16]])
+    assert kept(policy, view) == [chosen + [14, 15, 16]]  # 12 tokens (within the budget) of 17 seen: a slide
 
 
-
-def test_latest_in_order_keeps_each_heads_latest_marked_slots() -> None:
-    # Slots in position order. Head 0 marks 0, 2, 3, 5: its 2 latest are 3 and 5. Head 1 marks only slot 1, fewer
-    # than 2: kept. Head 2 marks nothing (a head of padding and pinned tokens): nothing.
-    marked = torch.tensor([[[True, False, True, True, False, True], [False, True, False, False, False, False],
-                            [False] * 6]])
-    assert latest_in_order(marked, 2)[0].int().tolist() == [[0, 0, 0, 1, 0, 1], [0, 1, 0, 0, 0, 0], [0] * 6]
-    assert latest_in_order(marked, 4)[0].tolist() == marked[0].tolist()  # every marked slot
+def test_protected_tokens_by_position_in_any_slot_order() -> None:
+    # The sinks (positions < 1) and the recent window (the 3 latest of 10 seen: positions 7-9) are found by position,
+    # whichever slots they sit in, never a free slot (-1): head 0 in position order, head 1 out of order with holes.
+    view = make_view([[[0.0]] * 8] * 2, positions=[[0, 1, 2, 3, 4, 7, 8, 9], [8, -1, 6, 9, 7, 0, -1, 3]])
+    assert view.protected(1, 3)[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 1, 1, 1], [1, 0, 0, 1, 1, 1, 0, 0]]
+    assert view.protected(0, 0)[0, 0].sum() == 0
 
 
-def test_latest_mask_by_position_in_any_slot_order() -> None:
-    # Two heads of 5 slots at positions 0-4 in slot order, then the second head's slots out of order (slot reuse, a
-    # hole at -1): the 2 latest are positions 3 and 4 wherever they sit, never the hole.
-    layer = make_layer([[[0.0]] * 5, [[0.0]] * 5])
-    assert latest_mask(layer, 2)[0].int().tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
-    layer.positions[0, 1] = torch.tensor([4, -1, 0, 3, 2])
-    layer.chronological = False
-    assert latest_mask(layer, 2)[0].int().tolist() == [[0, 0, 0, 1, 1], [1, 0, 0, 1, 0]]
-
-# Ragged heads against an explicit float64 model ---------------------------------------------------------------------
+# Per-head caches against an explicit float64 model ---------------------------------------------------------------
 def _model(arch: str = "tiny-llama", **kw):
     return installed_model(arch, **kw)[0]
 
@@ -419,8 +350,8 @@ def test_ragged_heads_match_float64_reference(policy_factory) -> None:
     first = len(chunks) - len(res.tokens)
     for got, want in zip(logged, ref[first:], strict=True):
         assert (got.double() - want).abs().max().item() < 1e-5
-    # the run was really ragged: some head held padding
-    assert any(t is not None and bool((t < 0).any()) for step in res.trace for t in step)
+    # the run was really per head: some layer's heads held different numbers of tokens
+    assert any(len(set((t >= 0).sum(dim=-1)[0].tolist())) > 1 for step in res.trace for t in step)
 
 
 # Determinism and bounds --------------------------------------------------------------------------------------------
@@ -433,66 +364,53 @@ NEW_POLICIES = {
 }
 
 
-@pytest.mark.parametrize("slot_reuse", [False, True])
 @pytest.mark.parametrize("name", list(NEW_POLICIES))
-def test_deterministic_and_bounded(name: str, slot_reuse: bool) -> None:
+def test_deterministic_and_bounded(name: str) -> None:
     model = _model()
     ids = _prompt(120, seed=1)
-    settings = GenerationSettings(block=16, max_new_tokens=4, slot_reuse=slot_reuse)
+    settings = GenerationSettings(block=16, max_new_tokens=4)
     runs = [generate(model, NEW_POLICIES[name](), ids, settings, observer=Observer(trace=True)) for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens
     assert all(torch.equal(a, b) for a, b in zip(runs[0].trace[-1], runs[1].trace[-1], strict=True))
     h_kv = model.config.num_key_value_heads
+    per_head = name in ("adakv", "criticalkv-adakv")
+    # a head keeps at most N (AdaKV: ceil(head_cap N) = 80, its layer at most h_kv N), then a block joins
+    head_bound = 80 if per_head else 40
     for step in runs[0].trace[1:]:  # before every forward after the first: evicted back to the budget
         for pos in step:
             held = (pos >= 0).sum(dim=-1)  # (1, h_kv) real tokens per head
-            if name in ("adakv", "criticalkv-adakv"):
-                assert int(held.sum()) <= 40 * h_kv
-            else:
-                assert int(held.max()) <= 40
-            if slot_reuse:  # the slots a decoding eviction freed hold the next tokens: no order to keep
-                continue
-            for h in range(h_kv):  # each head's real tokens stay in chronological order
-                real = pos[0, h][pos[0, h] >= 0]
-                assert bool((real.diff() > 0).all())
-    assert runs[0].peak_kv_tokens <= 40 + 16  # AdaKV: the layer total / h_kv
+            assert int(held.max()) <= head_bound and int(held.sum()) <= 40 * h_kv
+    # peak_kv_tokens: the fullest head during a forward, its block included
+    assert runs[0].peak_kv_tokens == max(max(held_counts(step)) + width
+                                         for step, width in zip(runs[0].trace, [16] * 7 + [8] + [1] * 3, strict=True))
+    assert runs[0].peak_kv_tokens <= head_bound + 16
 
 
-# Ragged layers hold exactly the layer total (flat per head), no padding -----------------------------------------
+# Per-head layers hold at most the layer total --------------------------------------------------------------------
 @pytest.mark.parametrize("allocation", ["adakv", "kvpress"])
 @pytest.mark.parametrize("arch,h_kv,d", [("tiny-llama", 2, 64), ("tiny-llama3", 8, 128)])
-def test_adakv_peak_is_the_layer_total(arch: str, h_kv: int, d: int, allocation: str) -> None:
+def test_adakv_layer_total_and_peaks(arch: str, h_kv: int, d: int, allocation: str) -> None:
     N, B = 96, 32
     model = _model(arch)
     res = generate(model, AdaKV(budget=N, allocation=allocation), _prompt(224),
                    GenerationSettings(block=B, max_new_tokens=3), observer=Observer(trace=True))
-    assert any(t is not None and bool((t < 0).any()) for step in res.trace for t in step)  # really ragged
-    for step in res.trace[1:]:
+    assert any(len(set((t >= 0).sum(dim=-1)[0].tolist())) > 1 for step in res.trace for t in step)  # per head
+    for k, step in enumerate(res.trace):
         for pos in step:
-            assert int((pos >= 0).sum()) <= h_kv * N  # the layer total is cut back to h_kv * N after every step
-    # per KV head (layer total / h_kv) never above N + B; reached with the 4th block, before the first eviction
-    assert res.peak_kv_tokens == N + B
-    # 2 layers x h_kv heads x (N + B) tokens x head_dim x (K + V) x 4 bytes (fp32)
+            total = int((pos >= 0).sum())
+            held = (pos >= 0).sum(dim=-1)
+            assert int(held.max()) <= 2 * N  # head_cap 2: ceil(2 N) slots a head may keep
+            if k >= 4:  # evicted after the 4th block (128 > N per head) and after every later forward
+                # the layer total is cut back to h_kv * N; kvpress hands out exactly h_kv * N
+                assert total == h_kv * N if allocation == "kvpress" else total <= h_kv * N
+    # Changed with the static engine: peak_kv_tokens is the fullest head (no longer the layer total / h_kv): the
+    # most a head held in a forward, its block included (7 blocks of 32, then 2 decoding steps of 1)
+    widths = [B] * 7 + [1] * 2
+    assert res.peak_kv_tokens == max(max(held_counts(step)) + w for step, w in zip(res.trace, widths, strict=True))
+    assert res.peak_kv_tokens >= N + B  # the 4th block, before the first eviction
+    # kv_bytes_peak, all heads together: the 4th block (every head N + B), never more after (a layer at most h_kv N
+    # + h_kv B): 2 layers x h_kv heads x (N + B) tokens x head_dim x (K + V) x 4 bytes (fp32)
     assert res.kv_bytes_peak == 2 * h_kv * (N + B) * d * 2 * 4
-
-
-def test_ragged_cache_holds_exactly_its_tokens() -> None:
-    # kvpress allocation fills the layer's h_kv * N slots exactly, however the heads share them.
-    model = _model()  # tiny-llama: 2 layers, 2 KV heads, head_dim 64, fp32
-    policy = AdaKV(budget=40, window=8, allocation="kvpress")
-    cache = EvictingCache(model.config, policy)
-    ids = torch.tensor([_prompt(120, seed=1)])
-    with attention.active(cache), torch.inference_mode():
-        for s in range(0, 120, 16):
-            model(input_ids=ids[:, s:s + 16], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            for layer in cache.evicting_layers():
-                policy.evict(layer)
-    layers = cache.evicting_layers()
-    assert all(layer.ragged and layer.valid is None for layer in layers)  # heads differ; no view left behind
-    assert [int(layer.lengths.sum()) for layer in layers] == [2 * 40, 2 * 40]
-    # 2 layers x 2 heads x 40 tokens x 64 dims x (K + V) x 4 bytes; the padded layout held 2 x the longest head
-    assert cache.kv_bytes() == 2 * 2 * 40 * 64 * 2 * 4
-    assert cache.peak_tokens() == 40 + 16
 
 
 # Diagnostics -------------------------------------------------------------------------------------------------------
@@ -503,14 +421,13 @@ def test_diagnostics_by_hand() -> None:
     # full output = (.1 + .6, .2 + .8) = (.7, 1.0); kept: A' = (1/3, 2/3) on slots 1, 3 -> (0, 1/3 + 4/3)
     # perturbation = |.7 - 0| + |1.0 - 5/3| = .7 + .6667 = 1.3667.
     # kept keys ln2, ln4 (d = 1 < 2 tokens): pseudo-determinant = K^T K = ln2^2 + ln4^2 = 5 ln2^2.
-    layer = make_layer([log_keys([1, 2, 3, 4])], [[[1.0]]], values=[[[1, 0], [0, 1], [2, 0], [0, 2]]])
-    layer.keys = torch.tensor(log_keys([1, 2, 3, 4])).view(1, 1, 4, 1)
+    view = make_view([log_keys([1, 2, 3, 4])], [[[1.0]]], values=[[[1, 0], [0, 1], [2, 0], [0, 2]]])
     o_proj = torch.nn.Linear(2, 2, bias=False)
     with torch.no_grad():
         o_proj.weight.copy_(torch.eye(2))
-    layer.module = SimpleNamespace(o_proj=o_proj)
+    view.modules = (SimpleNamespace(o_proj=o_proj),)
     diag = Diagnostics(["attention_loss", "perturbation", "key_logdet"])
-    diag.observe(layer, torch.tensor([[[1, 3]]]), None)
+    diag.observe(view, torch.tensor([False, True, False, True]).view(1, 1, 1, 4), 0)
     got = diag.summary()
     assert got["attention_loss"]["mean"] == pytest.approx(0.4, abs=1e-6)
     assert got["perturbation"]["mean"] == pytest.approx(0.7 + 2 / 3, abs=1e-5)
@@ -533,7 +450,7 @@ def test_diagnostics_in_a_run_do_not_change_tokens() -> None:
                     GenerationSettings(block=16, max_new_tokens=5,
                                        diagnostics=tuple(["attention_loss", "perturbation", "key_logdet"])))
     assert plain.tokens == diag.tokens and plain.diagnostics is None
-    # key-only KeyDiff: the engine stashed the latest query anyway (declared by the diagnostics)
+    # key-only KeyDiff: the engine kept the latest query anyway (asked for by the diagnostics)
     # evictions: 150 tokens in blocks of 16 -> blocks 3..10 overflow 40 (8 events) + 4 decoding steps, per layer
     for name in ("attention_loss", "perturbation", "key_logdet"):
         d = diag.diagnostics[name]
