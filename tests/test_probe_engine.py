@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
-from kvbench.engine import attention
+from kvbench.engine.cache import install
 from kvbench.engine.generate import GenerationSettings, generate
 from kvbench.models.loading import load_model
 from kvbench.policies.base import Policy
@@ -17,7 +18,8 @@ from kvbench.tasks.probe import ProbeTask
 
 
 class DropPositions(Policy):
-    """Test policy: removes the given absolute positions from the given layers as soon as they are cached."""
+    """Test policy: removes the given absolute positions from the given layers as soon as they are cached (at the
+    eviction after their forward): they score -inf, and each head keeps every other token it holds."""
 
     name = "drop"
 
@@ -25,20 +27,22 @@ class DropPositions(Policy):
         super().__init__(budget=10**9)
         self.drop = drop
 
-    def select(self, layer):
-        gone = self.drop.get(layer.layer_idx, set())
-        pos = layer.positions[0, 0].tolist()  # one KV head on the probe model
-        keep = [i for i, p in enumerate(pos) if p not in gone]
-        if len(keep) == len(pos):
-            return None
-        return torch.tensor(keep).view(1, 1, -1), None
+    def score(self, view):
+        gone = torch.zeros_like(view.held)
+        for row, layer in enumerate(view.layers):
+            for p in self.drop.get(layer, ()):
+                gone[row] |= view.pos[row] == p
+        return torch.zeros(gone.shape).masked_fill(gone, -math.inf)
+
+    def counts(self, view, ranked, counts):
+        return (ranked > -math.inf).sum(dim=-1)  # (L, b, h_kv): every held token not dropped
 
 
 @pytest.fixture(scope="module")
 def probe():
     loaded = load_model("probe", "probe:A", dtype="float32", max_prompt_tokens=65536, chat_template=False,
                         device="cpu")
-    attention.install(loaded.model)
+    install(loaded.model)
     return loaded
 
 
@@ -64,12 +68,12 @@ def test_needle_value_entry_is_necessary(probe) -> None:
         assert s.meta["depth"] != 100 or same_block_as_query
 
 
-def test_random_non_needle_evictions_are_harmless_with_ragged_layer_lengths(probe) -> None:
+def test_random_non_needle_evictions_are_harmless_with_unequal_layer_lengths(probe) -> None:
     rng = random.Random(0)
     for s in _samples(probe, 1024, [10, 60, 90]):
         needle = {s.meta["needle_key_pos"], s.meta["needle_value_pos"]}
         others = [p for p in range(len(s.input_ids) - 1) if p not in needle]
-        # Different positions and counts per layer: the layers hold different lengths, so masks are rebuilt.
+        # Different positions and counts per layer: the layers hold different numbers of tokens.
         drop = {0: set(rng.sample(others, 300)), 1: set(rng.sample(others, 100))}
         assert _answer(probe, s, DropPositions(drop), block=64)
 
