@@ -107,6 +107,7 @@ class SlotCache(Cache):
         self.modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
         self.scaling: float = next(iter(self.modules.values())).scaling if self.modules else d ** -0.5
         self.softcap: float | None = getattr(cfg, "attn_logit_softcapping", None)
+        self.row_modules = tuple(self.modules.get(i) for i in (self.evicting.layers if self.evicting else ()))
         self.peak = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) most tokens a head held, over time
         # (b,) most tokens all layers' heads held together, over time (x bytes_per_head_token: the K+V bytes held)
         self.peak_total = torch.zeros(batch, dtype=torch.long, device=device)
@@ -144,9 +145,15 @@ class SlotCache(Cache):
 
     def end(self) -> None:
         """After a forward, before its eviction: the peaks of tokens held."""
-        held = torch.cat([(g.pos >= 0).sum(dim=-1) for g in (self.evicting, self.full) if g is not None])  # (n, b, h)
+        held = self.held_now()  # (layers, b, h_kv)
         self.peak = torch.maximum(self.peak, held.amax(dim=(0, 2)))
         self.peak_total = torch.maximum(self.peak_total, held.sum(dim=(0, 2)))
+
+    def held_now(self) -> torch.Tensor:
+        """(n, b, h_kv): the tokens each head of each layer holds (the evicting layers first)."""
+        if self.evicting is None or self.full is None:
+            return ((self.evicting or self.full).pos >= 0).sum(dim=-1)  # type: ignore[union-attr]
+        return torch.cat([(self.evicting.pos >= 0).sum(dim=-1), (self.full.pos >= 0).sum(dim=-1)])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +177,7 @@ class SlotCache(Cache):
         return SlotView(decoding=self.decoding, keys=g.keys, values=g.values, pos=g.pos, seen=self.seen, fed=self.fed,
                         layers=tuple(g.layers), scaling=self.scaling, softcap=self.softcap, queries=g.queries,
                         qpos=self.qpos if g.queries is not None else None, state=g.state,
-                        modules=tuple(self.modules.get(i) for i in g.layers))
+                        modules=self.row_modules)
 
     def decode_tokens(self) -> list[int] | None:
         return self.layer_tokens
@@ -257,9 +264,10 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
         if group.queries is not None:
             ring = group.q_rows[row]  # (b, h_q, w, d)
             ring.copy_(torch.cat([ring, query], dim=2).gather(2, cache.ring))
-        fresh = policy.token_state(layer, module, key, value, query, group.write[row])
-        for name, new in fresh.items():
-            group.state_rows[name][row].scatter_(2, group.write[row], new.float())
+        if policy.state_names:  # the state of the new tokens (0 unless the policy computes it)
+            fresh = policy.token_state(layer, module, key, value, query, group.write[row])
+            for name, new in fresh.items():
+                group.state_rows[name][row].scatter_(2, group.write[row], new.float())
     if policy.needs_attention and group is cache.evicting:
         # what each slot received from the forward's queries, averaged over the KV head's query heads (float32)
         received = probabilities(query, key, visible, scaling, softcap, cache.zero).sum(dim=(2, 3)).div_(h_q // h_kv)

@@ -172,16 +172,13 @@ class _Row:
     processors: Any
     seq: torch.Tensor  # (1, T + limit) the prompt and the answer so far, written in place
     diag: Diagnostics | None
+    T: int  # the prompt's tokens
     new: list[int] = field(default_factory=list)
     steps: int = 0
     time_s: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
     evict_s: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
     traces: list[list[torch.Tensor | None]] = field(default_factory=list)
     lm: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (log p (n,), argmax hit (n,))
-
-    @property
-    def T(self) -> int:
-        return len(self.job.input_ids)
 
 
 def _forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, keep: int,
@@ -236,7 +233,7 @@ class Batch:
             processors = greedy_processors(model, seq[:, :T], sorted(set(s.stop_ids)), s.min_new_tokens,
                                            s.max_new_tokens)
             diag = Diagnostics(s.diagnostics) if s.diagnostics else None
-            self.rows.append(_Row(job, chunks, evicts, limit, job.observer or Observer(), processors, seq, diag))
+            self.rows.append(_Row(job, chunks, evicts, limit, job.observer or Observer(), processors, seq, diag, T))
         if self.compiled:  # fewer shapes, fewer graphs: whole blocks (`step` pads the last), capacities rounded up
             keep += -keep % 64
             full += -full % 256
@@ -263,7 +260,7 @@ class Batch:
         """One forward of each row's tokens at positions spans[k] = (start, end) (None: padding only), then the
         eviction of the rows in `evicting`; each row is charged an equal share of the time (and of the eviction's,
         measured apart unless compiled). Returns the last position's logits (K, vocab) float32."""
-        t = max(len(ts) for ts in tokens)
+        t = 1 if phase == "decode" else max(len(ts) for ts in tokens)
         if self.compiled and phase == "prefill":
             t = max(t, max(r.job.settings.block or 0 for r in self.rows))
         ids = torch.zeros(len(self.rows), t, dtype=torch.long)
@@ -277,7 +274,8 @@ class Batch:
         for k, row in enumerate(self.rows):
             if row.obs.trace and self.tracing:
                 row.traces.append([p[k:k + 1].clone() for p in self.cache.layer_positions()])
-        keep = max([self._scored(k, span)[2] for k, span in enumerate(spans)] + [1])
+        scored = [(0, 0, 0)] * len(spans) if phase == "decode" else [self._scored(k, s) for k, s in enumerate(spans)]
+        keep = max(max(n for _, _, n in scored), 1)
         t0 = self.clock()
         counts = self.counts(evicting)
         logits = self.forward(self.model, self.cache, ids, positions, keep, counts if self.compiled else None)
@@ -293,7 +291,7 @@ class Batch:
         for k, row in enumerate(self.rows):
             row.time_s[phase] += spent / len(self.rows)
             row.evict_s[phase] += evict_s / len(self.rows)
-            lo, hi, _ = self._scored(k, spans[k])
+            lo, hi, _ = scored[k]
             if hi > lo:
                 self._score(row, logits[k], keep - (spans[k][1] - lo), lo, hi)
         return logits[:, -1].float()
