@@ -8,8 +8,8 @@ log-probability, decoding steps, peak tokens and bytes).
         results/niah_grid/runs/smollm2-135m/niah/*
 
 --share: the runs go through kvbench.run.app.run_members together, as `kvbench -m` runs them: those that differ only
-in policy and budget form one group, run sample-major with their common prompt forwards done once (--batch 1: each
-run exact by construction).
+in policy and budget form one group, run sample-major, each sample's runs whose policies select alike as the rows of
+one cache.
 
 Each run directory's own config.yaml (as the run recorded it: kvbench.options.stored_config) is rerun (shard i/n: its
 samples with index % n == i) into a scratch directory (--scratch, default a temporary one; under it, the shortest
@@ -80,12 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--json", type=Path, default=None,
                    help="also write, per run, its samples and the ids of those that differ (for scripts/reproduce.py)")
-    p.add_argument("--slot-reuse", action="store_true",
-                   help="rerun with slot_reuse=true (decoding writes each new token into the slot its head freed); "
-                        "default: as each run recorded it (a config.yaml without the key decoded chronologically)")
-    p.add_argument("--alone", action="store_true",
-                   help="rerun with evict_together=false: each sample of a batch evicts on its own (default: the "
-                        "samples whose policies select alike in one call per decoding step)")
     p.add_argument("--reuse", action="store_true",
                    help="take finished reruns already in --scratch as they are (redraw the table without rerunning)")
     a = p.parse_args(argv)
@@ -108,10 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         name = json.loads((run / "metrics.json").read_text())["policy"]
         cfg.update(batch_size=a.batch, shard=compose_shards(cfg.get("shard"), a.shard), overwrite=not a.reuse,
                    progress=False, share=a.share)
-        if a.slot_reuse:
-            cfg["slot_reuse"] = True
-        if a.alone:
-            cfg["evict_together"] = False
         members.append(Member(RunSettings.from_config(cfg), name, scratch / where[run]))
     if a.share:
         run_members(members, session)  # one shared-work sweep (per group of runs differing in policy and budget)
@@ -142,10 +132,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     what = (f"Shared-work reruns (the runs below as one sweep, share=true, batch_size={a.batch})" if a.share
             else f"Batched (batch_size={a.batch}) reruns")
-    if a.slot_reuse:
-        what += " with slot reuse (slot_reuse=true)"
-    if a.alone:
-        what += ", each sample evicting on its own (evict_together=false)"
     against = (f" compared with the runs of the same names in `{a.reference.name}/` (not the committed ones)"
                if a.reference else " of committed batch-1 runs")
     lines = [f"{what}{against}"
