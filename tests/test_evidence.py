@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.engine import attention
+from kvbench.engine.cache import install
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.metrics.degenerate import is_degenerate
 from kvbench.models.tiny import build_tiny_model
@@ -176,7 +176,7 @@ def test_longbench_and_jsonl_composition() -> None:
 @pytest.fixture(scope="module")
 def tiny():
     model, tok = build_tiny_model("tiny-llama", output_scale=1.0)
-    attention.install(model)
+    install(model)
     return model
 
 

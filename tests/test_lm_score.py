@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.engine import attention
+from kvbench.engine.cache import install
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.metrics.lm import lm_summary, pooled_perplexity
 from kvbench.models.tiny import build_tiny_model
@@ -28,14 +28,14 @@ from kvbench.tasks.base import TaskEnv, TaskError
 from kvbench.tasks.lm import LMTask
 
 from float64_reference import reference_logits
-from helpers import kvbench_main
+from helpers import held_counts, held_positions, kvbench_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _model(layers: int = 2):
     model, tok = build_tiny_model("tiny-llama", output_scale=1.0, num_hidden_layers=layers)
-    attention.install(model)
+    install(model)
     return model, tok
 
 
@@ -106,8 +106,9 @@ def test_evicted_scores_equal_float64_reference(policy_factory, layers: int) -> 
     assert len(res.lm_logprobs) == len(want) == 37
     assert max(abs(a - b) for a, b in zip(res.lm_logprobs, want)) < 1e-5
     assert res.lm_correct == [bool(ref[t].argmax() == ids[t + 1]) for t in range(start, 69)]
-    # the scored blocks really saw a pruned cache, and that changed the scores (the test can tell)
-    assert all(t is not None and t.shape[-1] < 32 for t in res.trace[2][layers - 1:])
+    # the scored blocks really saw a pruned cache (the last layer holds its budget, 24 of the 32 tokens seen), and
+    # that changed the scores (the test can tell)
+    assert held_counts(res.trace[2])[layers - 1:] == [24]
     unevicted = _plain_logprobs(model, ids, start)
     assert max(abs(a - b) for a, b in zip(res.lm_logprobs, unevicted)) > 1e-3
 
@@ -140,10 +141,11 @@ def test_which_tokens_count_by_hand() -> None:
     ids = _prompt(130)
     res = generate(model, StreamingLLM(budget=64), ids, GenerationSettings(block=16, score_from=80),
                    observer=Observer(trace=True))
-    held = [0 if t[0] is None else t[0].shape[-1] for t in res.trace]  # layer 0, before each forward
+    held = [held_counts(t)[0] for t in res.trace]  # layer 0, before each forward
     assert held == [0, 16, 32, 48, 64, 64, 64, 64, 64]
-    assert res.trace[4][0][0, 0].tolist() == list(range(64))  # at 64: every token still there
-    assert res.trace[5][0][0, 0].tolist() != list(range(64))  # at 80: 16 of the 80 dropped
+    positions = held_positions(res.trace)
+    assert positions[4][0][0] == list(range(64))  # at 64: every token still there
+    assert positions[5][0][0] != list(range(64))  # at 80: 16 of the 80 dropped
     assert len(res.lm_logprobs) == 130 - 1 - 80
     assert len(generate(model, StreamingLLM(budget=64), ids, GenerationSettings(block=16, score_from=119))
                .lm_logprobs) == 10

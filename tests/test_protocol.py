@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.engine import attention
-from kvbench.engine.cache import EvictingCache
+from kvbench.engine.cache import SlotCache, evict, forward, install
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.options import resolve_protocol
 from kvbench.models.tiny import build_tiny_model
@@ -46,7 +45,7 @@ def test_prefill_once_cache_is_n_after_the_prompt_and_grows_by_one_per_token(mod
     assert len(res.tokens) == NEW
     # Forwards: the prompt once (block 16 ignored), then NEW - 1 decoding steps (the last token is never fed back).
     assert len(res.trace) == 1 + NEW - 1
-    assert res.trace[0] == [None] * model.config.num_hidden_layers  # empty cache before the prompt forward
+    assert held_counts(res.trace[0]) == [0] * model.config.num_hidden_layers  # empty cache before the prompt forward
     for k, step in enumerate(res.trace[1:]):  # before decoding forward k + 1: N kept + the k tokens fed back
         assert held_counts(step) == [N + k] * model.config.num_hidden_layers
         for pos in step:  # nothing decoded is ever evicted: positions T .. T + k - 1 all present, in order
@@ -66,16 +65,17 @@ def test_prefill_once_peak_is_n_plus_fed_back_tokens_when_decoding_outgrows_the_
 def test_prefill_once_equals_one_forward_one_eviction_then_plain_greedy(model) -> None:
     ids = _ids()
     policy = SnapKV(budget=N, window=8, kernel=3)
-    # The protocol written out by hand: one forward, evict every layer once, then greedy with no eviction.
-    cache = EvictingCache(model.config, policy)
+    # The protocol written out by hand on the slot cache's primitives: one forward of the whole prompt, evict every
+    # layer once to N, then greedy with no eviction (room for the prompt and every answer token, no eviction budget)
+    L = model.config.num_hidden_layers
+    cache = SlotCache(model, policy, 1, T + NEW, T + NEW, window=policy.query_window)
     expected: list[int] = []
-    with torch.inference_mode(), attention.active(cache):
-        logits = model(torch.tensor([ids]), past_key_values=cache, logits_to_keep=1).logits[:, -1]
-        for layer in cache.evicting_layers():
-            policy.evict(layer)
-        for _ in range(NEW):
+    with torch.inference_mode():
+        logits = forward(model, cache, torch.tensor([ids]), torch.arange(T)[None], 1)[:, -1]
+        evict(cache, torch.full((L, 1, 1), N))
+        for k in range(NEW):
             expected.append(int(logits.argmax(dim=-1)))
-            logits = model(torch.tensor([[expected[-1]]]), past_key_values=cache, logits_to_keep=1).logits[:, -1]
+            logits = forward(model, cache, torch.tensor([[expected[-1]]]), torch.tensor([[T + k]]), 1)[:, -1]
     for block in (16, None):  # block is ignored
         res = generate(model, SnapKV(budget=N, window=8, kernel=3), ids,
                        GenerationSettings(block=block, max_new_tokens=NEW, protocol="prefill_once"))
@@ -179,7 +179,7 @@ def test_run_directories_metrics_and_report_rows_carry_the_protocol(tmp_path: Pa
                                       {"repetition_penalty": 1.3, "min_new_tokens": 5}])
 def test_greedy_applies_the_generation_config_processors_like_generate(settings: dict) -> None:
     model, _ = build_tiny_model("tiny-llama", output_scale=1.0)
-    attention.install(model)
+    install(model)
     ids = _ids(60, seed=1)
     eos = model.generation_config.eos_token_id
     min_new = settings.pop("min_new_tokens", None)

@@ -1,9 +1,12 @@
-"""Shared prompt forwards (`generate_shared`): every run's result is bit-for-bit the one `generate` gives it alone.
+"""A sweep's runs of one sample as the rows of one cache (`generate_batch`): every run's result is the one `generate`
+gives it alone.
 
 A sweep's runs of one sample (every policy x budgets below and above the prompt, under each protocol) go through
-`generate_shared` together and one by one through `generate`; tokens, graded log-probabilities, peak tokens and bytes,
-decoding steps and the kept positions before every forward must be equal exactly (==, torch.equal), in float32,
-where any change of arithmetic (another attention path, a hook fed other values, a forward over other K/V) shows.
+`generate_batch` together and one by one through `generate`, in float64 (where a product over more rows cannot round
+a near-tie the other way); tokens, graded log-probabilities, LM scores, peak tokens and bytes, decoding steps and the
+positions each head holds before every forward must be equal exactly (==). The runs whose policies select alike (one
+class and options, budgets aside: `slot_key`) are the rows of one cache; the others (Random's per-sample generator,
+another class) run alone.
 """
 
 from __future__ import annotations
@@ -14,11 +17,11 @@ import pytest
 import torch
 
 from kvbench.bench.setup import make_policy
-from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate, generate_shared
+from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate, generate_batch
 from kvbench.options import PROTOCOLS
 from kvbench.run.config import group_choices
 
-from helpers import installed_model
+from helpers import float64_model, held_positions, installed_model
 
 POLICIES = group_choices("policy")  # every conf/policy file, the full baseline included
 T, B = 101, 16  # 7 prompt blocks (6 of 16 tokens, a tail of 5)
@@ -27,8 +30,8 @@ ANSWER = [17, 3, 250, 41]
 
 
 @pytest.fixture(scope="module")
-def model32() -> Any:
-    return installed_model("tiny-llama", output_scale=1.0)[0]
+def model64() -> Any:
+    return float64_model(2)
 
 
 def _prompt(n: int = T, seed: int = 0) -> list[int]:
@@ -36,7 +39,8 @@ def _prompt(n: int = T, seed: int = 0) -> list[int]:
 
 
 def _jobs(names: list[str], protocol: str, budgets: tuple[int, ...] = BUDGETS, scenario: str = "question_aware",
-          score_from: int | None = None, seeds: tuple[int, ...] = (1,), sample: int = 7) -> list[Job]:
+          score_from: int | None = None, seeds: tuple[int, ...] = (1,), sample: int = 7, n: int = T,
+          prompt_seed: int = 0) -> list[Job]:
     jobs = []
     for name in names:
         for budget in budgets if name != "full" else budgets[:1]:
@@ -44,9 +48,10 @@ def _jobs(names: list[str], protocol: str, budgets: tuple[int, ...] = BUDGETS, s
                 policy = make_policy(name, budget, seed)
                 policy.start_sample(sample)  # as the run loop does before each sample (random: its generator)
                 settings = GenerationSettings(block=B, max_new_tokens=8, protocol=protocol, scenario=scenario,
-                                              context_tokens=T - 9 if scenario == "context_only" else None,
+                                              context_tokens=n - 9 if scenario == "context_only" else None,
                                               score_from=score_from)
-                jobs.append(Job(_prompt(), policy, settings, answer_ids=ANSWER, observer=Observer(trace=True)))
+                jobs.append(Job(_prompt(n, prompt_seed), policy, settings, answer_ids=ANSWER,
+                                observer=Observer(trace=True)))
     return jobs
 
 
@@ -55,28 +60,54 @@ def _separate(model: Any, jobs: list[Job]) -> list[GenerationResult]:
             for j in jobs]
 
 
-def _same(alone: GenerationResult, shared: GenerationResult) -> None:
-    assert shared.tokens == alone.tokens
-    assert shared.answer_logprob == alone.answer_logprob  # exactly: the same arithmetic
-    assert shared.decode_steps == alone.decode_steps
-    assert (shared.peak_kv_tokens, shared.kv_bytes_peak) == (alone.peak_kv_tokens, alone.kv_bytes_peak)
-    assert (shared.lm_logprobs, shared.lm_correct) == (alone.lm_logprobs, alone.lm_correct)
-    assert len(shared.trace) == len(alone.trace)
-    for step_a, step_s in zip(alone.trace, shared.trace):  # the kept positions before every forward
-        for pa, ps in zip(step_a, step_s):
-            assert (pa is None) == (ps is None) and (pa is None or torch.equal(pa, ps))
+def _same(alone: GenerationResult, batched: GenerationResult, trace: bool = True) -> None:
+    assert batched.tokens == alone.tokens
+    assert batched.answer_logprob == alone.answer_logprob  # exactly, in float64
+    assert batched.decode_steps == alone.decode_steps
+    assert (batched.peak_kv_tokens, batched.kv_bytes_peak) == (alone.peak_kv_tokens, alone.kv_bytes_peak)
+    assert batched.layer_tokens == alone.layer_tokens
+    assert (batched.lm_logprobs, batched.lm_correct) == (alone.lm_logprobs, alone.lm_correct)
+    # the positions each head holds before every forward (a batch's rows have the batch's slot count, so the slots
+    # they sit in are not compared: only which positions are held)
+    if not trace:
+        return
+    assert len(batched.trace) == len(alone.trace)
+    assert held_positions(batched.trace) == held_positions(alone.trace)
+
+
+def _expected_rows(names: list[str], budgets: tuple[int, ...] = BUDGETS) -> list[int]:
+    """Each job's batch size, by hand: a policy's budgets are one cache's rows; the full cache has one job (its
+    budget is never used), random draws from its own generator per sample (sample_state), and h2o_original's recent
+    window is half its budget (n_recent 20, 32, 100: options that differ), so each of their runs goes alone."""
+    return [1 if name in ("full", "random", "h2o_original") else len(budgets)
+            for name in names for _ in (budgets if name != "full" else budgets[:1])]
 
 
 @pytest.mark.parametrize("protocol", list(PROTOCOLS))
-def test_shared_equals_separate_for_every_policy(model32, protocol: str) -> None:
+def test_batch_equals_separate_for_every_policy(model64, protocol: str) -> None:
     """All policies x budgets 40, 64 (below the prompt) and 200 (above it) in one call: every result equals the
-    job's own `generate`; the runs did share (a budget above the prompt shares every prompt forward)."""
-    shared = generate_shared(model32, _jobs(POLICIES, protocol))
+    job's own `generate`; a policy's three budgets went as the three rows of one cache."""
     jobs = _jobs(POLICIES, protocol)
-    for job, alone, sh in zip(jobs, _separate(model32, jobs), shared):
-        _same(alone, sh)
-    above = [sh for job, sh in zip(jobs, shared) if job.policy.budget == 200]
-    assert all(sh.shared_with > 1 and sh.shared_forward_s > 0 and 0 < sh.shared_s <= sh.prefill_s for sh in above)
+    batched = generate_batch(model64, jobs)
+    jobs = _jobs(POLICIES, protocol)
+    for alone, res in zip(_separate(model64, jobs), batched, strict=True):
+        _same(alone, res)
+    assert [r.batch_size for r in batched] == _expected_rows(POLICIES)
+    assert all(r.batch_kv_bytes_peak >= r.kv_bytes_peak for r in batched)
+
+
+@pytest.mark.xfail(strict=True, reason="engine: batch_kv_bytes_peak sums each row's own peak (kvbench/engine/"
+                   "generate.py _rows: sum(totals)), not the most the rows held at one time, as documented")
+def test_batch_kv_bytes_peak_is_the_rows_held_together(model64) -> None:
+    """GenerationResult.batch_kv_bytes_peak: the most K+V bytes the batch's rows held together, by hand.
+    StreamingLLM at N = 40 and N = 200, T = 101, B = 16, no new tokens; per KV head after each block (before its
+    eviction) the N = 40 row holds 16, 32, 48, 56, 56, 56, 45 and the N = 200 row 16, 32, ..., 96, 101: together
+    32, 64, 96, 120, 136, 152, 146, at most 152 (block 6), against 56 + 101 = 157 for the sum of the rows' own
+    peaks. x 2 layers x 2 heads = 608 tokens x 1,024 bytes (K+V, 2 x 64 float64) = 622,592."""
+    jobs = [Job(_prompt(), make_policy("streamingllm", n, 1), GenerationSettings(block=B)) for n in (40, 200)]
+    batched = generate_batch(model64, jobs)
+    assert [r.kv_bytes_peak for r in batched] == [56 * 4 * 1024, 101 * 4 * 1024]  # each row's own peak
+    assert [r.batch_kv_bytes_peak for r in batched] == [622_592] * 2
 
 
 def _count_prompt_forwards(model: Any) -> tuple[list[int], Any]:
@@ -89,130 +120,122 @@ def _count_prompt_forwards(model: Any) -> tuple[list[int], Any]:
     return count, model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def test_blockwise_trunk_shares_the_blocks_before_each_budgets_first_eviction(model32) -> None:
-    """keydiff and tova at N = 40, 64, 200, B = 16, T = 101 (7 forwards): alone 6 x 7 = 42 prompt forwards. Shared:
-    blocks 1-3 once for all six, then the N = 40 runs alone (2 x 4); blocks 4-5 once for the other four, then the
-    N = 64 runs alone (2 x 2); blocks 6-7 once for the N = 200 pair: 3 + 8 + 2 + 4 + 2 = 19."""
-    count, handle = _count_prompt_forwards(model32)
+def test_a_policys_budgets_share_every_forward(model64) -> None:
+    """keydiff and tova at N = 40, 64, 200, B = 16, T = 101 (7 prompt forwards): alone 6 x 7 = 42 prompt forwards;
+    as the rows of one cache per policy 2 x 7 = 14; at most 2 rows a cache (batch=2: {40, 64} and {200} per policy)
+    4 x 7 = 28. Every way gives each run its own result."""
+    count, handle = _count_prompt_forwards(model64)
     try:
-        shared = generate_shared(model32, _jobs(["keydiff", "tova"], "blockwise"))
-        assert count[0] == 19
+        batched = generate_batch(model64, _jobs(["keydiff", "tova"], "blockwise"))
+        assert count[0] == 14
         count[0] = 0
-        alone = _separate(model32, _jobs(["keydiff", "tova"], "blockwise"))
+        pairs = generate_batch(model64, _jobs(["keydiff", "tova"], "blockwise"), batch=2)
+        assert count[0] == 28
+        count[0] = 0
+        alone = _separate(model64, _jobs(["keydiff", "tova"], "blockwise"))
         assert count[0] == 42
     finally:
         handle.remove()
-    for a, s in zip(alone, shared):
+    for a, s, p in zip(alone, batched, pairs, strict=True):
         _same(a, s)
-    assert [s.shared_with for s in shared] == [6, 6, 6] * 2
+        _same(a, p)
+    assert [s.batch_size for s in batched] == [3, 3, 3] * 2
+    assert [p.batch_size for p in pairs] == [2, 2, 1] * 2
 
 
-def test_prefill_once_reads_the_prompt_once_for_all(model32) -> None:
-    """prefill_once: the whole prompt is one forward for every run of a trunk; the full cache (one forward whatever
-    the protocol) joins it; the policies that need attention probabilities (H2O) form their own trunk."""
+def test_prefill_once_one_forward_per_cache(model64) -> None:
+    """prefill_once: the whole prompt is one forward per cache. keydiff, snapkv, streamingllm, h2o at N = 40, 64
+    and the full cache: four caches of two rows and the full cache alone, 5 prompt forwards (9 alone)."""
     names = ["keydiff", "snapkv", "streamingllm", "full", "h2o"]
-    count, handle = _count_prompt_forwards(model32)
+    count, handle = _count_prompt_forwards(model64)
     try:
-        shared = generate_shared(model32, _jobs(names, "prefill_once", budgets=(40,)))
+        batched = generate_batch(model64, _jobs(names, "prefill_once", budgets=(40, 64)))
     finally:
         handle.remove()
-    assert count[0] == 2  # the sdpa trunk (keydiff, snapkv, streamingllm, full) and H2O alone
-    assert [s.shared_with for s in shared] == [4, 4, 4, 4, 1]
-    for a, s in zip(_separate(model32, _jobs(names, "prefill_once", budgets=(40,))), shared):
+    assert count[0] == 5
+    assert [s.batch_size for s in batched] == [2, 2, 2, 2, 2, 2, 1, 2, 2]
+    for a, s in zip(_separate(model64, _jobs(names, "prefill_once", budgets=(40, 64))), batched, strict=True):
         _same(a, s)
 
 
-def test_forks_leaving_together_go_through_the_model_together(model32) -> None:
-    """batch=4: the members leaving the trunk at one forward run the rest of their prompt and their decoding together
-    (keydiff, tova at N = 40: one batched forward per remaining block, 4 instead of 2 x 4). The prompt blocks stay
-    bit-identical (>= 4 rows, see _MIN_BATCH_ROWS), so every kept position equals the separate run's; the decoding
-    steps multiply k rows and may round another way, so tokens are compared in float64, where they must be equal."""
-    count, handle = _count_prompt_forwards(model32)
-    try:
-        shared = generate_shared(model32, _jobs(["keydiff", "tova"], "blockwise"), batch=4)
-    finally:
-        handle.remove()
-    assert count[0] == 3 + 4 + 2 + 2 + 2  # blocks 1-3 shared, N = 40 pair batched, 4-5 shared, N = 64 pair, N = 200 pair
-    assert [s.batch_size for s in shared] == [2, 2, 2] * 2
-    for a, s in zip(_separate(model32, _jobs(["keydiff", "tova"], "blockwise")), shared):
-        for step_a, step_s in zip(a.trace[:7], s.trace[:7]):  # the kept positions before each prompt forward
-            assert all((pa is None and ps is None) or torch.equal(pa, ps) for pa, ps in zip(step_a, step_s))
-    model64 = model32.to(torch.float64)
-    try:
-        jobs = _jobs(POLICIES, "blockwise")
-        alone = _separate(model64, _jobs(POLICIES, "blockwise"))
-        for a, s in zip(alone, generate_shared(model64, jobs, batch=3)):
-            assert (s.tokens, s.decode_steps, s.peak_kv_tokens) == (a.tokens, a.decode_steps, a.peak_kv_tokens)
-            assert s.answer_logprob == pytest.approx(a.answer_logprob, abs=1e-9)
-    finally:
-        model32.to(torch.float32)
-
-
-def test_shared_bytes_bound(model32) -> None:
-    """The bound worked out by hand for tiny-llama (2 layers, 2 KV heads, head_dim 64, float32: 2 x 2 x 2 x 64 x 4 =
-    2048 bytes of K/V per token), T = 101, 8 new tokens + a 4-token answer (12), B = 16: K-norm (one state, "norm")
-    and StreamingLLM (none) at N = 64, the full cache (N = 200, above the prompt).
-    trunk (101 + 12) x 2048 = 231,424; the largest run alone min(101, 200 + 16) + 12 = 113 tokens = 231,424 (batch 2:
-    113 + min(101, 80) + 12 = 205 tokens = 419,840); state (4 x states + 8) x 101 x 2 layers x 2 heads:
-    12 x 404 + 8 x 404 + 8 x 404 = 11,312."""
+def test_shared_bytes_bound() -> None:
+    """The bound worked out by hand for tiny-llama (2 layers, 2 KV heads, head_dim 64, float32): per slot of one
+    head of one layer, K+V 2 x 64 x 4 = 512 bytes, its position (int64) 8 and per-token state (4 x float32) 16:
+    536; x 2 layers x 2 heads = 2,144 per slot of a row. T = 101, 8 new tokens + a 4-token answer: 113 slots a row.
+    Three rows (K-norm, StreamingLLM at N = 64, the full cache): 3 x 113 x 2,144 = 726,816; at most 2 rows a cache:
+    2 x 113 x 2,144 = 484,544."""
     from kvbench.engine.generate import shared_bytes
 
+    model32 = installed_model("tiny-llama", output_scale=1.0)[0]
     jobs = []
     for name, budget in (("knorm", 64), ("streamingllm", 64), ("full", 200)):
         policy = make_policy(name, budget, 1)
         jobs.append(Job(_prompt(), policy, GenerationSettings(block=B, max_new_tokens=8), answer_ids=ANSWER))
-    assert [len(j.policy.state_names) for j in jobs] == [1, 0, 0]
-    assert shared_bytes(model32, jobs) == 231_424 + 231_424 + 11_312
-    assert shared_bytes(model32, jobs, batch=2) == 231_424 + 419_840 + 11_312
+    assert shared_bytes(model32, jobs) == 726_816
+    assert shared_bytes(model32, jobs, batch=2) == 484_544
 
 
-def test_context_only(model32) -> None:
-    """The question after context_tokens goes in unevicted (frozen): the same in a trunk as alone."""
+def test_context_only(model64) -> None:
+    """The question after context_tokens goes in unevicted (frozen): the same as a row of a batch as alone."""
     names = ["keydiff", "snapkv", "h2o", "adakv", "full"]
     for protocol in ("blockwise", "prefill_once"):
-        shared = generate_shared(model32, _jobs(names, protocol, scenario="context_only"))
-        for a, s in zip(_separate(model32, _jobs(names, protocol, scenario="context_only")), shared):
+        batched = generate_batch(model64, _jobs(names, protocol, scenario="context_only"))
+        for a, s in zip(_separate(model64, _jobs(names, protocol, scenario="context_only")), batched, strict=True):
             _same(a, s)
+        assert [s.batch_size for s in batched] == _expected_rows(names)
 
 
-def test_a_stochastic_policy_keeps_its_own_generator(model32) -> None:
+def test_a_stochastic_policy_keeps_its_own_generator(model64) -> None:
     """random with seeds 1 and 2 at each budget: each run draws from its own generator (its graded branch from a
-    fork of it), so every run equals its separate run, and the two seeds do evict differently."""
-    shared = generate_shared(model32, _jobs(["random"], "blockwise", seeds=(1, 2)))
-    alone = _separate(model32, _jobs(["random"], "blockwise", seeds=(1, 2)))
-    for a, s in zip(alone, shared):
+    fork of it) and runs alone, so every run equals its separate run, and the two seeds do evict differently."""
+    batched = generate_batch(model64, _jobs(["random"], "blockwise", seeds=(1, 2)))
+    alone = _separate(model64, _jobs(["random"], "blockwise", seeds=(1, 2)))
+    for a, s in zip(alone, batched, strict=True):
         _same(a, s)
-    seed1, seed2 = shared[0].trace, shared[1].trace  # N = 40: seeds 1 and 2
-    assert any(not torch.equal(x, y) for f1, f2 in zip(seed1, seed2) for x, y in zip(f1, f2) if x is not None)
+    assert all(s.batch_size == 1 for s in batched)
+    seed1, seed2 = held_positions(batched[0].trace), held_positions(batched[1].trace)  # N = 40: seeds 1 and 2
+    assert seed1 != seed2
 
 
-def test_lm_score(model32) -> None:
-    """The LM score's per-position log-probabilities (settings.score_from) from shared forwards are the solo ones."""
+def test_lm_score(model64) -> None:
+    """The LM score's per-position log-probabilities (settings.score_from) as a batch's rows are the solo ones."""
     names = ["keydiff", "tova", "full"]
     for protocol in ("blockwise", "prefill_once"):
-        shared = generate_shared(model32, _jobs(names, protocol, score_from=20))
-        for a, s in zip(_separate(model32, _jobs(names, protocol, score_from=20)), shared):
+        batched = generate_batch(model64, _jobs(names, protocol, score_from=20))
+        for a, s in zip(_separate(model64, _jobs(names, protocol, score_from=20)), batched, strict=True):
             assert a.lm_logprobs and len(a.lm_logprobs) == T - 1 - 20
             _same(a, s)
 
 
-def test_jobs_of_different_prompts_do_not_share(model32) -> None:
-    """Two samples' prompts: each its own trunk, results in job order."""
-    jobs = _jobs(["keydiff"], "prefill_once", budgets=(40, 64))
-    other = [Job(_prompt(90, 5), make_policy("keydiff", n, 1), j.settings, answer_ids=ANSWER,
-                 observer=Observer(trace=True)) for n, j in zip((40, 64), jobs)]
-    shared = generate_shared(model32, [jobs[0], other[0], jobs[1], other[1]])
-    assert [s.shared_with for s in shared] == [2, 2, 2, 2]
-    assert [s.prompt_tokens for s in shared] == [T, 90, T, 90]
-    fresh = _jobs(["keydiff"], "prefill_once", budgets=(40, 64))
-    fresh_other = [Job(_prompt(90, 5), make_policy("keydiff", n, 1), j.settings, answer_ids=ANSWER,
-                       observer=Observer(trace=True)) for n, j in zip((40, 64), fresh)]
-    for a, s in zip(_separate(model32, [fresh[0], fresh_other[0], fresh[1], fresh_other[1]]), shared):
-        _same(a, s)
+def _two_prompts(protocol: str) -> list[Job]:
+    a = _jobs(["keydiff"], protocol, budgets=(40, 64))
+    b = _jobs(["keydiff"], protocol, budgets=(40, 64), n=90, prompt_seed=5)
+    return [a[0], b[0], a[1], b[1]]
+
+
+@pytest.mark.parametrize("protocol", ["blockwise", "prefill_once"])
+def test_jobs_of_different_prompts(model64, protocol: str) -> None:
+    """Two samples' prompts (101 and 90 tokens): rows of one cache (the shorter left-padded), results in job order,
+    each its own; the 101-token rows' traces too (the trace of a row with fewer forwards than the batch: below)."""
+    batched = generate_batch(model64, _two_prompts(protocol))
+    assert [s.prompt_tokens for s in batched] == [T, 90, T, 90]
+    assert [s.batch_size for s in batched] == [4, 4, 4, 4]
+    for a, s in zip(_separate(model64, _two_prompts(protocol)), batched, strict=True):
+        _same(a, s, trace=a.prompt_tokens == T)
+
+
+@pytest.mark.xfail(strict=True, reason="engine: Batch.step appends a trace entry for every row at every forward, "
+                   "also for a row that only pads in it (its prompt has fewer blocks, or it is done decoding)")
+def test_a_shorter_rows_trace_is_its_own_forwards(model64) -> None:
+    """Observer(trace=True) records the positions held before each of the run's own forwards: the 90-token prompt
+    in blocks of 16 is 6 forwards (5 x 16 + 10), then 7 decoding steps (8 new tokens, the last never fed back):
+    13, as alone, though its batch's 101-token rows take 7 prompt forwards (14 in all)."""
+    batched = generate_batch(model64, _two_prompts("blockwise"))
+    assert [len(s.trace) for s in batched] == [14, 13, 14, 13]
 
 
 def test_bench_sweep_measures_both_ways(tmp_path) -> None:
-    """kvbench-bench --sweep on a scaled-down prefill_once design, shared one fork at a time and three at a time: one
+    """kvbench-bench --sweep on a scaled-down prefill_once design, shared one row at a time and three at a time: one
     row per way, every way timed, every prediction of the exact way equal."""
     import json
 
@@ -230,6 +253,6 @@ def test_bench_sweep_measures_both_ways(tmp_path) -> None:
     assert batched["pairs"] == 12 and batched["shared_s"] > 0
     assert (row["design"], row["configurations"], row["samples"], row["pairs"]) == ("prefill_once", 6, 2, 12)
     assert row["identical"] == 12 and row["first_difference"] is None
-    assert row["shared_s"] > 0 and row["separate_s"] > 0 and row["shared_forward_s"] > 0
+    assert row["shared_s"] > 0 and row["separate_s"] > 0
     assert data["goals"] == sweep_goal_lines(data["rows"])
     assert "identical predictions" in (tmp_path / "sweep.md").read_text()
