@@ -14,6 +14,7 @@ import torch
 
 from kvbench.bench import cli as bench
 from kvbench.bench import goals, measure, setup
+from kvbench.engine.cache import IMPL
 
 N, B, NEW = 16, 8, 3
 LENGTHS = (40, 72)
@@ -102,7 +103,7 @@ def test_model_from_config_file_with_layer_override(tmp_path, one_thread) -> Non
                 num_hidden_layers=6, vocab_size=50000).save_pretrained(tmp_path)
     model, desc = setup.build_model(config=str(tmp_path / "config.json"), layers=1)
     assert model.config.num_hidden_layers == 1 and model.config.vocab_size == 1024
-    assert model.config._attn_implementation == "kvbench_sdpa"
+    assert model.config._attn_implementation == IMPL  # the static slot cache's attention (kvbench.engine.cache)
     assert "1 layers, hidden 128, 4/2 heads, head_dim 32" in desc
     rows = measure.run_bench(model, measure.configurations(["keydiff"], [8], [24], 4), new_tokens=2, repeats=1)
     kd = next(r for r in rows if r["policy"] == "keydiff")
@@ -152,36 +153,34 @@ def test_peak_memory_is_per_call() -> None:
     assert mem.rss_peak_mib() < start + 50
 
 
-@pytest.mark.parametrize("slot_reuse", [False, True])
-def test_generate_splits_eviction_time_into_prefill_and_decode(slot_reuse: bool) -> None:
-    """A fake clock advanced only inside Policy.evict: 1 s per call while the prompt is processed, 100 s per call
-    while decoding. 40 prompt tokens in blocks of 8 = 5 blocks, 3 new tokens = 2 decoding steps, 2 layers: one call
-    per layer per step decoding chronologically, one call for both layers with slot reuse (KeyDiff stacks them)."""
+def test_generate_splits_eviction_time_into_prefill_and_decode() -> None:
+    """A fake clock advanced only inside the policy's score (called once per eviction, for every evicting layer at
+    once: kvbench/engine/cache.py `select` ranks all layers in one call): 1 s per call while the prompt is processed,
+    100 s per call while decoding. 40 prompt tokens in blocks of 8 = 5 blocks, each followed by one eviction; 3 new
+    tokens = 2 decoding steps, each followed by one eviction. The old engine evicted the prompt layer by layer (5 x 2
+    calls); the static engine makes one call for both layers, hence 5 x 1 (and 2 x 1 while decoding)."""
     from kvbench.engine import generate as engine_generate
+    from kvbench.engine.cache import install
     from kvbench.models.tiny import build_tiny_model
     from kvbench.policies.keydiff import KeyDiff
 
     clock = [0.0]
 
     class Ticking(KeyDiff):
-        def evict(self, layer, observe=None):
-            clock[0] += 100.0 if layer.decoding else 1.0
-            return super().evict(layer, observe)
+        def score(self, view):
+            clock[0] += 100.0 if view.decoding else 1.0
+            return super().score(view)
 
     model, _ = build_tiny_model("tiny-llama")
-    from kvbench.engine.attention import install
-
     install(model)
     res = engine_generate.generate(model, Ticking(budget=16), list(range(10, 50)),
-                                   engine_generate.GenerationSettings(block=8, max_new_tokens=3,
-                                                                      slot_reuse=slot_reuse),
+                                   engine_generate.GenerationSettings(block=8, max_new_tokens=3),
                                    observer=engine_generate.Observer(clock=lambda: clock[0]))
-    calls = 1 if slot_reuse else 2  # evict calls per decoding step
     assert res.decode_steps == 2
-    assert res.evict_prefill_s == 5 * 2 * 1.0
-    assert res.evict_decode_s == 2 * calls * 100.0
+    assert res.evict_prefill_s == 5 * 1.0
+    assert res.evict_decode_s == 2 * 100.0
     assert res.evict_s == res.evict_prefill_s + res.evict_decode_s
-    assert res.prefill_s == 5 * 2 * 1.0 and res.decode_s == 2 * calls * 100.0  # the same clock times the phases
+    assert res.prefill_s == 5 * 1.0 and res.decode_s == 2 * 100.0  # the same clock times the phases
 
 
 def _row(policy: str, n: int, prefill: float, decode: float, evict_pre: float, evict_dec: float,
@@ -230,6 +229,20 @@ def test_goals_are_ratios_of_rows_of_one_run() -> None:
         "PASS  decode per token <= 1.02x HF's at cache size N"]  # by goal, then by policy in run order
     # snapkv: all but end to end (4); knorm: prefill, end to end; hashevict: decode
     assert sum(ln.startswith("FAIL") for ln in lines) == 7
+
+
+def test_a_compiled_rows_eviction_is_not_judged() -> None:
+    """NAME+compiled evicts inside each forward's compiled graph, so its evict_s is 0 by construction, not a
+    measurement: no eviction goal for it (it would read PASS at 0.0 %), and its table cells say "in graph"; the eager
+    row beside it is judged as before (0.10 / 3.01 = 3.3 %)."""
+    rows = [{**_row("keydiff", 2000, 2.0, 1.01, 0.05, 0.05), "peak_kv_tokens": 80},
+            {**_row("keydiff+compiled", 2000, 2.0, 1.0, 0.0, 0.0), "peak_kv_tokens": 80}]
+    goals.add_ratios(rows)
+    evictions = [g for g in goals.goals(rows) if g["goal"].startswith("eviction")]
+    assert [(g["policy"], g["detail"]) for g in evictions] == [("keydiff", "2000: 3.3 %")]
+    table = goals.markdown_table(rows).splitlines()
+    assert [[c.strip() for c in ln.split("|")[9:11]] for ln in table[2:]] == [["0.050+0.050", "3.3 %"],
+                                                                             ["in graph", ""]]
 
 
 def test_the_decoding_goal_over_rounds_is_a_one_sided_t_bound_of_the_paired_ratios() -> None:
@@ -313,13 +326,17 @@ def test_hf_layer_sizes_are_one_fewer_than_each_layer_held_at_its_first_decoding
     assert measure.hf_layer_sizes(None, 16) is None and measure.hf_layer_sizes([41, 17], None) is None
 
 
-@pytest.mark.parametrize(("policy", "held"), [("streamingllm", [17, 17]), ("knorm", [41, 17]), ("adakv", [17, 17])])
-def test_layer_tokens_are_what_each_layer_held_at_the_first_decoding_step(policy: str, held: list[int]) -> None:
-    """40 prompt tokens in blocks of 8 at N = 16 on the 2-layer tiny model: an evicting layer holds 16 after the
-    prompt, 17 with the first decoding step's token; K-norm told to skip layer 0 leaves it whole (40 + 1); AdaKV's
-    ragged heads hold 16 a head on average (the layer's total over its heads). No decoding step: None."""
+@pytest.mark.parametrize(("policy", "held"), [("streamingllm", [17, 17]), ("knorm", [41, 17]), ("adakv", None)])
+def test_layer_tokens_are_what_each_layer_held_at_the_first_decoding_step(policy: str, held: list[int] | None) -> None:
+    """40 prompt tokens in blocks of 8 at N = 16 on the 2-layer tiny model: an evicting layer holds 16 a head after
+    the prompt, 17 with the first decoding step's token; K-norm told to skip layer 0 leaves it whole (40 + 1). AdaKV's
+    ragged heads: the static engine reports each layer's fullest head (GenerationResult.layer_tokens; the old engine
+    gave the layer's total over its heads), which its allocation decides, so that one is checked against the cache
+    read at the first step, where its heads share at most 2 x 16 slots (the fullest holds at most 32 + 1).
+    SlotCache.decode_tokens() gives the same list to an Observer.on_step once the first decoding step is done, None
+    before it. No decoding step: None."""
     from kvbench.engine import generate as engine_generate
-    from kvbench.engine.attention import install
+    from kvbench.engine.cache import install
     from kvbench.models.tiny import build_tiny_model
 
     model, _ = build_tiny_model("tiny-llama")
@@ -327,20 +344,35 @@ def test_layer_tokens_are_what_each_layer_held_at_the_first_decoding_step(policy
     from kvbench.policies.adakv import AdaKV
     from kvbench.policies.knorm import KNorm
 
-    for new, want in ((3, held), (1, None)):
+    for new in (3, 1):
         pol = {"knorm": lambda: KNorm(budget=16, skip_layers=(0,)),
                "adakv": lambda: AdaKV(budget=16, window=4, kernel=3),
                "streamingllm": lambda: setup.make_policy("streamingllm", 16, 0)}[policy]()
+        steps: list[tuple[list[list[int]], list[int] | None]] = []  # (each layer's heads' tokens, decode_tokens())
+
+        def on_step(cache) -> None:
+            steps.append(([h[0].tolist() for h in cache.held()], cache.decode_tokens()))
+
         res = engine_generate.generate(model, pol, list(range(10, 50)),
-                                       engine_generate.GenerationSettings(block=8, max_new_tokens=new))
-        assert res.layer_tokens == want
+                                       engine_generate.GenerationSettings(block=8, max_new_tokens=new),
+                                       observer=engine_generate.Observer(on_step=on_step))
+        if new == 1:
+            assert res.layer_tokens is None and len(steps) == 1 and steps[0][1] is None
+            continue
+        # the first pick's cache holds the prompt's tokens: the first decoding step adds one to every head
+        after_prompt = [max(heads) + 1 for heads in steps[0][0]]
+        if held is None:  # AdaKV
+            assert all(sum(heads) <= 2 * 16 for heads in steps[0][0]) and all(n <= 33 for n in after_prompt)
+            held = after_prompt
+        assert res.layer_tokens == after_prompt == held
+        assert [d for _, d in steps] == [None, held, held]  # 3 picks; known once the first step is done
 
 
 def test_hfs_loop_at_per_layer_sizes_keeps_each_layers_latest_tokens() -> None:
     """hf_generate with layer_sizes [30, 12] after a 40-token forward, 3 new tokens (2 one-token steps): the layers
     end at 32 and 14 tokens a head, 46 tokens of K and V at 2 KV heads x 64 floats x 4 bytes x 2 (K, V) = 1024 bytes
     a token. Sizes for another number of layers, or over the prompt, are one error."""
-    from kvbench.engine.attention import install
+    from kvbench.engine.cache import install
     from kvbench.models.tiny import build_tiny_model
 
     model, _ = build_tiny_model("tiny-llama")
@@ -637,52 +669,42 @@ def test_bad_workload_is_refused(tmp_path) -> None:
     assert e.value.code == 2 and not (tmp_path / "b.json").exists()
 
 
-def test_chronological_rows_beside_each_policy(tmp_path, one_thread) -> None:
-    """--chronological measures each policy twice, decoding chronologically (NAME+chrono) and as it is (slot reuse,
-    the engine's default): the same tokens (tiny-llama, float32: the kept tokens are the same, the sums' order
-    differs), each with its own goal lines."""
-    out = tmp_path / "b.json"
-    assert bench.main(["--arch", "tiny-llama", "--lengths", "40", "--budgets", "16", "--block", "8", "--new-tokens", "4",
-                       "--repeats", "1", "--policies", "keydiff", "--chronological", "--baselines", "none",
-                       "--threads", "1", "--out", str(out), "--quiet"]) == 0
-    data = json.loads(out.read_text())
-    rows = {r["policy"]: r for r in data["rows"]}
-    assert list(rows) == ["keydiff+chrono", "keydiff"]
-    assert rows["keydiff"]["first_tokens"] == rows["keydiff+chrono"]["first_tokens"]
-    assert rows["keydiff+chrono"]["peak_kv_tokens"] == rows["keydiff"]["peak_kv_tokens"] == 16 + 8
-    assert any("keydiff+chrono" in line for line in out.with_suffix(".md").read_text().splitlines())
-
-
-def test_bench_names_say_how_a_row_decodes() -> None:
-    # a plain name decodes as the engine's default (slot reuse); +chrono chronologically; +slots names the default
-    assert setup.slot_reuse("keydiff") == ("keydiff", True)
-    assert setup.slot_reuse("keydiff+chrono") == ("keydiff", False)
-    assert setup.slot_reuse("keydiff+slots") == ("keydiff", True)
-    # +alone (--batch): each sample of a batch evicts on its own
-    assert setup.variant("keydiff+alone") == ("keydiff", {"evict_together": False})
-    assert setup.variant("keydiff+chrono") == ("keydiff", {"slot_reuse": False}) and setup.variant("h2o") == ("h2o", {})
-    # +stackprefill: the prompt's evictions stacked over the layers too
-    assert setup.variant("snapkv+stackprefill") == ("snapkv", {"stack_prefill": True})
-
-
-def test_stacked_prompt_eviction_rows_beside_each_policy(tmp_path, one_thread, monkeypatch) -> None:
-    """NAME+stackprefill measures the policy with its prompt evictions stacked (GenerationSettings.stack_prefill):
-    tiny-llama's 4 layers, 40 tokens in blocks of 8 over N = 16: the same kept tokens and first tokens as the plain
-    row."""
+def test_compiled_rows_beside_each_policy(tmp_path, one_thread, monkeypatch) -> None:
+    """--compiled measures each policy twice, as one compiled graph per forward and its eviction (NAME+compiled,
+    GenerationSettings.compile) and eager: each row's setting reaches the engine, the same tokens (compiled = eager's
+    predictions), the same bounded peak N + B = 16 + 8 (the held tokens, not the capacity the compiled cache rounds
+    up to 64), each with its own goal lines. (It replaces --chronological's NAME+chrono and the NAME+stackprefill
+    rows: the static engine has neither a chronological layout nor a layer-by-layer prompt eviction.)"""
     seen: set[tuple[str, bool]] = set()
     real = measure.generate
 
     def recording(model, policy, ids, settings, **kw):
-        seen.add((policy.name, settings.stack_prefill))
+        seen.add((policy.name, settings.compile))
         return real(model, policy, ids, settings, **kw)
 
     monkeypatch.setattr(measure, "generate", recording)
     out = tmp_path / "b.json"
-    assert bench.main(["--arch", "tiny-llama", "--layers", "4", "--lengths", "40", "--budgets", "16", "--block", "8",
-                       "--new-tokens", "4", "--repeats", "1", "--policies", "tova,tova+stackprefill",
-                       "--baselines", "none", "--threads", "1", "--out", str(out), "--quiet"]) == 0
-    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["tova", "tova+stackprefill"]
-    assert rows["tova"]["first_tokens"] == rows["tova+stackprefill"]["first_tokens"]
-    assert rows["tova"]["peak_kv_tokens"] == rows["tova+stackprefill"]["peak_kv_tokens"] == 16 + 8
-    assert seen == {("tova", False), ("tova", True)}  # each row's setting reached the engine
+    assert bench.main(["--arch", "tiny-llama", "--lengths", "40", "--budgets", "16", "--block", "8", "--new-tokens", "4",
+                       "--repeats", "1", "--policies", "keydiff", "--compiled", "--baselines", "none",
+                       "--threads", "1", "--out", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in data["rows"]}
+    assert list(rows) == ["keydiff", "keydiff+compiled"]
+    assert seen == {("keydiff", False), ("keydiff", True)}
+    assert rows["keydiff"]["first_tokens"] == rows["keydiff+compiled"]["first_tokens"]
+    assert rows["keydiff+compiled"]["peak_kv_tokens"] == rows["keydiff"]["peak_kv_tokens"] == 16 + 8
+    # the compiled row's evictions run inside its graphs, so its eviction time is not measured (0): no eviction goal
+    # for it (it used to read "PASS ... 0.0 %") and the table says where the time went; its other goals stand
+    judged = {(g["goal"].split(" ")[0], g["policy"]) for g in data["goals"]}
+    assert ("eviction", "keydiff") in judged and ("eviction", "keydiff+compiled") not in judged
+    assert ("host", "keydiff+compiled") in judged and ("end", "keydiff+compiled") in judged
+    line = next(ln for ln in out.with_suffix(".md").read_text().splitlines() if ln.startswith("| keydiff+compiled "))
+    assert [c.strip() for c in line.split("|")[9:11]] == ["in graph", ""]
+
+
+def test_bench_names_say_how_a_row_runs() -> None:
+    # a plain name runs eager; +compiled as one compiled graph per forward (GenerationSettings.compile)
+    assert setup.variant("keydiff+compiled") == ("keydiff", {"compile": True}) and setup.variant("h2o") == ("h2o", {})
+    assert setup.base_name("keydiff+compiled") == "keydiff" and setup.base_name("keydiff") == "keydiff"
+    with pytest.raises(setup.BenchError, match="unknown policy 'keydiff\\+chrono'"):  # the retired variants
+        setup.make_policy("keydiff+chrono", 16, 0)

@@ -26,7 +26,15 @@ FACTORIES = frozenset({"arange", "as_tensor", "empty", "empty_strided", "eye", "
 EXEMPT = {
     ("policies/random.py", "Random.score", "rand"):
         "drawn from the policy's seeded CPU torch.Generator (one stream per sample, the same draws on every device), "
-        "then moved with .to(layer.positions.device)",
+        "then moved with .to(view.pos.device)",
+    # A forward's token ids and positions (K rows, left-padded with PAD) are assembled on the host from host lists
+    # (the prompt, and the greedy tokens the loop has already read back: its one read per step), then moved with one
+    # `.to(self.device)` each: two small host-to-device copies per forward, queued (no sync), never a device tensor
+    # built on the CPU by mistake. The per-row zeros/full frames and each row's tensor/arange pieces:
+    ("engine/generate.py", "Batch.step", "zeros"): "the forward's ids (K, t), built on the host, moved once",
+    ("engine/generate.py", "Batch.step", "full"): "the forward's positions (K, t), PAD-filled on the host, moved once",
+    ("engine/generate.py", "Batch.step", "tensor"): "a row's token ids (host ints) written into the host frame",
+    ("engine/generate.py", "Batch.step", "arange"): "a row's positions (host ints) written into the host frame",
     ("policies/hashevict.py", "HashEvict.projection", "randn"):
         "the SimHash projection R is drawn once per layer from a seeded CPU torch.Generator (the same R on every "
         "device), then moved to the keys' device once and kept there",

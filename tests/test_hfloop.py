@@ -16,7 +16,7 @@ PROMPT = list(range(10, 50))  # 40 tokens: 5 blocks of 8 at N = 16 on the 2-laye
 
 @pytest.fixture()
 def tiny():
-    from kvbench.engine.attention import install
+    from kvbench.engine.cache import install
     from kvbench.models.tiny import build_tiny_model
 
     model, _ = build_tiny_model("tiny-llama")

@@ -6,8 +6,8 @@ run layer (kvbench.run.jobs) and the report's table, and the CLI does not import
 so no cycle runs through them.
 
 Every import counts: lazy imports inside functions and imports under `if TYPE_CHECKING:` (type hints) alike, so a
-type hint cannot hide a tie to a higher layer. Policies see a cache layer through the `CacheLayer` interface of their
-own layer (kvbench/policies/layer.py), which the engine's `EvictingLayer` implements; the last tests check both sides.
+type hint cannot hide a tie to a higher layer. Policies see the cache's evicting layers through the `SlotView` of their
+own layer (kvbench/policies/view.py), which the engine's `SlotCache.view` fills; the last tests check both sides.
 """
 
 from __future__ import annotations
@@ -160,64 +160,75 @@ def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path: Path) -> None:
     assert found == {"typing", "kvbench.engine.cache", "kvbench.run.app", "kvbench.models.packaged"}
 
 
-def cache_layer_members() -> set[str]:
-    """What `CacheLayer` names: its annotated attributes and its methods."""
-    from kvbench.policies.layer import CacheLayer
+def view_members() -> set[str]:
+    """What `SlotView` names: its fields, its methods and properties."""
+    import dataclasses
 
-    methods = {k for k, v in vars(CacheLayer).items() if callable(v) and not k.startswith("_")}
-    return set(CacheLayer.__annotations__) | methods
+    from kvbench.policies.view import SlotView
+
+    methods = {k for k, v in vars(SlotView).items()
+               if (callable(v) or isinstance(v, property)) and not k.startswith("_")}
+    return {f.name for f in dataclasses.fields(SlotView)} | methods
 
 
-def layer_uses(path: Path) -> set[str]:
-    """Attributes read or written, in `path`, on a function parameter annotated `CacheLayer`."""
+def view_uses(path: Path, param: str = "SlotView") -> set[str]:
+    """Attributes read or written, in `path`, on a function parameter annotated `param` (`self` for "self")."""
     used: set[str] = set()
     for fn in ast.walk(ast.parse(path.read_text())):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
-        names = {a.arg for a in args if a.annotation is not None and ast.unparse(a.annotation) == "CacheLayer"}
+        names = {a.arg for a in args if (a.annotation is not None and ast.unparse(a.annotation) == param)
+                 or (param == "self" and a.arg == "self")}
         used |= {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
                  and n.value.id in names}
     return used
 
 
-def test_policies_use_exactly_what_cache_layer_names() -> None:
-    # The interface is the whole contract: a policy that reaches for more of a layer fails here (add it to
-    # CacheLayer on purpose), and so does a member no policy uses any more.
+def test_policies_use_only_what_slot_view_names() -> None:
+    # The interface is the whole contract: a policy that reaches for more of the cache fails here (add it to SlotView
+    # on purpose). A member nobody uses any more fails too: each is read by a policy, by the engine (which builds
+    # and evicts through the view, and measures diagnostics on it) or by SlotView's own methods (the model's scale
+    # and softcap, which `attention` applies).
     paths = sorted((PKG / "policies").glob("*.py"))
-    used = set().union(*(layer_uses(p) for p in paths))
-    assert used == cache_layer_members()
-    # Every layer a policy takes is typed as the interface: no parameter is typed as the engine's class.
-    texts = "".join(p.read_text() for p in paths)
-    assert "EvictingLayer" not in texts.replace("`EvictingLayer`", "")  # (layer.py's doc names it, in backquotes)
+    used = set().union(*(view_uses(p) for p in paths if p.name != "view.py"))
+    members = view_members()
+    assert used and used <= members, sorted(used - members)
+    engine = set().union(*(view_uses(p) for p in sorted((PKG / "engine").glob("*.py"))))
+    own = view_uses(PKG / "policies" / "view.py", "self")
+    assert members <= used | engine | own, sorted(members - used - engine - own)
+    # Every view a policy takes is typed as the interface: no policy names the engine's cache class.
+    assert "SlotCache" not in "".join(p.read_text() for p in paths)
 
 
 def test_the_use_checker_sees_an_attribute(tmp_path: Path) -> None:
     src = tmp_path / "p.py"
-    src.write_text("def score(self, layer: CacheLayer, other: int):\n    layer.state['x'] = layer.keys.sum()\n"
+    src.write_text("def score(self, view: SlotView, other: int):\n    view.state['x'] = view.keys.sum()\n"
                    "    return other.real\n")
-    assert layer_uses(src) == {"state", "keys"}
+    assert view_uses(src) == {"state", "keys"}
 
 
-def test_evicting_layer_implements_cache_layer() -> None:
-    import inspect
+def test_the_engine_fills_every_field_of_the_view() -> None:
+    """SlotCache.view passes every SlotView field but `budgets` (the eviction's counts, which `select` sets on the
+    view it is given); a field added to SlotView that the engine does not fill fails here. The view it returns is a
+    SlotView over the cache's own evicting buffers (tiny-llama: 2 layers, 2 KV heads)."""
+    import dataclasses
 
-    from kvbench.engine.cache import EvictingLayer
-    from kvbench.policies.layer import CacheLayer
+    from kvbench.engine.cache import SlotCache, install
+    from kvbench.models.tiny import build_tiny_model
+    from kvbench.policies.keydiff import KeyDiff
+    from kvbench.policies.view import SlotView
 
-    layer = EvictingLayer(3)
-    assert isinstance(layer, CacheLayer)
-    for name in cache_layer_members():
-        assert hasattr(layer, name), name
-        declared = getattr(CacheLayer, name, None)
-        if callable(declared):  # the same parameters, in the same order
-            assert list(inspect.signature(getattr(EvictingLayer, name)).parameters) == \
-                list(inspect.signature(declared).parameters), name
+    fields = {f.name for f in dataclasses.fields(SlotView)}
+    calls = [n for n in ast.walk(ast.parse((PKG / "engine" / "cache.py").read_text()))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "SlotView"]
+    assert len(calls) == 1 and not calls[0].args
+    assert {k.arg for k in calls[0].keywords} == fields - {"budgets"}
 
-    class Missing:  # everything but `keep`: not a CacheLayer, so the isinstance check above can fail
-        pass
-
-    stub = Missing()
-    for name in cache_layer_members() - {"keep"}:
-        setattr(stub, name, getattr(layer, name))
-    assert not isinstance(stub, CacheLayer)
+    model, _ = build_tiny_model("tiny-llama")
+    install(model)
+    cache = SlotCache(model, KeyDiff(budget=16), batch=1, capacity=24, full_capacity=64)
+    view = cache.view()
+    assert isinstance(view, SlotView) and view.layers == (0, 1) and view.budgets is None
+    assert view.pos is cache.evicting.pos and view.keys is cache.evicting.keys
+    assert tuple(view.pos.shape) == (2, 1, 2, 24)
