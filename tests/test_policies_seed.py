@@ -144,7 +144,7 @@ def test_criticalkv_value_norm_through_output_projection() -> None:
     policy = CriticalKV(budget=40)
     out = policy.token_state(0, module, values, values, torch.zeros(1, 2, 2, 2), torch.tensor([[[1, 2]]]))
     assert out["vnorm"].tolist() == [[[4.5, 0.0]]]  # the new tokens' slots 1, 2 only
-    # a long block (more than BATCHED_TOKENS new tokens) takes the per-head loop: the same numbers
+    # a long block (40 new tokens, in slots 0-39): the same norms, each token's own
     values = torch.zeros(1, 1, 40, 2)
     values[0, 0, 1] = torch.tensor([1.0, -3.0])
     out = policy.token_state(0, module, values, values, torch.zeros(1, 2, 40, 2), torch.arange(40).view(1, 1, 40))
