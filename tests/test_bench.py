@@ -708,3 +708,15 @@ def test_bench_names_say_how_a_row_runs() -> None:
     assert setup.base_name("keydiff+compiled") == "keydiff" and setup.base_name("keydiff") == "keydiff"
     with pytest.raises(setup.BenchError, match="unknown policy 'keydiff\\+chrono'"):  # the retired variants
         setup.make_policy("keydiff+chrono", 16, 0)
+
+
+def test_the_help_names_no_retired_variant(capsys) -> None:
+    # The static engine has no chronological layout, no slot-reuse switch, no per-sample eviction in a batch and no
+    # layer-by-layer prompt eviction: kvbench-bench's help offers none of their variants (--batch's named +alone)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "NAME+compiled" in text and "--compiled" in text
+    for retired in ("+alone", "+chrono", "+slots", "+stackprefill", "--chronological", "slot reuse"):
+        assert retired not in text, retired

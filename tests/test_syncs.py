@@ -137,3 +137,28 @@ def test_per_head_layers_are_ragged_while_decoding(model) -> None:
     assert len(sizes) == 4  # 4 picks: after the prompt, then after each of the 3 decoding steps' evictions
     assert any(len(set(heads)) > 1 for step in sizes[1:] for heads in step)
     assert all(sum(heads) <= 2 * 16 for step in sizes for heads in step)
+
+
+def test_batch_rows_and_the_graded_branch_read_only_the_tokens(model) -> None:
+    """Two runs as the rows of one cache (generate_batch; KeyDiff at N = 16 and N = 12, 4 new tokens each): one read
+    per pick for both rows (`_pick` concatenates the rows' processed logits and reads the argmax once), 4 picks. A
+    graded answer (teacher-forced through the fork of the cache) reads nothing per answer token: its tokens are the
+    host's and its log-probabilities stay on the device until one `float` at the end. So the whole call reads, by the
+    code path: 1 while setting up (transformers' `_get_logits_processor` for each row: 2 rows, 2 reads), 4 picks,
+    1 `tolist` of the peaks and layer sizes at the end, and 1 `float` per row with an answer, whatever its length."""
+    from kvbench.engine.generate import GenerationSettings, Job, generate_batch
+
+    settings = GenerationSettings(block=8, max_new_tokens=4)
+
+    def reads(answers: list[list[int] | None]) -> list[str]:
+        jobs = [Job(IDS, KeyDiff(budget=n), settings, answer_ids=a) for n, a in zip((16, 12), answers)]
+        with torch.inference_mode(), SyncCounter() as c:
+            results = generate_batch(model, jobs)
+        assert [len(r.tokens) for r in results] == [4, 4] and results[0].batch_size == 2
+        return [op for _, op, _ in c.events]
+
+    picks = ["tolist"] * 4
+    assert reads([None, None]) == ["item", "item", *picks, "tolist"]  # setup (2 rows), picks, the end
+    for answer in ([5, 6, 7], [5, 6, 7, 8, 9, 10]):
+        assert reads([answer, None]) == ["item", "item", *picks, "tolist", "item"]
+        assert reads([answer, answer]) == ["item", "item", *picks, "tolist", "item", "item"]

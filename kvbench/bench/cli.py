@@ -91,8 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_int_list, default=None,
                    help="batch sizes, e.g. 1,4,8: samples per hour with K samples per forward (kvbench.bench.batch) "
                         "for the NIAH- and LongBench-shaped workloads, next to HF's batched generate; default "
-                        f"policies {','.join(BATCH_POLICIES)}, N = the first --budgets; NAME+alone in --policies: "
-                        "each sample of a batch evicts on its own instead of in one call with the others")
+                        f"policies {','.join(BATCH_POLICIES)}, N = the first --budgets; NAME+compiled in --policies: "
+                        "each forward of a batch and its eviction as one compiled graph")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"with --batch: comma-separated from {', '.join(WORKLOADS)}")
     p.add_argument("--samples", type=int, default=None, help="with --batch: samples per workload (default: largest K)")
