@@ -48,6 +48,7 @@ class _Group:
         self.write_kv: tuple[torch.Tensor, ...] = ()
         self.visible: tuple[torch.Tensor, ...] = ()
         self.masks: tuple[torch.Tensor, ...] = ()
+        self.bias: tuple[torch.Tensor, ...] = ()
 
     def rows(self) -> None:
         """Each layer's views of the stacked buffers, made once (a layer's forward then indexes nothing)."""
@@ -93,6 +94,8 @@ class SlotCache(Cache):
             for row, layer in enumerate(group.layers if group is not None else []):
                 self.where[layer] = (group, row)
         self.group_size = h_q // h_kv
+        # attention computed explicitly (not by sdpa): for a policy that reads it, or a softcap sdpa does not have
+        self.explicit = policy.needs_attention or bool(getattr(cfg, "attn_logit_softcapping", None))
         self.zero = torch.zeros((), device=device)  # baddbmm's input (its beta is 0)
         self.seen = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens each row has seen
         self.fed = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens of the last forward
@@ -132,6 +135,9 @@ class SlotCache(Cache):
             visible = ((pos <= query) & (pos >= 0)) | (pos == query)  # (L, b, h_kv, t, S)
             group.visible = visible.unbind(0)
             group.masks = visible.repeat_interleave(self.group_size, dim=2).unbind(0)  # (b, h_q, t, S) each
+            if self.explicit:  # the same as an additive float32 bias for explicit attention: (b, h_kv, 1, t, S) each
+                bias = torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf)
+                group.bias = bias.unsqueeze(3).unbind(0)
         # the query ring keeps each row's latest w real queries (a padded forward's padding never enters it)
         w = self.qpos.shape[1]
         both = torch.cat([self.qpos, positions], dim=1)  # (b, w + t)
@@ -268,30 +274,36 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
             fresh = policy.token_state(layer, module, key, value, query, group.write[row])
             for name, new in fresh.items():
                 group.state_rows[name][row].scatter_(2, group.write[row], new.float())
+    if window and cache.explicit:
+        bias = torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf).unsqueeze(2)
+    else:
+        bias = group.bias[row] if cache.explicit else None
     if policy.needs_attention and group is cache.evicting:
-        # what each slot received from the forward's queries, averaged over the KV head's query heads (float32)
-        received = probabilities(query, key, visible, scaling, softcap, cache.zero).sum(dim=(2, 3)).div_(h_q // h_kv)
-        policy.on_attention(group.state_rows, row, received)  # (b, h_kv, S)
+        # what each slot received from the forward's queries, summed over them and the KV head's query heads
+        received = probabilities(query, key, bias, scaling, softcap, cache.zero).sum(dim=(2, 3))  # (b, h_kv, S)
+        policy.on_attention(group.state_rows, row, received)
     if softcap:  # sdpa has none: the output from the probabilities, in the input dtype (as sdpa's kernels)
-        probs = probabilities(query, key, visible, scaling, softcap, cache.zero)  # (b, h_kv, g, t, S)
+        probs = probabilities(query, key, bias, scaling, softcap, cache.zero)  # (b, h_kv, g, t, S)
         out = torch.bmm(probs.to(value.dtype).flatten(0, 1).flatten(1, 2), value.flatten(0, 1))
         return out.view(b, h_q, t, -1).transpose(1, 2), None  # (b, t, h_q, d)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2), None
 
 
-def probabilities(query: torch.Tensor, key: torch.Tensor, visible: torch.Tensor, scaling: float,
+def probabilities(query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor, scaling: float,
                   softcap: float | None, zero: torch.Tensor) -> torch.Tensor:
-    """(b, h_kv, g, t, S) float32 attention probabilities of queries (b, h_q, t, d) over keys (b, h_kv, S, d) where
-    `visible` (b, h_kv, t, S): the model's scale fused into the product, its softcap, softmax."""
+    """(b, h_kv, g, t, S) float32 attention probabilities of queries (b, h_q, t, d) over keys (b, h_kv, S, d), `bias`
+    (b, h_kv, 1, t, S) 0 where visible, -inf elsewhere: the model's scale fused into the product, its softcap,
+    softmax (float32 whatever the model's dtype, as sdpa's kernels accumulate)."""
     b, h_q, t, d = query.shape
     h_kv, S = key.shape[1], key.shape[2]
-    logits = torch.baddbmm(zero, query.float().reshape(b * h_kv, h_q // h_kv * t, d),
-                           key.float().flatten(0, 1).transpose(1, 2), beta=0.0, alpha=scaling)
-    logits = logits.view(b, h_kv, h_q // h_kv, t, S)
+    q = query if query.dtype == torch.float32 else query.float()
+    k = key if key.dtype == torch.float32 else key.float()
+    logits = torch.baddbmm(zero, q.reshape(b * h_kv, h_q // h_kv * t, d), k.flatten(0, 1).transpose(1, 2), beta=0.0,
+                           alpha=scaling).view(b, h_kv, h_q // h_kv, t, S)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    return torch.softmax(torch.where(visible.unsqueeze(2), logits, -math.inf), dim=-1)
+    return torch.softmax(logits.add_(bias), dim=-1)
 
 
 def install(model: Any) -> None:

@@ -105,5 +105,5 @@ class Policy:
 
     def on_attention(self, state: dict[str, Sequence[torch.Tensor]], row: int, received: torch.Tensor) -> None:
         """`received` (b, h_kv, S): the attention each slot of one layer received from a forward's queries (their
-        probabilities summed over the queries, averaged over each KV head's query heads), for a policy that
-        `needs_attention`; `state[name][row]` is that layer's per-token state (b, h_kv, S), written in place."""
+        probabilities summed over the queries and each KV head's query heads), for a policy that `needs_attention`;
+        `state[name][row]` is that layer's per-token state (b, h_kv, S), written in place."""

@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
 BASES = {"snapkv": SnapKV, "adakv": AdaKV}
 STAGE1 = ("outside", "inside")
-BATCHED_TOKENS = 32  # new tokens (batch x block) up to which the value norms of all query heads are one product
 
 
 class CriticalKV(Policy):
@@ -111,23 +110,14 @@ class CriticalKV(Policy):
 
 def value_norms(values: torch.Tensor, w_heads: torch.Tensor) -> torch.Tensor:
     """(b, h_kv, q) ||v W_O||_1 of new tokens' values (b, h_kv, q, d) through each query head's columns of W_O,
-    `w_heads` (h_q, d, hidden), averaged over each KV head's query heads (float32)."""
+    `w_heads` (h_q, d, hidden), averaged over each KV head's query heads (float32): every query head in one batched
+    product, a (h_q, b q, hidden) intermediate."""
     b, h_kv, q, d = values.shape
     h_q = w_heads.shape[0]
     g = h_q // h_kv
-    v = values.float()
-    w_heads = w_heads.float()
-    if b * q <= BATCHED_TOKENS:
-        # A decoding step (and any small block): all query heads in one batched product instead of h_q small ones;
-        # each head's is the same (q x d) by (d x hidden) product as in the loop below
-        v_heads = v.permute(1, 0, 2, 3).reshape(h_kv, 1, b * q, d).expand(h_kv, g, b * q, d)
-        proj = torch.bmm(v_heads.reshape(h_q, b * q, d), w_heads)  # (h_q, b*q, hidden), b*q <= BATCHED_TOKENS
-        norms = proj.abs().sum(dim=-1).view(h_q, b, q).permute(1, 0, 2)  # (b, h_q, q)
-    else:
-        norms = torch.empty(b, h_q, q, device=values.device)
-        for h in range(h_q):  # one head at a time: never a (b, h_q, q, hidden) tensor for a long block
-            proj = v[:, h // g] @ w_heads[h]  # (b, q, hidden)
-            norms[:, h] = proj.abs().sum(dim=-1)
+    v = values.float().permute(1, 0, 2, 3).reshape(h_kv, 1, b * q, d).expand(h_kv, g, b * q, d)
+    proj = torch.bmm(v.reshape(h_q, b * q, d), w_heads.float())  # (h_q, b*q, hidden)
+    norms = proj.abs().sum(dim=-1).view(h_q, b, q).permute(1, 0, 2)  # (b, h_q, q)
     return norms.reshape(b, h_kv, g, q).mean(dim=2)  # (b, h_kv, q)
 
 

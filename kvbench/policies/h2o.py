@@ -1,7 +1,8 @@
 """H2O: keep the heavy hitters, tokens with the largest accumulated attention.
 
 Each token's score is the sum of the attention it has received from every query that saw it (all block queries,
-all blocks, all decoding steps), averaged over the query heads of its KV head. The accumulator is per-token
+all blocks, all decoding steps), summed over the query heads of its KV head (their mean times a constant: the same
+ranking). The accumulator is per-token
 state, evicted with its token.
 
 `policy=h2o` is KeyDiff's formulation (App. A.1): heavy hitters only, no recent window (`recent_ratio` 0). The
