@@ -1,3 +1,3 @@
-"""The engine: a policy-managed KV cache (cache), the attention wrapper that feeds policies and masks evicted
-caches correctly (attention), the block-prefill / greedy-decode loop (generate) and per-eviction measures
-(diagnostics). It knows policies only through what they declare they need."""
+"""The engine: the static slot cache, its attention and its eviction (cache), the block-prefill / greedy-decode loop
+over K runs as the cache's batch rows (generate), per-eviction measures (diagnostics) and the transformers internals
+greedy decoding relies on (hf). It knows policies only through their score and what they declare they need."""

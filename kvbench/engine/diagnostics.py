@@ -9,7 +9,8 @@
   Choice: for more kept tokens than dimensions K K^T is singular (det 0), so the log pseudo-determinant is used:
   log det of the smaller Gram matrix (K^T K when n > d), which is the product of K K^T's nonzero eigenvalues;
   a ridge of 1e-6 * trace / size is always added (keeps slogdet finite when that is singular too); float64.
-Cost per eviction: O(N + B) per head for the first two (one query), O(N d^2) for the log-det; never O(T^2).
+Cost per eviction: O(N + B) per head for the first two (one query), O(N d^2) for the log-det; never O(T^2). An
+eviction event: a layer that drops a token.
 Per sample: per-layer means over eviction events (prefill blocks and decoding steps) and their mean; per run
 (`aggregate`): means over samples.
 """
