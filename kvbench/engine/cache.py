@@ -66,6 +66,15 @@ class _Group:
         return other
 
 
+def evicted_layers(cfg: Any, policy: Policy) -> list[int]:
+    """The decoder layers `policy` evicts: those with a budget, but for sliding-window layers (they keep their window
+    as the model defines it, as HF's own cache does)."""
+    n = cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * n
+    return [i for i in range(n) if policy.evicts and policy.layer_budget(i) is not None
+            and types[i] != "sliding_attention"]
+
+
 def free_slots(pos: torch.Tensor, t: int) -> torch.Tensor:
     """(..., S) positions -> (..., t) the first t free slots of each head, in slot order."""
     return (pos >= 0).to(torch.uint8).argsort(dim=-1, stable=True)[..., :t]
@@ -83,7 +92,7 @@ class SlotCache(Cache):
         policy.attach(n)
         self.policy, self.num_layers = policy, n
         dtype, device = model.dtype, model.device
-        evicted = [i for i in range(n) if policy.evicts and policy.layer_budget(i) is not None]
+        evicted = evicted_layers(cfg, policy)
         kept = [i for i in range(n) if i not in evicted]
         w = window  # the query ring's length (Policy.query_window)
         self.evicting = _Group(evicted, batch, h_kv, h_q, capacity, d, dtype, device, policy.state_names, w) \

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvbench.engine.cache import IMPL, PAD, SlotCache, evict, forward, install
+from kvbench.engine.cache import IMPL, PAD, SlotCache, evict, evicted_layers, forward, install
 from kvbench.engine.diagnostics import Diagnostics
 from kvbench.engine.hf import greedy_processors
 from kvbench.options import PROTOCOLS
@@ -192,14 +192,15 @@ def _forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.T
     return logits
 
 
-_compiled: Callable[..., torch.Tensor] | None = None  # `_forward` compiled, made once (graphs are kept per shape)
+_compiled: dict[str, Callable[..., torch.Tensor]] = {}  # `_forward` compiled per device type (graphs kept per shape)
 
 
-def compiled_forward() -> Callable[..., torch.Tensor]:
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(_forward, fullgraph=True, dynamic=False)
-    return _compiled
+def compiled_forward(device: torch.device) -> Callable[..., torch.Tensor]:
+    """`_forward` as one torch.compile graph per shape; on CUDA replayed as a CUDA graph (mode reduce-overhead)."""
+    if device.type not in _compiled:
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        _compiled[device.type] = torch.compile(_forward, fullgraph=True, dynamic=False, mode=mode)
+    return _compiled[device.type]
 
 
 class Batch:
@@ -210,7 +211,8 @@ class Batch:
             install(model)
         self.model, self.device = model, model.device
         self.compiled = jobs[0].settings.compile
-        n = model.config.get_text_config(decoder=True).num_hidden_layers
+        text = model.config.get_text_config(decoder=True)
+        n = text.num_hidden_layers
         self.rows: list[_Row] = []
         plans = [plan(len(job.input_ids), job.settings, job.policy) for job in jobs]
         # each prompt round's forward: the widest row's (compiled: at least a block, the one graph's shape)
@@ -223,7 +225,7 @@ class Batch:
             evicts = PROTOCOLS[s.protocol][1] and chunks[-1][2]  # context_only's question froze the cache
             limit = s.max_new_tokens if job.forced is None else min(s.max_new_tokens, len(job.forced))
             new = max(limit, len(job.answer_ids or ()))
-            budgets = [job.policy.layer_budget(i, T) for i in range(n)] if job.policy.evicts else []
+            budgets = [job.policy.layer_budget(i, T) for i in evicted_layers(text, job.policy)]
             head = max([job.policy.head_capacity(b) for b in budgets if b is not None], default=T + new)
             keep = max(keep, capacity(chunks, head, new, evicts, widths))
             full = max(full, capacity(chunks, T + new, new, False, widths))  # the layers never evicted
@@ -242,7 +244,9 @@ class Batch:
         self.layer_tokens: list[int] | None = None  # the first row's SlotCache.layer_tokens, known after the prompt
         self.tracing = True  # Observer.trace records the run's forwards (not its graded branch's)
         self.clock = self.rows[0].obs.clock
-        self.forward = compiled_forward() if self.compiled else _forward
+        self.forward = compiled_forward(self.device) if self.compiled else _forward
+        # diagnostics observe the eviction from the host: a diagnosed batch evicts outside the compiled forward
+        self.in_graph = self.compiled and not any(r.diag is not None for r in self.rows)
 
     def counts(self, evicting: list[bool]) -> torch.Tensor | None:
         """(L, K, 1) each row's budget per evicting layer after the tokens it has seen (a row not evicting keeps
@@ -278,10 +282,10 @@ class Batch:
         keep = max(max(n for _, _, n in scored), 1)
         t0 = self.clock()
         counts = self.counts(evicting)
-        logits = self.forward(self.model, self.cache, ids, positions, keep, counts if self.compiled else None)
+        logits = self.forward(self.model, self.cache, ids, positions, keep, counts if self.in_graph else None)
         sync(self.device)
         evict_s = 0.0
-        if counts is not None and not self.compiled:
+        if counts is not None and not self.in_graph:
             t1 = self.clock()
             diagnosed = [r.diag for r in self.rows]
             evict(self.cache, counts, _observer(diagnosed, evicting) if any(diagnosed) else None)
@@ -294,7 +298,8 @@ class Batch:
             lo, hi, _ = scored[k]
             if hi > lo:
                 self._score(row, logits[k], keep - (spans[k][1] - lo), lo, hi)
-        return logits[:, -1].float()
+        last = logits[:, -1].float()
+        return last.clone() if self.compiled else last  # a CUDA graph's next replay overwrites its outputs
 
     def _scored(self, k: int, span: tuple[int, int] | None) -> tuple[int, int, int]:
         """The prompt positions [lo, hi) of row k's forward over `span` whose next token the LM score takes, and

@@ -18,7 +18,7 @@ The static bound: a head has a fixed number of slots (kvbench/engine/cache.py), 
 ceil(`head_cap` * N) tokens (default 2.0; at least 1): the allocation's counts are clamped to it after every eviction
 (also one that is not over h_kv * N: a head may never hold more than its slots allow), and the budget clamped away
 stays unused (not handed to the other heads). With 2 KV heads the default never binds (a head's count is at most
-h_kv * N); docs/policies.md says how often it binds elsewhere.
+h_kv * N).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from kvbench.run.labels import NA
 from kvbench.run.records import read_records, summarize
 
 # Settings that never change results; runs differing only in these (and in `shard`) are the same entry.
-# stack_prefill: the same selections stacked or layer by layer, and "auto" decides by the device a run ran on.
-IGNORED_SETTINGS = ("shard", "progress", "overwrite", "device", "save_prompts", "compare", "stack_prefill")
+# compile: the same forward and eviction as one graph or eager.
+IGNORED_SETTINGS = ("shard", "progress", "overwrite", "device", "save_prompts", "compare", "compile")
 
 
 IDENTITY = ("model", "policy", "budget")
@@ -156,7 +156,7 @@ def _settings(run: Run) -> dict[str, Any]:
     if run.config:
         # A run setting added after the run was made is absent from its config.yaml: it ran as that setting's
         # default then, so it reads as that here too, and its shards merge with those of a later run that records
-        # it (a run made before slot_reuse existed decoded chronologically, as one recording slot_reuse: false does)
+        # it; the retired engine settings it may record are left out (kvbench.options.stored_config)
         cfg = {**RUN_DEFAULTS, **stored_config(run.config)}
     else:
         cfg = {"budget": m.get("budget"), "block": m.get("block"), "protocol": m.get("protocol"),

@@ -338,7 +338,7 @@ def run_members(members: Sequence[Member], session: Session) -> list[dict[str, A
 def run_group(members: Sequence[Member], session: Session) -> list[dict[str, Any]]:
     """The runs of one shared-work group (equal `RunSettings.group_key`), sample-major: each sample's missing runs go
     through the engine together (kvbench.run.loop.run_shared), each run into its own directory with the files and
-    numbers it has when it runs alone (the timings: its own work plus its share of the shared forwards, `shared_s`).
+    numbers it has when it runs alone (the timings: its equal share of each forward it was a row of).
     Every run's lock is held for the group's time; a relaunch resumes per (run, sample). A task scored against the
     full cache's own continuation (fidelity) runs its members one after another (it shares through the session's
     references)."""

@@ -54,7 +54,7 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
     if task.lm_tokens is not None:  # bad settings or too short a text: one line before any sample runs
         for s in todo:
             lm_score_start(len(s.input_ids), task.lm_tokens, settings)
-    size = settings.batch_size  # generate_batch itself runs a model it cannot batch one sample at a time
+    size = settings.batch_size  # generate_batch itself runs alone a sample whose policy it cannot batch (random)
     # Batches of similar prompt lengths (equal-length prompt blocks go through the model together; the records are
     # appended as each batch ends, so a kill loses at most the batch under way and resumes at sample granularity)
     ordered = sorted(todo, key=lambda s: len(s.input_ids)) if size > 1 else todo

@@ -59,16 +59,16 @@ class RunSettings:
     diagnostics: tuple[str, ...] = ()
     graded: bool = True  # measure the graded score (answer_logprob): one teacher-forced branch per sample
     progress: bool = _setting(True, changes_results=False)
-    # Samples per forward (each with its own cache; engine.generate.generate_batch): a sample's tokens are its batch-1
+    # Samples per forward (the rows of one cache; engine.generate.generate_batch): a sample's tokens are its batch-1
     # tokens but where the k-row products round a near-tie differently (kvbench-bench --batch counts them), so a
     # batched run may resume a batch-1 one and the key leaves it out; every record says its batch.
     batch_size: int = _setting(1, changes_results=False)
-    # Runs of a sweep (or of `compare`) that differ only in policy and budget run sample-major in one process, their
-    # common prompt forwards done once (kvbench.run.app.run_group); false runs each alone. Results are identical
-    # either way, so the key leaves it out.
+    # Runs of a sweep (or of `compare`) that differ only in policy and budget run sample-major in one process, a
+    # sample's runs whose policies select alike as the rows of one cache (kvbench.run.app.run_group); false runs each
+    # alone. Results are the same but for a batch's rounding, so the key leaves it out.
     share: bool = _setting(True, changes_results=False)
-    # Each prompt block and decoding step (its eviction included) as one compiled graph (torch.compile; on a GPU a
-    # CUDA graph): the same predictions as eager (tests/test_compile.py), so the key leaves it out.
+    # Each prompt block and decoding step (its eviction included) as one compiled graph (torch.compile; on CUDA a CUDA
+    # graph): the same predictions as eager (tests/test_engine.py), so the key leaves it out.
     compile: bool = _setting(False, changes_results=False)
 
     @classmethod
