@@ -22,50 +22,35 @@ def test_the_reports_defaults_are_the_runs() -> None:
                                                                       if k != "protocol"}
 
 
-def test_slot_reuse_defaults_on_but_not_for_older_runs(tmp_path) -> None:
-    # a new run decodes with slot reuse; a stored config without the key was written before slot reuse existed and
-    # decoded chronologically, so every reader of a stored config reads it as false, and one that records it as it says
-    assert RUN_DEFAULTS["slot_reuse"] is True and RUN_DEFAULTS["batch_size"] == 1
-    assert RunSettings.from_config({}).slot_reuse is True
-    assert stored_config({"budget": 64}) == {"budget": 64, "slot_reuse": False, "stack_prefill": False}
-    assert stored_config({"slot_reuse": True})["slot_reuse"] is True
+def test_retired_engine_settings_are_dropped_from_stored_configs(tmp_path) -> None:
+    # slot_reuse, evict_together and stack_prefill said how the engine before the static slot cache decoded, never
+    # what a result means: a stored config's are left out by every reader (stored_config, read_run_config), so a run
+    # that recorded them reads as one that did not; a new run's config may no longer set them (unknown settings)
+    assert not {"slot_reuse", "evict_together", "stack_prefill"} & set(RUN_DEFAULTS)
+    old = {"budget": 64, "slot_reuse": False, "evict_together": True, "stack_prefill": "auto"}
+    assert stored_config(old) == {"budget": 64} == stored_config({"budget": 64})
     task = {"_target_": "kvbench.tasks.jsonl.JsonlTask"}
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"task": task, "budget": 64}))
-    assert read_run_config(tmp_path)["slot_reuse"] is False
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"task": task, "budget": 64, "slot_reuse": True}))
-    assert read_run_config(tmp_path)["slot_reuse"] is True
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"task": task, **old}))
+    assert not {"slot_reuse", "evict_together", "stack_prefill"} & set(read_run_config(tmp_path))
+    assert read_run_config(tmp_path)["budget"] == 64
+    for name in ("slot_reuse", "evict_together", "stack_prefill"):
+        with pytest.raises(ConfigError, match=f"unknown setting: {name}"):
+            RunSettings.from_config({name: True})
 
 
-@pytest.mark.parametrize("name, default, passed", [("evict_together", True, True), ("stack_prefill", "auto", None)])
-def test_engine_settings_reach_the_engine_and_are_not_in_the_key(name: str, default: object, passed: object) -> None:
-    # evict_together (on by default; false: each sample's decoding evictions on their own) and stack_prefill ("auto" by
-    # default, which reaches the engine as None: the device decides; true: the prompt's evictions stacked over the
-    # layers) go to GenerationSettings, and a run made either way resumes the other (the same selections:
-    # tests/test_stack.py), as with slot_reuse
+def test_compile_reaches_the_engine_and_is_not_in_the_key() -> None:
+    # compile (false by default: eager; true: each forward with its eviction as one compiled graph, the same
+    # predictions) goes to GenerationSettings, and a run made either way resumes the other
     from kvbench.run.loop import generation_settings
     from kvbench.tasks.base import Sample
 
     sample = Sample(id="s0", input_ids=[1, 2, 3], answers=["x"], max_new_tokens=4)
-    plain, flipped = RunSettings.from_config({}), RunSettings.from_config({name: False})
-    assert RUN_DEFAULTS[name] == default and getattr(plain, name) == default and getattr(flipped, name) is False
-    assert getattr(generation_settings(plain, sample, ()), name) is passed
-    assert getattr(generation_settings(flipped, sample, ()), name) is False
-    assert flipped.recorded()[name] is False and plain.recorded()[name] == default
+    plain, flipped = RunSettings.from_config({}), RunSettings.from_config({"compile": True})
+    assert RUN_DEFAULTS["compile"] is False and plain.compile is False and flipped.compile is True
+    assert generation_settings(plain, sample, ()).compile is False
+    assert generation_settings(flipped, sample, ()).compile is True
+    assert flipped.recorded()["compile"] is True and plain.recorded()["compile"] is False
     assert flipped.key("keydiff") == plain.key("keydiff")  # the resume key leaves it out
     assert RunSettings.from_config({"budget": 64}).key("keydiff") != plain.key("keydiff")  # where a setting changes it
-    with pytest.raises(ConfigError, match=name):
-        RunSettings.from_config({name: "yes please"})
-
-
-def test_stack_prefill_auto_stacks_on_a_gpu_only() -> None:
-    # auto (None in the engine): stacked on a CUDA device, layer by layer on the CPU; a set flag wins on either
-    import torch
-
-    from kvbench.engine.generate import stacks_prefill
-
-    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert (stacks_prefill(None, gpu), stacks_prefill(None, cpu)) == (True, False)
-    assert (stacks_prefill(True, cpu), stacks_prefill(False, gpu)) == (True, False)
-    assert RunSettings.from_config({"stack_prefill": True}).stack_prefill is True
-    with pytest.raises(ConfigError, match="stack_prefill must be true, false or auto, got 'on'"):
-        RunSettings.from_config({"stack_prefill": "on"})
+    with pytest.raises(ConfigError, match="compile must be true or false, got 'yes please'"):
+        RunSettings.from_config({"compile": "yes please"})

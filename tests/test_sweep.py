@@ -84,18 +84,26 @@ def test_shards_merge_into_the_unsharded_result(tmp_path: Path) -> None:
     assert entry.label == ""
 
     # A run made before a setting existed has no value for it in config.yaml and ran as the default of its day: a
-    # shard without slot_reuse (decoded chronologically, before slot reuse became the default) merges with one that
-    # records slot_reuse: false, and not with one that records today's default (true)
+    # shard without `scenario` merges with one that records the default (question_aware), and not with one that
+    # records another value (context_only)
     import yaml
 
     cfg0, cfg1 = (sharded / "job" / f"shard{i}of2" / "config.yaml" for i in (0, 1))
-    recorded = yaml.safe_load(cfg1.read_text())
-    assert recorded["slot_reuse"] is True
-    cfg1.write_text(yaml.safe_dump({k: v for k, v in recorded.items() if k != "slot_reuse"}))
+    recorded0, recorded = (yaml.safe_load(c.read_text()) for c in (cfg0, cfg1))
+    assert recorded["scenario"] == "question_aware"
+    cfg1.write_text(yaml.safe_dump({k: v for k, v in recorded.items() if k != "scenario"}))
+    cfg0.write_text(yaml.safe_dump({**recorded0, "scenario": "context_only"}))
     rep = report(sharded, plots=False, quiet=True)
     assert [r.entries["fidelity"].label for r in rep.rows] == ["(1/2 shards)", "(1/2 shards)"]
-    recorded0 = yaml.safe_load(cfg0.read_text())
-    cfg0.write_text(yaml.safe_dump({**recorded0, "slot_reuse": False}))
+    cfg0.write_text(yaml.safe_dump(recorded0))
+    rep = report(sharded, plots=False, quiet=True)
+    assert len(rep.rows) == 1 and rep.notes == []
+    assert rep.rows[0].entries["fidelity"].stats["samples"] == 3
+    # the retired engine settings (slot_reuse, evict_together, stack_prefill: how the engine before the static slot
+    # cache decoded) are left out: a shard that records them, whatever their values, merges with one that does not.
+    # (Before, a shard without slot_reuse read as slot_reuse: false and did not merge with one recording true.)
+    cfg0.write_text(yaml.safe_dump({**recorded0, "slot_reuse": True, "evict_together": False, "stack_prefill": "auto"}))
+    cfg1.write_text(yaml.safe_dump({**recorded, "slot_reuse": False}))
     rep = report(sharded, plots=False, quiet=True)
     assert len(rep.rows) == 1 and rep.notes == []
     assert rep.rows[0].entries["fidelity"].stats["samples"] == 3
