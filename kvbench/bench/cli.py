@@ -18,8 +18,9 @@ from kvbench.bench.batch import (BATCH_POLICIES, WORKLOADS, batch_goal_lines, ba
 from kvbench.bench.goals import goal_lines, goals, goals_markdown, markdown_table
 from kvbench.bench.measure import CLOCKS, configurations, run_bench
 from kvbench.bench.sweep import DESIGNS, designs_from, run_sweep_bench, sweep_goal_lines, sweep_markdown
+from kvbench.bench.ops import count_ops, ops_markdown
 from kvbench.bench.setup import (BASELINES, COMPILED, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies,
-                                 build_model, load_real_model, make_policy, prompt_ids)
+                                 base_name, build_model, load_real_model, make_policy, prompt_ids)
 from kvbench.run.machine import cpu_info
 
 # --quick runs single-threaded unless told otherwise: on a shared CI machine a second torch thread that is not
@@ -93,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
                         "for the NIAH- and LongBench-shaped workloads, next to HF's batched generate; default "
                         f"policies {','.join(BATCH_POLICIES)}, N = the first --budgets; NAME+compiled in --policies: "
                         "each forward of a batch and its eviction as one compiled graph")
+    p.add_argument("--ops", action="store_true",
+                   help="count aten operations per prompt block and per decoding step (the eviction included) of "
+                        "every policy against HF's own forward of the same block and step (kvbench.bench.ops): the "
+                        "CPU proxy for a GPU's kernel launches; no timing. N = the first --budgets, B = --block, a "
+                        "prompt of N + 3B tokens")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"with --batch: comma-separated from {', '.join(WORKLOADS)}")
     p.add_argument("--samples", type=int, default=None, help="with --batch: samples per workload (default: largest K)")
@@ -187,6 +193,8 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
         if log:
             log(f"kvbench-bench: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
         t0 = time.perf_counter()
+        if a.ops:
+            return _ops(a, model, policies, budgets[0], block, desc, device, log, t0)
         if a.batch:
             rows = run_batch_bench(model, tokenizer, policies, a.batch, a.workloads, budgets[0], block, a.samples,
                                    HF in a.baselines, a.seed, CLOCKS[a.clock], log, rounds=a.repeats or 1)
@@ -246,6 +254,30 @@ def _write_batch(a: argparse.Namespace, rows: list[dict], desc: str, device: tor
     return _write_rows(a, rows, batch_goal_lines(rows), batch_markdown(rows), desc, device, log, t0, "batch",
                        ("one round" if rounds == 1 else f"medians of {rounds} interleaved rounds") +
                        "; samples decode exactly their new tokens")
+
+
+def _ops(a: argparse.Namespace, model: Any, policies: list[str], budget: int, block: int, desc: str,
+         device: torch.device, log, t0: float) -> int:
+    """--ops: aten operations per block and step of each policy against HF's own (kvbench.bench.ops), and the goal
+    lines: at most 1.25x HF's for every policy, 1.10x for the ones that score from keys or positions alone."""
+    length = budget + 3 * block
+    ids = prompt_ids(length, model.config.get_text_config(decoder=True).vocab_size, None, a.seed)
+    names = [p for p in policies if p not in BASELINES and base_name(p) == p]
+    rows = count_ops(model, lambda name: make_policy(name, budget, a.seed), names, budget, block, length, ids)
+    lines = []
+    for r in rows:
+        limit = OPS_KEYS_ONLY if r["policy"] in OPS_KEYS_ONLY_POLICIES else OPS_ANY
+        worst = max(r["block_ratio"], r["step_ratio"])
+        lines.append(f"{r['policy']}: aten ops {worst:.2f}x HF's forward (block {r['block_ratio']:.2f}x, step "
+                     f"{r['step_ratio']:.2f}x): {'PASS' if worst <= limit else 'MISS'} against <= {limit}x")
+    table = ops_markdown(rows, f"N = {budget}, B = {block}, a {length}-token prompt")
+    return _write_rows(a, rows, lines, table, desc, device, log, t0, "ops", "aten operations counted eagerly")
+
+
+# --ops goals (issue 62): every policy within 1.25x HF's aten operations per forward, those scoring from keys or
+# positions alone within 1.10x
+OPS_ANY, OPS_KEYS_ONLY = 1.25, 1.10
+OPS_KEYS_ONLY_POLICIES = ("streamingllm", "random", "knorm", "keydiff")
 
 
 def _write_rows(a: argparse.Namespace, rows: list[dict], lines: list[str], table: str, desc: str,

@@ -195,6 +195,7 @@ class SlotCache(Cache):
                         modules=self.row_modules)
 
     def decode_tokens(self) -> list[int] | None:
+        """`layer_tokens` (of the first batch row: the benchmark's HF reference runs beside a run alone)."""
         return self.layer_tokens
 
     def layer_positions(self) -> list[torch.Tensor]:
