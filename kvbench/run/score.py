@@ -216,8 +216,7 @@ def close_stopped(run_dir: Path, like: Path) -> dict[str, Any]:
             stopped = {"samples": len(records), "provenance_from": os.path.relpath(like, run_dir)}
             return write_metrics(settings, policy_name, run_dir, build_policy(settings.policy, settings),
                                  build_task(settings.task), records, str(like_metrics["model"]), prov,
-                                 note=(like_metrics.get("batch") or {}).get("note"), stopped=stopped,
-                                 threads=like_metrics.get("threads"))
+                                 stopped=stopped, threads=like_metrics.get("threads"))
     except RunBusy as e:
         raise ScoreError(str(e)) from None
 
