@@ -29,7 +29,7 @@ from kvbench.report.cli import main as report_main
 from kvbench.report.cli import print_metrics_table
 from kvbench.report.paired import PAIRED_HEAD
 
-from helpers import load_script, run_config
+from helpers import run_config
 
 IDS = [f"s{i}" for i in range(1, 9)]
 COMPOSITION = {"easy": {"samples": IDS[:5]}, "hard": {"samples": IDS[5:]}, "all": {"samples": IDS},
@@ -280,17 +280,19 @@ def test_runs_of_an_older_kvbench_are_named_not_read(tmp_path: Path) -> None:
         "with this kvbench" in (tmp_path / "table.md").read_text()
 
 
-def test_shards_stacked_or_not_merge(tmp_path: Path) -> None:
-    # stack_prefill never changes what a run computes (the same selections), and "auto" decides by the device: a shard
-    # run on a GPU (stack_prefill auto) and one written before the setting existed (read as false) are one run, n 8.
+def test_shards_compiled_or_not_or_of_the_old_engine_merge(tmp_path: Path) -> None:
+    # compile never changes what a run computes (the same forward and eviction, as one graph or eager), and the
+    # retired settings of the engine before the static slot cache (slot_reuse, evict_together, stack_prefill) are left
+    # out of a stored config: a shard run compiled that records them and one run eager without them are one run, n 8.
+    # (Before, this was stack_prefill "auto" against a shard written before that setting existed.)
     for k in (0, 1):
         d = write_run(tmp_path / "job", f"shard{k}of2", "keydiff", KEYDIFF, ids=IDS[k::2],
                       composition={"all": {"samples": IDS[k::2]}}, shard=f"{k}/2")
         cfg = yaml.safe_load((d / "config.yaml").read_text())
         if k == 0:
-            cfg["stack_prefill"] = "auto"
+            cfg.update(compile=True, slot_reuse=True, evict_together=False, stack_prefill="auto")
         else:
-            cfg.pop("stack_prefill", None)
+            cfg["compile"] = False
         (d / "config.yaml").write_text(yaml.safe_dump(cfg))
     report_main([str(tmp_path), "--no-plots", "-q"])
     rows = _csv(tmp_path / "table.csv")
@@ -330,14 +332,10 @@ def test_printed_table_counts_degenerate_outputs(tmp_path: Path, capsys: pytest.
     assert row[head.index("degenerate")] == "2/8"
 
 
-def _claims_module() -> Any:
-    return load_script("claims_table")
-
-
 def test_claim_verdicts_come_from_the_paired_test(runs: Path) -> None:
+    from kvbench.report import claims
     from kvbench.report.collect import collect_entries
 
-    claims = _claims_module()
     es = {(e.policy, e.settings.get("policy.recent_ratio"), e.settings.get("task.context_length")): e
           for e in collect_entries(runs)[0]}
     full, kd, same = es["full", None, 1000], es["keydiff", None, 1000], es["h2o", 0.5, 1000]
