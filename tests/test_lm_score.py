@@ -69,8 +69,8 @@ def test_unevicted_scores_equal_one_plain_forward(policy) -> None:
 
 
 def test_batched_samples_score_as_alone() -> None:
-    # generate_batch: two samples through the same forwards (prompt blocks of 16 rows: bit-identical caches), with
-    # different prompt lengths and scoring starts; each scores what it scores alone
+    # generate_batch: two samples as the rows of one cache (the shorter left-padded), with different prompt lengths
+    # and scoring starts; each scores what it scores alone (to a 2-row product's rounding, in float32)
     from kvbench.engine.generate import Job, generate_batch
 
     model, _ = _model()
@@ -79,6 +79,7 @@ def test_batched_samples_score_as_alone() -> None:
              for ids, s in ((a, 32), (b, 48))]
     together = generate_batch(model, [Job(a, StreamingLLM(budget=24), GenerationSettings(block=16, score_from=32)),
                                       Job(b, StreamingLLM(budget=24), GenerationSettings(block=16, score_from=48))])
+    assert [r.batch_size for r in together] == [2, 2]
     for one, both, n in zip(alone, together, (100 - 1 - 32, 90 - 1 - 48)):
         assert len(both.lm_logprobs) == n and both.lm_correct == one.lm_correct
         assert max(abs(x - y) for x, y in zip(one.lm_logprobs, both.lm_logprobs)) < 1e-5
