@@ -140,13 +140,14 @@ class Float32Twin:
         if saved is not None:
             saved[0].set_state(saved[1])
 
-    def token_state(self, layer_idx: int, module: Any, keys: torch.Tensor, values: torch.Tensor,
-                    query: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        want = self._token_state(layer_idx, module, keys.float(), values.float(), query.float(), slots)
-        got = self._token_state(layer_idx, module, keys, values, query, slots)
+    def token_state(self, view: SlotView, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        twin = dataclasses.replace(view, keys=view.keys.float(), values=view.values.float(),
+                                   queries=None if view.queries is None else view.queries.float())
+        want = self._token_state(twin, slots)
+        got = self._token_state(view, slots)
         for name, t in got.items():
             if t.dtype != torch.float32 or not torch.equal(t, want[name]):
-                self.mismatches.append((f"state {name}", (layer_idx,)))
+                self.mismatches.append((f"state {name}", view.layers))
         return got
 
     def score(self, view: SlotView) -> torch.Tensor:
@@ -225,8 +226,8 @@ def test_the_float32_twin_check_catches_bf16_arithmetic(model4, monkeypatch) -> 
     class StateInBf16(KNorm):
         state_names = ("norm",)
 
-        def token_state(self, layer_idx, module, keys, values, query, slots):
-            new = keys.gather(2, slots.unsqueeze(-1).expand(*slots.shape, keys.shape[-1]))
+        def token_state(self, view, slots):
+            new = view.keys.gather(3, slots.unsqueeze(-1).expand(*slots.shape, view.keys.shape[-1]))
             return {"norm": new.norm(dim=-1)}  # bfloat16 in, bfloat16 out: the bug the check is for
 
     class ScoreInBf16(KNorm):

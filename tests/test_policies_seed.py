@@ -140,15 +140,19 @@ def test_criticalkv_value_norm_through_output_projection() -> None:
     with torch.no_grad():
         o_proj.weight.copy_(torch.tensor([[1.0, 0, 2, 0], [0, 1, 0, -1]]))
     module = SimpleNamespace(o_proj=o_proj)
-    values = torch.tensor([[[[9.0, 9.0], [1.0, -3.0], [0.0, 0.0]]]])  # (b, h_kv, S, d): slot 0 an older token
+    values = [[[9.0, 9.0], [1.0, -3.0], [0.0, 0.0]]]  # (h_kv, S, d): slot 0 an older token
+    view = make_view(values, values=values)
+    view.modules = (module,)
     policy = CriticalKV(budget=40)
-    out = policy.token_state(0, module, values, values, torch.zeros(1, 2, 2, 2), torch.tensor([[[1, 2]]]))
-    assert out["vnorm"].tolist() == [[[4.5, 0.0]]]  # the new tokens' slots 1, 2 only
+    out = policy.token_state(view, torch.tensor([[[[1, 2]]]]))  # (L, b, h_kv, t): the forward wrote slots 1, 2
+    assert out["vnorm"].tolist() == [[[[4.5, 0.0]]]]  # the new tokens' slots 1, 2 only
     # a long block (40 new tokens, in slots 0-39): the same norms, each token's own
-    values = torch.zeros(1, 1, 40, 2)
-    values[0, 0, 1] = torch.tensor([1.0, -3.0])
-    out = policy.token_state(0, module, values, values, torch.zeros(1, 2, 40, 2), torch.arange(40).view(1, 1, 40))
-    assert out["vnorm"].tolist() == [[[0.0, 4.5] + [0.0] * 38]]
+    values = [[[0.0, 0.0]] * 40]
+    values[0][1] = [1.0, -3.0]
+    view = make_view(values, values=values)
+    view.modules = (module,)
+    out = CriticalKV(budget=40).token_state(view, torch.arange(40).view(1, 1, 1, 40))
+    assert out["vnorm"].tolist() == [[[[0.0, 4.5] + [0.0] * 38]]]
 
 
 def test_criticalkv_on_adakv_follows_adakv_budgets() -> None:

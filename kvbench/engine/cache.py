@@ -164,6 +164,15 @@ class SlotCache(Cache):
         self.peak = torch.maximum(self.peak, held.amax(dim=(0, 2)))
         self.peak_total = torch.maximum(self.peak_total, held.sum(dim=(0, 2)))
 
+    def settle_state(self) -> None:
+        """After a forward: the per-token state of its tokens in every evicting layer (`Policy.token_state`, one call),
+        written at their slots (`begin` set it to 0)."""
+        g = self.evicting
+        if g is None or not self.policy.state_names:
+            return
+        for name, new in self.policy.token_state(self.view(), g.write).items():
+            g.state[name].scatter_(-1, g.write, new.float())
+
     def held_now(self) -> torch.Tensor:
         """(n, b, h_kv): the tokens each head of each layer holds (the evicting layers first)."""
         if self.evicting is None or self.full is None:
@@ -280,10 +289,6 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
         if group.queries is not None:
             ring = group.q_rows[row]  # (b, h_q, w, d)
             ring.copy_(torch.cat([ring, query], dim=2).gather(2, cache.ring))
-        if policy.state_names:  # the state of the new tokens (0 unless the policy computes it)
-            fresh = policy.token_state(layer, module, key, value, query, group.write[row])
-            for name, new in fresh.items():
-                group.state_rows[name][row].scatter_(2, group.write[row], new.float())
     if window and cache.explicit:
         bias = torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf).unsqueeze(2)
     else:

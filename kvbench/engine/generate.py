@@ -156,7 +156,8 @@ def slot_key(policy: Policy) -> tuple[Any, ...] | None:
     if policy.sample_state:
         return None
     plain = (bool, int, float, str, tuple, frozenset, type(None))
-    options = tuple(sorted((k, v) for k, v in vars(policy).items() if isinstance(v, plain) and k != "budget"))
+    options = tuple(sorted((k, v) for k, v in vars(policy).items()
+                           if isinstance(v, plain) and k != "budget" and not k.startswith("_")))  # not its caches
     return type(policy), options
 
 
@@ -186,6 +187,7 @@ def _forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.T
     """ids (K, t) at positions (K, t) -> logits (K, keep, vocab) of the last positions; then the eviction when
     `counts` (L, K, 1) is given (with it in one graph when compiled)."""
     logits = forward(model, cache, ids, positions, keep)
+    cache.settle_state()
     cache.end()  # the peaks held: before the eviction
     if counts is not None:
         evict(cache, counts)

@@ -12,7 +12,7 @@ What the engine provides, only when a policy asks for it:
 - `needs_attention`: `on_attention` is called inside every forward of an evicting layer with the attention each slot
   received (the engine computes the probabilities then).
 - `state_names`: per-token state (L, b, h_kv, S) float32 in `view.state`, 0 for a token when it enters the cache
-  unless `token_state` gives its value.
+  unless `token_state` gives its value (once per forward, for every evicting layer).
 """
 
 from __future__ import annotations
@@ -97,10 +97,10 @@ class Policy:
         (AdaKV) allocate here."""
         return counts
 
-    def token_state(self, layer_idx: int, module: Any, keys: torch.Tensor, values: torch.Tensor,
-                    query: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-token state (name -> (b, h_kv, t)) of the t tokens a forward just wrote into `slots` (b, h_kv, t) of
-        a layer whose buffers are keys/values (b, h_kv, S, d); a state not returned starts at 0."""
+    def token_state(self, view: SlotView, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-token state (name -> (L, b, h_kv, t)) of the t tokens a forward just wrote into `slots` (L, b, h_kv, t)
+        of every evicting layer (their K/V in the view's buffers), called once per forward; a state not returned
+        starts at 0."""
         return {}
 
     def on_attention(self, state: dict[str, Sequence[torch.Tensor]], row: int, received: torch.Tensor) -> None:

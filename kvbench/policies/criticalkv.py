@@ -47,6 +47,7 @@ class CriticalKV(Policy):
     name = "criticalkv"
     state_names = ("vnorm",)
     _counts: torch.Tensor | None = None  # (L, b, h_kv) the counts `score` ranked for
+    _w: tuple[tuple[int, ...], torch.Tensor] | None = None  # (layers, their W_O columns): `head_columns`
 
     def __init__(self, base: str = "snapkv", alpha: float = 0.5, eps: float = 1e-4, stage1_window: str = "outside",
                  pooling: str = "max", allocation: str = "adakv", alpha_safeguard: float = 0.2, head_cap: float = 2.0,
@@ -72,15 +73,28 @@ class CriticalKV(Policy):
         super().attach(num_layers)
         self.base.attach(num_layers)
 
-    def token_state(self, layer_idx: int, module: Any, keys: torch.Tensor, values: torch.Tensor,
-                    query: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The value norms of a forward's t new tokens, read from the layer's value buffer (b, h_kv, S, d) at their
-        `slots` (b, h_kv, t); W_O's head columns read as a strided view of the weight."""
-        b, h_kv, S, d = values.shape
-        new = values.gather(2, slots.unsqueeze(-1).expand(*slots.shape, d))  # (b, h_kv, t, d)
-        w = module.o_proj.weight  # (hidden, h_q * d)
-        w_heads = w.view(w.shape[0], -1, d).permute(1, 2, 0)  # (h_q, d, hidden)
-        return {"vnorm": value_norms(new, w_heads)}
+    def token_state(self, view: SlotView, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The value norms of a forward's t new tokens in every evicting layer (L, b, h_kv, t), read from the value
+        buffers at their `slots` (L, b, h_kv, t): every layer's query heads in one batched product, in chunks of layers
+        whose (b, h_q, t, hidden) intermediates stay within 64 MiB."""
+        L, b, h_kv, S, d = view.values.shape
+        new = view.values.gather(3, slots.unsqueeze(-1).expand(L, b, h_kv, slots.shape[-1], d))  # (L, b, h_kv, t, d)
+        w = self.head_columns(view)  # (L, 1, h_kv, g, d, hidden)
+        per_layer = b * w.shape[3] * slots.shape[-1] * w.shape[-1] * 4
+        step = max(1, (64 << 20) // per_layer)
+        return {"vnorm": torch.cat([value_norms(new[i:i + step], w[i:i + step]) for i in range(0, L, step)])}
+
+    def head_columns(self, view: SlotView) -> torch.Tensor:
+        """(L, 1, h_kv, g, d, hidden) float32: each evicting layer's W_O (hidden, h_q * d), head h's columns
+        transposed, grouped by KV head; made once per set of layers and kept (derived from the weights, never
+        written)."""
+        if self._w is None or self._w[0] != view.layers:
+            d, h_kv = view.values.shape[-1], view.values.shape[2]
+            heads = [m.o_proj.weight.detach().float().view(-1, m.o_proj.weight.shape[1] // d, d).permute(1, 2, 0)
+                     for m in view.modules]  # (h_q, d, hidden) each
+            w = torch.stack(heads)  # (L, h_q, d, hidden)
+            self._w = (view.layers, w.view(w.shape[0], 1, h_kv, -1, d, w.shape[-1]).contiguous())
+        return self._w[1]
 
     def head_capacity(self, budget: int) -> int:
         return self.base.head_capacity(budget)
@@ -108,17 +122,11 @@ class CriticalKV(Policy):
         return self._counts  # (L, b, h_kv): what `score` ranked for (the engine calls it right after)
 
 
-def value_norms(values: torch.Tensor, w_heads: torch.Tensor) -> torch.Tensor:
-    """(b, h_kv, q) ||v W_O||_1 of new tokens' values (b, h_kv, q, d) through each query head's columns of W_O,
-    `w_heads` (h_q, d, hidden), averaged over each KV head's query heads (float32): every query head in one batched
-    product, a (h_q, b q, hidden) intermediate."""
-    b, h_kv, q, d = values.shape
-    h_q = w_heads.shape[0]
-    g = h_q // h_kv
-    v = values.float().permute(1, 0, 2, 3).reshape(h_kv, 1, b * q, d).expand(h_kv, g, b * q, d)
-    proj = torch.bmm(v.reshape(h_q, b * q, d), w_heads.float())  # (h_q, b*q, hidden)
-    norms = proj.abs().sum(dim=-1).view(h_q, b, q).permute(1, 0, 2)  # (b, h_q, q)
-    return norms.reshape(b, h_kv, g, q).mean(dim=2)  # (b, h_kv, q)
+def value_norms(values: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(L, b, h_kv, t) ||v W_O^h||_1 of the tokens' values (L, b, h_kv, t, d) through each query head h's columns of
+    W_O, `w` (L, 1, h_kv, g, d, hidden), averaged over each KV head's g query heads (float32)."""
+    proj = torch.matmul(values.float().unsqueeze(3), w)  # (L, b, h_kv, g, t, hidden)
+    return proj.abs_().sum(dim=-1).mean(dim=3)
 
 
 def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor | int, n_prot: torch.Tensor | int,
