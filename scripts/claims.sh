@@ -58,5 +58,5 @@ if [[ "$QUICK" == 1 ]]; then SUFFIX=-quick; else SUFFIX=; fi
 NIAH_RUNS=${NIAH_RUNS:-$( [[ -d results/runs/niah_grid$SUFFIX ]] && echo results/runs/niah_grid$SUFFIX || echo results/niah_grid/runs)}
 RULER_RUNS=${RULER_RUNS:-$( [[ -d results/runs/ruler_4k$SUFFIX ]] && echo results/runs/ruler_4k$SUFFIX || echo results/ruler_4k/runs)}
 export NIAH_RUNS RULER_RUNS  # (scripts/tables.sh draws the claims table with them)
-EXTRA_MD="Claims table: \`python scripts/claims_table.py $OUT/runs $NIAH_RUNS $RULER_RUNS $OUT\` (NIAH grid and RULER runs from scripts/niah_grid.sh and scripts/ruler_4k.sh; part of scripts/tables.sh)."
+EXTRA_MD="Claims table: \`kvbench-report $OUT/runs --claims $NIAH_RUNS $RULER_RUNS --out $OUT\` (NIAH grid and RULER runs from scripts/niah_grid.sh and scripts/ruler_4k.sh; part of scripts/tables.sh)."
 finish_run

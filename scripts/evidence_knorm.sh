@@ -33,12 +33,12 @@ sweep 0 "${GRID[@]}" "shard=$PILOT_SHARD" "${ONCE[@]}" policy=random "policy.ski
     "hydra.sweep.dir=$RUNS/pilot"
 wait_workers
 
-if N=$(python scripts/budget_choice.py "$RUNS/pilot" --out "$RUNS/budgets.md" --pick); then
+if N=$($REPORT "$RUNS/pilot" --budget-choice "$RUNS/budgets.md" --pick); then
     EXTRA_MD="The grid runs at N = $N, chosen by the pilot (pilot/budgets.md)."
 else
     N=$FALLBACK_N
     EXTRA_MD="No pilot budget passed (pilot/budgets.md): the grid runs at N = $N, the fallback stated in advance"
-    if M=$(python scripts/budget_choice.py "$RUNS/pilot" --out "$RUNS/budgets.md" --most-informative) && [[ $M != "$N" ]]
+    if M=$($REPORT "$RUNS/pilot" --budget-choice "$RUNS/budgets.md" --most-informative) && [[ $M != "$N" ]]
     then
         N="$N,$M"
         EXTRA_MD+=", and at N = $M, the pilot's most informative budget"

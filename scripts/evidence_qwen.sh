@@ -64,7 +64,7 @@ BLOCK_N=1024
 EXTRA_MD=""
 if has niah; then
     wait_workers  # the pilot's runs choose the grid's budget
-    if [[ -d "$RUNS/pilot" ]] && picked=$(python scripts/budget_choice.py "$RUNS/pilot" --out "$RUNS/budgets.md" --pick)
+    if [[ -d "$RUNS/pilot" ]] && picked=$($REPORT "$RUNS/pilot" --budget-choice "$RUNS/budgets.md" --pick)
     then
         BLOCK_N=$picked
         EXTRA_MD="The block-wise runs of the grid use N = $BLOCK_N, chosen by the pilot (budgets.md)."

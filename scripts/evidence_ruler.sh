@@ -4,8 +4,8 @@
 # sharing one haystack and 7 of 10 failed by every policy. Here: niah_single_2 (essay haystack, a 7-digit value) at
 # 4096 tokens, 35 samples, each its own stretch of the essays (task.windows=per_sample, docs/ruler.md: independent
 # draws); the pilot takes shard 4/5 (7 samples), the final run the other four shards (28 samples) at the budget the
-# pilot's rule picks (scripts/budget_choice.py --pick, fixed before the pilot ran: the full cache >= 90, at least half
-# the samples informative, then the most informative budget, a tie to the larger).
+# pilot's rule picks (kvbench-report --budget-choice --pick, fixed before the pilot ran: the full cache >= 90, at
+# least half the samples informative, then the most informative budget, a tie to the larger).
 #
 #   scripts/evidence_ruler.sh      # SmolLM2: the pilot is results/pilot_ruler (N = 3072 picked); the final run
 #                                  # into results/evidence_ruler/runs/final
@@ -13,7 +13,7 @@
 #                                  # another model: its own pilot first (runs/pilot: the full cache; KeyDiff, TOVA,
 #                                  # SnapKV, H2O at N = 1024, 2048, 3072), then the final run at its pick; when no
 #                                  # budget passes, the most informative one where the full cache scores >= 90
-#                                  # (budget_choice.py --most-informative), else 3072, and RUN.md says so
+#                                  # (--most-informative), else 3072, and RUN.md says so
 #   PILOT=run NAME=evidence_ruler_2k LENGTH=2048 NUM=75 OF=10 PILOT_BUDGETS=512,1024,1280 FALLBACK_N=1024 \
 #       scripts/evidence_ruler.sh  # SmolLM2 at 2K: the essays hold 75 disjoint 2K windows (the 76th would wrap); the
 #                                  # pilot is shard 9/10 (7 samples), the final runs the other 68
@@ -53,9 +53,10 @@ if [[ "$PILOT" == run ]]; then
 fi
 [[ -d "$PILOT" ]] || { echo "evidence_ruler.sh: error: no pilot runs in $PILOT" >&2; exit 2; }
 mkdir -p "$RUNS"
-if N=$(python scripts/budget_choice.py "$PILOT" --out "$RUNS/pilot_budgets.md" --pick); then
-    EXTRA_MD="The final runs use N = $N, the budget the pilot's rule picks ($PILOT, budget_choice.py --pick)."
-elif N=$(python scripts/budget_choice.py "$PILOT" --out "$RUNS/pilot_budgets.md" --most-informative); then
+if N=$($REPORT "$PILOT" --budget-choice "$RUNS/pilot_budgets.md" --pick); then
+    EXTRA_MD="The final runs use N = $N, the budget the pilot's rule picks ($PILOT, kvbench-report"
+    EXTRA_MD+=" --budget-choice --pick)."
+elif N=$($REPORT "$PILOT" --budget-choice "$RUNS/pilot_budgets.md" --most-informative); then
     EXTRA_MD="No pilot budget passed the rule: the final runs use N = $N, the most informative where the full cache"
     EXTRA_MD+=" scores >= 90."
 else

@@ -55,6 +55,6 @@ sweep 1 "${SLICE[@]}" "${BLOCKWISE[@]}" policy=full budget=null "hydra.sweep.dir
 queue 0 python -m kvbench.bench --model "$MODEL" "${BENCH[@]}" --out "$RUNS/bench/bench.json"
 wait_workers
 
-EXTRA_MD="Claims table: \`python scripts/claims_table.py $OUT/runs $OUT/runs/niah - $OUT\` (no RULER runs on this model) and the side-by-side table, both part of scripts/tables.sh."
+EXTRA_MD="Claims table: \`kvbench-report $OUT/runs --claims $OUT/runs/niah - --out $OUT\` (no RULER runs on this model) and the side-by-side table, both part of scripts/tables.sh."
 finish_run
 cp "$RUNS"/bench/bench.json "$RUNS"/bench/bench.md "$OUT"/

@@ -8,10 +8,9 @@
 #   bash scripts/tables.sh NAME [OUT]           one kind of folder (default OUT: results/NAME); the result scripts
 #                                               call it on their own output after finish_run
 #
-# NAME: niah_grid | ruler_4k | claims | qwen2.5-coder-1.5b | pilot_evidence | evidence_lm | evidence_code |
-# pilot_niah | evidence_niah | evidence_qwen | evidence_knorm | evidence_lm_essays | pilot_ruler | evidence_ruler |
-# evidence_ruler_qwen | evidence_ruler_2k | evidence_ruler_qwen_2k. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS,
-# RULER_RUNS; default: the committed ones).
+# NAME: one of FOLDERS below. The claims tables also read the NIAH grid's and the RULER runs (NIAH_RUNS, RULER_RUNS;
+# default: the committed ones). The analyses beside the tables are kvbench-report's options (--budget-choice, --plan,
+# --claims, --graded-validity).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPORT=${REPORT:-python -m kvbench.report}
@@ -61,54 +60,52 @@ tables() {
         ruler_4k) ;;
         pilot_niah)
             # The budgets the final NIAH grid runs at: the full cache answers and the policies spread
-            python scripts/budget_choice.py "$out/runs" --out "$out/budgets.md" > /dev/null
+            $REPORT "$out/runs" --budget-choice "$out/budgets.md" -q
             # The final grid's n at the chosen budget (0/100 score; cap: the 93 samples the pilot leaves)
-            python scripts/power_plan.py "$out/runs" --out "$out/plan.md" --score avg --cap 93 --budgets 1024 \
-                --compare keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full streamingllm:full > /dev/null ;;
+            $REPORT "$out/runs" -q --plan "$out/plan.md" --score avg --cap 93 --budgets 1024 \
+                --compare keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full streamingllm:full ;;
         pilot_ruler)
             # The budgets a designed RULER run would use, and the n its planned comparisons need (cap: the 28 samples
             # the pilot leaves), at each budget the pilot ran
-            python scripts/budget_choice.py "$out/runs" --out "$out/budgets.md" > /dev/null
-            python scripts/power_plan.py "$out/runs" --out "$out/plan.md" --score avg --cap 28 \
-                --budgets "$(run_budgets "$out/runs")" --compare keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full \
-                > /dev/null ;;
+            $REPORT "$out/runs" --budget-choice "$out/budgets.md" -q
+            $REPORT "$out/runs" -q --plan "$out/plan.md" --score avg --cap 28 \
+                --budgets "$(run_budgets "$out/runs")" --compare keydiff:tova keydiff:snapkv keydiff:h2o keydiff:full ;;
         evidence_ruler | evidence_ruler_qwen | evidence_ruler_2k | evidence_ruler_qwen_2k)
             # The designed RULER run: its own pilot's budgets where it ran one (SmolLM2's is results/pilot_ruler), and
             # the final runs' report (their tests: scripts/verdicts.py)
             part_reports "$out" pilot final
             if [[ -d "$out/runs/pilot" ]]; then
-                python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" > /dev/null
+                $REPORT "$out/runs/pilot" --budget-choice "$out/pilot/budgets.md" -q
             fi ;;
         pilot_evidence)
             # The final runs' n from the pilot's paired differences (Holm's strictest level over each plan's m)
-            python scripts/power_plan.py "$out/runs/lm" --out "$out/plan_lm.md" --score answer_logprob --cap 383 \
+            $REPORT "$out/runs/lm" -q --plan "$out/plan_lm.md" --score answer_logprob --cap 383 \
                 --compare knorm:random knorm:full streamingllm:full keydiff:tova keydiff:snapkv keydiff:h2o \
-                --budgets 256,512 > /dev/null
-            python scripts/power_plan.py "$out/runs/code" --out "$out/plan_code.md" --score answer_logprob --cap 205 \
-                --compare keydiff:tova keydiff:snapkv keydiff:full streamingllm:full --budgets 512 > /dev/null ;;
+                --budgets 256,512
+            $REPORT "$out/runs/code" -q --plan "$out/plan_code.md" --score answer_logprob --cap 205 \
+                --compare keydiff:tova keydiff:snapkv keydiff:full streamingllm:full --budgets 512 ;;
         evidence_qwen)
             # Qwen: the pilot's budget (the rule scripts/evidence_qwen.sh ran the grid at), and each part's report
             part_reports "$out" pilot lm grid code
             if [[ -d "$out/runs/pilot" ]]; then
-                python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" > /dev/null
+                $REPORT "$out/runs/pilot" --budget-choice "$out/pilot/budgets.md" -q
             fi ;;
         evidence_knorm)
             # K-norm's pilot (the budget the grid ran at) and each part's report
             part_reports "$out" pilot grid
-            python scripts/budget_choice.py "$out/runs/pilot" --out "$out/pilot/budgets.md" > /dev/null ;;
-        claims) python scripts/claims_table.py "$out/runs" "$NIAH_RUNS" "$RULER_RUNS" "$out" ;;
+            $REPORT "$out/runs/pilot" --budget-choice "$out/pilot/budgets.md" -q ;;
+        claims) $REPORT "$out/runs" --claims "$NIAH_RUNS" "$RULER_RUNS" --out "$out" -q ;;
         qwen2.5-coder-1.5b)
-            python scripts/claims_table.py "$out/runs" "$out/runs/niah" - "$out"
-            # Each claim's verdicts on SmolLM2 (results/claims) and on this model, side by side.
-            python scripts/claims_side_by_side.py results/claims/claims.csv "$out/claims.csv" \
-                --names SmolLM2-135M Qwen2.5-Coder-1.5B --out "$out/side_by_side.md" ;;
+            # (no RULER runs on this model) and each claim's verdicts on SmolLM2 (results/claims) beside this model's
+            $REPORT "$out/runs" --claims "$out/runs/niah" - --out "$out" -q --beside results/claims/claims.csv \
+                --names SmolLM2-135M Qwen2.5-Coder-1.5B ;;
     esac
 }
 
 if [[ $# == 0 ]]; then
     for name in "${FOLDERS[@]}"; do tables "$name" "results/$name"; done
     # Whether the graded score separates hits from misses, per model (tests/test_graded_validity.py checks it)
-    python scripts/graded_validity.py --runs "${VALIDITY_RUNS[@]}" --out results/graded_validity.md > /dev/null
+    $REPORT "${VALIDITY_RUNS[@]}" --graded-validity results/graded_validity.md -q
     # Every planned comparison of results/design.csv from the records, one Holm family per model: results/tests.csv,
     # results/evidence.md and results/README.md's verdicts block (tests/test_verdicts.py checks them)
     python scripts/verdicts.py

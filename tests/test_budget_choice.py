@@ -1,13 +1,13 @@
-"""scripts/budget_choice.py: the pilot's budget choice, on hand-made runs."""
+"""kvbench-report --budget-choice (kvbench.report.budgets): the pilot's budget choice, on hand-made runs."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from helpers import load_script
+from test_report_analyses import report_exit
 
-bc = load_script("budget_choice")
+from kvbench.report import budgets as bc
 
 
 def _run(root: Path, name: str, policy: str, budget: int | None, scores: list[float]) -> None:
@@ -28,7 +28,7 @@ def test_budgets_by_hand(tmp_path: Path) -> None:
     _run(tmp_path, "k512", "keydiff", 512, [100, 0, 100, 100])
     _run(tmp_path, "t512", "tova", 512, [100, 100, 0, 100])
     out = tmp_path / "budgets.md"
-    assert bc.main([str(tmp_path), "--out", str(out)]) == 0
+    assert report_exit([str(tmp_path), "--budget-choice", str(out)]) == 0
     text = out.read_text()
     assert "| 256 | 4 | 100 | 0 | 25 | 3 | 0 | 1 | not chosen: only 1 of 4 samples tell the policies apart |" in text
     assert "| 512 | 4 | 100 | 75 | 75 | 0 | 2 | 2 | chosen |" in text
@@ -43,7 +43,7 @@ def test_a_full_cache_below_90_is_named(tmp_path: Path) -> None:
     _run(tmp_path, "t", "tova", 512, [0, 100, 100, 0])
     text = bc.markdown(bc.rows(*bc.load(tmp_path)), "x")
     assert "not chosen: the full cache scores 75 < 90 |" in text and "Chosen budgets: none" in text
-    assert bc.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "o.md")]) == 2
+    assert report_exit([str(tmp_path / "nothing"), "--budget-choice", str(tmp_path / "o.md")]) == 2
 
 
 def test_pick_takes_the_most_informative_chosen_budget(tmp_path: Path, capsys) -> None:
@@ -59,7 +59,7 @@ def test_pick_takes_the_most_informative_chosen_budget(tmp_path: Path, capsys) -
     _run(tmp_path, "k2048", "keydiff", 2048, [100, 100, 100, 100])
     _run(tmp_path, "t2048", "tova", 2048, [100, 100, 100, 100])
     out = tmp_path / "budgets.md"
-    assert bc.main([str(tmp_path), "--out", str(out), "--pick"]) == 0
+    assert report_exit([str(tmp_path), "--budget-choice", str(out), "--pick"]) == 0
     assert capsys.readouterr().out == "1024\n"
     assert "The final grid runs at N = 1024" in out.read_text()
 
@@ -71,7 +71,7 @@ def test_pick_breaks_a_tie_to_the_larger_budget_and_fails_when_none_is_chosen(tm
     assert bc.pick([{**rows[0], "full": 75.0}]) is None
     _run(tmp_path, "full", "full", None, [100, 100, 100, 0])  # 75: nothing is chosen
     _run(tmp_path, "k", "keydiff", 512, [100, 0, 100, 0])
-    assert bc.main([str(tmp_path), "--out", str(tmp_path / "o.md"), "--pick"]) == 1
+    assert report_exit([str(tmp_path), "--budget-choice", str(tmp_path / "o.md"), "--pick"]) == 1
     assert capsys.readouterr().out == ""
 
 
@@ -85,7 +85,7 @@ def test_most_informative_ignores_the_share_but_not_the_full_cache(tmp_path: Pat
     _run(tmp_path, "k1792", "knorm", 1792, [100, 100, 100, 100])
     _run(tmp_path, "r1792", "random", 1792, [100, 0, 100, 100])
     out = tmp_path / "budgets.md"
-    assert bc.main([str(tmp_path), "--out", str(out), "--pick"]) == 1  # nothing passes the share
-    assert bc.main([str(tmp_path), "--out", str(out), "--most-informative"]) == 0
+    assert report_exit([str(tmp_path), "--budget-choice", str(out), "--pick"]) == 1  # nothing passes the share
+    assert report_exit([str(tmp_path), "--budget-choice", str(out), "--most-informative"]) == 0
     assert capsys.readouterr().out == "1792\n"
     assert bc.most_informative([{"budget": 512, "full": 80.0, "informative": 4}]) is None  # the full cache misses

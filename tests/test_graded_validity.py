@@ -1,4 +1,4 @@
-"""scripts/graded_validity.py: the AUC of the graded score between hits and misses, worked by hand."""
+"""kvbench-report --graded-validity (kvbench.report.validity): the AUC of the graded score between hits and misses, worked by hand."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from helpers import load_script
-
-gv = load_script("graded_validity")
+from kvbench.report import validity as gv
 
 
 def _run(root: Path, name: str, policy: str, records: list[tuple[float, float]]) -> None:

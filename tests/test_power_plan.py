@@ -1,13 +1,13 @@
-"""scripts/power_plan.py's plan from a pilot: the n each comparison needs and the sentence it supports, on hand-made
+"""kvbench-report --plan (kvbench.report.plan): from a pilot: the n each comparison needs and the sentence it supports, on hand-made
 rows and runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers import load_script
+from test_report_analyses import report_exit
 
-pp = load_script("power_plan")
+from kvbench.report import plan as pp
 
 
 def _row(a: str, b: str, p: float, diff: float, lo: float, hi: float) -> dict:
@@ -42,9 +42,9 @@ def test_the_plan_reads_the_pilot_and_refuses_two_matching_pairs(tmp_path, capsy
     # A second H2O of other options on the same samples: which one the plan means is not ours to pick
     write_run(tmp_path / "kd", "h2", "h2o", [0] * 8, logprob=[-3.0] * 8, options={"n_sink": 4})
     out = tmp_path / "t.md"
-    assert pp.main([str(tmp_path / "kd"), "--out", str(out), "--compare", "keydiff:h2o", "--budgets", "256"]) == 2
+    assert report_exit([str(tmp_path / "kd"), "--plan", str(out), "--compare", "keydiff:h2o", "--budgets", "256"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "keydiff:h2o@256 matches 2 pairs" in err
     assert not out.exists()
-    assert pp.main([str(tmp_path / "kd"), "--out", str(out), "--compare", "keydiff:h2o"]) == 2
-    assert "give --budgets" in capsys.readouterr().err
+    assert report_exit([str(tmp_path / "kd"), "--plan", str(out), "--compare", "keydiff:h2o"]) == 2
+    assert "--plan needs --compare and --budgets" in capsys.readouterr().err

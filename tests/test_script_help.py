@@ -7,8 +7,7 @@ import pytest
 
 from helpers import load_script
 
-SCRIPTS = ("batch_identity", "budget_choice", "claims_side_by_side", "graded_validity", "logit_margin", "power_plan",
-           "reproduce", "verdicts")
+SCRIPTS = ("batch_identity", "logit_margin", "reproduce", "verdicts")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -18,11 +17,3 @@ def test_help_prints_and_exits_0(name: str, capsys: pytest.CaptureFixture[str]) 
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
 
-
-@pytest.mark.parametrize("name", ["claims_table"])
-def test_positional_scripts_print_help_and_exit_0(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    # (their main() takes paths, for the tests that call them; the command line is cli())
-    with pytest.raises(SystemExit) as e:
-        load_script(name).cli(["--help"])
-    assert e.value.code == 0
-    assert capsys.readouterr().out.startswith("usage:")

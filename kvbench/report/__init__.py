@@ -26,6 +26,8 @@ provenance, run dirs), DIR/paired.csv, and when there is something to draw, DIR/
 DIR/score_vs_budget.png (95 % error bars).
 
 Modules: collect (runs, entries, shard merge), layout (metrics.json `layout`), samples (composition, records: se, strata, agreement), tables (rows and columns), paired (paired.csv),
-output (markdown, CSV), plots, cli (`report`, the printed table, `main`). The numbers come from
+output (markdown, CSV), plots, cli (`report`, the printed table, `main`); family (a design's planned comparisons,
+`--design`) and the analyses beside a folder's tables: budgets (`--budget-choice`), plan (`--plan`), claims
+(`--claims`, `--beside`), validity (`--graded-validity`). The numbers come from
 kvbench.metrics.stats and kvbench.metrics.aggregate.
 """

@@ -2,6 +2,10 @@
 runs.csv / paired.csv and the plots; and the one table `kvbench` prints after its runs.
 `kvbench-report DIR --design CSV`: the design's planned comparisons instead (runs paths below DIR), tested from the
 records with one Holm family per model (kvbench.report.family), written as tests.csv.
+The analyses of a results folder beside its tables (scripts/tables.sh): `--budget-choice MD` (a pilot's budgets:
+kvbench.report.budgets), `--plan MD` (the n a pilot's planned comparisons need: kvbench.report.plan), `--claims`
+(the seed papers' claims table, `--beside` another model's: kvbench.report.claims) and `--graded-validity MD`
+(whether the graded score separates hits from misses in the runs below every DIR: kvbench.report.validity).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from kvbench.report import budgets, claims, plan, validity
 from kvbench.report.collect import Entry, ReportError, Run, collect_entries, entry_from_run
 from kvbench.report.family import read_design, run_design, write_tests
 from kvbench.report.output import render_markdown, write_csv, write_runs_csv
@@ -91,10 +96,50 @@ def print_job_tables(jobs: Sequence[Any], metrics: Sequence[list[dict[str, Any]]
         print(f"\nrun directory: {job.run_dir}")
 
 
+def _analysis(args: argparse.Namespace) -> bool:
+    """Write the one analysis the options ask for (False: none, the tables are wanted)."""
+    root, say = args.dir[0], (lambda text: None if args.quiet else print(text, end=""))
+    if args.budget_choice is not None:
+        text, table = budgets.write(root, args.budget_choice)
+        if args.pick or args.most_informative:  # the budget alone, for a script to read
+            chosen = budgets.pick(table) if args.pick else budgets.most_informative(table)
+            if chosen is None:
+                sys.exit(1)
+            print(chosen)
+        else:
+            say(text)
+    elif args.plan is not None:
+        wanted = [int(x) for x in args.budgets.split(",") if x.strip()]
+        if not wanted or not args.compare:
+            raise ValueError("--plan needs --compare and --budgets")
+        rows = plan.plan(root, args.score, [plan.parse_comparison(c) for c in args.compare], wanted, cap=args.cap)
+        text = plan.markdown(rows, args.score, args.cap, str(root))
+        args.plan.write_text(text, encoding="utf-8")
+        say(text)
+    elif args.claims is not None:
+        out = args.out or root
+        claims.claims_table(root, args.claims[0], args.claims[1], out)
+        say((out / "claims.md").read_text(encoding="utf-8"))
+        if args.beside is not None:
+            say(claims.side_by_side(args.beside, out / "claims.csv", (args.names[0], args.names[1]),
+                                    out / "side_by_side.md"))
+    elif args.graded_validity is not None:
+        missing = [str(d) for d in args.dir if not d.is_dir()]
+        if missing:
+            raise ReportError(f"not a directory: {', '.join(missing)}")
+        text = validity.markdown(validity.separations(args.dir), [str(d) for d in args.dir])
+        args.graded_validity.write_text(text, encoding="utf-8")
+        say(text)
+    else:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvbench-report", description="Paper-shaped tables from kvbench runs: "
                                      "writes table.md, table.csv, runs.csv, paired.csv and plots into DIR (or --out).")
-    parser.add_argument("dir", type=Path, help="a run, sweep or results directory (searched recursively)")
+    parser.add_argument("dir", type=Path, nargs="+", metavar="DIR",
+                        help="a run, sweep or results directory (searched recursively; several: --graded-validity)")
     parser.add_argument("--no-plots", action="store_true", help="skip the heatmap and score-vs-budget PNGs")
     parser.add_argument("-q", "--quiet", action="store_true", help="do not print the markdown")
     parser.add_argument("--paired", metavar="POLICY", default=None,
@@ -108,8 +153,47 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--design", type=Path, default=None, metavar="CSV",
                         help="test the planned comparisons of this design file (runs paths below DIR) instead: "
                              "one Holm family per model, written as OUT/tests.csv")
+    analyses = parser.add_argument_group("analyses beside the tables (written instead of them)")
+    analyses.add_argument("--budget-choice", type=Path, metavar="MD",
+                          help="the budgets a pilot's runs support (the full cache >= 90, at least half the samples "
+                               "tell the policies apart), written to MD")
+    pick = analyses.add_mutually_exclusive_group()
+    pick.add_argument("--pick", action="store_true", help="with --budget-choice: print only the one budget a final "
+                      "grid runs at (the chosen budget with the most informative samples, a tie to the larger); "
+                      "exit 1 when none is chosen")
+    pick.add_argument("--most-informative", action="store_true",
+                      help="with --budget-choice: print only the budget with the most informative samples where the "
+                           "full cache scores >= 90, chosen or not (a tie to the larger); exit 1 when there is none")
+    analyses.add_argument("--plan", type=Path, metavar="MD",
+                          help="the samples each --compare needs at --budgets, from a pilot's runs, written to MD")
+    analyses.add_argument("--compare", nargs="+", default=[], metavar="A:B", help="with --plan: pairs of policies")
+    analyses.add_argument("--budgets", default="", metavar="N,N", help="with --plan: comma-separated budgets")
+    analyses.add_argument("--score", default="answer_logprob", help="with --plan: the score compared")
+    analyses.add_argument("--cap", type=int, default=None, help="with --plan: the most samples a run may have")
+    analyses.add_argument("--claims", nargs=2, type=Path, metavar=("NIAH_RUNS", "RULER_RUNS"),
+                          help="the seed papers' claims table of the claim runs in DIR, the NIAH grid's and the RULER "
+                               "runs (- for none): OUT/claims.md, claims.csv, claims_tests.csv")
+    analyses.add_argument("--beside", type=Path, metavar="CSV", help="with --claims: also OUT/side_by_side.md, "
+                          "another model's claims.csv (first) beside this one's")
+    analyses.add_argument("--names", nargs=2, default=["A", "B"], metavar=("FIRST", "THIS"),
+                          help="with --beside: the two models' names")
+    analyses.add_argument("--graded-validity", type=Path, metavar="MD",
+                          help="whether the graded score separates hits from misses, over the runs below every DIR, "
+                               "written to MD")
     args = parser.parse_args(argv)
+    if len(args.dir) > 1 and args.graded_validity is None:
+        parser.error("more than one DIR is for --graded-validity")
+    # (an option of one analysis given without it would be ignored without a word: refused instead)
+    for option, of in (("pick", "budget_choice"), ("most_informative", "budget_choice"), ("compare", "plan"),
+                       ("beside", "claims")):
+        if getattr(args, option) and getattr(args, of) is None:
+            parser.error(f"--{option.replace('_', '-')} is an option of --{of.replace('_', '-')}")
+    if sum(getattr(args, a) is not None for a in ("budget_choice", "plan", "claims", "graded_validity")) > 1:
+        parser.error("one analysis at a time (--budget-choice, --plan, --claims, --graded-validity)")
     try:
+        if _analysis(args):
+            return
+        args.dir = args.dir[0]
         if args.design is not None:
             out = args.out or args.dir
             out.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,11 @@
 """The claims table: each seed paper's qualitative claim, the setting it was tested in, the numbers, and whether
-it holds on the runs at hand.
-
-    python scripts/claims_table.py CLAIM_RUNS NIAH_GRID_RUNS RULER_RUNS OUT_DIR
+it holds on the runs at hand (`kvbench-report CLAIM_RUNS --claims NIAH_GRID_RUNS RULER_RUNS --out OUT`); and two
+models' claims tables side by side (`--beside OTHER/claims.csv --names OTHER THIS`).
 
 CLAIM_RUNS is scripts/claims.sh's scratch directory (one sub-directory per claim); NIAH_GRID_RUNS and RULER_RUNS
-hold the runs of scripts/niah_grid.sh and scripts/ruler_4k.sh (scratch or the committed results/*/runs/). A
-claim whose runs are missing is listed as "not run". Writes OUT_DIR/claims.md, OUT_DIR/claims.csv and
-OUT_DIR/claims_tests.csv (every paired test with its raw and Holm-adjusted p).
+hold the runs of scripts/niah_grid.sh and scripts/ruler_4k.sh (scratch or the committed results/*/runs/; "-" or a
+directory that does not exist: none). A claim whose runs are missing is listed as "not run". Writes OUT/claims.md,
+OUT/claims.csv and OUT/claims_tests.csv (every paired test with its raw and Holm-adjusted p).
 
 Verdicts of "A beats B" claims come from paired comparisons at equal budget: the two runs' average score (NIAH:
 the mean over all cells; RULER: the mean of the per-length task means) over the samples both ran, its 95 % paired
@@ -21,21 +20,24 @@ every budget (and against every named rival); "reversed": resolved the other way
 the exact McNemar test needs at least 6 discordant pairs all one way (2 * 0.5^6 = 0.031 < 0.05), so 100 * 6 / n
 points. Where no two runs hold the same samples the verdict reads "no paired runs found" and the numbers are the
 plain averages.
+
+Side by side, claims are matched by their text. Two verdicts per model: on the 0/100 score ("holds?") and on the
+graded score (the paired test on answer_logprob; the first words of its column). A verdict is *resolved* when it is
+"holds" or "reversed" (a paired test that excludes 0 at p < 0.05), or for threshold claims "holds" / "does not
+hold"; "not resolved", "mixed", "no paired runs found" and "not run" are not. Per score: both resolved the same way
+= "agree", resolved opposite ways = "disagree", one resolved = "only <model>", neither = "neither resolves it".
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import sys
-from pathlib import Path
-from typing import Any
-
 from dataclasses import replace
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 from kvbench.metrics.stats import PairedResult, holm, mcnemar_min_discordant, resolved
-from kvbench.report.collect import Entry, collect_entries
+from kvbench.report.collect import Entry, ReportError, collect_entries
 from kvbench.report.paired import compare_entries
 from kvbench.report.samples import LOGPROB
 from kvbench.run.labels import NA
@@ -46,7 +48,7 @@ HEAD = ["claim", "paper", "setting", "numbers", "holds?", "smallest resolvable d
 TESTS_HEAD = ["claim", "score", "budget", "winner", "rival", "n", "diff", "ci_low", "ci_high", "p_value", "p_holm",
               "resolved"]
 _MEMO: dict[tuple[int, int, str | None], tuple[PairedResult, bool] | None] = {}
-# Adjusted p of a result (Holm over the family); the identity until main() has seen the whole family.
+# Adjusted p of a result (Holm over the family); the identity until claims_table() has seen the family.
 Adjust = Callable[[PairedResult], float]
 
 
@@ -55,8 +57,8 @@ def _raw(r: PairedResult) -> float:
 
 
 def compare(a: Entry, b: Entry, score: str | None = None) -> tuple[PairedResult, bool] | None:
-    """compare_entries, once per pair and score (main() builds the table twice: to gather the Holm family, then
-    with the adjusted p values)."""
+    """compare_entries, once per pair and score (claims_table() builds the table twice: to gather the Holm family,
+    then with the adjusted p values)."""
     key = (id(a), id(b), score)
     if key not in _MEMO:
         _MEMO[key] = compare_entries(a, b, score=score)
@@ -75,7 +77,8 @@ _ENTRIES: dict[str, list[Entry]] = {}
 
 
 def entries(root: Path) -> list[Entry]:
-    """The entries below `root`, read once (the same objects on both passes of main, so the memo of compare holds)."""
+    """The entries below `root`, read once (the same objects on both passes of claims_table, so the memo of compare
+    holds)."""
     if str(root) not in _ENTRIES:
         _ENTRIES[str(root)] = _read_entries(root)
     return _ENTRIES[str(root)]
@@ -167,7 +170,8 @@ def grid_text(e: Entry) -> str:
         return f"NIAH {'/'.join(map(str, lengths))} tokens x depths {'/'.join(f'{d:g}' for d in depths)} %"
     if e.task == "ruler":
         tasks, lengths = json.loads(s.get("task.tasks", "[]")), json.loads(s.get("task.lengths", "[]"))
-        return (f"RULER {'/'.join(map(str, lengths))} tokens, {', '.join(tasks) if len(tasks) <= 3 else f'{len(tasks)} tasks'}, "
+        named = ", ".join(tasks) if len(tasks) <= 3 else f"{len(tasks)} tasks"
+        return (f"RULER {'/'.join(map(str, lengths))} tokens, {named}, "
                 f"{s.get('task.num_samples')} sample(s) per task")
     return ""
 
@@ -176,7 +180,8 @@ def pairwise(name: str, paper: str, what: str, winner: dict[Any, Entry], others:
              extra: str = "", full: Entry | None = None, adjust: Adjust | None = None,
              tests: list[dict[str, Any]] | None = None) -> dict[str, str]:
     """One claim's row. `adjust`: the Holm-adjusted p of each result (default: Holm over this claim's own tests);
-    `tests`: where each paired test is appended (one claims_tests.csv row, p_holm and resolved filled by main)."""
+    `tests`: where each paired test is appended (one claims_tests.csv row, p_holm and resolved filled by
+    claims_table)."""
     if adjust is None:
         own: list[dict[str, Any]] = []
         pairwise(name, paper, what, winner, others, extra, full, _raw, own)
@@ -306,7 +311,7 @@ def streaming_mid_context(grid: list[Entry]) -> dict[str, str]:
             "graded score": "-"}
 
 
-def main(claim_runs: Path, niah_runs: Path, ruler_runs: Path, out: Path) -> list[dict[str, str]]:
+def claims_table(claim_runs: Path, niah_runs: Path, ruler_runs: Path, out: Path) -> list[dict[str, str]]:
     """Build the rows twice: first to gather the family (every paired test a verdict reads), then with each
     test's Holm-adjusted p."""
     family: list[dict[str, Any]] = []
@@ -331,12 +336,14 @@ def build(claim_runs: Path, niah_runs: Path, ruler_runs: Path, adjust: Adjust,
     rows.append(pw(
         "KeyDiff beats TOVA, SnapKV and H2O at equal budget under block-wise prompt processing", "KeyDiff",
         "NIAH grid, average over all samples", kd,
-        {p: pick(grid, p, "niah") for p in ("tova", "snapkv", "h2o")}, full=next(iter(pick(grid, "full").values()), None)))
+        {p: pick(grid, p, "niah") for p in ("tova", "snapkv", "h2o")},
+        full=next(iter(pick(grid, "full").values()), None)))
     if ruler:
         rows.append(pw(
             "KeyDiff beats TOVA, SnapKV and H2O at equal budget under block-wise prompt processing (RULER)", "KeyDiff",
             "RULER 4K, average", pick(ruler, "keydiff"),
-            {p: pick(ruler, p) for p in ("tova", "snapkv", "h2o")}, full=next(iter(pick(ruler, "full").values()), None)))
+            {p: pick(ruler, p) for p in ("tova", "snapkv", "h2o")},
+            full=next(iter(pick(ruler, "full").values()), None)))
     rows.append(streaming_mid_context(grid))
     grid_full = next(iter(pick(grid, "full", "niah").values()), None)
     # K-norm vs random.
@@ -412,24 +419,58 @@ def write(rows: list[dict[str, str]], tests: list[dict[str, Any]], table: dict[i
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r[h].replace("|", "/") for h in head) + " |" for r in rows]
     (out / "claims.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print("\n".join(lines))
     return rows
 
 
-def cli(argv: list[str] | None = None) -> int:
-    """The command line: --help prints the usage and exits 0. A runs directory that does not exist holds no runs
-    (its claims are "not run"; tables.sh passes "-" for a model without RULER runs)."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("claim_runs", type=Path, metavar="CLAIM_RUNS")
-    ap.add_argument("niah_runs", type=Path, metavar="NIAH_GRID_RUNS")
-    ap.add_argument("ruler_runs", type=Path, metavar="RULER_RUNS")
-    ap.add_argument("out", type=Path, metavar="OUT_DIR")
-    a = ap.parse_args(argv)
-    main(a.claim_runs, a.niah_runs, a.ruler_runs, a.out)
-    return 0
+RESOLVED = {"holds": 1, "reversed": -1, "does not hold": -1}
 
 
-if __name__ == "__main__":
-    sys.exit(cli())
+def verdict_words(text: str) -> str:
+    """The verdict words of a claims.csv cell: "holds: N=512 vs ..." -> "holds"; "-" or "" -> "not run"."""
+    text = (text or "").strip()
+    if text in ("", "-"):
+        return "not run"
+    return text.split(":", 1)[0].strip()
+
+
+def agreement(a: str, b: str, names: tuple[str, str]) -> str:
+    """Whether two models' verdicts on one score agree (see the module's docstring)."""
+    va, vb = RESOLVED.get(a.split(" (")[0]), RESOLVED.get(b.split(" (")[0])
+    if a == b == "not run":
+        return "not run"
+    if "not run" in (a, b):
+        return f"not run on {names[0] if a == 'not run' else names[1]}"
+    if va is not None and vb is not None:
+        return "agree" if va == vb else "disagree"
+    if va is not None or vb is not None:
+        return f"only {names[0] if va is not None else names[1]} resolves it"
+    return "neither resolves it"
+
+
+def read_claims(path: Path) -> dict[str, dict[str, str]]:
+    if not path.is_file():
+        raise ReportError(f"no claims table at {path} (kvbench-report --claims writes it)")
+    with path.open(encoding="utf-8") as f:
+        return {r["claim"]: r for r in csv.DictReader(f)}
+
+
+def side_by_side(path_a: Path, path_b: Path, names: tuple[str, str], out: Path) -> str:
+    """The markdown of two claims.csv files' verdicts side by side, written to `out`."""
+    a, b = read_claims(path_a), read_claims(path_b)
+    head = ["claim", f"{names[0]}: 0/100", f"{names[0]}: graded", f"{names[1]}: 0/100", f"{names[1]}: graded",
+            "0/100 score", "graded score"]
+    lines = [f"# The seed papers' claims on {names[0]} and {names[1]}", "",
+             f"Verdicts from `{path_a}` and `{path_b}` (kvbench-report --claims: paired tests at equal budget; "
+             "holds / reversed = resolved for / against the claim; the settings, n and numbers are in those "
+             "tables). The last two columns compare the two models' verdicts on each score.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for claim in [c for c in a if c in b] + [c for c in b if c not in a] + [c for c in a if c not in b]:
+        ra, rb = a.get(claim, {}), b.get(claim, {})
+        ha, hb = verdict_words(ra.get("holds?", "")), verdict_words(rb.get("holds?", ""))
+        ga, gb = verdict_words(ra.get("graded score", "")), verdict_words(rb.get("graded score", ""))
+        row = [claim, ha, ga, hb, gb, agreement(ha, hb, names), agreement(ga, gb, names)]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
+    text = "\n".join(lines) + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    return text
