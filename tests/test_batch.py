@@ -69,15 +69,8 @@ def _same(alone: Any, batched: Any) -> None:
         assert batched.answer_logprob == pytest.approx(alone.answer_logprob, rel=1e-9, abs=1e-12)
 
 
-_PYRAMID_CAPACITY = pytest.mark.xfail(strict=True, reason=(
-    "engine: the slot capacity comes from layer_budget(i, T), but PyramidKV's budgets grow with the tokens seen "
-    "(its first layer's share capped at seen - w), so alone its decoding outgrows the slots and overwrites held "
-    "tokens; in a batch with longer prompts it has room (test_pyramidkv_capacity_follows_its_growing_budget)"))
-
-
 @pytest.mark.parametrize("name, protocol", [
-    pytest.param(name, protocol, marks=[_PYRAMID_CAPACITY] if (name, protocol) == (
-        "pyramidkv", "prefill_once_decode_evict") else [], id=f"{name}-{protocol}")
+    pytest.param(name, protocol, id=f"{name}-{protocol}")
     for protocol in PROTOCOLS for name in POLICIES])
 def test_batched_equals_each_sample_alone(model64, name: str, protocol: str) -> None:
     alone = [generate(model64, j.policy, list(j.input_ids), j.settings, answer_ids=j.answer_ids)
@@ -97,7 +90,6 @@ def test_batched_equals_each_sample_alone(model64, name: str, protocol: str) -> 
     assert [b.batch_size for b in batched] == ([1, 1, 1, 1] if name == "random" else [4, 4, 4, 4])
 
 
-@_PYRAMID_CAPACITY
 def test_pyramidkv_capacity_follows_its_growing_budget(model64) -> None:
     """PyramidKV at N = 40 (window 8, F = 32) on 2 layers, a 64-token prompt in one forward, evicting while decoding:
     with seen >= 2F = 64 its first layer's share 2F - F / 20 = 62.4 is capped at seen - 8, so layer 0 keeps

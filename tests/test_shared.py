@@ -96,8 +96,6 @@ def test_batch_equals_separate_for_every_policy(model64, protocol: str) -> None:
     assert all(r.batch_kv_bytes_peak >= r.kv_bytes_peak for r in batched)
 
 
-@pytest.mark.xfail(strict=True, reason="engine: batch_kv_bytes_peak sums each row's own peak (kvbench/engine/"
-                   "generate.py _rows: sum(totals)), not the most the rows held at one time, as documented")
 def test_batch_kv_bytes_peak_is_the_rows_held_together(model64) -> None:
     """GenerationResult.batch_kv_bytes_peak: the most K+V bytes the batch's rows held together, by hand.
     StreamingLLM at N = 40 and N = 200, T = 101, B = 16, no new tokens; per KV head after each block (before its
@@ -224,8 +222,6 @@ def test_jobs_of_different_prompts(model64, protocol: str) -> None:
         _same(a, s, trace=a.prompt_tokens == T)
 
 
-@pytest.mark.xfail(strict=True, reason="engine: Batch.step appends a trace entry for every row at every forward, "
-                   "also for a row that only pads in it (its prompt has fewer blocks, or it is done decoding)")
 def test_a_shorter_rows_trace_is_its_own_forwards(model64) -> None:
     """Observer(trace=True) records the positions held before each of the run's own forwards: the 90-token prompt
     in blocks of 16 is 6 forwards (5 x 16 + 10), then 7 decoding steps (8 new tokens, the last never fed back):

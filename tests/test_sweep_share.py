@@ -157,8 +157,6 @@ def test_a_kill_mid_group_resumes_per_run_and_sample(separate: tuple[Path, Path]
     assert all("batch" not in r for r in records["snapkv_N64"])  # another class than keydiff: always alone
 
 
-@pytest.mark.xfail(strict=True, reason="engine: slot_key reads Policy.num_layers, which attach() sets on the first "
-                   "sample a policy runs, so a policy that has run samples never batches with one that has not")
 def test_a_resumed_groups_runs_batch_where_they_meet(separate: tuple[Path, Path], tmp_path: Path) -> None:
     # keydiff N = 4096 runs samples 0-2 alone (N = 64 had them from before the kill), sample 3 as a row with N = 64
     records = _kill_and_resume(separate, tmp_path)

@@ -123,6 +123,7 @@ class SlotCache(Cache):
         self.peak = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) most tokens a head held, over time
         # (b,) most tokens all layers' heads held together, over time (x bytes_per_head_token: the K+V bytes held)
         self.peak_total = torch.zeros(batch, dtype=torch.long, device=device)
+        self.peak_batch = torch.zeros((), dtype=torch.long, device=device)  # the most all rows held together
 
     # -- one forward ----------------------------------------------------------------------------------------------
     def begin(self, positions: torch.Tensor) -> None:
@@ -163,6 +164,7 @@ class SlotCache(Cache):
         held = self.held_now()  # (layers, b, h_kv)
         self.peak = torch.maximum(self.peak, held.amax(dim=(0, 2)))
         self.peak_total = torch.maximum(self.peak_total, held.sum(dim=(0, 2)))
+        self.peak_batch = torch.maximum(self.peak_batch, held.sum())
 
     def settle_state(self) -> None:
         """After a forward: the per-token state of its tokens in every evicting layer (`Policy.token_state`, one call),
@@ -223,6 +225,7 @@ class SlotCache(Cache):
                 other.where[layer] = (group, row)
         other.seen, other.fed, other.qpos = self.seen.clone(), self.fed.clone(), self.qpos.clone()
         other.peak, other.peak_total = self.peak.clone(), self.peak_total.clone()
+        other.peak_batch = self.peak_batch.clone()
         return other
 
     def bytes_per_head_token(self) -> int:

@@ -157,7 +157,7 @@ def slot_key(policy: Policy) -> tuple[Any, ...] | None:
         return None
     plain = (bool, int, float, str, tuple, frozenset, type(None))
     options = tuple(sorted((k, v) for k, v in vars(policy).items()
-                           if isinstance(v, plain) and k != "budget" and not k.startswith("_")))  # not its caches
+                           if isinstance(v, plain) and k not in ("budget", "num_layers") and not k.startswith("_")))
     return type(policy), options
 
 
@@ -227,7 +227,9 @@ class Batch:
             evicts = PROTOCOLS[s.protocol][1] and chunks[-1][2]  # context_only's question froze the cache
             limit = s.max_new_tokens if job.forced is None else min(s.max_new_tokens, len(job.forced))
             new = max(limit, len(job.answer_ids or ()))
-            budgets = [job.policy.layer_budget(i, T) for i in evicted_layers(text, job.policy)]
+            # the most a head may keep at any point of the run (PyramidKV's budgets move with the tokens seen)
+            budgets = [job.policy.layer_budget(i, seen) for i in evicted_layers(text, job.policy)
+                       for seen in {end for _, end, _ in chunks} | {T + new}]
             head = max([job.policy.head_capacity(b) for b in budgets if b is not None], default=T + new)
             keep = max(keep, capacity(chunks, head, new, evicts, widths))
             full = max(full, capacity(chunks, T + new, new, False, widths))  # the layers never evicted
@@ -278,7 +280,7 @@ class Batch:
                 self.seen[k] = span[1]
         ids, positions = ids.to(self.device), positions.to(self.device)
         for k, row in enumerate(self.rows):
-            if row.obs.trace and self.tracing:
+            if row.obs.trace and self.tracing and spans[k] is not None:  # the row's own forwards only
                 row.traces.append([p[k:k + 1].clone() for p in self.cache.layer_positions()])
         scored = [(0, 0, 0)] * len(spans) if phase == "decode" else [self._scored(k, s) for k, s in enumerate(spans)]
         keep = max(max(n for _, _, n in scored), 1)
@@ -445,9 +447,10 @@ def _rows(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
         batch.layer_tokens = (after_prompt[0] + 1).tolist()
     _decode(batch, logits)
     # one host read: the peaks and each layer's tokens per head at the first decoding step (its token included)
-    values = torch.cat([batch.cache.peak, batch.cache.peak_total, (after_prompt + 1).view(-1)]).tolist()
+    values = torch.cat([batch.cache.peak, batch.cache.peak_total, batch.cache.peak_batch.view(1),
+                        (after_prompt + 1).view(-1)]).tolist()
     K, per_token, width = len(jobs), batch.cache.bytes_per_head_token(), after_prompt.shape[1]
-    peaks, totals, tokens_at = values[:K], values[K:2 * K], values[2 * K:]
+    peaks, totals, together, tokens_at = values[:K], values[K:2 * K], values[2 * K], values[2 * K + 1:]
     out = []
     for k, r in enumerate(batch.rows):
         lm = _lm(r)
@@ -459,7 +462,7 @@ def _rows(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
             diagnostics=r.diag.summary() if r.diag is not None else None,
             layer_tokens=tokens_at[k * width:(k + 1) * width] if r.steps else None,
             answer_logprob=float(torch.stack(graded[k]).mean()) if graded[k] else None, graded_s=graded_s[k],
-            batch_size=K, batch_kv_bytes_peak=sum(totals) * per_token, lm_logprobs=lm[0], lm_correct=lm[1]))
+            batch_size=K, batch_kv_bytes_peak=together * per_token, lm_logprobs=lm[0], lm_correct=lm[1]))
     return out
 
 
