@@ -417,9 +417,9 @@ def test_preempted_job_resumes_cancelled_job_fails_fast_and_a_relaunch_finishes(
 @pytest.mark.slurm
 def test_a_group_is_one_array_task_and_its_runs_equal_separate_local_runs(cluster: None, tmp_path: Path) -> None:
     """policy=keydiff,tova budget=64,96 (runs differing only in policy and budget: one shared-work group) and
-    seed=0,1 (two groups): two array tasks, one CPU each, each running its four runs sample-major with shared prompt
-    forwards; every run's records equal the same job run locally alone (on one thread, as the tasks ran), timings
-    aside."""
+    seed=0,1 (two groups): two array tasks, one CPU each, each running its four runs sample-major, a policy's two
+    budgets as the rows of one cache; every run's records equal the same job run locally alone (on one thread, as
+    the tasks ran; float64, where two rows round as one), timings aside."""
     import torch
 
     from kvbench.run.app import Session
@@ -429,7 +429,7 @@ def test_a_group_is_one_array_task_and_its_runs_equal_separate_local_runs(cluste
     data = word_samples(tmp_path / "data.jsonl", 3, lambda i: " ".join(WORDS[(i + k) % 12] for k in range(50)),
                         max_new_tokens=4)
     sweep = tmp_path / "sweep"
-    job = ["model=tiny-llama", "task=jsonl", f"task.path={data}", "block=16", "progress=false"]
+    job = ["model=tiny-llama", "task=jsonl", f"task.path={data}", "block=16", "progress=false", "model.dtype=float64"]
     res = kvbench_main("-m", *LAUNCH[:3], "hydra.launcher.mem_gb=2", *job, "policy=keydiff,tova", "budget=64,96",
                        "seed=0,1", f"hydra.sweep.dir={sweep}",
                        "hydra.sweep.subdir=${hydra:runtime.choices.policy}_N${budget}_s${seed}")
@@ -456,10 +456,10 @@ def _compare_with_local(sweep: Path, tmp_path: Path, job: list[str], data: Path,
             for seed in (0, 1):
                 run = sweep / f"{policy}_N{budget}_s{seed}"
                 records = _lines(run / "predictions.jsonl")
-                assert {r["shared"]["with"] for r in records} == {4}  # the group's four runs, first blocks
+                assert {r["batch"]["size"] for r in records} == {2}  # the policy's two budgets, one cache
                 cfg = run_config(*job[:2], *job[3:], f"policy={policy}", f"budget={budget}", f"seed={seed}",
                                  "share=false", values={"task.path": str(data)})
                 local = tmp_path / "local" / run.name
                 run_members([Member(RunSettings.from_config(cfg), policy, local)], session)
-                assert _untimed([{k: v for k, v in r.items() if k != "shared"} for r in records]) == \
+                assert _untimed([{k: v for k, v in r.items() if k != "batch"} for r in records]) == \
                     _untimed(_lines(local / "predictions.jsonl"))
