@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             if all(rec.get(f) == ref.get(f) for f in FIELDS):
                 same += 1
                 continue
-            diffs.append(f"{sid}: tokens from {_first_diff(rec['tokens'], ref['tokens'])}, "
+            diffs.append(f"{sid}: tokens from {_first_diff(rec.get('tokens') or [], ref.get('tokens') or [])}, "
                          f"fields {', '.join(f for f in FIELDS if rec.get(f) != ref.get(f))}")
         rows.append((run, name, len(new), same, moved, diffs, took))
         differing.append({"run": run.as_posix(), "samples": len(new), "identical": same, "graded_moved": moved,
