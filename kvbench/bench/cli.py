@@ -18,6 +18,7 @@ from kvbench.bench.batch import (BATCH_POLICIES, WORKLOADS, batch_goal_lines, ba
 from kvbench.bench.goals import goal_lines, goals, goals_markdown, markdown_table
 from kvbench.bench.measure import CLOCKS, configurations, run_bench
 from kvbench.bench.sweep import DESIGNS, designs_from, run_sweep_bench, sweep_goal_lines, sweep_markdown
+from kvbench.bench.against import against
 from kvbench.bench.ops import count_ops, ops_markdown
 from kvbench.bench.setup import (BASELINES, COMPILED, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies,
                                  base_name, build_model, load_real_model, make_policy, prompt_ids)
@@ -99,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
                         "every policy against HF's own forward of the same block and step (kvbench.bench.ops): the "
                         "CPU proxy for a GPU's kernel launches; no timing. N = the first --budgets, B = --block, a "
                         "prompt of N + 3B tokens")
+    p.add_argument("--against", nargs=2, type=Path, default=None, metavar=("OLD", "NEW"),
+                   help="compare two kvbench-bench JSON files policy by policy (kvbench.bench.against): prompt and "
+                        "decoding times, now against earlier, and the goal lines (neither over 1.10x); runs nothing")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"with --batch: comma-separated from {', '.join(WORKLOADS)}")
     p.add_argument("--samples", type=int, default=None, help="with --batch: samples per workload (default: largest K)")
@@ -178,6 +182,13 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
 
     device = resolve_device(a.device)
     log = None if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    if a.against:
+        rows, table, lines = against(*a.against)
+        if not rows:
+            print("kvbench-bench: error: the two tables share no policy", file=sys.stderr)
+            return 2
+        return _write_rows(a, rows, lines, table, "kvbench-bench tables", device, log, time.perf_counter(),
+                           "policies", "two earlier measurements compared")
     try:
         if a.sweep:
             return _sweep(a, log)
@@ -262,7 +273,7 @@ def _ops(a: argparse.Namespace, model: Any, policies: list[str], budget: int, bl
     lines: at most 1.25x HF's for every policy, 1.10x for the ones that score from keys or positions alone."""
     length = budget + 3 * block
     ids = prompt_ids(length, model.config.get_text_config(decoder=True).vocab_size, None, a.seed)
-    names = [p for p in policies if p not in BASELINES and base_name(p) == p]
+    names = [p for p in dict.fromkeys(policies + [FLOOR]) if p not in (FULL, HF) and base_name(p) == p]
     rows = count_ops(model, lambda name: make_policy(name, budget, a.seed), names, budget, block, length, ids)
     lines = []
     for r in rows:
