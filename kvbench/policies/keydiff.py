@@ -45,6 +45,12 @@ class KeyDiff(Policy):
 
     def score(self, view: SlotView) -> torch.Tensor:
         k = view.keys.float()  # (L, b, h_kv, S, d)
+        if self.anchor in ("mean_normalized", "pairwise") and self.metric == "cosine":
+            # -cos(k_i, mean_j u_j) ranks a head's tokens as -(k_i . sum_j u_j) / |k_i| does (|anchor| and the count
+            # are one positive number per head): one norm and two products over the keys
+            inv = torch.linalg.vector_norm(k, dim=-1).clamp_min_(1e-12).reciprocal_()  # (L, b, h_kv, S)
+            anchor = torch.matmul((inv * view.held).unsqueeze(-2), k)  # (L, b, h_kv, 1, d): the held unit keys' sum
+            return torch.matmul(k, anchor.transpose(-1, -2)).squeeze(-1).mul_(inv).neg_()  # (L, b, h_kv, S)
         held = view.held.unsqueeze(-1)  # (L, b, h_kv, S, 1): the anchor is over the held keys only
         count = held.sum(dim=-2, keepdim=True).clamp_min(1)  # (L, b, h_kv, 1, 1)
         if self.anchor in ("mean_normalized", "pairwise"):
