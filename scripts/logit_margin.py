@@ -44,6 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     if committed is None:
         print(f"logit_margin: no sample '{a.sample}' in {pred}", file=sys.stderr)
         return 2
+    if not committed.get("tokens"):  # an LM-score task's record: no tokens generated, none to part
+        text = (f"`{a.run.as_posix()}`, sample `{a.sample}`: no generated tokens (a language-modelling score), so no "
+                "step where tokens part; its score moved (the table above).\n")
+        print(text)
+        if a.out:
+            a.out.write_text(text, encoding="utf-8")
+        return 0
     from kvbench.run.score import ScoreError, read_run_config
 
     try:
