@@ -62,7 +62,7 @@ def first_share(free: int, beta: float) -> Fraction:
 def schedule(budget: int, w: int, beta: float, n_layers: int, cap_seen: int | None) -> tuple[int, ...]:
     """Every layer's N_l (module doc) for n_layers >= 2 layers with at least 2F seen, the first layer's share capped
     at `cap_seen` - w when `cap_seen` is given. Exact rationals, each rounded half to even. Cached: the engine asks
-    for a layer's budget at every eviction (twice a layer per decoding step), and the rationals cost ~13 us a call."""
+    for every layer's budget at every eviction, and exact rationals are slow arithmetic."""
     free = budget - w
     high = first_share(free, beta) if cap_seen is None else Fraction(cap_seen - w)
     low = 2 * free - high  # the mean share stays F
