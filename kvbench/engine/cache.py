@@ -98,10 +98,7 @@ class SlotCache(Cache):
         self.evicting = _Group(evicted, batch, h_kv, h_q, capacity, d, dtype, device, policy.state_names, w) \
             if evicted else None
         self.full = _Group(kept, batch, h_kv, h_q, full_capacity, d, dtype, device, (), 0) if kept else None
-        self.where: dict[int, tuple[_Group, int]] = {}
-        for group in (self.evicting, self.full):
-            for row, layer in enumerate(group.layers if group is not None else []):
-                self.where[layer] = (group, row)
+        self.index()
         self.group_size = h_q // h_kv
         # attention computed explicitly (not by sdpa): for a policy that reads it, or a softcap sdpa does not have
         self.explicit = policy.needs_attention or bool(getattr(cfg, "attn_logit_softcapping", None))
@@ -124,6 +121,13 @@ class SlotCache(Cache):
         # (b,) most tokens all layers' heads held together, over time (x bytes_per_head_token: the K+V bytes held)
         self.peak_total = torch.zeros(batch, dtype=torch.long, device=device)
         self.peak_batch = torch.zeros((), dtype=torch.long, device=device)  # the most all rows held together
+
+    def index(self) -> None:
+        """`where`: each decoder layer's group and row in it (its buffers' views)."""
+        self.where: dict[int, tuple[_Group, int]] = {}
+        for group in (self.evicting, self.full):
+            for row, layer in enumerate(group.layers if group is not None else []):
+                self.where[layer] = (group, row)
 
     # -- one forward ----------------------------------------------------------------------------------------------
     def begin(self, positions: torch.Tensor) -> None:
@@ -219,10 +223,7 @@ class SlotCache(Cache):
         other.__dict__.update(self.__dict__)
         other.evicting = self.evicting.clone() if self.evicting is not None else None
         other.full = self.full.clone() if self.full is not None else None
-        other.where = {}
-        for group in (other.evicting, other.full):
-            for row, layer in enumerate(group.layers if group is not None else []):
-                other.where[layer] = (group, row)
+        other.index()
         other.seen, other.fed, other.qpos = self.seen.clone(), self.fed.clone(), self.qpos.clone()
         other.peak, other.peak_total = self.peak.clone(), self.peak_total.clone()
         other.peak_batch = self.peak_batch.clone()
