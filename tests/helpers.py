@@ -78,10 +78,22 @@ def make_view(keys: list, queries: list | None = None, values: list | None = Non
     return view
 
 
+def settle(policy: Any, view: SlotView) -> SlotView:
+    """`view` with the per-token state the engine would keep (`Policy.token_state` of every slot), where the test
+    gave none."""
+    if all(name in view.state for name in policy.state_names):
+        return view
+    slots = torch.arange(view.pos.shape[-1]).expand(view.pos.shape)
+    for name, value in policy.token_state(view, slots).items():
+        view.state.setdefault(name, value.float())
+    return view
+
+
 def kept(policy: Any, view: SlotView, budget: int | None = None) -> list[list[int]]:
     """Per KV head, the positions the engine's selection keeps of `view` (L = b = 1) at `budget` (default: the
     policy's layer budget), sorted."""
     n = budget if budget is not None else policy.layer_budget(view.layers[0], int(view.seen))
+    settle(policy, view)
     drop = select(policy, view, torch.tensor([[[n]]]))[0, 0]  # (h_kv, S)
     return [sorted(int(p) for p, d in zip(view.pos[0, 0, h].tolist(), drop[h].tolist()) if p >= 0 and not d)
             for h in range(view.pos.shape[2])]

@@ -4,8 +4,12 @@ Layout. The cache's layers form two groups of stacked buffers: the evicting laye
 uniform budget, sized by the run's plan, `capacity`) and the layers the policy never evicts (as many slots as the run
 has tokens). A group holds keys and values (L, b, h_kv, S, d), each slot's absolute position (L, b, h_kv, S) int64
 (-1: free), each per-token policy state (L, b, h_kv, S) float32, and for a policy that scores with queries the latest
-w queries (L, b, h_q, w, d). A decoder layer's cache is a view of its group's row. Nothing ever changes shape, so a
-forward (and its eviction) can be one compiled graph.
+w queries (L, b, h_q, w, d), the query at position p in ring slot p % w; for a policy that reads their attention
+(`Policy.query_window` w > 0) also each stored query's attention probabilities over the slots (L, b, h_q, w, S), as
+computed when the query entered (`SlotView.attention` renormalises them over the slots still held: evictions only
+remove keys, and a key written later is after every stored query, so its entries are set to 0). A decoder layer's
+cache is a view of its group's row. Nothing ever changes shape, so a forward (and its eviction) can be one compiled
+graph.
 
 A forward of t tokens writes them into each head's first t free slots (`free_slots`), with their positions; attention
 runs over all S slots with a mask built from the positions (held, and not after the query: causal); eviction ranks the
@@ -33,7 +37,7 @@ class _Group:
     """The stacked buffers of the layers with one capacity."""
 
     def __init__(self, layers: list[int], b: int, h_kv: int, h_q: int, S: int, d: int, dtype: torch.dtype,
-                 device: torch.device, states: tuple[str, ...], window: int) -> None:
+                 device: torch.device, states: tuple[str, ...], window: int, attention: bool) -> None:
         L = len(layers)
         self.layers = layers
         self.keys = torch.zeros(L, b, h_kv, S, d, dtype=dtype, device=device)
@@ -41,6 +45,8 @@ class _Group:
         self.pos = torch.full((L, b, h_kv, S), -1, dtype=torch.long, device=device)
         self.state = {name: torch.zeros(L, b, h_kv, S, device=device) for name in states}
         self.queries = torch.zeros(L, b, h_q, window, d, dtype=dtype, device=device) if window else None
+        # one ring slot more than the window: where a padding query's row goes (never read)
+        self.probs = torch.zeros(L, b, h_q, window + 1, S, device=device) if window and attention else None
         self.rows()
         self.write: torch.Tensor | None = None  # (L, b, h_kv, t) the slots this forward's tokens go into
         # per layer, set by `SlotCache.begin` for a forward: the write index over K/V (b, h_kv, t, d), and the
@@ -48,7 +54,6 @@ class _Group:
         self.write_kv: tuple[torch.Tensor, ...] = ()
         self.visible: tuple[torch.Tensor, ...] = ()
         self.masks: tuple[torch.Tensor, ...] = ()
-        self.bias: tuple[torch.Tensor, ...] = ()
 
     def rows(self) -> None:
         """Each layer's views of the stacked buffers, made once (a layer's forward then indexes nothing)."""
@@ -62,6 +67,7 @@ class _Group:
         other.keys, other.values, other.pos = self.keys.clone(), self.values.clone(), self.pos.clone()
         other.state = {k: v.clone() for k, v in self.state.items()}
         other.queries = None if self.queries is None else self.queries.clone()
+        other.probs = None if self.probs is None else self.probs.clone()
         other.rows()
         return other
 
@@ -76,15 +82,18 @@ def evicted_layers(cfg: Any, policy: Policy) -> list[int]:
 
 
 def free_slots(pos: torch.Tensor, t: int) -> torch.Tensor:
-    """(..., S) positions -> (..., t) the first t free slots of each head, in slot order."""
-    return (pos >= 0).to(torch.uint8).argsort(dim=-1, stable=True)[..., :t]
+    """(..., S) positions -> (..., t) the first t free slots of each head, in slot order: the j-th free slot is the
+    first where the running count of free slots reaches j (a binary search per token, no sort)."""
+    free = (pos < 0).long().cumsum(dim=-1)  # (..., S) nondecreasing
+    want = torch.arange(1, t + 1, device=pos.device).expand(*pos.shape[:-1], t).contiguous()
+    return torch.searchsorted(free, want)
 
 
 class SlotCache(Cache):
     """A static, policy-managed cache for `b` runs (batch rows) of one model and one policy (module doc)."""
 
     def __init__(self, model: Any, policy: Policy, batch: int, capacity: int, full_capacity: int,
-                 window: int = 0) -> None:
+                 window: int = 0, attention: bool = False) -> None:
         super().__init__(layers=[])
         cfg = model.config.get_text_config(decoder=True)
         n, h_kv, h_q = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads
@@ -94,10 +103,10 @@ class SlotCache(Cache):
         dtype, device = model.dtype, model.device
         evicted = evicted_layers(cfg, policy)
         kept = [i for i in range(n) if i not in evicted]
-        w = window  # the query ring's length (Policy.query_window)
-        self.evicting = _Group(evicted, batch, h_kv, h_q, capacity, d, dtype, device, policy.state_names, w) \
-            if evicted else None
-        self.full = _Group(kept, batch, h_kv, h_q, full_capacity, d, dtype, device, (), 0) if kept else None
+        w = window  # the query ring's length (Policy.query_window); `attention`: keep the stored queries' attention
+        self.evicting = _Group(evicted, batch, h_kv, h_q, capacity, d, dtype, device, policy.state_names, w,
+                               attention) if evicted else None
+        self.full = _Group(kept, batch, h_kv, h_q, full_capacity, d, dtype, device, (), 0, False) if kept else None
         self.index()
         self.group_size = h_q // h_kv
         # attention computed explicitly (not by sdpa): for a policy that reads it, or a softcap sdpa does not have
@@ -107,7 +116,10 @@ class SlotCache(Cache):
         self.fed = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens of the last forward
         self.qpos = torch.full((batch, max(w, 1)), -1, dtype=torch.long, device=device)  # (b, w) stored queries'
         self.positions: torch.Tensor | None = None  # (b, t) the current forward's positions
-        self.ring: torch.Tensor | None = None  # (b, h_q, w, d) where the query ring's entries come from (`begin`)
+        # set by `begin`: the ring slots (b, m) the forward's last m = min(t, w) queries go to, and which of them are
+        # real tokens (padding leaves its slot as it was)
+        self.ring: torch.Tensor | None = None
+        self.ring_real: torch.Tensor | None = None
         # each decoder layer's tokens per KV head (its fullest head) at the first decoding step, the step's token
         # included, set by the loop once that step is done (kvbench-bench sizes HF's reference cache by it)
         self.layer_tokens: list[int] | None = None
@@ -134,6 +146,8 @@ class SlotCache(Cache):
         """Before a forward of positions (b, t): where each layer's new tokens go, and the query positions."""
         b, t = positions.shape
         self.positions = positions
+        self.fed.copy_((positions >= 0).sum(dim=1))  # padding is not seen
+        self.seen.add_(self.fed)
         for group in (self.evicting, self.full):
             if group is None:
                 continue
@@ -142,26 +156,25 @@ class SlotCache(Cache):
             group.pos.scatter_(-1, group.write, positions.view(1, b, 1, t).expand(L, b, h_kv, t))
             for state in group.state.values():
                 state.scatter_(-1, group.write, 0.0)
+            if group.probs is not None:  # no stored query sees the new tokens (they are later)
+                _, _, h_q, w, _ = group.probs.shape
+                slots = group.write.repeat_interleave(h_q // h_kv, dim=2).unsqueeze(3)  # (L, b, h_q, 1, t)
+                group.probs.scatter_(-1, slots.expand(L, b, h_q, w, t), 0.0)
             group.write_kv = group.write.unsqueeze(-1).expand(L, b, h_kv, t, d).unbind(0)
             pos = group.pos.unsqueeze(3)  # (L, b, h_kv, 1, S)
             query = positions.view(1, b, 1, t, 1)
-            # held and not after the query; a padding token (PAD) sees the padding (never a held token)
-            visible = ((pos <= query) & (pos >= 0)) | (pos == query)  # (L, b, h_kv, t, S)
+            # held (0 <= pos) and not after the query; a padding token (PAD) sees the padding (PAD <= pos <= PAD), never
+            # a held token
+            visible = (pos <= query) & (pos >= query.clamp(max=0))  # (L, b, h_kv, t, S)
             group.visible = visible.unbind(0)
             group.masks = visible.repeat_interleave(self.group_size, dim=2).unbind(0)  # (b, h_q, t, S) each
-            if self.explicit:  # the same as an additive float32 bias for explicit attention: (b, h_kv, 1, t, S) each
-                bias = torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf)
-                group.bias = bias.unsqueeze(3).unbind(0)
-        # the query ring keeps each row's latest w real queries (a padded forward's padding never enters it)
+        # the query ring: the forward's last m = min(t, w) queries go to ring slots (position % w), the real ones
+        # only (a row's positions are consecutive, ending at seen - 1; padding's slots keep what they hold)
         w = self.qpos.shape[1]
-        both = torch.cat([self.qpos, positions], dim=1)  # (b, w + t)
-        ring = (both != PAD).to(torch.uint8).argsort(dim=1, stable=True)[:, -w:]  # (b, w)
-        self.qpos.copy_(both.gather(1, ring))
-        if self.evicting is not None and self.evicting.queries is not None:
-            _, _, h_q, _, d = self.evicting.queries.shape
-            self.ring = ring.view(b, 1, w, 1).expand(b, h_q, w, d)
-        self.fed.copy_((positions >= 0).sum(dim=1))  # padding is not seen
-        self.seen.add_(self.fed)
+        m = min(t, w)
+        self.ring = (self.seen.view(b, 1) - m + torch.arange(m, device=positions.device)).remainder(w)  # (b, m)
+        self.ring_real = positions[:, t - m:] >= 0  # (b, m)
+        put(self.qpos, 1, self.ring, positions[:, t - m:], self.ring_real)
 
     def end(self) -> None:
         """After a forward, before its eviction: the peaks of tokens held."""
@@ -170,14 +183,29 @@ class SlotCache(Cache):
         self.peak_total = torch.maximum(self.peak_total, held.sum(dim=(0, 2)))
         self.peak_batch = torch.maximum(self.peak_batch, held.sum())
 
-    def settle_state(self) -> None:
-        """After a forward: the per-token state of its tokens in every evicting layer (`Policy.token_state`, one call),
-        written at their slots (`begin` set it to 0)."""
+    def settle(self) -> None:
+        """After a forward, for every evicting layer at once: the attention rows of the queries that entered the ring
+        (over the slots they saw: every one held now) and the per-token state of its tokens (`Policy.token_state`,
+        one call), written at their slots (`begin` set it to 0)."""
         g = self.evicting
-        if g is None or not self.policy.state_names:
+        if g is None:
             return
-        for name, new in self.policy.token_state(self.view(), g.write).items():
-            g.state[name].scatter_(-1, g.write, new.float())
+        if g.probs is not None and self.ring is not None:
+            L, b, h_q, w, S = g.probs.shape
+            w -= 1  # the spare slot
+            d, m = g.queries.shape[-1], self.ring.shape[1]  # type: ignore[union-attr]
+            h_kv = g.keys.shape[2]
+            query = g.queries.gather(3, self.ring.view(1, b, 1, m, 1).expand(L, b, h_q, m, d))  # type: ignore[union-attr]
+            qpos = self.qpos.gather(1, self.ring).view(1, b, 1, m, 1)
+            pos = g.pos.unsqueeze(3)  # (L, b, h_kv, 1, S)
+            visible = ((pos <= qpos) & (pos >= 0)).view(L * b, h_kv, 1, m, S)
+            rows = probabilities(query.flatten(0, 1), g.keys.flatten(0, 1), visible, self.scaling, self.softcap,
+                                 self.zero)  # (L * b, h_kv, g, m, S)
+            slots = torch.where(self.ring_real, self.ring, w)  # (b, m): padding's rows to the spare ring slot
+            g.probs.scatter_(3, slots.view(1, b, 1, m, 1).expand(L, b, h_q, m, S), rows.view(L, b, h_q, m, S).float())
+        if self.policy.state_names:
+            for name, new in self.policy.token_state(self.view(), g.write).items():
+                g.state[name].scatter_(-1, g.write, new.float())
 
     def held_now(self) -> torch.Tensor:
         """(n, b, h_kv): the tokens each head of each layer holds (the evicting layers first)."""
@@ -207,7 +235,8 @@ class SlotCache(Cache):
         return SlotView(decoding=self.decoding, keys=g.keys, values=g.values, pos=g.pos, seen=self.seen, fed=self.fed,
                         layers=tuple(g.layers), scaling=self.scaling, softcap=self.softcap, queries=g.queries,
                         qpos=self.qpos if g.queries is not None else None, state=g.state,
-                        modules=self.row_modules)
+                        modules=self.row_modules,
+                        probs=g.probs[:, :, :, :-1] if g.probs is not None else None)
 
     def decode_tokens(self) -> list[int] | None:
         """`layer_tokens` (of the first batch row: the benchmark's HF reference runs beside a run alone)."""
@@ -289,40 +318,43 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
         visible = visible & (pos > cache.positions.view(b, 1, t, 1) - window)
         mask = visible.repeat_interleave(h_q // h_kv, dim=1)
     policy = cache.policy
-    if group is cache.evicting:
-        if group.queries is not None:
-            ring = group.q_rows[row]  # (b, h_q, w, d)
-            ring.copy_(torch.cat([ring, query], dim=2).gather(2, cache.ring))
-    if window and cache.explicit:
-        bias = torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf).unsqueeze(2)
-    else:
-        bias = group.bias[row] if cache.explicit else None
-    if policy.needs_attention and group is cache.evicting:
-        # what each slot received from the forward's queries, summed over them and the KV head's query heads
-        received = probabilities(query, key, bias, scaling, softcap, cache.zero).sum(dim=(2, 3))  # (b, h_kv, S)
-        policy.on_attention(group.state_rows, row, received)
-    if softcap:  # sdpa has none: the output from the probabilities, in the input dtype (as sdpa's kernels)
-        probs = probabilities(query, key, bias, scaling, softcap, cache.zero)  # (b, h_kv, g, t, S)
-        out = torch.bmm(probs.to(value.dtype).flatten(0, 1).flatten(1, 2), value.flatten(0, 1))
-        return out.view(b, h_q, t, -1).transpose(1, 2), None  # (b, t, h_q, d)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2), None
+    if group is cache.evicting and group.queries is not None:  # the forward's last queries enter the ring
+        m = cache.ring.shape[1]
+        put(group.q_rows[row], 2, cache.ring.view(b, 1, m, 1).expand(b, h_q, m, d), query[:, :, t - m:],
+            cache.ring_real.view(b, 1, m, 1))
+    attends = policy.needs_attention and group is cache.evicting
+    if not (attends or softcap):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
+    # explicit (sdpa has no softcap; a policy reads the probabilities): the output from them, in the input dtype (as
+    # sdpa's kernels)
+    probs = probabilities(query, key, visible.unsqueeze(2), scaling, softcap, cache.zero)  # (b, h_kv, g, t, S)
+    if attends:  # what each slot received from the forward's queries, summed over them and the KV head's query heads
+        policy.on_attention(group.state_rows, row, probs.sum(dim=(2, 3)))  # (b, h_kv, S)
+    out = torch.bmm(probs.to(value.dtype).flatten(0, 1).flatten(1, 2), value.flatten(0, 1))
+    return out.view(b, h_q, t, -1).transpose(1, 2), None  # (b, t, h_q, d)
 
 
-def probabilities(query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor, scaling: float,
+def put(ring: torch.Tensor, dim: int, slots: torch.Tensor, new: torch.Tensor, real: torch.Tensor) -> None:
+    """Write `new` into `ring` at `slots` (new's shape) along `dim`, where `real` (broadcast to it); elsewhere a
+    slot keeps its value (a padding token leaves the query ring as it was)."""
+    ring.scatter_(dim, slots, torch.where(real, new, ring.gather(dim, slots)))
+
+
+def probabilities(query: torch.Tensor, key: torch.Tensor, visible: torch.Tensor, scaling: float,
                   softcap: float | None, zero: torch.Tensor) -> torch.Tensor:
-    """(b, h_kv, g, t, S) float32 attention probabilities of queries (b, h_q, t, d) over keys (b, h_kv, S, d), `bias`
-    (b, h_kv, 1, t, S) 0 where visible, -inf elsewhere: the model's scale fused into the product, its softcap,
-    softmax (float32 whatever the model's dtype, as sdpa's kernels accumulate)."""
+    """(b, h_kv, g, t, S) attention probabilities of queries (b, h_q, t, d) over keys (b, h_kv, S, d) where `visible`
+    (b, h_kv, 1, t, S): the model's scale fused into the product, its softcap, softmax (at least float32 whatever the
+    model's dtype, as sdpa's kernels accumulate)."""
     b, h_q, t, d = query.shape
     h_kv, S = key.shape[1], key.shape[2]
-    q = query if query.dtype == torch.float32 else query.float()
-    k = key if key.dtype == torch.float32 else key.float()
-    logits = torch.baddbmm(zero, q.reshape(b * h_kv, h_q // h_kv * t, d), k.flatten(0, 1).transpose(1, 2), beta=0.0,
+    dtype = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64 (the reference)
+    q, k = query.to(dtype), key.to(dtype)
+    logits = torch.baddbmm(zero.to(dtype), q.reshape(b * h_kv, h_q // h_kv * t, d), k.flatten(0, 1).transpose(1, 2), beta=0.0,
                            alpha=scaling).view(b, h_kv, h_q // h_kv, t, S)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    return torch.softmax(logits.add_(bias), dim=-1)
+    return torch.softmax(logits.masked_fill_(~visible, -math.inf), dim=-1)
 
 
 def install(model: Any) -> None:

@@ -58,7 +58,7 @@ class Diagnostics:
         held = view.pos[:, row] >= 0  # (L, h_kv, S)
         kept = keep[:, row]
         dropped = (held & ~kept).flatten(1).any(dim=1).tolist()  # (L,)
-        probs = view.attention()[:, row, :, -1] if any(n in _QUERY_NAMES for n in self.names) else None  # (L, h_q, S)
+        probs = view.latest_attention()[:, row] if any(n in _QUERY_NAMES for n in self.names) else None  # (L, h_q, S)
         for i, layer in enumerate(view.layers):
             if not dropped[i]:
                 continue

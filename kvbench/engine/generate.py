@@ -187,7 +187,7 @@ def _forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.T
     """ids (K, t) at positions (K, t) -> logits (K, keep, vocab) of the last positions; then the eviction when
     `counts` (L, K, 1) is given (with it in one graph when compiled)."""
     logits = forward(model, cache, ids, positions, keep)
-    cache.settle_state()
+    cache.settle()
     cache.end()  # the peaks held: before the eviction
     if counts is not None:
         evict(cache, counts)
@@ -220,7 +220,7 @@ class Batch:
         # each prompt round's forward: the widest row's (compiled: at least a block, the one graph's shape)
         floor = max(job.settings.block or 0 for job in jobs) if self.compiled else 0
         widths = [max([p[i][1] - p[i][0] for p in plans if i < len(p)] + [floor]) for i in range(max(map(len, plans)))]
-        keep, full, window = 1, 1, 0
+        keep, full, window, attention = 1, 1, 0, False
         for job, chunks in zip(jobs, plans):
             s, T = job.settings, len(job.input_ids)
             job.policy.attach(n)
@@ -235,6 +235,7 @@ class Batch:
             full = max(full, capacity(chunks, T + new, new, False, widths))  # the layers never evicted
             w = job.policy.query_window
             window = max(window, max(e - b for b, e, _ in chunks) if w < 0 else w, 1 if s.diagnostics else 0)
+            attention = attention or w > 0 or bool(s.diagnostics)  # the stored queries' attention is read
             seq = torch.tensor([list(job.input_ids) + [0] * max(limit, 0)], device=self.device)  # (1, T + limit)
             processors = greedy_processors(model, seq[:, :T], sorted(set(s.stop_ids)), s.min_new_tokens,
                                            s.max_new_tokens)
@@ -243,7 +244,7 @@ class Batch:
         if self.compiled:  # fewer shapes, fewer graphs: whole blocks (`step` pads the last), capacities rounded up
             keep += -keep % 64
             full += -full % 256
-        self.cache = SlotCache(model, jobs[0].policy, len(jobs), keep, full, window)
+        self.cache = SlotCache(model, jobs[0].policy, len(jobs), keep, full, window, attention)
         self.seen = [0] * len(jobs)  # each row's tokens so far, on the host (its layers' budgets)
         self.layer_tokens: list[int] | None = None  # the first row's SlotCache.layer_tokens, known after the prompt
         self.tracing = True  # Observer.trace records the run's forwards (not its graded branch's)

@@ -77,8 +77,8 @@ class CriticalKV(Policy):
         """The value norms of a forward's t new tokens in every evicting layer (L, b, h_kv, t), read from the value
         buffers at their `slots` (L, b, h_kv, t): every layer's query heads in one batched product, in chunks of layers
         whose (b, h_q, t, hidden) intermediates stay within 64 MiB."""
-        L, b, h_kv, S, d = view.values.shape
-        new = view.values.gather(3, slots.unsqueeze(-1).expand(L, b, h_kv, slots.shape[-1], d))  # (L, b, h_kv, t, d)
+        new = view.written(view.values, slots)  # (L, b, h_kv, t, d)
+        L, b = new.shape[:2]
         w = self.head_columns(view)  # (L, 1, h_kv, g, d, hidden)
         per_layer = b * w.shape[3] * slots.shape[-1] * w.shape[-1] * 4
         step = max(1, (64 << 20) // per_layer)

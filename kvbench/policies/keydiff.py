@@ -30,6 +30,7 @@ METRICS = ("cosine", "dot", "euclidean")
 
 class KeyDiff(Policy):
     name = "keydiff"
+    state_names = ("inv_norm",)  # 1 / |k|, computed once when the key enters the cache
 
     def __init__(self, anchor: str = "mean_normalized", metric: str = "cosine", recent_ratio: float = 0.0,
                  budget: int | None = None, **kwargs) -> None:
@@ -43,12 +44,16 @@ class KeyDiff(Policy):
         n_recent = math.floor(self.recent_ratio * budget) if budget else 0
         super().__init__(budget=budget, n_recent=n_recent, **kwargs)
 
+    def token_state(self, view: SlotView, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        norm = torch.linalg.vector_norm(view.written(view.keys, slots).float(), dim=-1)  # (L, b, h_kv, t)
+        return {"inv_norm": norm.clamp_min_(1e-12).reciprocal_()}
+
     def score(self, view: SlotView) -> torch.Tensor:
         k = view.keys.float()  # (L, b, h_kv, S, d)
         if self.anchor in ("mean_normalized", "pairwise") and self.metric == "cosine":
             # -cos(k_i, mean_j u_j) ranks a head's tokens as -(k_i . sum_j u_j) / |k_i| does (|anchor| and the count
-            # are one positive number per head): one norm and two products over the keys
-            inv = torch.linalg.vector_norm(k, dim=-1).clamp_min_(1e-12).reciprocal_()  # (L, b, h_kv, S)
+            # are one positive number per head): two products over the keys
+            inv = view.state["inv_norm"]  # (L, b, h_kv, S)
             anchor = torch.matmul((inv * view.held).unsqueeze(-2), k)  # (L, b, h_kv, 1, d): the held unit keys' sum
             return torch.matmul(k, anchor.transpose(-1, -2)).squeeze(-1).mul_(inv).neg_()  # (L, b, h_kv, S)
         held = view.held.unsqueeze(-1)  # (L, b, h_kv, S, 1): the anchor is over the held keys only

@@ -18,9 +18,13 @@ if TYPE_CHECKING:
 
 class KNorm(Policy):
     name = "knorm"
+    state_names = ("norm",)  # a key's L2 norm, computed once when it enters the cache
 
     def __init__(self, skip_layers: Sequence[int] = (0, 1), **kwargs) -> None:
         super().__init__(skip_layers=skip_layers, **kwargs)
 
+    def token_state(self, view: SlotView, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"norm": torch.linalg.vector_norm(view.written(view.keys, slots).float(), dim=-1)}  # (L, b, h_kv, t)
+
     def score(self, view: SlotView) -> torch.Tensor:
-        return -torch.linalg.vector_norm(view.keys.float(), dim=-1)  # (L, b, h_kv, S)
+        return -view.state["norm"]  # (L, b, h_kv, S)

@@ -37,7 +37,7 @@ class SnapKV(Policy):
         """(L, b, h_q, S) the window's mean attention per query head, pooled along the sequence: the slots in position
         order (free slots, all 0, first: zero padding), the window's own attention left out of its neighbours' (its
         tokens are protected)."""
-        probs = view.attention().mean(dim=-2)  # (L, b, h_q, S)
+        probs = view.mean_attention()  # (L, b, h_q, S)
         g = probs.shape[2] // view.pos.shape[2]
         window = (view.pos >= view.seen.view(1, -1, 1, 1) - self.window).repeat_interleave(g, dim=2)
         order = view.position_order().repeat_interleave(g, dim=2)  # (L, b, h_q, S)

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+_TINY = torch.finfo(torch.float32).tiny  # a row's mass when it holds nothing (its probabilities are then 0)
+
 
 @dataclass
 class SlotView:
@@ -25,8 +27,12 @@ class SlotView:
     layers: tuple[int, ...]  # the decoder layer of each of the L rows
     scaling: float  # the model's attention scale
     softcap: float | None = None
-    queries: torch.Tensor | None = None  # (L, b, h_q, w, d) the latest w queries (Policy.query_window), post-RoPE
+    # (L, b, h_q, w, d) the latest w queries (Policy.query_window), post-RoPE, the one at position p in ring slot p % w
+    queries: torch.Tensor | None = None
     qpos: torch.Tensor | None = None  # (b, w) int64 their positions, -1: no query there yet
+    # (L, b, h_q, w, S) float32 each stored query's attention probabilities over the slots as computed when it entered
+    # (0 for the slots it does not see), kept by the engine; None: `attention` computes them from the queries
+    probs: torch.Tensor | None = None
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (L, b, h_kv, S) float32 per-token state
     modules: tuple[Any, ...] = ()  # the attention module of each row's layer
     decoding: bool = False  # the eviction after a decoding step (else after a prompt forward)
@@ -61,11 +67,39 @@ class SlotView:
     def attention(self) -> torch.Tensor:
         """(L, b, h_q, w, S) float32 attention probabilities of the stored queries over the slots: a query sees the
         held slots at positions up to its own; the model's scale and softcap; a query slot not filled yet (qpos -1)
-        gets zeros."""
+        gets zeros. From the engine's stored rows (`probs`) renormalised over the slots held now: the softmax over
+        fewer keys, the same values up to float rounding (a different order of the sums, one division more)."""
+        rows, held = self.attention_rows()
+        return rows * (held / rows.mul(held).sum(dim=-1, keepdim=True).clamp_min(_TINY))
+
+    def mean_attention(self) -> torch.Tensor:
+        """(L, b, h_q, S) `attention()` averaged over the stored queries (SnapKV's observation window), as one product
+        over the stored rows: sum_r rows_r / (w * mass_r), mass_r = the row's sum over the slots held."""
+        rows, held = self.attention_rows()  # (L, b, h_q, w, S), (L, b, h_q, 1, S)
+        L, b, h_q, w, S = rows.shape
+        flat = rows.reshape(L * b * h_q, w, S)
+        mass = torch.bmm(flat, held.reshape(L * b * h_q, S, 1))  # (R, w, 1)
+        weight = mass.clamp_min(_TINY).reciprocal().mul_(1.0 / w).transpose(1, 2)  # (R, 1, w)
+        return torch.bmm(weight, flat).view(L, b, h_q, S) * held.view(L, b, h_q, S)
+
+    def latest_attention(self) -> torch.Tensor:
+        """(L, b, h_q, S) `attention()` of each row's latest query (the stored one at the highest position)."""
+        rows, held = self.attention_rows()
+        L, b, h_q, w, S = rows.shape
+        slot = self.qpos.argmax(dim=1).view(1, b, 1, 1, 1).expand(L, b, h_q, 1, S)  # type: ignore[union-attr]
+        last = rows.gather(3, slot) * held  # (L, b, h_q, 1, S)
+        return (last / last.sum(dim=-1, keepdim=True).clamp_min(_TINY)).squeeze(3)
+
+    def attention_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored queries' rows (L, b, h_q, w, S), the engine's (`probs`) or computed from the queries (a view
+        built by hand), and the held slots (L, b, h_q, 1, S) float32."""
         assert self.queries is not None and self.qpos is not None, "the policy declares no query_window"
         L, b, h_q, w, d = self.queries.shape
         h_kv, S = self.keys.shape[2], self.keys.shape[3]
         g = h_q // h_kv
+        held = self.held.repeat_interleave(g, dim=2).unsqueeze(3).float()  # (L, b, h_q, 1, S)
+        if self.probs is not None:
+            return self.probs, held
         q = self.queries.float().reshape(L * b * h_kv, g * w, d)
         k = self.keys.float().reshape(L * b * h_kv, S, d)
         logits = torch.baddbmm(q.new_zeros(()), q, k.transpose(1, 2), beta=0.0, alpha=self.scaling)
@@ -75,7 +109,12 @@ class SlotView:
         qpos = self.qpos.view(1, b, 1, 1, w, 1)
         visible = (self.pos.view(L, b, h_kv, 1, 1, S) <= qpos) & self.held.view(L, b, h_kv, 1, 1, S)
         probs = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1).nan_to_num_(0.0)  # unfilled: 0
-        return probs.view(L, b, h_q, w, S)
+        return probs.view(L, b, h_q, w, S), held
+
+    def written(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """(L, b, h_kv, t, d): the entries of a slot buffer `x` (L, b, h_kv, S, d) (`keys`, `values`) at `slots`
+        (L, b, h_kv, t): a forward's new tokens, for `Policy.token_state`."""
+        return x.gather(3, slots.unsqueeze(-1).expand(*slots.shape, x.shape[-1]))
 
     def group_mean(self, x: torch.Tensor) -> torch.Tensor:
         """(L, b, h_q, ...) -> (L, b, h_kv, ...): the mean over each KV head's query heads (GQA)."""
@@ -90,15 +129,16 @@ class SlotView:
 
 
 def ranks(scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """(..., n) each entry's rank in its row by `scores` (..., n), highest first (0); ties go to the earlier token:
-    the lower position when `positions` (..., n) are given, else the lower index. Two stable sorts, so a ranking never
+    """(..., n) each entry's rank in its row by `scores` (..., n) taken in float32, highest first (0); ties go to the
+    earlier token: the lower position when `positions` (..., n) (at least PAD) are given, else the lower index. One
+    sort of a key that holds both (the score's order-preserving bits above, the tie-break below), so a ranking never
     depends on how a kernel orders equal scores (HashEvict's Hamming scores tie all the time)."""
     n = scores.shape[-1]
-    if positions is None:
-        order = scores.argsort(dim=-1, descending=True, stable=True)
-    else:
-        by_position = positions.argsort(dim=-1)
-        order = by_position.gather(-1, scores.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True))
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 is 0.0
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: ordered as the floats
+    later = positions + 2 if positions is not None else torch.arange(n, device=scores.device).expand(scores.shape)
+    key = bits * (1 << 32) + ((1 << 32) - 1 - later)  # the earlier token is the larger key
+    order = key.argsort(dim=-1, descending=True)
     return torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
 
 
