@@ -22,7 +22,7 @@ from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.sagekv import SageKV
 from kvbench.policies.view import SlotView
 
-from helpers import held_counts, installed_model, kept, make_view, run_config
+from helpers import held_counts, installed_model, kept, make_view, run_config, settle
 from float64_reference import reference_logits
 
 
@@ -228,7 +228,8 @@ HASH_KEYS = [[[-1.0, -1.0], [1.0, 1.0], [-1.0, 1.0], [1.0, -1.0], [-1.0, -1.0]]]
 
 def hash_view(policy: HashEvict, queries: list | None) -> SlotView:
     policy.projections[0, 2] = torch.eye(2)
-    return make_view(HASH_KEYS, queries)  # every token (and query) is the last forward's: the probe's
+    # every token (and query) is the last forward's: the probe's; each key's code hashed as the engine does
+    return settle(policy, make_view(HASH_KEYS, queries))
 
 
 @pytest.mark.parametrize("queries,probe,budget,expected", [
@@ -278,7 +279,7 @@ def test_hashevict_hashes_each_layer_of_a_view_by_its_own_projection() -> None:
     one = torch.tensor([1])
     view = SlotView(keys=keys, values=keys, pos=torch.zeros(2, 1, 1, 1, dtype=torch.long), seen=one, fed=one,
                     layers=(0, 1), scaling=1.0, queries=queries, qpos=torch.tensor([[0]]))
-    assert p.score(view).flatten().tolist() == [0.0, -4.0]
+    assert p.score(settle(p, view)).flatten().tolist() == [0.0, -4.0]
 
 
 # SAGE-KV -----------------------------------------------------------------------------------------------------------

@@ -36,10 +36,13 @@ PAD = -2  # the position of a padding token: it sees only padding, and its slot 
 class _Group:
     """The stacked buffers of the layers with one capacity."""
 
-    def __init__(self, layers: list[int], b: int, h_kv: int, h_q: int, S: int, d: int, dtype: torch.dtype,
+    def __init__(self, layers: list[int], b: int, h_kv: int, h_q: int, slots: list[int], d: int, dtype: torch.dtype,
                  device: torch.device, states: tuple[str, ...], window: int, attention: bool) -> None:
-        L = len(layers)
+        L, S = len(layers), max(slots)
         self.layers = layers
+        # the slots each layer uses, its first `limits[i]` (S for all but a policy with per-layer budgets): a head
+        # writes into its first free slots and never holds more than its layer's limit, so it never reaches past it
+        self.limits = slots
         self.keys = torch.zeros(L, b, h_kv, S, d, dtype=dtype, device=device)
         self.values = torch.zeros(L, b, h_kv, S, d, dtype=dtype, device=device)
         self.pos = torch.full((L, b, h_kv, S), -1, dtype=torch.long, device=device)
@@ -56,14 +59,16 @@ class _Group:
         self.masks: tuple[torch.Tensor, ...] = ()
 
     def rows(self) -> None:
-        """Each layer's views of the stacked buffers, made once (a layer's forward then indexes nothing)."""
-        self.k_rows, self.v_rows = self.keys.unbind(0), self.values.unbind(0)
+        """Each layer's views of the stacked buffers (its first `limits` slots), made once (a layer's forward then
+        indexes nothing)."""
+        self.k_rows = tuple(k[:, :, :s] for k, s in zip(self.keys.unbind(0), self.limits))
+        self.v_rows = tuple(v[:, :, :s] for v, s in zip(self.values.unbind(0), self.limits))
         self.q_rows = self.queries.unbind(0) if self.queries is not None else ()
         self.state_rows = {name: t.unbind(0) for name, t in self.state.items()}
 
     def clone(self) -> _Group:
         other = object.__new__(_Group)
-        other.layers, other.write = self.layers, None
+        other.layers, other.limits, other.write = self.layers, self.limits, None
         other.keys, other.values, other.pos = self.keys.clone(), self.values.clone(), self.pos.clone()
         other.state = {k: v.clone() for k, v in self.state.items()}
         other.queries = None if self.queries is None else self.queries.clone()
@@ -92,7 +97,7 @@ def free_slots(pos: torch.Tensor, t: int) -> torch.Tensor:
 class SlotCache(Cache):
     """A static, policy-managed cache for `b` runs (batch rows) of one model and one policy (module doc)."""
 
-    def __init__(self, model: Any, policy: Policy, batch: int, capacity: int, full_capacity: int,
+    def __init__(self, model: Any, policy: Policy, batch: int, capacity: int | list[int], full_capacity: int,
                  window: int = 0, attention: bool = False) -> None:
         super().__init__(layers=[])
         cfg = model.config.get_text_config(decoder=True)
@@ -104,9 +109,11 @@ class SlotCache(Cache):
         evicted = evicted_layers(cfg, policy)
         kept = [i for i in range(n) if i not in evicted]
         w = window  # the query ring's length (Policy.query_window); `attention`: keep the stored queries' attention
-        self.evicting = _Group(evicted, batch, h_kv, h_q, capacity, d, dtype, device, policy.state_names, w,
+        slots = [capacity] * len(evicted) if isinstance(capacity, int) else capacity  # per evicting layer
+        self.evicting = _Group(evicted, batch, h_kv, h_q, slots, d, dtype, device, policy.state_names, w,
                                attention) if evicted else None
-        self.full = _Group(kept, batch, h_kv, h_q, full_capacity, d, dtype, device, (), 0, False) if kept else None
+        self.full = _Group(kept, batch, h_kv, h_q, [full_capacity] * len(kept), d, dtype, device, (), 0, False) \
+            if kept else None
         self.index()
         self.group_size = h_q // h_kv
         # attention computed explicitly (not by sdpa): for a policy that reads it, or a softcap sdpa does not have
@@ -166,8 +173,9 @@ class SlotCache(Cache):
             # held (0 <= pos) and not after the query; a padding token (PAD) sees the padding (PAD <= pos <= PAD), never
             # a held token
             visible = (pos <= query) & (pos >= query.clamp(max=0))  # (L, b, h_kv, t, S)
-            group.visible = visible.unbind(0)
-            group.masks = visible.repeat_interleave(self.group_size, dim=2).unbind(0)  # (b, h_q, t, S) each
+            group.visible = tuple(v[..., :s] for v, s in zip(visible.unbind(0), group.limits))  # (b, h_kv, t, S_l)
+            group.masks = tuple(m[..., :s] for m, s in zip(visible.repeat_interleave(self.group_size, dim=2).unbind(0),
+                                                            group.limits))  # (b, h_q, t, S_l) each
         # the query ring: the forward's last m = min(t, w) queries go to ring slots (position % w), the real ones
         # only (a row's positions are consecutive, ending at seen - 1; padding's slots keep what they hold)
         w = self.qpos.shape[1]

@@ -220,18 +220,21 @@ class Batch:
         # each prompt round's forward: the widest row's (compiled: at least a block, the one graph's shape)
         floor = max(job.settings.block or 0 for job in jobs) if self.compiled else 0
         widths = [max([p[i][1] - p[i][0] for p in plans if i < len(p)] + [floor]) for i in range(max(map(len, plans)))]
-        keep, full, window, attention = 1, 1, 0, False
+        for job in jobs:
+            job.policy.attach(n)
+        evicted = evicted_layers(text, jobs[0].policy)
+        keep, full, window, attention = [1] * len(evicted), 1, 0, False
         for job, chunks in zip(jobs, plans):
             s, T = job.settings, len(job.input_ids)
-            job.policy.attach(n)
             evicts = PROTOCOLS[s.protocol][1] and chunks[-1][2]  # context_only's question froze the cache
             limit = s.max_new_tokens if job.forced is None else min(s.max_new_tokens, len(job.forced))
             new = max(limit, len(job.answer_ids or ()))
-            # the most a head may keep at any point of the run (PyramidKV's budgets move with the tokens seen)
-            budgets = [job.policy.layer_budget(i, seen) for i in evicted_layers(text, job.policy)
-                       for seen in {end for _, end, _ in chunks} | {T + new}]
-            head = max([job.policy.head_capacity(b) for b in budgets if b is not None], default=T + new)
-            keep = max(keep, capacity(chunks, head, new, evicts, widths))
+            # per evicting layer, the most a head may keep at any point of the run (PyramidKV's budgets move with the
+            # tokens seen), and so the slots the layer needs
+            for j, i in enumerate(evicted):
+                budgets = [job.policy.layer_budget(i, seen) for seen in {end for _, end, _ in chunks} | {T + new}]
+                head = max([job.policy.head_capacity(b) for b in budgets if b is not None], default=T + new)
+                keep[j] = max(keep[j], capacity(chunks, head, new, evicts, widths))
             full = max(full, capacity(chunks, T + new, new, False, widths))  # the layers never evicted
             w = job.policy.query_window
             window = max(window, max(e - b for b, e, _ in chunks) if w < 0 else w, 1 if s.diagnostics else 0)
@@ -242,7 +245,7 @@ class Batch:
             diag = Diagnostics(s.diagnostics) if s.diagnostics else None
             self.rows.append(_Row(job, chunks, evicts, limit, job.observer or Observer(), processors, seq, diag, T))
         if self.compiled:  # fewer shapes, fewer graphs: whole blocks (`step` pads the last), capacities rounded up
-            keep += -keep % 64
+            keep = [k - k % -64 for k in keep]
             full += -full % 256
         self.cache = SlotCache(model, jobs[0].policy, len(jobs), keep, full, window, attention)
         self.seen = [0] * len(jobs)  # each row's tokens so far, on the host (its layers' budgets)

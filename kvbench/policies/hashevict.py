@@ -1,8 +1,8 @@
 """HashEvict (HashEvict Alg. 1, 3): evict the keys whose SimHash code is farthest (Hamming) from the current query's.
 
 h(x) = sign(R x) with R (bits x head_dim) ~ N(0, 1), one fixed R per layer drawn from (seed, layer index), so runs
-are reproducible. Key codes are hashed from the held keys at every eviction (one product for all layers); score =
--Hamming(h(q), h(k_i)). GQA: the Hamming distance is averaged over the query heads of the KV head (HashEvict 4: the
+are reproducible. Score =
+-Hamming(h(q), h(k_i)); a key's code is computed once, when it enters the cache (per-token state, 24 bits a float). GQA: the Hamming distance is averaged over the query heads of the KV head (HashEvict 4: the
 method is agnostic to grouping). The first `n_sink` = 4 positions and the latest `n_recent` = 10 tokens are
 always kept (HashEvict 4 setup); bits = 8 (HashEvict 4.7).
 Deviation: with prompt blocks (B > 1) the probe is every query of the block and the score is the mean Hamming
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvbench.policies.view import SlotView
 
 PROBES = ("query", "key")
+PACK = 24  # code bits per float32 state (exact integers up to 2^24)
 
 
 class HashEvict(Policy):
@@ -37,6 +38,7 @@ class HashEvict(Policy):
         self.bits, self.probe = int(bits), probe
         self.projections: dict[tuple[int, int], torch.Tensor] = {}  # (layer index, head_dim) -> R (bits, head_dim)
         self._stacked: dict[tuple[tuple[int, ...], int, torch.device], torch.Tensor] = {}  # see `stacked`
+        self.state_names = tuple(f"code{i}" for i in range(-(-self.bits // PACK)))  # a key's code, PACK bits a float
         super().__init__(n_sink=n_sink, n_recent=n_recent, **kwargs)
 
     def projection(self, layer_idx: int, dim: int, device: torch.device) -> torch.Tensor:
@@ -56,10 +58,22 @@ class HashEvict(Policy):
             self._stacked[key] = torch.stack([self.projection(i, dim, device) for i in layers])
         return self._stacked[key]
 
+    def token_state(self, view: SlotView, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The codes of the t keys a forward wrote into `slots` (L, b, h_kv, t) of every evicting layer."""
+        L, d = slots.shape[0], view.keys.shape[-1]
+        r = self.stacked(view.layers, d, view.keys.device).transpose(1, 2)  # (L, d, bits)
+        new = view.written(view.keys, slots).float().reshape(L, -1, d)
+        bits = (torch.matmul(new, r) > 0).long().view(*slots.shape, self.bits)  # (L, b, h_kv, t, bits)
+        weights = 1 << torch.arange(PACK, device=bits.device)
+        return {name: (bits[..., PACK * i:PACK * (i + 1)] * weights[:min(PACK, self.bits - PACK * i)]).sum(dim=-1)
+                .float() for i, name in enumerate(self.state_names)}
+
     def score(self, view: SlotView) -> torch.Tensor:
         L, b, h_kv, S, d = view.keys.shape
         r = self.stacked(view.layers, d, view.keys.device).transpose(1, 2)  # (L, d, bits)
-        kbits = (torch.matmul(view.keys.float().view(L, b * h_kv * S, d), r) > 0).float().view(L, b, h_kv, S, -1)
+        shifts = torch.arange(PACK, device=view.pos.device)
+        kbits = torch.cat([(view.state[name].long().unsqueeze(-1) >> shifts) & 1 for name in self.state_names],
+                          dim=-1)[..., :self.bits].float()  # (L, b, h_kv, S, bits) each held key's code
         new = (view.seen - view.fed).view(1, b, 1, 1)  # the last forward's first position
         if self.probe == "query":  # its queries' codes, averaged over the forward and the KV head's query heads
             q = view.queries  # (L, b, h_q, w, d)
