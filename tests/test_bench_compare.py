@@ -43,7 +43,9 @@ def test_against_two_tables_without_a_common_policy_is_one_line(tmp_path: Path, 
 def test_ops_counts_each_policy_against_the_same_hf_forward(tmp_path: Path) -> None:
     """StreamingLLM (sdpa) and H2O (its attention's probabilities computed explicitly, added into its state) on a
     2-layer model: both rows against the same HF block and step; H2O's step runs more operations; each goal line
-    says PASS exactly when the larger of its two ratios is within its limit (1.10x for StreamingLLM, 1.25x for H2O)."""
+    says PASS exactly when the larger of its two ratios is within its limit (1.10x for StreamingLLM, 1.25x for H2O).
+    A decoding step's functions: each policy's own file among its files, H2O's step one function more at least (its
+    `on_attention`), the reading line PASS exactly when at most 25 functions in at most 4 files."""
     out = tmp_path / "ops.json"
     assert main(["--arch", "tiny-llama", "--layers", "2", "--ops", "--policies", "streamingllm,h2o", "--budgets",
                  "32", "--block", "16", "--baselines", "none", "--out", str(out), "--quiet"]) == 0
@@ -51,7 +53,12 @@ def test_ops_counts_each_policy_against_the_same_hf_forward(tmp_path: Path) -> N
     s, h = sorted(got["rows"], key=lambda r: r["policy"] != "streamingllm")
     assert s["hf_block_ops"] == h["hf_block_ops"] and s["hf_step_ops"] == h["hf_step_ops"]
     assert h["step_ops"] > s["step_ops"]
-    for r, line, limit in zip((s, h), sorted(got["goals"], key=lambda g: not g.startswith("streamingllm")),
-                              (1.10, 1.25)):
+    aten = sorted((g for g in got["goals"] if "aten ops" in g), key=lambda g: not g.startswith("streamingllm"))
+    read = sorted((g for g in got["goals"] if "decoding step calls" in g), key=lambda g: not g.startswith("stream"))
+    for r, line, reading, limit in zip((s, h), aten, read, (1.10, 1.25)):
         assert r["step_ratio"] == round(r["step_ops"] / r["hf_step_ops"], 3)
         assert ("PASS" in line) == (max(r["block_ratio"], r["step_ratio"]) <= limit)
+        assert f"policies/{r['policy']}.py" in r["step_files"] and "engine/cache.py" in r["step_files"]
+        assert f"calls {r['step_functions']} kvbench functions in {len(r['step_files'])} files" in reading
+        assert ("PASS" in reading) == (r["step_functions"] <= 25 and len(r["step_files"]) <= 4)
+    assert h["step_functions"] > s["step_functions"]

@@ -270,7 +270,8 @@ def _write_batch(a: argparse.Namespace, rows: list[dict], desc: str, device: tor
 def _ops(a: argparse.Namespace, model: Any, policies: list[str], budget: int, block: int, desc: str,
          device: torch.device, log, t0: float) -> int:
     """--ops: aten operations per block and step of each policy against HF's own (kvbench.bench.ops), and the goal
-    lines: at most 1.25x HF's for every policy, 1.10x for the ones that score from keys or positions alone."""
+    lines: at most 1.25x HF's for every policy, 1.10x for the ones that score from keys or positions alone; a decoding
+    step's kvbench functions and files."""
     length = budget + 3 * block
     ids = prompt_ids(length, model.config.get_text_config(decoder=True).vocab_size, None, a.seed)
     names = [p for p in dict.fromkeys(policies + [FLOOR]) if p not in (FULL, HF) and base_name(p) == p]
@@ -281,6 +282,11 @@ def _ops(a: argparse.Namespace, model: Any, policies: list[str], budget: int, bl
         worst = max(r["block_ratio"], r["step_ratio"])
         lines.append(f"{r['policy']}: aten ops {worst:.2f}x HF's forward (block {r['block_ratio']:.2f}x, step "
                      f"{r['step_ratio']:.2f}x): {'PASS' if worst <= limit else 'MISS'} against <= {limit}x")
+        files = len(r["step_files"])
+        ok = r["step_functions"] <= READ_FUNCTIONS and files <= READ_FILES
+        lines.append(f"{r['policy']}: a decoding step calls {r['step_functions']} kvbench functions in {files} files "
+                     f"({', '.join(r['step_files'])}): {'PASS' if ok else 'MISS'} against <= {READ_FUNCTIONS} in "
+                     f"<= {READ_FILES}")
     table = ops_markdown(rows, f"N = {budget}, B = {block}, a {length}-token prompt")
     return _write_rows(a, rows, lines, table, desc, device, log, t0, "ops", "aten operations counted eagerly")
 
@@ -289,6 +295,7 @@ def _ops(a: argparse.Namespace, model: Any, policies: list[str], budget: int, bl
 # positions alone within 1.10x
 OPS_ANY, OPS_KEYS_ONLY = 1.25, 1.10
 OPS_KEYS_ONLY_POLICIES = ("streamingllm", "random", "knorm", "keydiff")
+READ_FUNCTIONS, READ_FILES = 25, 4  # a decoding step reads in at most 25 kvbench functions in at most 4 files
 
 
 def _write_rows(a: argparse.Namespace, rows: list[dict], lines: list[str], table: str, desc: str,

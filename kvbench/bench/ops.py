@@ -1,15 +1,21 @@
-"""`kvbench-bench --ops`: aten operations per forward, the CPU proxy for a GPU's kernel launches.
+"""`kvbench-bench --ops`: aten operations per forward, the CPU proxy for a GPU's kernel launches; and what a reader
+follows through one decoding step.
 
 On a GPU every aten operation that does work is a kernel launch, and a small model's block or decoding step is bound
 by launches, not arithmetic. Per policy: the operations one prompt block and one decoding step run through kvbench
 (the forward and its eviction), against HF's own forward of the same block and step over a DynamicCache holding as
 many tokens. Counted eagerly under a TorchDispatchMode (every aten call, views included), after the cache is over
-budget, so the eviction is the steady one.
+budget, so the eviction is the steady one. Beside them, the distinct kvbench functions (and their files) the decoding
+step calls, the forward and its eviction (`sys.setprofile`; comprehensions count as functions, as a reader steps into
+them too): how much code one step asks a reader to follow.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
+from pathlib import Path
+from types import FrameType
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,6 +38,29 @@ class OpCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.ops.values())
+
+
+class FunctionCounter:
+    """The distinct kvbench functions, (file relative to the package, name), called inside it."""
+
+    root = str(Path(__file__).resolve().parents[1])  # the kvbench package
+
+    def __enter__(self) -> FunctionCounter:
+        self.functions: set[tuple[str, str]] = set()
+        sys.setprofile(self._call)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+    def _call(self, frame: FrameType, event: str, arg: object) -> None:
+        path = frame.f_code.co_filename
+        if event == "call" and path.startswith(self.root):
+            self.functions.add((str(Path(path).relative_to(self.root)), frame.f_code.co_name))
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({f for f, _ in self.functions})
 
 
 def _hf_ops(model: Any, ids: list[int], block: int) -> tuple[int, int]:
@@ -65,18 +94,23 @@ def count_ops(model: Any, make_policy: Callable[[str], Any], names: Sequence[str
         s, e = spans[-1]
         with OpCounter() as blk:
             batch.step([(s, e)], [ids[s:e]], [True], "prefill")
+        batch.cache.decoding = True
         with OpCounter() as step:
             batch.step([(length, length + 1)], [[ids[0]]], [True], "decode")
+        with FunctionCounter() as read:
+            batch.step([(length + 1, length + 2)], [[ids[1]]], [True], "decode")
         rows.append({"policy": name, "block_ops": blk.total, "step_ops": step.total, "hf_block_ops": hf_block,
                      "hf_step_ops": hf_step, "block_ratio": round(blk.total / hf_block, 3),
-                     "step_ratio": round(step.total / hf_step, 3)})
+                     "step_ratio": round(step.total / hf_step, 3), "step_functions": len(read.functions),
+                     "step_files": read.files})
     return rows
 
 
 def ops_markdown(rows: list[dict[str, Any]], what: str) -> str:
-    head = "| policy | block ops | x HF's block | step ops | x HF's step |\n|---|---|---|---|---|"
+    head = ("| policy | block ops | x HF's block | step ops | x HF's step | step's kvbench functions | files |\n"
+            "|---|---|---|---|---|---|---|")
     lines = [f"aten ops per forward (eviction included), {what}; HF's own: block {rows[0]['hf_block_ops']}, step "
              f"{rows[0]['hf_step_ops']}.", "", head] if rows else []
     lines += [f"| {r['policy']} | {r['block_ops']} | {r['block_ratio']:.2f} | {r['step_ops']} | "
-              f"{r['step_ratio']:.2f} |" for r in rows]
+              f"{r['step_ratio']:.2f} | {r['step_functions']} | {len(r['step_files'])} |" for r in rows]
     return "\n".join(lines) + "\n"

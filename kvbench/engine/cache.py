@@ -142,10 +142,11 @@ class SlotCache(Cache):
         self.peak_batch = torch.zeros((), dtype=torch.long, device=device)  # the most all rows held together
 
     def index(self) -> None:
-        """`where`: each decoder layer's group and row in it (its buffers' views)."""
+        """`groups` (the evicting one first) and `where`: each decoder layer's group and row in it (its views)."""
+        self.groups = [g for g in (self.evicting, self.full) if g is not None]
         self.where: dict[int, tuple[_Group, int]] = {}
-        for group in (self.evicting, self.full):
-            for row, layer in enumerate(group.layers if group is not None else []):
+        for group in self.groups:
+            for row, layer in enumerate(group.layers):
                 self.where[layer] = (group, row)
 
     # -- one forward ----------------------------------------------------------------------------------------------
@@ -155,9 +156,7 @@ class SlotCache(Cache):
         self.positions = positions
         self.fed.copy_((positions >= 0).sum(dim=1))  # padding is not seen
         self.seen.add_(self.fed)
-        for group in (self.evicting, self.full):
-            if group is None:
-                continue
+        for group in self.groups:
             L, _, h_kv, S, d = group.keys.shape
             group.write = free_slots(group.pos, t)  # (L, b, h_kv, t)
             group.pos.scatter_(-1, group.write, positions.view(1, b, 1, t).expand(L, b, h_kv, t))
@@ -173,9 +172,11 @@ class SlotCache(Cache):
             # held (0 <= pos) and not after the query; a padding token (PAD) sees the padding (PAD <= pos <= PAD), never
             # a held token
             visible = (pos <= query) & (pos >= query.clamp(max=0))  # (L, b, h_kv, t, S)
-            group.visible = tuple(v[..., :s] for v, s in zip(visible.unbind(0), group.limits))  # (b, h_kv, t, S_l)
-            group.masks = tuple(m[..., :s] for m, s in zip(visible.repeat_interleave(self.group_size, dim=2).unbind(0),
-                                                            group.limits))  # (b, h_q, t, S_l) each
+            group.visible = visible.unbind(0)  # (b, h_kv, t, S) each
+            group.masks = visible.repeat_interleave(self.group_size, dim=2).unbind(0)  # (b, h_q, t, S) each
+            if min(group.limits) < S:  # per-layer budgets: each layer attends over its own first S_l slots
+                group.visible = tuple(v[..., :s] for v, s in zip(group.visible, group.limits))
+                group.masks = tuple(m[..., :s] for m, s in zip(group.masks, group.limits))
         # the query ring: the forward's last m = min(t, w) queries go to ring slots (position % w), the real ones
         # only (a row's positions are consecutive, ending at seen - 1; padding's slots keep what they hold)
         w = self.qpos.shape[1]
@@ -184,17 +185,16 @@ class SlotCache(Cache):
         self.ring_real = positions[:, t - m:] >= 0  # (b, m)
         put(self.qpos, 1, self.ring, positions[:, t - m:], self.ring_real)
 
-    def end(self) -> None:
-        """After a forward, before its eviction: the peaks of tokens held."""
-        held = self.held_now()  # (layers, b, h_kv)
+    def settle(self) -> None:
+        """After a forward, before its eviction: the peaks of tokens held; for every evicting layer at once, the
+        attention rows of the queries that entered the ring (over the slots they saw: every one held now) and the
+        per-token state of its tokens (`Policy.token_state`, one call), written at their slots (`begin` set it to 0)."""
+        held = (self.groups[0].pos >= 0).sum(dim=-1)  # (layers, b, h_kv): the evicting layers first
+        if len(self.groups) > 1:
+            held = torch.cat([held, (self.groups[1].pos >= 0).sum(dim=-1)])
         self.peak = torch.maximum(self.peak, held.amax(dim=(0, 2)))
         self.peak_total = torch.maximum(self.peak_total, held.sum(dim=(0, 2)))
         self.peak_batch = torch.maximum(self.peak_batch, held.sum())
-
-    def settle(self) -> None:
-        """After a forward, for every evicting layer at once: the attention rows of the queries that entered the ring
-        (over the slots they saw: every one held now) and the per-token state of its tokens (`Policy.token_state`,
-        one call), written at their slots (`begin` set it to 0)."""
         g = self.evicting
         if g is None:
             return
@@ -214,12 +214,6 @@ class SlotCache(Cache):
         if self.policy.state_names:
             for name, new in self.policy.token_state(self.view(), g.write).items():
                 g.state[name].scatter_(-1, g.write, new.float())
-
-    def held_now(self) -> torch.Tensor:
-        """(n, b, h_kv): the tokens each head of each layer holds (the evicting layers first)."""
-        if self.evicting is None or self.full is None:
-            return ((self.evicting or self.full).pos >= 0).sum(dim=-1)  # type: ignore[union-attr]
-        return torch.cat([(self.evicting.pos >= 0).sum(dim=-1), (self.full.pos >= 0).sum(dim=-1)])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -187,8 +187,7 @@ def _forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.T
     """ids (K, t) at positions (K, t) -> logits (K, keep, vocab) of the last positions; then the eviction when
     `counts` (L, K, 1) is given (with it in one graph when compiled)."""
     logits = forward(model, cache, ids, positions, keep)
-    cache.settle()
-    cache.end()  # the peaks held: before the eviction
+    cache.settle()  # the per-token state and the peaks held: before the eviction
     if counts is not None:
         evict(cache, counts)
     return logits
@@ -253,8 +252,9 @@ class Batch:
         self.tracing = True  # Observer.trace records the run's forwards (not its graded branch's)
         self.clock = self.rows[0].obs.clock
         self.forward = compiled_forward(self.device) if self.compiled else _forward
+        self.diagnosed = [r.diag for r in self.rows]
         # diagnostics observe the eviction from the host: a diagnosed batch evicts outside the compiled forward
-        self.in_graph = self.compiled and not any(r.diag is not None for r in self.rows)
+        self.in_graph = self.compiled and not any(self.diagnosed)
 
     def counts(self, evicting: list[bool]) -> torch.Tensor | None:
         """(L, K, 1) each row's budget per evicting layer after the tokens it has seen (a row not evicting keeps
@@ -295,10 +295,12 @@ class Batch:
         if counts is not None and not self.in_graph:  # the eviction timed apart: a timer's edge on each side
             sync(self.device)
             t1 = self.clock()
-            diagnosed = [r.diag for r in self.rows]
+            diagnosed = self.diagnosed
             evict(self.cache, counts, _observer(diagnosed, evicting) if any(diagnosed) else None)
             sync(self.device)
-            evict_s = self.clock() - t1 - sum(d.elapsed_now() for d in diagnosed if d is not None)
+            evict_s = self.clock() - t1
+            if any(diagnosed):  # the diagnostics' own time is not the eviction's
+                evict_s -= sum(d.elapsed_now() for d in diagnosed if d is not None)
         spent = self.clock() - t0
         for k, row in enumerate(self.rows):
             row.time_s[phase] += spent / len(self.rows)

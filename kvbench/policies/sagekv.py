@@ -75,7 +75,7 @@ class SageKV(Policy):
         latest = held & (view.pos >= seen - recent - 1)
         sinks = held & (view.pos < sink)
         cand = (held & ~sinks & ~latest).repeat_interleave(g, dim=2)  # (L, b, h_q, S)
-        probs = view.latest_attention().masked_fill(~cand, -math.inf)  # (L, b, h_q, S): the last query's
+        probs = view.attention()[..., -1, :].masked_fill(~cand, -math.inf)  # (L, b, h_q, S): the last query's
         order = view.pos.repeat_interleave(g, dim=2).reshape(L * b, h_q, S)  # ties to the earlier token
         top_k = k if isinstance(k, int) else k.view(L * b, 1).expand(L * b, h_q)
         top = rank_mask(probs.reshape(L * b, h_q, S), top_k, order)  # each query head's top-k

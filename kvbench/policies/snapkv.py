@@ -33,19 +33,16 @@ class SnapKV(Policy):
         self.query_window = self.window
         super().__init__(n_recent=self.window, **kwargs)
 
-    def window_scores(self, view: SlotView) -> torch.Tensor:
-        """(L, b, h_q, S) the window's mean attention per query head, pooled along the sequence: the slots in position
-        order (free slots, all 0, first: zero padding), the window's own attention left out of its neighbours' (its
-        tokens are protected)."""
+    def score(self, view: SlotView) -> torch.Tensor:
+        """(L, b, h_kv, S): the window's mean attention per query head (`view.mean_attention`), pooled along the
+        sequence (the slots in position order, free slots, all 0, first: zero padding; the window's own attention
+        left out of its neighbours': its tokens are protected), then averaged over each KV head's query heads."""
         probs = view.mean_attention()  # (L, b, h_q, S)
         g = probs.shape[2] // view.pos.shape[2]
         window = (view.pos >= view.seen.view(1, -1, 1, 1) - self.window).repeat_interleave(g, dim=2)
-        order = view.position_order().repeat_interleave(g, dim=2)  # (L, b, h_q, S)
+        order = view.pos.argsort(dim=-1).repeat_interleave(g, dim=2)  # (L, b, h_q, S): by position, free first
         pooled = pool(probs.masked_fill(window, 0.0).gather(-1, order), self.kernel, self.pooling)
-        return torch.empty_like(pooled).scatter_(-1, order, pooled)
-
-    def score(self, view: SlotView) -> torch.Tensor:
-        return view.group_mean(self.window_scores(view))  # (L, b, h_kv, S)
+        return view.group_mean(torch.empty_like(pooled).scatter_(-1, order, pooled))
 
 
 def pool(x: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:

@@ -17,4 +17,4 @@ class TOVA(Policy):
     query_window = 1
 
     def score(self, view: SlotView) -> torch.Tensor:
-        return view.group_mean(view.latest_attention())  # (L, b, h_kv, S): the latest query's attention
+        return view.group_mean(view.attention()[:, :, :, -1])  # (L, b, h_kv, S): the one stored query's (window 1)

@@ -62,7 +62,7 @@ class SlotView:
         edge = self.pos < n_sink
         if n_recent > 0:
             edge |= self.pos >= self.seen.view(1, -1, 1, 1) - n_recent
-        return edge & self.held
+        return edge & (self.pos >= 0)
 
     def attention(self) -> torch.Tensor:
         """(L, b, h_q, w, S) float32 attention probabilities of the stored queries over the slots: a query sees the
@@ -97,7 +97,7 @@ class SlotView:
         L, b, h_q, w, d = self.queries.shape
         h_kv, S = self.keys.shape[2], self.keys.shape[3]
         g = h_q // h_kv
-        held = self.held.repeat_interleave(g, dim=2).unsqueeze(3).float()  # (L, b, h_q, 1, S)
+        held = (self.pos >= 0).repeat_interleave(g, dim=2).unsqueeze(3).float()  # (L, b, h_q, 1, S)
         if self.probs is not None:
             return self.probs, held
         q = self.queries.float().reshape(L * b * h_kv, g * w, d)
@@ -121,11 +121,6 @@ class SlotView:
         L, b, h_q = x.shape[:3]
         h_kv = self.keys.shape[2]
         return x.view(L, b, h_kv, h_q // h_kv, *x.shape[3:]).mean(dim=3)
-
-    def position_order(self) -> torch.Tensor:
-        """(L, b, h_kv, S) each head's slots by position, free slots (-1) first: what a score that reads the sequence
-        as a sequence (SnapKV's pooling) gathers by and scatters back with."""
-        return self.pos.argsort(dim=-1)
 
 
 def ranks(scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
