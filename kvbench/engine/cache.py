@@ -210,7 +210,10 @@ class SlotCache(Cache):
             rows = probabilities(query.flatten(0, 1), g.keys.flatten(0, 1), visible, self.scaling, self.softcap,
                                  self.zero)  # (L * b, h_kv, g, m, S)
             slots = torch.where(self.ring_real, self.ring, w)  # (b, m): padding's rows to the spare ring slot
-            g.probs.scatter_(3, slots.view(1, b, 1, m, 1).expand(L, b, h_q, m, S), rows.view(L, b, h_q, m, S).float())
+            # whole rows put over the (batch row, ring slot) axes (a scatter would read an index per entry)
+            rows_b = torch.arange(b, device=slots.device).view(b, 1).expand(b, m)
+            g.probs.permute(1, 3, 0, 2, 4).index_put_((rows_b, slots),
+                                                      rows.view(L, b, h_q, m, S).float().permute(1, 3, 0, 2, 4))
         if self.policy.state_names:
             for name, new in self.policy.token_state(self.view(), g.write).items():
                 g.state[name].scatter_(-1, g.write, new.float())

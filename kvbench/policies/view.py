@@ -78,8 +78,10 @@ class SlotView:
         rows, held = self.attention_rows()  # (L, b, h_q, w, S), (L, b, h_q, 1, S)
         L, b, h_q, w, S = rows.shape
         flat = rows.reshape(L * b * h_q, w, S)
-        mass = torch.bmm(flat, held.reshape(L * b * h_q, S, 1))  # (R, w, 1)
-        weight = mass.clamp_min(_TINY).reciprocal().mul_(1.0 / w).transpose(1, 2)  # (R, 1, w)
+        # (R, 1, w): held (1 x S) times the rows transposed, which BLAS reads row by row (flat times held, a column,
+        # strides across them)
+        mass = torch.bmm(held.reshape(L * b * h_q, 1, S), flat.transpose(1, 2))
+        weight = mass.clamp_min(_TINY).reciprocal().mul_(1.0 / w)  # (R, 1, w)
         return torch.bmm(weight, flat).view(L, b, h_q, S) * held.view(L, b, h_q, S)
 
     def latest_attention(self) -> torch.Tensor:
