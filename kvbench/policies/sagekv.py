@@ -78,7 +78,8 @@ class SageKV(Policy):
         probs = view.attention()[..., -1, :].masked_fill(~cand, -math.inf)  # (L, b, h_q, S): the last query's
         order = view.pos.repeat_interleave(g, dim=2).reshape(L * b, h_q, S)  # ties to the earlier token
         top_k = k if isinstance(k, int) else k.view(L * b, 1).expand(L * b, h_q)
-        top = rank_mask(probs.reshape(L * b, h_q, S), top_k, order)  # each query head's top-k
+        most = k if isinstance(k, int) else self.row_sizes(torch.tensor(S), g)[1]  # budgets are at most S
+        top = rank_mask(probs.reshape(L * b, h_q, S), top_k, order, most=int(most))  # each query head's top-k
         chosen = sinks | top.view(L, b, h_kv, g, S).any(dim=3)  # (L, b, h_kv, S): sinks | union
         keep = torch.where(selecting, chosen | latest, torch.where(sliding, pinned | latest, held))
         view.state["pinned"].copy_(torch.where(selecting, chosen, pinned).float())

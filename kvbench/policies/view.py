@@ -128,19 +128,32 @@ class SlotView:
 def ranks(scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """(..., n) each entry's rank in its row by `scores` (..., n) taken in float32, highest first (0); ties go to the
     earlier token: the lower position when `positions` (..., n) (at least PAD) are given, else the lower index. One
-    sort of a key that holds both (the score's order-preserving bits above, the tie-break below), so a ranking never
-    depends on how a kernel orders equal scores (HashEvict's Hamming scores tie all the time)."""
+    sort of a key that holds both (`order_key`), so a ranking never depends on how a kernel orders equal scores
+    (HashEvict's Hamming scores tie all the time)."""
+    order = order_key(scores, positions).argsort(dim=-1, descending=True)
     n = scores.shape[-1]
-    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 is 0.0
-    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: ordered as the floats
-    later = positions + 2 if positions is not None else torch.arange(n, device=scores.device).expand(scores.shape)
-    key = bits * (1 << 32) + ((1 << 32) - 1 - later)  # the earlier token is the larger key
-    order = key.argsort(dim=-1, descending=True)
     return torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
 
 
-def rank_mask(scores: torch.Tensor, count: int | torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def order_key(scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., n) int64, ordered as `ranks` ranks: the float32 score's order-preserving bits above, the tie-break (the
+    earlier position, or index, larger) below; distinct within a row whenever the positions are."""
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 is 0.0
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: ordered as the floats
+    n = scores.shape[-1]
+    later = positions + 2 if positions is not None else torch.arange(n, device=scores.device).expand(scores.shape)
+    return bits * (1 << 32) + ((1 << 32) - 1 - later)
+
+
+def rank_mask(scores: torch.Tensor, count: int | torch.Tensor, positions: torch.Tensor | None = None,
+              most: int | None = None) -> torch.Tensor:
     """(..., n) bool: each row's top `count` entries (an int, or a tensor of the rows' shape), -inf never; ties as
-    `ranks` breaks them."""
+    `ranks` breaks them. `most`: no count exceeds it (a bound known on the host), so a top-`most` replaces the sort."""
     count = torch.as_tensor(count, device=scores.device)
-    return (ranks(scores, positions) < count.unsqueeze(-1)) & (scores > -math.inf)
+    if most is None:
+        return (ranks(scores, positions) < count.unsqueeze(-1)) & (scores > -math.inf)
+    most = min(most, scores.shape[-1])
+    top = order_key(scores, positions).topk(most, dim=-1).indices  # (..., most), best first
+    chosen = torch.arange(most, device=scores.device) < count.unsqueeze(-1)  # (..., most)
+    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, chosen.expand_as(top)) & (
+        scores > -math.inf)
