@@ -30,7 +30,7 @@ import torch
 
 from kvbench.policies.base import PolicyError
 from kvbench.policies.snapkv import SnapKV
-from kvbench.policies.view import rank_mask
+from kvbench.policies.view import rank_mask, ranks
 
 if TYPE_CHECKING:
     from kvbench.policies.view import SlotView
@@ -88,15 +88,14 @@ def allocate(scores: torch.Tensor, budget: torch.Tensor, n_protected: torch.Tens
       heads rounded up the most (the lower head first);
     - `kvpress` (NVIDIA kvpress AdaKVPress): each head first keeps its top floor(a * N) slots counting its protected
       ones (at least those), the rest of the h * N go to the best remaining scores over all heads.
-    The pooled top-`total` is a rank in one stable descending sort of the row's h * S scores; scores tied at the cut
-    across heads go to the lower head."""
+    The pooled top-`total` is a rank among the row's h * S scores (`ranks`); scores tied at the cut across heads go
+    to the lower head."""
     R, h, S = scores.shape
 
     def top_per_head(flat: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        """(R, h) how many of each row's top `total` (R, 1) of `flat` (R, h * S) are each head's."""
-        order = flat.sort(dim=-1, descending=True, stable=True).indices  # (R, h*S)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(h * S, device=flat.device).expand_as(order))
-        return (rank < total).view(R, h, S).sum(dim=-1)
+        """(R, h) how many of each row's top `total` (R, 1) of `flat` (R, h * S) are each head's (ties to the lower
+        head, then the lower slot: `ranks` by index)."""
+        return (ranks(flat) < total).view(R, h, S).sum(dim=-1)
 
     if rule == "kvpress":
         safe_count = n_protected.maximum((budget.double() * alpha_safeguard).floor().long())  # (R, h)

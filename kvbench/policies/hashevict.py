@@ -72,8 +72,8 @@ class HashEvict(Policy):
         L, b, h_kv, S, d = view.keys.shape
         r = self.stacked(view.layers, d, view.keys.device).transpose(1, 2)  # (L, d, bits)
         shifts = torch.arange(PACK, device=view.pos.device)
-        kbits = torch.cat([(view.state[name].long().unsqueeze(-1) >> shifts) & 1 for name in self.state_names],
-                          dim=-1)[..., :self.bits].float()  # (L, b, h_kv, S, bits) each held key's code
+        kbits = torch.cat([(view.state[name].long().unsqueeze(-1) >> shifts[:min(PACK, self.bits - PACK * i)]) & 1
+                           for i, name in enumerate(self.state_names)], dim=-1).float()  # (L, b, h_kv, S, bits)
         new = (view.seen - view.fed).view(1, b, 1, 1)  # the last forward's first position
         if self.probe == "query":  # its queries' codes, averaged over the forward and the KV head's query heads
             q = view.queries  # (L, b, h_q, w, d)
