@@ -265,8 +265,8 @@ def test_attention_probabilities_are_float32_so_h2o_keeps_the_larger_one() -> No
     k = torch.tensor([[[[8.0, 8.0], [8.0, 8.0625]]]], dtype=bf)  # (b, h_kv, S, d)
     assert (q[0, 0] @ k[0, 0].T).tolist() == [[16.0, 16.0]]  # the premise: bfloat16 products tie
     # what the slot attention hands H2O: the probabilities (b, h_kv, g, t, S) summed over the queries and query heads
-    # (g = 1); both slots visible
-    received = probabilities(q, k, torch.ones(1, 1, 1, 1, 2, dtype=torch.bool), 1.0, None, torch.zeros(())).sum(
+    # (g = 1); both slots visible (none hidden), computed in float32 (the dtype of `zero`)
+    received = probabilities(q, k, torch.zeros(1, 1, 1, 1, 2, dtype=torch.bool), 1.0, None, torch.zeros(())).sum(
         dim=(2, 3))
     view = make_view([[[8.0, 8.0], [8.0, 8.0625]]])
     view.state["acc"] = torch.zeros(1, 1, 1, 2)

@@ -55,7 +55,7 @@ class FunctionCounter:
 
     def _call(self, frame: FrameType, event: str, arg: object) -> None:
         path = frame.f_code.co_filename
-        if event == "call" and path.startswith(self.root):
+        if event == "call" and path.startswith(self.root) and path != __file__:  # not the counter's own exit
             self.functions.add((str(Path(path).relative_to(self.root)), frame.f_code.co_name))
 
     @property

@@ -47,16 +47,18 @@ class _Group:
         self.values = torch.zeros(L, b, h_kv, S, d, dtype=dtype, device=device)
         self.pos = torch.full((L, b, h_kv, S), -1, dtype=torch.long, device=device)
         self.state = {name: torch.zeros(L, b, h_kv, S, device=device) for name in states}
-        self.queries = torch.zeros(L, b, h_q, window, d, dtype=dtype, device=device) if window else None
-        # one ring slot more than the window: where a padding query's row goes (never read)
+        # one ring slot more than the window, w: where a padding token's query (and its row) goes, never read
+        self.queries = torch.zeros(L, b, h_q, window + 1, d, dtype=dtype, device=device) if window else None
         self.probs = torch.zeros(L, b, h_q, window + 1, S, device=device) if window and attention else None
         self.rows()
         self.write: torch.Tensor | None = None  # (L, b, h_kv, t) the slots this forward's tokens go into
-        # per layer, set by `SlotCache.begin` for a forward: the write index over K/V (b, h_kv, t, d), and the
-        # visibility (b, h_kv, t, S) and its copy per query head for sdpa (b, h_q, t, S)
+        # per layer, set by `SlotCache.begin` for a forward: the write index over K/V (b, h_kv, t, d), the visibility
+        # (b, h_kv, t, S), its copy per query head for sdpa (b, h_q, t, S) and for explicit attention its complement
+        # (b, h_kv, 1, t, S)
         self.write_kv: tuple[torch.Tensor, ...] = ()
         self.visible: tuple[torch.Tensor, ...] = ()
         self.masks: tuple[torch.Tensor, ...] = ()
+        self.hidden: tuple[torch.Tensor, ...] = ()
 
     def rows(self) -> None:
         """Each layer's views of the stacked buffers (its first `limits` slots), made once (a layer's forward then
@@ -118,15 +120,17 @@ class SlotCache(Cache):
         self.group_size = h_q // h_kv
         # attention computed explicitly (not by sdpa): for a policy that reads it, or a softcap sdpa does not have
         self.explicit = policy.needs_attention or bool(getattr(cfg, "attn_logit_softcapping", None))
-        self.zero = torch.zeros((), device=device)  # baddbmm's input (its beta is 0)
+        # baddbmm's input (its beta is 0), in the dtype explicit attention computes in (at least float32)
+        self.zero = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=device)
         self.seen = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens each row has seen
         self.fed = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens of the last forward
-        self.qpos = torch.full((batch, max(w, 1)), -1, dtype=torch.long, device=device)  # (b, w) stored queries'
+        self.window = w
+        self.qpos = torch.full((batch, w + 1), -1, dtype=torch.long, device=device)  # (b, w + 1) stored queries'
         self.positions: torch.Tensor | None = None  # (b, t) the current forward's positions
-        # set by `begin`: the ring slots (b, m) the forward's last m = min(t, w) queries go to, and which of them are
-        # real tokens (padding leaves its slot as it was)
+        # set by `begin`: the ring slots (b, m) the forward's last m = min(t, w) queries go to (padding: the spare
+        # slot w), and the same as a scatter index over a layer's queries (b, h_q, m, d)
         self.ring: torch.Tensor | None = None
-        self.ring_real: torch.Tensor | None = None
+        self.ring_q: torch.Tensor | None = None
         # each decoder layer's tokens per KV head (its fullest head) at the first decoding step, the step's token
         # included, set by the loop once that step is done (kvbench-bench sizes HF's reference cache by it)
         self.layer_tokens: list[int] | None = None
@@ -174,16 +178,22 @@ class SlotCache(Cache):
             visible = (pos <= query) & (pos >= query.clamp(max=0))  # (L, b, h_kv, t, S)
             group.visible = visible.unbind(0)  # (b, h_kv, t, S) each
             group.masks = visible.repeat_interleave(self.group_size, dim=2).unbind(0)  # (b, h_q, t, S) each
+            group.hidden = (~visible).unsqueeze(3).unbind(0) if self.explicit else ()  # (b, h_kv, 1, t, S) each
             if min(group.limits) < S:  # per-layer budgets: each layer attends over its own first S_l slots
                 group.visible = tuple(v[..., :s] for v, s in zip(group.visible, group.limits))
                 group.masks = tuple(m[..., :s] for m, s in zip(group.masks, group.limits))
-        # the query ring: the forward's last m = min(t, w) queries go to ring slots (position % w), the real ones
-        # only (a row's positions are consecutive, ending at seen - 1; padding's slots keep what they hold)
-        w = self.qpos.shape[1]
-        m = min(t, w)
-        self.ring = (self.seen.view(b, 1) - m + torch.arange(m, device=positions.device)).remainder(w)  # (b, m)
-        self.ring_real = positions[:, t - m:] >= 0  # (b, m)
-        put(self.qpos, 1, self.ring, positions[:, t - m:], self.ring_real)
+                group.hidden = tuple(h[..., :s] for h, s in zip(group.hidden, group.limits))
+        # the query ring: the forward's last m = min(t, w) queries go to ring slots position % w (a row's positions are
+        # consecutive, ending at seen - 1), padding to the spare slot w
+        w = self.window
+        if w:
+            m = min(t, w)
+            slot = (self.seen.view(b, 1) - m + torch.arange(m, device=positions.device)).remainder(w)  # (b, m)
+            self.ring = torch.where(positions[:, t - m:] >= 0, slot, w)
+            self.qpos.scatter_(1, self.ring, positions[:, t - m:])
+            if self.evicting is not None and self.evicting.queries is not None:
+                _, _, h_q, _, d = self.evicting.queries.shape
+                self.ring_q = self.ring.view(b, 1, m, 1).expand(b, h_q, m, d)
 
     def settle(self) -> None:
         """After a forward, before its eviction: the peaks of tokens held; for every evicting layer at once, the
@@ -199,20 +209,18 @@ class SlotCache(Cache):
         if g is None:
             return
         if g.probs is not None and self.ring is not None:
-            L, b, h_q, w, S = g.probs.shape
-            w -= 1  # the spare slot
+            L, b, h_q, _, S = g.probs.shape
             d, m = g.queries.shape[-1], self.ring.shape[1]  # type: ignore[union-attr]
             h_kv = g.keys.shape[2]
             query = g.queries.gather(3, self.ring.view(1, b, 1, m, 1).expand(L, b, h_q, m, d))  # type: ignore[union-attr]
             qpos = self.qpos.gather(1, self.ring).view(1, b, 1, m, 1)
             pos = g.pos.unsqueeze(3)  # (L, b, h_kv, 1, S)
-            visible = ((pos <= qpos) & (pos >= 0)).view(L * b, h_kv, 1, m, S)
-            rows = probabilities(query.flatten(0, 1), g.keys.flatten(0, 1), visible, self.scaling, self.softcap,
+            hidden = ((pos > qpos) | (pos < 0)).view(L * b, h_kv, 1, m, S)  # not held, or after the query
+            rows = probabilities(query.flatten(0, 1), g.keys.flatten(0, 1), hidden, self.scaling, self.softcap,
                                  self.zero)  # (L * b, h_kv, g, m, S)
-            slots = torch.where(self.ring_real, self.ring, w)  # (b, m): padding's rows to the spare ring slot
             # whole rows put over the (batch row, ring slot) axes (a scatter would read an index per entry)
-            rows_b = torch.arange(b, device=slots.device).view(b, 1).expand(b, m)
-            g.probs.permute(1, 3, 0, 2, 4).index_put_((rows_b, slots),
+            rows_b = torch.arange(b, device=pos.device).view(b, 1).expand(b, m)
+            g.probs.permute(1, 3, 0, 2, 4).index_put_((rows_b, self.ring),
                                                       rows.view(L, b, h_q, m, S).float().permute(1, 3, 0, 2, 4))
         if self.policy.state_names:
             for name, new in self.policy.token_state(self.view(), g.write).items():
@@ -237,11 +245,12 @@ class SlotCache(Cache):
     def view(self) -> SlotView:
         g = self.evicting
         assert g is not None
+        w = self.window  # the ring's spare slot w left out
         return SlotView(decoding=self.decoding, keys=g.keys, values=g.values, pos=g.pos, seen=self.seen, fed=self.fed,
-                        layers=tuple(g.layers), scaling=self.scaling, softcap=self.softcap, queries=g.queries,
-                        qpos=self.qpos if g.queries is not None else None, state=g.state,
-                        modules=self.row_modules,
-                        probs=g.probs[:, :, :, :-1] if g.probs is not None else None)
+                        layers=tuple(g.layers), scaling=self.scaling, softcap=self.softcap,
+                        queries=g.queries[:, :, :, :w] if g.queries is not None else None,
+                        qpos=self.qpos[:, :w] if g.queries is not None else None, state=g.state,
+                        modules=self.row_modules, probs=g.probs[:, :, :, :w] if g.probs is not None else None)
 
     def decode_tokens(self) -> list[int] | None:
         """`layer_tokens` (of the first batch row: the benchmark's HF reference runs beside a run alone)."""
@@ -324,42 +333,37 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
         mask = visible.repeat_interleave(h_q // h_kv, dim=1)
     policy = cache.policy
     if group is cache.evicting and group.queries is not None:  # the forward's last queries enter the ring
-        m = cache.ring.shape[1]
-        put(group.q_rows[row], 2, cache.ring.view(b, 1, m, 1).expand(b, h_q, m, d), query[:, :, t - m:],
-            cache.ring_real.view(b, 1, m, 1))
+        group.q_rows[row].scatter_(2, cache.ring_q, query[:, :, t - cache.ring_q.shape[2]:])
     attends = policy.needs_attention and group is cache.evicting
     if not (attends or softcap):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2), None
     # explicit (sdpa has no softcap; a policy reads the probabilities): the output from them, in the input dtype (as
     # sdpa's kernels)
-    probs = probabilities(query, key, visible.unsqueeze(2), scaling, softcap, cache.zero)  # (b, h_kv, g, t, S)
+    hidden = (~visible).unsqueeze(2) if window else group.hidden[row]  # (b, h_kv, 1, t, S)
+    probs = probabilities(query, key, hidden, scaling, softcap, cache.zero)  # (b, h_kv, g, t, S)
     if attends:  # what each slot received from the forward's queries, summed over them and the KV head's query heads
         policy.on_attention(group.state_rows, row, probs.sum(dim=(2, 3)))  # (b, h_kv, S)
-    out = torch.bmm(probs.to(value.dtype).flatten(0, 1).flatten(1, 2), value.flatten(0, 1))
+    probs = probs if probs.dtype == value.dtype else probs.to(value.dtype)
+    S = key.shape[2]
+    out = torch.bmm(probs.view(b * h_kv, h_q // h_kv * t, S), value.view(b * h_kv, S, -1))
     return out.view(b, h_q, t, -1).transpose(1, 2), None  # (b, t, h_q, d)
 
 
-def put(ring: torch.Tensor, dim: int, slots: torch.Tensor, new: torch.Tensor, real: torch.Tensor) -> None:
-    """Write `new` into `ring` at `slots` (new's shape) along `dim`, where `real` (broadcast to it); elsewhere a
-    slot keeps its value (a padding token leaves the query ring as it was)."""
-    ring.scatter_(dim, slots, torch.where(real, new, ring.gather(dim, slots)))
-
-
-def probabilities(query: torch.Tensor, key: torch.Tensor, visible: torch.Tensor, scaling: float,
+def probabilities(query: torch.Tensor, key: torch.Tensor, hidden: torch.Tensor, scaling: float,
                   softcap: float | None, zero: torch.Tensor) -> torch.Tensor:
-    """(b, h_kv, g, t, S) attention probabilities of queries (b, h_q, t, d) over keys (b, h_kv, S, d) where `visible`
-    (b, h_kv, 1, t, S): the model's scale fused into the product, its softcap, softmax (at least float32 whatever the
-    model's dtype, as sdpa's kernels accumulate)."""
+    """(b, h_kv, g, t, S) attention probabilities of queries (b, h_q, t, d) over keys (b, h_kv, S, d), 0 where
+    `hidden` (b, h_kv, 1, t, S): the model's scale fused into the product, its softcap, softmax, in `zero`'s dtype
+    (at least float32 whatever the model's dtype, as sdpa's kernels accumulate; float64 for the reference)."""
     b, h_q, t, d = query.shape
     h_kv, S = key.shape[1], key.shape[2]
-    dtype = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64 (the reference)
-    q, k = query.to(dtype), key.to(dtype)
-    logits = torch.baddbmm(zero.to(dtype), q.reshape(b * h_kv, h_q // h_kv * t, d), k.flatten(0, 1).transpose(1, 2), beta=0.0,
+    q = query if query.dtype == zero.dtype else query.to(zero.dtype)
+    k = key if key.dtype == zero.dtype else key.to(zero.dtype)
+    logits = torch.baddbmm(zero, q.reshape(b * h_kv, h_q // h_kv * t, d), k.flatten(0, 1).transpose(1, 2), beta=0.0,
                            alpha=scaling).view(b, h_kv, h_q // h_kv, t, S)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    return torch.softmax(logits.masked_fill_(~visible, -math.inf), dim=-1)
+    return torch.softmax(logits.masked_fill_(hidden, -math.inf), dim=-1)
 
 
 def install(model: Any) -> None:

@@ -77,7 +77,7 @@ class HashEvict(Policy):
         new = (view.seen - view.fed).view(1, b, 1, 1)  # the last forward's first position
         if self.probe == "query":  # its queries' codes, averaged over the forward and the KV head's query heads
             q = view.queries  # (L, b, h_q, w, d)
-            qbits = (torch.matmul(q.float().view(L, -1, d), r) > 0).float().view(L, b, h_kv, -1, q.shape[3], self.bits)
+            qbits = (torch.matmul(q.float().reshape(L, -1, d), r) > 0).float().view(L, b, h_kv, -1, q.shape[3], self.bits)
             mine = (view.qpos.view(1, b, 1, 1, -1, 1) >= new.view(1, b, 1, 1, 1, 1)).float()  # (1, b, 1, 1, w, 1)
             p = (qbits * mine).sum(dim=(3, 4)) / (mine.sum(dim=(3, 4)) * qbits.shape[3])  # (L, b, h_kv, bits)
         else:  # its keys' codes
