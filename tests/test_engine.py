@@ -7,6 +7,8 @@ read nothing back to the host; canaries for what the engine relies on in transfo
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 from typing import Any, Callable
 
 import pytest
@@ -31,7 +33,7 @@ from kvbench.policies.sagekv import SageKV
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
-from kvbench.policies.view import SlotView
+from kvbench.policies.view import SlotView, rank_mask
 
 from float64_reference import reference_logits
 from helpers import held_counts, random_prompt
@@ -139,6 +141,79 @@ def test_per_layer_budgets_keep_each_layers_own() -> None:
                    observer=Observer(trace=True))
     # F_l = 39 - l * 38 / 3 rounded half to even: 39, 26.33 -> 26, 13.67 -> 14, 1
     assert held_counts(res.trace[-1]) == [4 + 39, 4 + 26, 4 + 14, 4 + 1]
+
+
+def test_each_layer_uses_only_its_first_slots() -> None:
+    """PyramidKV as above, B = 16, 3 new tokens: layer l's key and value views are its first max N_l + B slots (its
+    largest budget over the run and a block: 43 + 16, 30 + 16, then N = 24 + 16 for layers 2 and 3, whose budget is N
+    while fewer than 2F = 40 tokens were seen), and no head ever holds a token beyond them (it writes into its first
+    free slots and never holds more than that), so its attention never reads the slots of a fuller layer."""
+    model = _model(num_hidden_layers=4)
+    ids = random_prompt(100, 2)
+    settings = GenerationSettings(block=16, max_new_tokens=3)
+    batch = Batch(model, [Job(ids, PyramidKV(budget=24, window=4, kernel=3), settings)])
+    assert [k.shape[2] for k in batch.cache.evicting.k_rows] == [59, 46, 40, 40]
+    assert [v.shape[2] for v in batch.cache.evicting.v_rows] == [59, 46, 40, 40]
+    res = generate(model, PyramidKV(budget=24, window=4, kernel=3), ids, settings, observer=Observer(trace=True))
+    for step in res.trace:
+        for pos, limit in zip(step, [59, 46, 40, 40]):
+            assert bool((pos[..., limit:] == -1).all())
+
+
+def test_query_ring_holds_position_p_in_slot_p_mod_w() -> None:
+    """SnapKV, window 4, blocks of 4 over 10 tokens: the last forward (8, 9) writes ring slots 0 and 1, the one before
+    left 6 and 7 in slots 2 and 3; a padded row leaves its ring as it was (its padding goes to the spare slot 4)."""
+    model = _model(num_hidden_layers=1)
+    ids = random_prompt(10, 0)
+    jobs = [Job(ids, SnapKV(budget=64, window=4, kernel=3), GenerationSettings(block=4)),
+            Job(ids[:6], SnapKV(budget=64, window=4, kernel=3), GenerationSettings(block=4))]
+    batch = Batch(model, jobs)
+    with torch.inference_mode():
+        batch.step([(0, 4), (0, 4)], [ids[:4], ids[:4]], [True, True], "prefill")
+        batch.step([(4, 8), (4, 6)], [ids[4:8], ids[4:6]], [True, True], "prefill")  # row 1: 2 tokens, 2 padding
+        assert batch.cache.view().qpos.tolist() == [[4, 5, 6, 7], [4, 5, 2, 3]]
+        batch.step([(8, 10), None], [ids[8:10], []], [True, False], "prefill")
+        assert batch.cache.view().qpos.tolist() == [[8, 9, 6, 7], [4, 5, 2, 3]]
+
+
+@pytest.mark.parametrize("name", ["snapkv", "tova", "adakv"])
+def test_stored_window_rows_equal_their_recomputation(name: str, monkeypatch: Any) -> None:
+    """The attention rows the cache keeps for the latest queries (each computed once, when its query entered, then
+    renormalised over the slots still held) equal the attention recomputed from the stored queries and the slots held
+    now, at every eviction of a batch of two runs of different lengths (the shorter padded): prompt blocks and
+    decoding steps; `mean_attention` is their mean."""
+    model = _model(num_hidden_layers=2)
+    jobs = [Job(random_prompt(n, n), POLICIES[name](), GenerationSettings(block=16, max_new_tokens=6))
+            for n in (70, 57)]
+    checked = []
+    policy = jobs[0].policy
+    score = policy.score
+
+    def compare(view: SlotView) -> torch.Tensor:
+        again = dataclasses.replace(view, probs=None)  # recomputed from the queries
+        assert view.probs is not None
+        assert (view.attention() - again.attention()).abs().max().item() < 1e-5
+        assert (view.mean_attention() - again.attention().mean(dim=-2)).abs().max().item() < 1e-5
+        checked.append(view.decoding)
+        return score(view)
+
+    monkeypatch.setattr(policy, "score", compare)
+    generate_batch(model, jobs)
+    assert False in checked and True in checked  # prompt blocks and decoding steps
+
+
+def test_rank_mask_with_a_bound_equals_the_sorted_ranking() -> None:
+    """A top-k bounded by `most` selects what the full ranking does, ties to the earlier position included (integer
+    scores tie often), for counts that differ per row."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (6, 3, 40), generator=gen).float()
+    scores[0, 0, :7] = -math.inf
+    positions = torch.stack([torch.randperm(40, generator=gen) for _ in range(18)]).view(6, 3, 40)
+    counts = torch.randint(0, 12, (6, 3), generator=gen)
+    want = rank_mask(scores, counts, positions)
+    assert torch.equal(rank_mask(scores, counts, positions, most=12), want)
+    assert torch.equal(rank_mask(scores, 5, positions, most=5), rank_mask(scores, 5, positions))
+    assert want.sum().item() == counts.sum().item() - (counts[0, 0] - min(int(counts[0, 0]), 33)).item()
 
 
 # 3. With eviction: the explicit float64 re-implementation driven by the logged positions ---------------------------
