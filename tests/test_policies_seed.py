@@ -441,6 +441,22 @@ def test_diagnostics_by_hand() -> None:
     assert got["attention_loss"]["events"] == 1
 
 
+def test_head_share_is_the_fullest_heads_tokens_over_the_budget() -> None:
+    """Two KV heads, N = 3 (the engine's budgets): the eviction keeps 4 tokens of head 0 and 2 of head 1 (a per-head
+    allocation) -> 4 / 3; a second event keeps 3 and 3 -> 1; mean 7 / 6, max 4 / 3. A layer that drops nothing is
+    no event."""
+    keys = [[[1.0]] * 6, [[1.0]] * 6]
+    view = make_view(keys)
+    view.budgets = torch.tensor([[[3]]])
+    diag = Diagnostics(["head_share"])
+    diag.observe(view, torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]], dtype=torch.bool).view(1, 1, 2, 6), 0)
+    diag.observe(view, torch.tensor([[1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]], dtype=torch.bool).view(1, 1, 2, 6), 0)
+    diag.observe(view, torch.ones(1, 1, 2, 6, dtype=torch.bool), 0)
+    got = diag.summary()["head_share"]
+    assert got["mean"] == pytest.approx(7 / 6) and got["max"] == pytest.approx(4 / 3) and got["events"] == 2
+    assert aggregate([{"diagnostics": {"head_share": got}}])["head_share"]["max"] == pytest.approx(4 / 3)
+
+
 def test_key_logdet_of_fewer_keys_than_dims() -> None:
     # K = [[1, 0], [0, 2]]: K K^T = diag(1, 4) -> log 4 (ridge 1e-6 * 5 / 2 is negligible)
     keys = torch.tensor([[[[1.0, 0.0], [0.0, 2.0], [5.0, 5.0]]]])

@@ -9,10 +9,13 @@
   Choice: for more kept tokens than dimensions K K^T is singular (det 0), so the log pseudo-determinant is used:
   log det of the smaller Gram matrix (K^T K when n > d), which is the product of K K^T's nonzero eigenvalues;
   a ridge of 1e-6 * trace / size is always added (keeps slogdet finite when that is singular too); float64.
+- `head_share`: the most tokens one KV head keeps after the eviction over the layer's budget N (1 for a uniform
+  budget; a per-head allocation, AdaKV's, gives a head more): with its `max`, how close the heads come to the static
+  bound a per-head policy's slots set (AdaKV's `head_cap`).
 Cost per eviction: O(N + B) per head for the first two (one query), O(N d^2) for the log-det; never O(T^2). An
 eviction event: a layer that drops a token.
-Per sample: per-layer means over eviction events (prefill blocks and decoding steps) and their mean; per run
-(`aggregate`): means over samples.
+Per sample: per-layer means over eviction events (prefill blocks and decoding steps), their mean and the largest value
+of any event; per run (`aggregate`): means over samples, and the largest.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 from kvbench.policies.view import SlotView
 
-NAMES = ("attention_loss", "perturbation", "key_logdet")
+NAMES = ("attention_loss", "perturbation", "key_logdet", "head_share")
 _QUERY_NAMES = ("attention_loss", "perturbation")
 RIDGE = 1e-6
 
@@ -37,6 +40,7 @@ class Diagnostics:
                 raise ValueError(f"unknown diagnostic '{n}'; choose from: {', '.join(NAMES)}")
         self.names = tuple(dict.fromkeys(names))
         self.sums: dict[str, dict[int, list[float]]] = {n: {} for n in self.names}  # name -> layer -> [sum, count]
+        self.largest: dict[str, float] = {}  # name -> the largest value of any event
         self.elapsed = 0.0  # seconds spent here (generate leaves them out of the eviction time)
         self._charged = 0.0  # of which already left out (`elapsed_now`)
 
@@ -44,6 +48,7 @@ class Diagnostics:
         acc = self.sums[name].setdefault(layer_idx, [0.0, 0])
         acc[0] += value
         acc[1] += 1
+        self.largest[name] = max(self.largest.get(name, -math.inf), value)
 
     def elapsed_now(self) -> float:
         """The seconds spent here since the last call (the engine leaves them out of the eviction time)."""
@@ -59,9 +64,14 @@ class Diagnostics:
         kept = keep[:, row]
         dropped = (held & ~kept).flatten(1).any(dim=1).tolist()  # (L,)
         probs = view.latest_attention()[:, row] if any(n in _QUERY_NAMES for n in self.names) else None  # (L, h_q, S)
+        share = None
+        if "head_share" in self.names and view.budgets is not None:  # (L,) the fullest head's tokens over N
+            share = ((held & kept).sum(dim=-1).amax(dim=-1) / view.budgets[:, row, 0]).tolist()
         for i, layer in enumerate(view.layers):
             if not dropped[i]:
                 continue
+            if share is not None:
+                self._add("head_share", layer, share[i])
             if probs is not None:
                 self._query_terms(layer, view.values[i, row], probs[i], kept[i], view.modules[i])
             if "key_logdet" in self.names:
@@ -92,7 +102,8 @@ class Diagnostics:
         for name, layers in self.sums.items():
             per_layer = {str(li): s / c for li, (s, c) in sorted(layers.items()) if c}
             out[name] = {"mean": sum(per_layer.values()) / len(per_layer) if per_layer else None,
-                         "per_layer": per_layer, "events": sum(c for _, c in layers.values())}
+                         "per_layer": per_layer, "events": sum(c for _, c in layers.values()),
+                         "max": self.largest.get(name)}
         return out
 
 
@@ -117,13 +128,15 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for rec in records:
         for name, d in (rec.get("diagnostics") or {}).items():
-            acc = out.setdefault(name, {"means": [], "layers": {}, "events": 0})
+            acc = out.setdefault(name, {"means": [], "layers": {}, "events": 0, "max": None})
             if d.get("mean") is not None:
                 acc["means"].append(d["mean"])
+            if d.get("max") is not None:
+                acc["max"] = d["max"] if acc["max"] is None else max(acc["max"], d["max"])
             for li, v in d.get("per_layer", {}).items():
                 acc["layers"].setdefault(li, []).append(v)
             acc["events"] += d.get("events", 0)
     return {name: {"mean": sum(a["means"]) / len(a["means"]) if a["means"] else None,
                    "per_layer": {li: sum(v) / len(v) for li, v in sorted(a["layers"].items(), key=lambda x: int(x[0]))},
-                   "samples": len(a["means"]), "events": a["events"]}
+                   "samples": len(a["means"]), "events": a["events"], "max": a["max"]}
             for name, a in out.items()}
