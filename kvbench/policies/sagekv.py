@@ -78,16 +78,16 @@ class SageKV(Policy):
         probs = view.attention()[..., -1, :].masked_fill(~cand, -math.inf)  # (L, b, h_q, S): the last query's
         order = view.pos.repeat_interleave(g, dim=2).reshape(L * b, h_q, S)  # ties to the earlier token
         top_k = k if isinstance(k, int) else k.view(L * b, 1).expand(L * b, h_q)
-        most = k if isinstance(k, int) else self.row_sizes(torch.tensor(S), g)[1]  # budgets are at most S
-        top = rank_mask(probs.reshape(L * b, h_q, S), top_k, order, most=int(most))  # each query head's top-k
+        most = k if isinstance(k, int) else self.row_sizes(S, g)[1]  # on the host: budgets are at most S
+        top = rank_mask(probs.reshape(L * b, h_q, S), top_k, order, most=most)  # each query head's top-k
         chosen = sinks | top.view(L, b, h_kv, g, S).any(dim=3)  # (L, b, h_kv, S): sinks | union
         keep = torch.where(selecting, chosen | latest, torch.where(sliding, pinned | latest, held))
         view.state["pinned"].copy_(torch.where(selecting, chosen, pinned).float())
         return keep.float()
 
-    def row_sizes(self, budgets: torch.Tensor, group: int) -> tuple[Any, Any, Any]:
+    def row_sizes(self, budgets: torch.Tensor | int, group: int) -> tuple[Any, Any, Any]:
         """`sizes` for each row's budget N (a tensor): the explicit sizes as ints, the derived ones as tensors of
-        `budgets`' shape (a batch's rows may have different budgets)."""
+        `budgets`' shape (a batch's rows may have different budgets; an int budget gives ints)."""
         n = budgets
         sink = n // 4 if self.sink is None else int(self.sink)
         k = n // 2 ** math.ceil(math.log2(2 * group)) if self.k is None else int(self.k)
