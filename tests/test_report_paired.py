@@ -419,3 +419,18 @@ def test_shards_join_the_components_of_a_mean(tmp_path: Path) -> None:
     row, = _csv(tmp_path / "table.csv")
     assert float(row["avg"]) == pytest.approx(50 / 3) and row["avg_n"] == "8"
     assert float(row["avg_se"]) == pytest.approx(50 / 3)  # sqrt(0^2 + 33.33^2) / 2
+
+
+def test_runs_csv_carries_each_diagnostics_mean_and_max(tmp_path: Path) -> None:
+    """A run whose metrics.json holds diagnostics gets `<name>` (the mean) and `<name>_max` in runs.csv; a run without
+    them leaves the cells empty."""
+    d = write_run(tmp_path, "adakv", "keydiff", KEYDIFF)
+    metrics = json.loads((d / "metrics.json").read_text())
+    metrics["diagnostics"] = {"head_share": {"mean": 1.2, "per_layer": {"0": 1.2}, "samples": 8, "events": 40,
+                                             "max": 1.75}}
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    write_run(tmp_path, "full", "full", FULL)
+    report_main([str(tmp_path), "--no-plots", "-q"])
+    rows = {r["policy"]: r for r in _csv(tmp_path / "runs.csv")}
+    assert (rows["keydiff"]["head_share"], rows["keydiff"]["head_share_max"]) == ("1.2", "1.75")
+    assert (rows["full"]["head_share"], rows["full"]["head_share_max"]) == ("", "")

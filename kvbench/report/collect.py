@@ -70,6 +70,7 @@ class Entry:
     vs_full: Agreement | None = None  # token agreement with the full cache's entry (set by tables.build_report)
     dlogprob: Any = None  # stats.PairedResult: answer_logprob of this entry - the full cache's (build_report)
     layout: Layout = field(default_factory=dict)  # metrics.json `layout` (report.layout.stored_layout)
+    diagnostics: dict[str, Any] = field(default_factory=dict)  # metrics.json `diagnostics` (name -> mean, max, ...)
 
     @property
     def average_key(self) -> str | None:
@@ -204,7 +205,7 @@ def entry_from_run(run: Run, label: str = "", read: bool = True) -> Entry:
               budget=s.get("budget", m.get("budget")), settings=s, scores=dict(m["scores"]),
               average=m.get("average"), stats=dict(m["stats"]), provenance=dict(m.get("provenance") or {}),
               notes=list(m.get("notes") or []), paths=[run.path], order=run.order, reference=bool(m["reference"]),
-              label=label)
+              label=label, diagnostics=dict(m.get("diagnostics") or {}))
     with_samples(e, _composition(m), _read(run.path) if read else {})
     e.layout = stored_layout(m)  # type: ignore[assignment]  (find_runs keeps only runs whose layout reads)
     return e
@@ -258,6 +259,9 @@ def merge_shards(runs: Sequence[Run], root: Path, notes: list[str]) -> Entry:
     entry.order = min(r.order for r in shards)
     entry.notes = sorted({n_ for r in shards for n_ in (r.metrics.get("notes") or [])})
     what = f"{entry.model} {entry.policy} {entry.task}"
+    if entry.diagnostics and len(shards) > 1:
+        entry.diagnostics = {}
+        notes.append(f"{what}: diagnostics are each shard's (its metrics.json), not merged in runs.csv")
     if not complete:
         notes.append(f"{what}: only shards {sorted(by_index)} of {n} finished; its row covers {total} samples")
     if len({(r.metrics.get("provenance") or {}).get("commit") for r in shards}) > 1:

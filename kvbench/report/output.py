@@ -205,10 +205,12 @@ def write_runs_csv(rep: Report, path: Path, root: Path) -> None:
     deg = has_degenerate(rep)
     agree, logprob = _sample_head(rep)
     dlog = any(e.dlogprob is not None for r in rep.rows for e in r.entries.values())
+    diags = sorted({n for r in rep.rows for e in r.entries.values() for n in e.diagnostics})  # mean and max each
     head = ["model", "policy", "budget", "task", *rep.varying, *SPEED_HEAD, "average", "kvbench", "commit",
             "transformers", "torch", "model_path", "model_revision", "dtype", "device", "task_provenance", "run_dirs"]
     head += [*(["degenerate"] if deg else []), *(AGREE_HEAD if agree else []), *(LOGPROB_HEAD if logprob else []),
-             *(["dlogprob", "dlogprob_ci_low", "dlogprob_ci_high"] if dlog else [])]
+             *(["dlogprob", "dlogprob_ci_low", "dlogprob_ci_high"] if dlog else []),
+             *(c for n in diags for c in (n, f"{n}_max"))]
     with path.open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(head)
@@ -226,6 +228,9 @@ def write_runs_csv(rep: Report, path: Path, root: Path) -> None:
                 if dlog:
                     d = e.dlogprob
                     row += [None] * 3 if d is None else [d.diff, d.ci_low, d.ci_high]
+                for n in diags:
+                    got = e.diagnostics.get(n) or {}
+                    row += [got.get("mean"), got.get("max")]
                 w.writerow([_csv(v) for v in row])
 
 
