@@ -212,7 +212,8 @@ class SlotCache(Cache):
             L, b, h_q, _, S = g.probs.shape
             d, m = g.queries.shape[-1], self.ring.shape[1]  # type: ignore[union-attr]
             h_kv = g.keys.shape[2]
-            query = g.queries.gather(3, self.ring.view(1, b, 1, m, 1).expand(L, b, h_q, m, d))  # type: ignore[union-attr]
+            ring = self.ring.view(1, b, 1, m, 1)
+            query = g.queries.gather(3, ring.expand(L, b, h_q, m, d))  # type: ignore[union-attr]
             qpos = self.qpos.gather(1, self.ring).view(1, b, 1, m, 1)
             pos = g.pos.unsqueeze(3)  # (L, b, h_kv, 1, S)
             hidden = ((pos > qpos) | (pos < 0)).view(L * b, h_kv, 1, m, S)  # not held, or after the query

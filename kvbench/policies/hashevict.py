@@ -1,8 +1,8 @@
 """HashEvict (HashEvict Alg. 1, 3): evict the keys whose SimHash code is farthest (Hamming) from the current query's.
 
 h(x) = sign(R x) with R (bits x head_dim) ~ N(0, 1), one fixed R per layer drawn from (seed, layer index), so runs
-are reproducible. Score =
--Hamming(h(q), h(k_i)); a key's code is computed once, when it enters the cache (per-token state, 24 bits a float). GQA: the Hamming distance is averaged over the query heads of the KV head (HashEvict 4: the
+are reproducible. Score = -Hamming(h(q), h(k_i)); a key's code is computed once, when it enters the cache (per-token
+state, 24 bits a float). GQA: the Hamming distance is averaged over the query heads of the KV head (HashEvict 4: the
 method is agnostic to grouping). The first `n_sink` = 4 positions and the latest `n_recent` = 10 tokens are
 always kept (HashEvict 4 setup); bits = 8 (HashEvict 4.7).
 Deviation: with prompt blocks (B > 1) the probe is every query of the block and the score is the mean Hamming
@@ -77,7 +77,8 @@ class HashEvict(Policy):
         new = (view.seen - view.fed).view(1, b, 1, 1)  # the last forward's first position
         if self.probe == "query":  # its queries' codes, averaged over the forward and the KV head's query heads
             q = view.queries  # (L, b, h_q, w, d)
-            qbits = (torch.matmul(q.float().reshape(L, -1, d), r) > 0).float().view(L, b, h_kv, -1, q.shape[3], self.bits)
+            qbits = (torch.matmul(q.float().reshape(L, -1, d), r) > 0).float()
+            qbits = qbits.view(L, b, h_kv, -1, q.shape[3], self.bits)  # (L, b, h_kv, g, w, bits)
             mine = (view.qpos.view(1, b, 1, 1, -1, 1) >= new.view(1, b, 1, 1, 1, 1)).float()  # (1, b, 1, 1, w, 1)
             p = (qbits * mine).sum(dim=(3, 4)) / (mine.sum(dim=(3, 4)) * qbits.shape[3])  # (L, b, h_kv, bits)
         else:  # its keys' codes

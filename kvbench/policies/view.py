@@ -155,5 +155,5 @@ def rank_mask(scores: torch.Tensor, count: int | torch.Tensor, positions: torch.
     most = min(most, scores.shape[-1])
     top = order_key(scores, positions).topk(most, dim=-1).indices  # (..., most), best first
     chosen = torch.arange(most, device=scores.device) < count.unsqueeze(-1)  # (..., most)
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, chosen.expand_as(top)) & (
-        scores > -math.inf)
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, chosen.expand_as(top))
+    return mask & (scores > -math.inf)

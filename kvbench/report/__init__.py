@@ -22,8 +22,8 @@ With per-sample data every score cell is `mean ± se` with its n, a `degenerate`
 "Against the full cache" gives token agreement and the graded score, and "Paired comparisons" the paired
 differences (95 % bootstrap interval, exact McNemar or sign-flip p) of runs on the same samples.
 Files: DIR/table.md, DIR/table.csv (scores, with `_se` / `_n`), DIR/runs.csv (one line per entry: stats,
-diagnostics (mean and max), provenance, run dirs), DIR/paired.csv, and when there is something to draw, DIR/heatmap_<task>_<model>.png and
-DIR/score_vs_budget.png (95 % error bars).
+diagnostics (mean and max), provenance, run dirs), DIR/paired.csv, and when there is something to draw,
+DIR/heatmap_<task>_<model>.png and DIR/score_vs_budget.png (95 % error bars).
 
 Modules: collect (runs, entries, shard merge), layout (metrics.json `layout`), samples (composition, records: se, strata, agreement), tables (rows and columns), paired (paired.csv),
 output (markdown, CSV), plots, cli (`report`, the printed table, `main`); family (a design's planned comparisons,
