@@ -252,3 +252,40 @@ def test_bench_sweep_measures_both_ways(tmp_path) -> None:
     assert row["shared_s"] > 0 and row["separate_s"] > 0
     assert data["goals"] == sweep_goal_lines(data["rows"])
     assert "identical predictions" in (tmp_path / "sweep.md").read_text()
+
+
+def _trunk_jobs(names: list[str], protocol: str) -> list[Job]:
+    """`_jobs` without the trace (a traced job records every forward, so it never takes a trunk)."""
+    return [Job(j.input_ids, j.policy, j.settings, answer_ids=j.answer_ids) for j in _jobs(names, protocol)]
+
+
+@pytest.mark.parametrize("protocol", ["blockwise", "prefill_once"])
+def test_caches_of_one_prompt_share_a_trunk(model64, protocol: str) -> None:
+    """Every policy x N = 40, 64, 200 on one prompt (T = 101): the caches start from one shared trunk, the prompt
+    forwards before the first eviction that may drop one of their rows' tokens, and every result equals the job's
+    own `generate` exactly (float64). The trunk's length, by hand: blockwise (B = 16) a cache with an N = 40 row
+    evicts first after the block that ends at 48 (48 > 40), one with N = 64 alone at 80, N = 200 never (101: the
+    prompt); K-norm evicts no layer of this 2-layer model (it skips layers 0 and 1): 101. prefill_once: the prompt's
+    one forward (101) for all. Never: Random (per-sample generator); the full cache blockwise (its one cache has one
+    forward, nothing to share with a cache of another plan)."""
+    jobs = _trunk_jobs(POLICIES, protocol)
+    batched = generate_batch(model64, jobs)
+    for alone, res in zip(_separate(model64, _trunk_jobs(POLICIES, protocol)), batched, strict=True):
+        _same(alone, res, trace=False)
+    cases = {"random": [0] * 3, "knorm": [101] * 3, "h2o_original": [48, 80, 101], "full": [0]}
+    want = [t for name in POLICIES for t in cases.get(name, [48] * 3)]
+    if protocol == "prefill_once":
+        want = [0 if name == "random" else 101 for name in POLICIES for _ in (BUDGETS if name != "full" else [0])]
+    assert [r.trunk_tokens for r in batched] == want
+
+
+def test_a_trunk_saves_its_forwards(model64) -> None:
+    """keydiff, tova, snapkv at N = 40, 64, 200 (a cache each, blockwise B = 16, T = 101: 7 prompt forwards):
+    the trunk does blocks 1-3 once (up to 48 > 40), each cache blocks 4-7: 3 + 3 x 4 = 15 prompt forwards (21
+    without the trunk)."""
+    count, handle = _count_prompt_forwards(model64)
+    try:
+        generate_batch(model64, _trunk_jobs(["keydiff", "tova", "snapkv"], "blockwise"))
+    finally:
+        handle.remove()
+    assert count[0] == 15

@@ -25,7 +25,7 @@ from helpers import WORDS, kvbench_main, run_config, word_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 # What differs between a shared and a separate run of the same job: the clocks, and a batch's row's record of its batch.
-TIMED = {"prefill_s", "decode_s", "evict_s", "graded_s", "batch"}
+TIMED = {"prefill_s", "decode_s", "evict_s", "graded_s", "batch", "trunk_tokens"}  # how it ran, not what
 FLOAT64 = "model.dtype=float64"
 N_SAMPLES = 4
 

@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(default 2)")
     p.add_argument("--fork-batch", type=_int_list, default=None,
                    help="with --sweep: at most how many of a sample's runs go as the rows of one cache, one shared "
-                        "way per value, e.g. 1,4 (default 0: all of a policy's budgets; 1: exact)")
+                        "way per value, e.g. 1,0 (default 0: all of a policy's budgets; 1: each run's own trunk)")
     p.add_argument("--compiled", action="store_true",
                    help="measure every policy twice: eager (the default) and with each forward and its eviction "
                         "as one compiled graph (row NAME+compiled); NAME+compiled in --policies picks single ones")

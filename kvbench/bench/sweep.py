@@ -1,15 +1,18 @@
-"""`kvbench-bench --sweep niah_grid,prefill_once`: configurations x samples per CPU-hour of a sweep's design run with
-a sample's configurations as the rows of one cache (`engine.generate.generate_batch`, one call per sample for every
-configuration: those whose policies select alike share each forward and eviction) and run separately (`engine.generate.generate` per configuration and sample), in one interleaved run.
+"""`kvbench-bench --sweep niah_grid,prefill_once`: configurations x samples per CPU-hour of a sweep's design run
+shared (`engine.generate.generate_batch`, one call per sample for every configuration: the caches start from one
+shared trunk of prompt forwards, and those whose policies select alike are the rows of one cache, sharing each later
+forward and eviction) and run separately (`engine.generate.generate` per configuration and sample), in one
+interleaved run.
 
 A design is a set of configurations (policies x budgets under one protocol and block) over S samples (distinct
 prompts of one length, as a task's samples). Per sample the ways run back to back, the order rotating from sample to
 sample (machine drift hits all alike), each timed with the chosen clock (cpu: the process's CPU time, robust to other
 processes on one thread). Every configuration decodes exactly its new tokens (no stop token). The number is
 configurations x samples / seconds x 3600; `identical` counts the (configuration, sample) pairs whose greedy tokens
-are equal shared and separate. `--fork-batch 0,4` measures the shared way once per K: at most K rows a cache (0: all
-of a policy's budgets); K = 1 is exact by construction, K > 1 batches (a token may differ where a K-row product
-rounds a near-tie the other way).
+are equal shared and separate. `--fork-batch 1,0` measures the shared way once per K: at most K rows a cache (0: all
+of a policy's budgets; a cache's trunk ends at its first row's first eviction that may drop a token, so with K = 1
+each run's trunk is its own longest); a token may differ where a product over more rows or slots rounds a near-tie
+the other way.
 
 The designs (issue 28): `niah_grid`, scripts/niah_grid.sh's policies without the h2o_original variant (12) at
 N = 512, 1024, blockwise B = 128, 2000-token prompts, 32 new tokens; `prefill_once`, 10 policies at N = 512 under

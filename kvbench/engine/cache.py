@@ -20,7 +20,7 @@ the host. Batch rows are independent runs: each has its own positions and seen c
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -226,6 +226,44 @@ class SlotCache(Cache):
         if self.policy.state_names:
             for name, new in self.policy.token_state(self.view(), g.write).items():
                 g.state[name].scatter_(-1, g.write, new.float())
+
+    def adopt(self, trunk: SlotCache, end: int, fed: int, queries: torch.Tensor | None,
+              received: Sequence[dict[int, torch.Tensor]]) -> None:
+        """Start every row from a shared trunk (kvbench.engine.generate.run_trunk: prompt forwards several runs have
+        in common, done once without eviction): the trunk's tokens before position `end`, in the slots a run alone
+        writes them to (first free slots, in order); the query ring as a run alone holds it after them (`queries`
+        (L_t, 1, h_q, W + 1, d): the trunk's ring when it reached `end`, W >= this cache's window; `fed` the tokens
+        of that last forward); `received`: each trunk forward's attention per trunk row (b, h_kv, S_t), replayed
+        into a policy that `needs_attention`. `settle` then computes the peaks, window rows and per-token states of
+        them all, as after the forward that reached `end`."""
+        b = self.seen.shape[0]
+        for layer, (group, row) in self.where.items():
+            source, r = trunk.where[layer]
+            n = min(group.pos.shape[-1], source.pos.shape[-1])
+            pos = source.pos[r, :, :, :n]  # (1, h_kv, n): the trunk went on past `end`; those slots are free here
+            group.pos[row, :, :, :n] = pos.masked_fill(pos >= end, -1)
+            group.keys[row, :, :, :n] = source.keys[r, :, :, :n]
+            group.values[row, :, :, :n] = source.values[r, :, :, :n]
+        self.seen.fill_(end)
+        self.fed.fill_(fed)
+        g = self.evicting
+        if g is not None:
+            rows = [trunk.where[layer][1] for layer in g.layers]
+            w = self.window
+            if w and queries is not None and g.queries is not None:
+                j = torch.arange(w, device=self.seen.device)
+                p = end - 1 - (end - 1 - j).remainder(w)  # (w,) the latest position before `end` in ring slot j
+                self.qpos[:, :w] = torch.where(p >= 0, p, -1)
+                self.ring = torch.where(p >= 0, j, w).expand(b, w)  # the queries whose rows `settle` computes
+                g.queries[:, :, :, :w] = queries[rows][:, :, :, p.clamp_min(0) % (queries.shape[3] - 1)]
+            S = g.pos.shape[-1]
+            for forward in received if self.policy.needs_attention else ():
+                for row, r in enumerate(rows):
+                    got = F.pad(forward[r], (0, max(0, S - forward[r].shape[-1])))[..., :S]  # (1, h_kv, S)
+                    self.policy.on_attention(g.state_rows, row, got.expand(b, -1, -1))
+            # the held slots, in slot order: `free_slots` of the negated positions (held ones < 0, others >= 0)
+            g.write = free_slots(-g.pos - 1, end)
+        self.settle()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

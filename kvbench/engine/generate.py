@@ -78,6 +78,7 @@ class GenerationResult:
     # log_softmax, for t = score_from .. prompt_tokens - 2 in order, and whether the argmax was that token.
     lm_logprobs: list[float] | None = None
     lm_correct: list[bool] | None = None
+    trunk_tokens: int = 0  # prompt tokens whose forwards a shared trunk did for this run and others (run_trunk)
 
 
 def sync(device: torch.device) -> None:
@@ -180,6 +181,7 @@ class _Row:
     evict_s: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
     traces: list[list[torch.Tensor | None]] = field(default_factory=list)
     lm: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (log p (n,), argmax hit (n,))
+    trunk: int = 0  # prompt tokens done by a shared trunk
 
 
 def _forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, keep: int,
@@ -255,6 +257,24 @@ class Batch:
         self.diagnosed = [r.diag for r in self.rows]
         # diagnostics observe the eviction from the host: a diagnosed batch evicts outside the compiled forward
         self.in_graph = self.compiled and not any(self.diagnosed)
+        self.start, self.trunk_logits = 0, None  # the first prompt round to run, and the logits before it (`adopt`)
+
+    def adopt(self, trunk: Trunk) -> None:
+        """Every row starts from `trunk` (the rows share its prompt, plan and length): its forwards are done, their
+        time is each row's share of them; the eviction after the last of them, the first that may drop a token,
+        runs here."""
+        t0 = self.clock()
+        self.cache.adopt(trunk.cache, trunk.end, trunk.fed, trunk.queries, trunk.received)
+        self.start, self.trunk_logits = trunk.chunks, trunk.logits
+        self.seen = [trunk.end] * len(self.rows)
+        evicting = [r.chunks[trunk.chunks - 1][2] and r.job.policy.evicts for r in self.rows]
+        counts = self.counts(evicting)
+        evict_s = self._evict(counts, evicting) if counts is not None else 0.0
+        spent = self.clock() - t0
+        for row in self.rows:
+            row.time_s["prefill"] += (trunk.seconds + spent) / len(self.rows)
+            row.evict_s["prefill"] += evict_s / len(self.rows)
+            row.trunk = trunk.end
 
     def counts(self, evicting: list[bool]) -> torch.Tensor | None:
         """(L, K, 1) each row's budget per evicting layer after the tokens it has seen (a row not evicting keeps
@@ -291,16 +311,7 @@ class Batch:
         t0 = self.clock()
         counts = self.counts(evicting)
         logits = self.forward(self.model, self.cache, ids, positions, keep, counts if self.in_graph else None)
-        evict_s = 0.0
-        if counts is not None and not self.in_graph:  # the eviction timed apart: a timer's edge on each side
-            sync(self.device)
-            t1 = self.clock()
-            diagnosed = self.diagnosed
-            evict(self.cache, counts, _observer(diagnosed, evicting) if any(diagnosed) else None)
-            sync(self.device)
-            evict_s = self.clock() - t1
-            if any(diagnosed):  # the diagnostics' own time is not the eviction's
-                evict_s -= sum(d.elapsed_now() for d in diagnosed if d is not None)
+        evict_s = self._evict(counts, evicting) if counts is not None and not self.in_graph else 0.0
         spent = self.clock() - t0
         for k, row in enumerate(self.rows):
             row.time_s[phase] += spent / len(self.rows)
@@ -310,6 +321,19 @@ class Batch:
                 self._score(row, logits[k], keep - (spans[k][1] - lo), lo, hi)
         last = logits[:, -1].float()
         return last.clone() if self.compiled else last  # a CUDA graph's next replay overwrites its outputs
+
+    def _evict(self, counts: torch.Tensor, evicting: list[bool]) -> float:
+        """The eviction of the rows in `evicting` outside a compiled forward, timed apart (a timer's edge on each
+        side); returns its seconds."""
+        sync(self.device)
+        t1 = self.clock()
+        diagnosed = self.diagnosed
+        evict(self.cache, counts, _observer(diagnosed, evicting) if any(diagnosed) else None)
+        sync(self.device)
+        evict_s = self.clock() - t1
+        if any(diagnosed):  # the diagnostics' own time is not the eviction's
+            evict_s -= sum(d.elapsed_now() for d in diagnosed if d is not None)
+        return evict_s
 
     def _scored(self, k: int, span: tuple[int, int] | None) -> tuple[int, int, int]:
         """The prompt positions [lo, hi) of row k's forward over `span` whose next token the LM score takes, and
@@ -344,8 +368,8 @@ def _prefill(batch: Batch) -> torch.Tensor:
     """Every row's prompt, round by round (round i: each row's i-th forward), each followed by its eviction;
     returns each row's logits after its last prompt forward (K, vocab)."""
     rows = batch.rows
-    last: list[torch.Tensor | None] = [None] * len(rows)
-    for i in range(max(len(r.chunks) for r in rows)):
+    last: list[torch.Tensor | None] = [batch.trunk_logits] * len(rows)
+    for i in range(batch.start, max(len(r.chunks) for r in rows)):
         spans = [r.chunks[i][:2] if i < len(r.chunks) else None for r in rows]
         tokens = [list(r.job.input_ids[s[0]:s[1]]) if s is not None else [] for r, s in zip(rows, spans)]
         evicting = [i < len(r.chunks) and r.chunks[i][2] and r.job.policy.evicts for r in rows]
@@ -433,10 +457,12 @@ def _lm(row: _Row) -> tuple[list[float] | None, list[bool] | None]:
     return torch.cat([p for p, _ in row.lm]).tolist(), torch.cat([h for _, h in row.lm]).tolist()
 
 
-def _rows(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
-    """Every job as one row of one slot cache: the prompt, the graded branch of the jobs with an answer
-    (teacher-forced through a fork of the cache taken after the prompt), greedy decoding."""
+def _rows(model: Any, jobs: Sequence[Job], trunk: Trunk | None = None) -> list[GenerationResult]:
+    """Every job as one row of one slot cache: the prompt (from `trunk` on when given), the graded branch of the
+    jobs with an answer (teacher-forced through a fork of the cache taken after the prompt), greedy decoding."""
     batch = Batch(model, jobs)
+    if trunk is not None:
+        batch.adopt(trunk)
     logits = _prefill(batch)
     batch.cache.decoding = True
     graded: list[list[torch.Tensor]] = [[] for _ in jobs]
@@ -468,7 +494,116 @@ def _rows(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
             diagnostics=r.diag.summary() if r.diag is not None else None,
             layer_tokens=tokens_at[k * width:(k + 1) * width] if r.steps else None,
             answer_logprob=float(torch.stack(graded[k]).mean()) if graded[k] else None, graded_s=graded_s[k],
-            batch_size=K, batch_kv_bytes_peak=together * per_token, lm_logprobs=lm[0], lm_correct=lm[1]))
+            batch_size=K, batch_kv_bytes_peak=together * per_token, lm_logprobs=lm[0], lm_correct=lm[1],
+            trunk_tokens=r.trunk))
+    return out
+
+
+# -- shared trunks: the prompt forwards a sample's runs have in common, done once -----------------------------------
+@dataclass(eq=False)
+class Trunk:
+    """What a run takes from a shared trunk (`run_trunk`): its first `chunks` prompt forwards, through position `end`
+    (`fed` tokens in the last), the cache they built (`SlotCache.adopt` masks what came after `end`), the query ring
+    then (L, 1, h_q, W + 1, d) or None, each forward's received attention (a policy that `needs_attention`), the
+    last position's logits (vocab,) float32, and the run's share of the forwards' time."""
+
+    cache: SlotCache
+    chunks: int
+    end: int
+    fed: int
+    queries: torch.Tensor | None
+    received: list[dict[int, torch.Tensor]]
+    logits: torch.Tensor
+    seconds: float
+
+
+class _TrunkPolicy(Policy):
+    """A trunk cache's policy: every layer a run may evict is in its evicting group (their queries are kept, and with
+    `attention` the attention their slots receive in each forward), and none is evicted."""
+
+    name = "trunk"
+
+    def __init__(self, budget: int, window: int, attention: bool) -> None:
+        super().__init__(budget=budget)
+        self.query_window, self.needs_attention = window, attention
+        self.received: list[dict[int, torch.Tensor]] = []  # per forward: trunk row -> (1, h_kv, S)
+
+    def on_attention(self, state: dict[str, Sequence[torch.Tensor]], row: int, received: torch.Tensor) -> None:
+        self.received[-1][row] = received
+
+
+def trunk_length(chunks: list[tuple[int, int, bool]], policy: Policy, layers: list[int]) -> int:
+    """How many of a run's first prompt forwards a shared trunk can do for it: up to the first after which its
+    eviction may drop a token (a head holding more than its layer's budget: before it, nothing was dropped, so a
+    head holds every position seen), that one included (the run evicts after it from the trunk's cache)."""
+    for i, (_, end, evicted) in enumerate(chunks):
+        if evicted and policy.evicts and layers and end > min(policy.layer_budget(layer, end) or end for layer in layers):
+            return i + 1
+    return len(chunks)
+
+
+def run_trunk(model: Any, jobs: Sequence[Job], lengths: Sequence[int], runs: Sequence[int]) -> list[Trunk]:
+    """The prompt forwards of `jobs` (one prompt, one plan) done once, without eviction: job i's first lengths[i],
+    for runs[i] runs (a cache's rows); each forward's time shared equally among the runs that take it. Returns each
+    job's `Trunk` (its `seconds`: its runs' shares together)."""
+    job = jobs[0]
+    chunks = plan(len(job.input_ids), job.settings, job.policy)
+    n = max(lengths)
+    end = chunks[n - 1][1]
+    widest = max(e - s for s, e, _ in chunks)
+    window = max(widest if j.policy.query_window < 0 else j.policy.query_window for j in jobs)  # as Batch sizes it
+    policy = _TrunkPolicy(end, window, job.policy.needs_attention)
+    policy.single_pass_prefill = job.policy.single_pass_prefill  # the same plan
+    clock = job.observer.clock if job.observer is not None else time.perf_counter
+    settings = GenerationSettings(block=job.settings.block, protocol=job.settings.protocol,
+                                  scenario=job.settings.scenario, context_tokens=job.settings.context_tokens)
+    batch = Batch(model, [Job(job.input_ids[:end], policy, settings, observer=Observer(clock=clock))])
+    assert [c[:2] for c in batch.rows[0].chunks] == [c[:2] for c in chunks[:n]]  # its slots are sized by them
+    if batch.cache.evicting is not None:
+        batch.cache.evicting.probs = None  # the runs compute their window rows when they adopt the trunk
+    out: dict[int, tuple[Any, ...]] = {}
+    spent = []  # each forward's time per run that takes it
+    for i, (s, e, _) in enumerate(chunks[:n]):
+        policy.received.append({})
+        t0 = clock()
+        logits = batch.step([(s, e)], [list(job.input_ids[s:e])], [False], "prefill")
+        sync(batch.device)
+        spent.append((clock() - t0) / sum(r for k, r in zip(lengths, runs) if k > i))
+        if i + 1 in lengths:
+            g = batch.cache.evicting
+            queries = g.queries.clone() if g is not None and g.queries is not None else None
+            out[i + 1] = (batch.cache, i + 1, e, e - s, queries, list(policy.received), logits[0].clone())
+    return [Trunk(*out[k], seconds=sum(spent[:k]) * r) for k, r in zip(lengths, runs)]
+
+
+def _trunks(model: Any, parts: list[list[Job]]) -> list[Trunk | None]:
+    """Each part's (the rows of one cache) shared trunk, or None. Parts share one when all their jobs have one prompt,
+    plan and way of attending (a policy that `needs_attention` attends explicitly), two parts at least; a part's
+    trunk ends at the first forward after which one of its rows may drop a token (`trunk_length`). Never shared: a
+    policy with per-sample state its score reads (Random: the skipped evictions would have drawn), a job that
+    observes every forward or eviction (trace, diagnostics, the LM score), compiled runs (more graph shapes)."""
+    text = model.config.get_text_config(decoder=True)
+    groups: dict[Any, list[tuple[int, int]]] = {}
+    for p, part in enumerate(parts):
+        keys, lengths = set(), []
+        for job in part:
+            s, policy = job.settings, job.policy
+            if (policy.sample_state or s.diagnostics or s.score_from is not None or s.compile
+                    or (job.observer is not None and job.observer.trace)):
+                break
+            policy.attach(text.num_hidden_layers)
+            chunks = plan(len(job.input_ids), s, policy)
+            keys.add((tuple(job.input_ids), tuple(chunks), policy.needs_attention))
+            lengths.append(trunk_length(chunks, policy, evicted_layers(text, policy)))
+        else:
+            if len(keys) == 1:
+                groups.setdefault(keys.pop(), []).append((p, min(lengths)))
+    out: list[Trunk | None] = [None] * len(parts)
+    for members in groups.values():
+        if len(members) > 1:
+            for (p, _), trunk in zip(members, run_trunk(model, [parts[p][0] for p, _ in members],
+                                                        [k for _, k in members], [len(parts[p]) for p, _ in members])):
+                out[p] = trunk
     return out
 
 
@@ -476,6 +611,8 @@ def _rows(model: Any, jobs: Sequence[Job]) -> list[GenerationResult]:
 def generate_batch(model: Any, jobs: Sequence[Job], batch: int | None = None) -> list[GenerationResult]:
     """`generate` for several runs at once: the jobs whose policies select alike (`slot_key`) go as the rows of one
     cache, at most `batch` rows at a time (None: all), each with its own prompt, budget and answer; the others alone.
+    Caches of one prompt share a trunk (`_trunks`): the prompt forwards before the first eviction that may drop one
+    of their rows' tokens, done once for all of them; each cache starts from there.
     Each result is the job's own `generate` result but for the timings (an equal share of each forward) and the
     batch's rounding: a forward multiplies K rows by the weights, which a CPU BLAS may round differently from one
     row, so a token can differ where two logits or two scores are within that rounding. Give each job its own policy
@@ -484,13 +621,12 @@ def generate_batch(model: Any, jobs: Sequence[Job], batch: int | None = None) ->
     for j, job in enumerate(jobs):
         key = slot_key(job.policy)
         groups.setdefault(("alone", j) if key is None else (key, job.settings.compile), []).append(j)
+    parts = [members[at:at + (batch or len(members))] for members in groups.values()
+             for at in range(0, len(members), batch or len(members))]
     results: list[GenerationResult | None] = [None] * len(jobs)
-    for members in groups.values():
-        size = batch or len(members)
-        for at in range(0, len(members), size):
-            part = members[at:at + size]
-            for j, res in zip(part, _rows(model, [jobs[j] for j in part])):
-                results[j] = res
+    for part, trunk in zip(parts, _trunks(model, [[jobs[j] for j in part] for part in parts])):
+        for j, res in zip(part, _rows(model, [jobs[j] for j in part], trunk)):
+            results[j] = res
     return results  # type: ignore[return-value]
 
 

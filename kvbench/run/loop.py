@@ -351,4 +351,6 @@ def make_record(sample: Sample, prediction: str, res: GenerationResult, score: f
         rec["prompt"] = sample.prompt
     if res.batch_size > 1:  # a row of a batch (samples, or a shared group's runs): its rounding, its share of time
         rec["batch"] = {"size": res.batch_size, "kv_bytes_peak": res.batch_kv_bytes_peak}
+    if res.trunk_tokens:  # its first prompt forwards were shared with other runs of the sample (and their time)
+        rec["trunk_tokens"] = res.trunk_tokens
     return rec
