@@ -160,17 +160,17 @@ def test_shared_bytes_bound() -> None:
     """The bound worked out by hand for tiny-llama (2 layers, 2 KV heads, head_dim 64, float32): per slot of one
     head of one layer, K+V 2 x 64 x 4 = 512 bytes, its position (int64) 8 and per-token state (4 x float32) 16:
     536; x 2 layers x 2 heads = 2,144 per slot of a row. T = 101, 8 new tokens + a 4-token answer: 113 slots a row.
-    Three rows (K-norm, StreamingLLM at N = 64, the full cache): 3 x 113 x 2,144 = 726,816; at most 2 rows a cache:
-    2 x 113 x 2,144 = 484,544."""
+    Five jobs (K-norm, StreamingLLM, KeyDiff, TOVA at N = 64, the full cache): 5 x 113 x 2,144 = 1,211,360; at most
+    1 row a cache: that row and up to 2 shared trunks, 3 x 113 x 2,144 = 726,816."""
     from kvbench.engine.generate import shared_bytes
 
     model32 = installed_model("tiny-llama", output_scale=1.0)[0]
     jobs = []
-    for name, budget in (("knorm", 64), ("streamingllm", 64), ("full", 200)):
+    for name, budget in (("knorm", 64), ("streamingllm", 64), ("keydiff", 64), ("tova", 64), ("full", 200)):
         policy = make_policy(name, budget, 1)
         jobs.append(Job(_prompt(), policy, GenerationSettings(block=B, max_new_tokens=8), answer_ids=ANSWER))
-    assert shared_bytes(model32, jobs) == 726_816
-    assert shared_bytes(model32, jobs, batch=2) == 484_544
+    assert shared_bytes(model32, jobs) == 1_211_360
+    assert shared_bytes(model32, jobs, batch=1) == 726_816
 
 
 def test_context_only(model64) -> None:

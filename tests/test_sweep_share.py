@@ -96,6 +96,15 @@ def test_a_shared_sweep_writes_what_separate_runs_write(separate: tuple[Path, Pa
             assert {r["batch"]["size"] for r in records} == {2} and stats["batch_size"] == 2, m.run_dir
             assert all(r["batch"]["kv_bytes_peak"] >= r["kv_bytes_peak"] for r in records)
             assert stats["batch_kv_bytes_peak"] == max(r["batch"]["kv_bytes_peak"] for r in records)
+    # The shared trunk, by hand: blockwise, keydiff's and snapkv's caches (rows N = 64 and 4096) share the blocks up
+    # to 80 (the first block to end past 64); the full cache prefills in one forward, a plan of its own; under
+    # prefill_once the three share the prompt's one forward; random never shares one.
+    for m in members:
+        blockwise = m.run_dir.parent.name == "blockwise"
+        for r in _lines(m.run_dir / "predictions.jsonl"):
+            want = None if m.name == "random" or (m.name == "full" and blockwise) else \
+                80 if blockwise else r["prompt_tokens"]
+            assert r.get("trunk_tokens") == want, (m.run_dir, r["id"])
     # the rows of a budget above every prompt (N = 4096) hold the whole prompt: more than the N = 64 row's peak
     for protocol in ("blockwise", "prefill_once"):
         big, small = (_lines(tmp_path / protocol / f"keydiff_N{n}" / "predictions.jsonl") for n in (4096, 64))

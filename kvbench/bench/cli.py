@@ -34,15 +34,20 @@ FULL_RUN = {"lengths": [2048, 8192, 32768], "budgets": [1024], "block": 128, "ne
             "policies": list(DEFAULT_POLICIES), "threads": None}
 
 
-def _int_list(s: str) -> list[int]:
+def _int_list(s: str, least: int = 1) -> list[int]:
     try:
         vals = [int(x.lower().replace("k", "")) * (1024 if x.lower().endswith("k") else 1)
                 for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers (e.g. 2k,8k or 1024), got '{s}'")
-    if not vals or min(vals) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got '{s}'")
+    if not vals or min(vals) < least:
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got '{s}'")
     return vals
+
+
+def _counts(s: str) -> list[int]:
+    """--fork-batch: integers >= 0 (0: all)."""
+    return _int_list(s, least=0)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,9 +117,9 @@ def _parser() -> argparse.ArgumentParser:
                         "run separately, interleaved (kvbench.bench.sweep); --policies, --budgets, --block, "
                         "--lengths (the first) and --new-tokens override the design's, --samples its samples "
                         "(default 2)")
-    p.add_argument("--fork-batch", type=_int_list, default=None,
+    p.add_argument("--fork-batch", type=_counts, default=None,
                    help="with --sweep: at most how many of a sample's runs go as the rows of one cache, one shared "
-                        "way per value, e.g. 1,0 (default 0: all of a policy's budgets; 1: each run's own trunk)")
+                        "way per value, e.g. 1,12 (default 0: all of a policy's budgets; 1: each run's own trunk)")
     p.add_argument("--compiled", action="store_true",
                    help="measure every policy twice: eager (the default) and with each forward and its eviction "
                         "as one compiled graph (row NAME+compiled); NAME+compiled in --policies picks single ones")

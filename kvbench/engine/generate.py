@@ -649,12 +649,13 @@ def generate(model: Any, policy: Policy, input_ids: Sequence[int], settings: Gen
 def shared_bytes(model: Any, jobs: Sequence[Job], batch: int | None = None) -> int:
     """An upper bound of the K+V bytes `generate_batch(model, jobs, batch)` allocates at once beyond the model: per
     row of a batch, every layer at the run's largest capacity (the prompt and its answer, T + new), and per-token
-    state (float32) and positions (int64) alike."""
+    state (float32) and positions (int64) alike; a cache's rows at a time, and the shared trunks (a row each, at most
+    2: one per way of attending, each shared by 2 caches at least, so never more rows than jobs)."""
     cfg = model.config.get_text_config(decoder=True)
     layers, h_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_slot = layers * h_kv * (2 * head_dim * torch.finfo(model.dtype).bits // 8 + 8 + 4 * 4)
     T = max(len(j.input_ids) for j in jobs)
     new = max(j.settings.max_new_tokens + len(j.answer_ids or ()) for j in jobs)
-    rows = min(len(jobs), batch or len(jobs))
+    rows = min(len(jobs), (batch or len(jobs)) + 2)
     return rows * (T + new) * per_slot
