@@ -537,7 +537,8 @@ def trunk_length(chunks: list[tuple[int, int, bool]], policy: Policy, layers: li
     eviction may drop a token (a head holding more than its layer's budget: before it, nothing was dropped, so a
     head holds every position seen), that one included (the run evicts after it from the trunk's cache)."""
     for i, (_, end, evicted) in enumerate(chunks):
-        if evicted and policy.evicts and layers and end > min(policy.layer_budget(layer, end) or end for layer in layers):
+        least = min((policy.layer_budget(layer, end) or end for layer in layers), default=end)
+        if evicted and policy.evicts and end > least:
             return i + 1
     return len(chunks)
 
