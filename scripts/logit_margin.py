@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kvbench.engine.generate import Job, Observer, generate_batch
-    from kvbench.engine.hf import describe_processors, greedy_processors
+    from kvbench.models.generation import describe_processors, greedy_processors
     from kvbench.run.app import Session, task_env
     from kvbench.run.loop import eos_ids, generation_settings, run_samples, sample_seed
     from kvbench.run.settings import RunSettings, build_policy, build_task

@@ -1,5 +1,6 @@
-"""kvbench.engine.hf: the transformers internals kvbench calls still take what kvbench passes them. A transformers
-release that renames or drops one fails here by name, before any run decodes with a processor list built wrong."""
+"""kvbench.models.generation: the transformers internals kvbench calls still take what kvbench passes them. A
+transformers release that renames or drops one fails here by name, before any run decodes with a processor list built
+wrong."""
 
 from __future__ import annotations
 
@@ -8,23 +9,23 @@ import inspect
 import pytest
 from transformers.generation.utils import GenerationMixin
 
-from kvbench.engine.hf import PRIVATE_CALLS
+from kvbench.models.generation import PRIVATE_CALLS
 
 
 @pytest.mark.parametrize("name", sorted(PRIVATE_CALLS))
 def test_private_methods_take_what_kvbench_passes(name: str) -> None:
     method = getattr(GenerationMixin, name, None)
-    assert method is not None, f"transformers' GenerationMixin has no {name} any more (kvbench/engine/hf.py)"
+    assert method is not None, f"transformers' GenerationMixin has no {name} any more (kvbench/models/generation.py)"
     params = inspect.signature(method).parameters
     missing = [p for p in PRIVATE_CALLS[name] if p not in params]
-    assert not missing, f"GenerationMixin.{name} no longer takes {missing} (kvbench/engine/hf.py)"
+    assert not missing, f"GenerationMixin.{name} no longer takes {missing} (kvbench/models/generation.py)"
 
 
 def test_the_adapter_names_every_private_call_it_makes() -> None:
     # Every `model._name(` call in the adapter is listed in PRIVATE_CALLS, with the keywords it passes.
     import re
 
-    import kvbench.engine.hf as hf
+    import kvbench.models.generation as hf
 
     source = inspect.getsource(hf)
     called = set(re.findall(r"model\.(_\w+)\(", source))

@@ -201,7 +201,7 @@ def test_greedy_applies_the_generation_config_processors_like_generate(settings:
 
 
 def test_generation_provenance_names_the_processors() -> None:
-    from kvbench.engine.hf import generation_provenance
+    from kvbench.models.generation import generation_provenance
 
     model, _ = build_tiny_model("tiny-llama")
     assert generation_provenance(model) == {"decoding": "greedy", "processors": []}
@@ -211,7 +211,7 @@ def test_generation_provenance_names_the_processors() -> None:
 
 
 def test_generation_config_source_says_where_the_settings_came_from(tmp_path: Path) -> None:
-    from kvbench.engine.hf import generation_provenance
+    from kvbench.models.generation import generation_provenance
     from kvbench.models.loading import GGUF_GENERATION, generation_config_source
 
     model, _ = build_tiny_model("tiny-llama")

@@ -162,7 +162,7 @@ def test_shared_bytes_bound() -> None:
     536; x 2 layers x 2 heads = 2,144 per slot of a row. T = 101, 8 new tokens + a 4-token answer: 113 slots a row.
     Five jobs (K-norm, StreamingLLM, KeyDiff, TOVA at N = 64, the full cache): 5 x 113 x 2,144 = 1,211,360; at most
     1 row a cache: that row and up to 2 shared trunks, 3 x 113 x 2,144 = 726,816."""
-    from kvbench.engine.generate import shared_bytes
+    from kvbench.run.loop import shared_bytes
 
     model32 = installed_model("tiny-llama", output_scale=1.0)[0]
     jobs = []

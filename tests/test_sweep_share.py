@@ -243,20 +243,20 @@ def test_a_group_too_big_for_memory_splits_with_one_line(separate: tuple[Path, P
     it writes whole."""
     import kvbench.run.loop as loop
     from kvbench.bench.setup import make_policy
-    from kvbench.engine.generate import GenerationSettings, Job, shared_bytes
+    from kvbench.engine.generate import GenerationSettings, Job
 
     data, alone = separate
     members = _members(data, tmp_path, policies=("keydiff", "snapkv", "random", "full"), budgets=(64,))
     session = Session()
     model = session.model(members[0].settings).model
     two = [Job([5] * 200, make_policy("keydiff", 64, 0), GenerationSettings(block=16, max_new_tokens=6))] * 2
-    limit = shared_bytes(model, two)
+    limit = loop.shared_bytes(model, two)
     monkeypatch.setattr(loop, "memory_limit", lambda model: limit)
     real, parts_seen = loop.split_to_fit, []
 
     def spy(model, jobs, batch, lim):
         parts = real(model, jobs, batch, lim)
-        assert all(len(p) == 1 or shared_bytes(model, [jobs[k] for k in p], batch) <= lim for p in parts)
+        assert all(len(p) == 1 or loop.shared_bytes(model, [jobs[k] for k in p], batch) <= lim for p in parts)
         parts_seen.append(len(parts))
         return parts
 

@@ -229,13 +229,10 @@ class SlotCache(Cache):
 
     def adopt(self, trunk: SlotCache, end: int, fed: int, queries: torch.Tensor | None,
               received: Sequence[dict[int, torch.Tensor]]) -> None:
-        """Start every row from a shared trunk (kvbench.engine.generate.run_trunk: prompt forwards several runs have
-        in common, done once without eviction): the trunk's tokens before position `end`, in the slots a run alone
-        writes them to (first free slots, in order); the query ring as a run alone holds it after them (`queries`
-        (L_t, 1, h_q, W + 1, d): the trunk's ring when it reached `end`, W >= this cache's window; `fed` the tokens
-        of that last forward); `received`: each trunk forward's attention per trunk row (b, h_kv, S_t), replayed
-        into a policy that `needs_attention`. `settle` then computes the peaks, window rows and per-token states of
-        them all, as after the forward that reached `end`."""
+        """Start every row from a shared trunk (generate.run_trunk): its tokens before `end` in the slots a run alone
+        writes them to, the query ring a run alone holds then (from `queries` (L_t, 1, h_q, W + 1, d), the trunk's
+        ring at `end`; `fed`: the last forward's tokens), `received` (per forward, trunk row -> (1, h_kv, S_t))
+        replayed into a policy that `needs_attention`; then `settle`, as after the forward that reached `end`."""
         b = self.seen.shape[0]
         for layer, (group, row) in self.where.items():
             source, r = trunk.where[layer]
@@ -246,10 +243,9 @@ class SlotCache(Cache):
             group.values[row, :, :, :n] = source.values[r, :, :, :n]
         self.seen.fill_(end)
         self.fed.fill_(fed)
-        g = self.evicting
+        g, w = self.evicting, self.window
         if g is not None:
             rows = [trunk.where[layer][1] for layer in g.layers]
-            w = self.window
             if w and queries is not None and g.queries is not None:
                 j = torch.arange(w, device=self.seen.device)
                 p = end - 1 - (end - 1 - j).remainder(w)  # (w,) the latest position before `end` in ring slot j

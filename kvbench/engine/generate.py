@@ -20,7 +20,7 @@ import torch
 
 from kvbench.engine.cache import IMPL, PAD, SlotCache, evict, evicted_layers, forward, install
 from kvbench.engine.diagnostics import Diagnostics
-from kvbench.engine.hf import greedy_processors
+from kvbench.models.generation import greedy_processors
 from kvbench.options import PROTOCOLS
 from kvbench.policies.base import Policy
 
@@ -260,9 +260,8 @@ class Batch:
         self.start, self.trunk_logits = 0, None  # the first prompt round to run, and the logits before it (`adopt`)
 
     def adopt(self, trunk: Trunk) -> None:
-        """Every row starts from `trunk` (the rows share its prompt, plan and length): its forwards are done, their
-        time is each row's share of them; the eviction after the last of them, the first that may drop a token,
-        runs here."""
+        """Every row starts from `trunk` (one prompt and plan): its forwards done, their time each row's share; the
+        eviction after the last of them (the first that may drop a token) runs here."""
         t0 = self.clock()
         self.cache.adopt(trunk.cache, trunk.end, trunk.fed, trunk.queries, trunk.received)
         self.start, self.trunk_logits = trunk.chunks, trunk.logits
@@ -502,10 +501,8 @@ def _rows(model: Any, jobs: Sequence[Job], trunk: Trunk | None = None) -> list[G
 # -- shared trunks: the prompt forwards a sample's runs have in common, done once -----------------------------------
 @dataclass(eq=False)
 class Trunk:
-    """What a run takes from a shared trunk (`run_trunk`): its first `chunks` prompt forwards, through position `end`
-    (`fed` tokens in the last), the cache they built (`SlotCache.adopt` masks what came after `end`), the query ring
-    then (L, 1, h_q, W + 1, d) or None, each forward's received attention (a policy that `needs_attention`), the
-    last position's logits (vocab,) float32, and the run's share of the forwards' time."""
+    """A cache's share of a trunk (`run_trunk`): its first `chunks` prompt forwards, to position `end` (`fed` in the
+    last), as `SlotCache.adopt` takes them; the last position's logits (vocab,) float32; the rows' share of the time."""
 
     cache: SlotCache
     chunks: int
@@ -518,10 +515,7 @@ class Trunk:
 
 
 class _TrunkPolicy(Policy):
-    """A trunk cache's policy: every layer a run may evict is in its evicting group (their queries are kept, and with
-    `attention` the attention their slots receive in each forward), and none is evicted."""
-
-    name = "trunk"
+    """A trunk's: every layer a run may evict keeps its queries (and with `attention` its received attention)."""
 
     def __init__(self, budget: int, window: int, attention: bool) -> None:
         super().__init__(budget=budget)
@@ -533,9 +527,8 @@ class _TrunkPolicy(Policy):
 
 
 def trunk_length(chunks: list[tuple[int, int, bool]], policy: Policy, layers: list[int]) -> int:
-    """How many of a run's first prompt forwards a shared trunk can do for it: up to the first after which its
-    eviction may drop a token (a head holding more than its layer's budget: before it, nothing was dropped, so a
-    head holds every position seen), that one included (the run evicts after it from the trunk's cache)."""
+    """How many of a run's first prompt forwards a trunk can do: up to the first after which its eviction may drop a
+    token (a head over its layer's budget; before, a head holds every position seen), that one included."""
     for i, (_, end, evicted) in enumerate(chunks):
         least = min((policy.layer_budget(layer, end) or end for layer in layers), default=end)
         if evicted and policy.evicts and end > least:
@@ -544,14 +537,11 @@ def trunk_length(chunks: list[tuple[int, int, bool]], policy: Policy, layers: li
 
 
 def run_trunk(model: Any, jobs: Sequence[Job], lengths: Sequence[int], runs: Sequence[int]) -> list[Trunk]:
-    """The prompt forwards of `jobs` (one prompt, one plan) done once, without eviction: job i's first lengths[i],
-    for runs[i] runs (a cache's rows); each forward's time shared equally among the runs that take it. Returns each
-    job's `Trunk` (its `seconds`: its runs' shares together)."""
-    job = jobs[0]
+    """Job i's `Trunk`: the first lengths[i] prompt forwards of `jobs` (one prompt and plan) done once, without
+    eviction, for runs[i] runs (its cache's rows), each forward's time shared equally among the runs taking it."""
+    job, n = jobs[0], max(lengths)
     chunks = plan(len(job.input_ids), job.settings, job.policy)
-    n = max(lengths)
-    end = chunks[n - 1][1]
-    widest = max(e - s for s, e, _ in chunks)
+    end, widest = chunks[n - 1][1], max(e - s for s, e, _ in chunks)
     window = max(widest if j.policy.query_window < 0 else j.policy.query_window for j in jobs)  # as Batch sizes it
     policy = _TrunkPolicy(end, window, job.policy.needs_attention)
     policy.single_pass_prefill = job.policy.single_pass_prefill  # the same plan
@@ -562,8 +552,7 @@ def run_trunk(model: Any, jobs: Sequence[Job], lengths: Sequence[int], runs: Seq
     assert [c[:2] for c in batch.rows[0].chunks] == [c[:2] for c in chunks[:n]]  # its slots are sized by them
     if batch.cache.evicting is not None:
         batch.cache.evicting.probs = None  # the runs compute their window rows when they adopt the trunk
-    out: dict[int, tuple[Any, ...]] = {}
-    spent = []  # each forward's time per run that takes it
+    out, spent = {}, []  # spent: each forward's time per run that takes it
     for i, (s, e, _) in enumerate(chunks[:n]):
         policy.received.append({})
         t0 = clock()
@@ -571,18 +560,17 @@ def run_trunk(model: Any, jobs: Sequence[Job], lengths: Sequence[int], runs: Seq
         sync(batch.device)
         spent.append((clock() - t0) / sum(r for k, r in zip(lengths, runs) if k > i))
         if i + 1 in lengths:
-            g = batch.cache.evicting
-            queries = g.queries.clone() if g is not None and g.queries is not None else None
-            out[i + 1] = (batch.cache, i + 1, e, e - s, queries, list(policy.received), logits[0].clone())
+            q = getattr(batch.cache.evicting, "queries", None)  # (L, 1, h_q, W + 1, d) or None
+            q = q if q is None else q.clone()
+            out[i + 1] = (batch.cache, i + 1, e, e - s, q, list(policy.received), logits[0].clone())
     return [Trunk(*out[k], seconds=sum(spent[:k]) * r) for k, r in zip(lengths, runs)]
 
 
 def _trunks(model: Any, parts: list[list[Job]]) -> list[Trunk | None]:
-    """Each part's (the rows of one cache) shared trunk, or None. Parts share one when all their jobs have one prompt,
-    plan and way of attending (a policy that `needs_attention` attends explicitly), two parts at least; a part's
-    trunk ends at the first forward after which one of its rows may drop a token (`trunk_length`). Never shared: a
-    policy with per-sample state its score reads (Random: the skipped evictions would have drawn), a job that
-    observes every forward or eviction (trace, diagnostics, the LM score), compiled runs (more graph shapes)."""
+    """Each part's (one cache's rows) trunk, or None: parts whose jobs have one prompt, plan and way of attending
+    (`needs_attention`: explicitly) share one, up to the part's shortest `trunk_length`. Never shared: a policy with
+    per-sample state its score reads (Random would have drawn at the skipped evictions), a job that observes every
+    forward or eviction (trace, diagnostics, the LM score), compiled runs (more graph shapes)."""
     text = model.config.get_text_config(decoder=True)
     groups: dict[Any, list[tuple[int, int]]] = {}
     for p, part in enumerate(parts):
@@ -596,15 +584,13 @@ def _trunks(model: Any, parts: list[list[Job]]) -> list[Trunk | None]:
             chunks = plan(len(job.input_ids), s, policy)
             keys.add((tuple(job.input_ids), tuple(chunks), policy.needs_attention))
             lengths.append(trunk_length(chunks, policy, evicted_layers(text, policy)))
-        else:
-            if len(keys) == 1:
-                groups.setdefault(keys.pop(), []).append((p, min(lengths)))
+        if len(lengths) == len(part) and len(keys) == 1:  # every job may share, and all alike
+            groups.setdefault(keys.pop(), []).append((p, min(lengths)))
     out: list[Trunk | None] = [None] * len(parts)
-    for members in groups.values():
-        if len(members) > 1:
-            for (p, _), trunk in zip(members, run_trunk(model, [parts[p][0] for p, _ in members],
-                                                        [k for _, k in members], [len(parts[p]) for p, _ in members])):
-                out[p] = trunk
+    for members in (m for m in groups.values() if len(m) > 1):
+        ps, lengths = zip(*members)
+        for p, trunk in zip(ps, run_trunk(model, [parts[p][0] for p in ps], lengths, [len(parts[p]) for p in ps])):
+            out[p] = trunk
     return out
 
 
@@ -645,18 +631,3 @@ def generate(model: Any, policy: Policy, input_ids: Sequence[int], settings: Gen
     decode, which it leaves untouched; the log-probabilities are the model's own (before the logits processors).
     """
     return generate_batch(model, [Job(input_ids, policy, settings, forced, answer_ids, observer)])[0]
-
-
-def shared_bytes(model: Any, jobs: Sequence[Job], batch: int | None = None) -> int:
-    """An upper bound of the K+V bytes `generate_batch(model, jobs, batch)` allocates at once beyond the model: per
-    row of a batch, every layer at the run's largest capacity (the prompt and its answer, T + new), and per-token
-    state (float32) and positions (int64) alike; a cache's rows at a time, and the shared trunks (a row each, at most
-    2: one per way of attending, each shared by 2 caches at least, so never more rows than jobs)."""
-    cfg = model.config.get_text_config(decoder=True)
-    layers, h_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_slot = layers * h_kv * (2 * head_dim * torch.finfo(model.dtype).bits // 8 + 8 + 4 * 4)
-    T = max(len(j.input_ids) for j in jobs)
-    new = max(j.settings.max_new_tokens + len(j.answer_ids or ()) for j in jobs)
-    rows = min(len(jobs), (batch or len(jobs)) + 2)
-    return rows * (T + new) * per_slot

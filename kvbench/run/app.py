@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from kvbench import __version__
 from kvbench.engine.diagnostics import aggregate as aggregate_diagnostics
-from kvbench.engine.hf import generation_provenance
+from kvbench.models.generation import generation_provenance
 from kvbench.metrics.aggregate import average_of
 from kvbench.models.common import portable_path
 from kvbench.models.loading import LoadedModel, load_model

@@ -11,11 +11,11 @@ import os
 import sys
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate_batch, shared_bytes
+from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate_batch
 from kvbench.metrics.degenerate import is_degenerate
 from kvbench.metrics.lm import lm_summary
 from kvbench.options import LM_TOKENS_AFTER_EVICTION
@@ -76,6 +76,21 @@ def run_task(model: Any, tokenizer: Any, policy: Policy, task: Task, env: TaskEn
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def shared_bytes(model: Any, jobs: Sequence[Job], batch: int | None = None) -> int:
+    """An upper bound of the K+V bytes `generate_batch(model, jobs, batch)` allocates at once beyond the model: per
+    row of a batch, every layer at the run's largest capacity (the prompt and its answer, T + new), and per-token
+    state (float32) and positions (int64) alike; a cache's rows at a time, and the shared trunks (a row each, at most
+    2: one per way of attending, each shared by 2 caches at least, so never more rows than jobs)."""
+    cfg = model.config.get_text_config(decoder=True)
+    layers, h_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_slot = layers * h_kv * (2 * head_dim * torch.finfo(model.dtype).bits // 8 + 8 + 4 * 4)
+    T = max(len(j.input_ids) for j in jobs)
+    new = max(j.settings.max_new_tokens + len(j.answer_ids or ()) for j in jobs)
+    rows = min(len(jobs), (batch or len(jobs)) + 2)
+    return rows * (T + new) * per_slot
 
 
 def memory_limit(model: Any) -> int:
