@@ -658,9 +658,9 @@ def test_batch_rounds_interleave_and_rows_give_medians_of_paired_ratios(monkeypa
     ([1.35], "PASS", "one round: no interval"), ([1.34], "MISS", "one round: no interval")])
 def test_batch_goal_verdict_is_a_one_sided_t_bound_over_the_rounds(ratios: list[float], verdict: str,
                                                                     bounds: str) -> None:
-    from kvbench.bench.batch import _verdict
+    from kvbench.bench.batch import goal_verdict
 
-    assert _verdict(ratios, 1.35)[0] == f"{verdict} (goal >= 1.35x; {bounds})"
+    assert goal_verdict(ratios, 1.35)[0] == f"{verdict} (goal >= 1.35x; {bounds})"
 
 
 def test_bad_workload_is_refused(tmp_path) -> None:

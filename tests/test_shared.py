@@ -252,6 +252,25 @@ def test_bench_sweep_measures_both_ways(tmp_path) -> None:
     assert row["shared_s"] > 0 and row["separate_s"] > 0
     assert data["goals"] == sweep_goal_lines(data["rows"])
     assert "identical predictions" in (tmp_path / "sweep.md").read_text()
+    assert len(row["sample_ratios"]) == 2 and all(x > 0 for x in row["sample_ratios"])
+
+
+def test_sweep_goal_lines_judge_the_samples_paired_ratios() -> None:
+    """A design's per-sample ratios 1.38, 1.46, 1.48 against 1.4: mean 1.44, sd 0.0529, se 0.0306, t(0.95, 2) 2.920:
+    one-sided bounds 1.35 and 1.53, not resolved although the pooled 1.44x is over the line; 1.45, 1.50, 1.55 against
+    1.4: bounds 1.42 and 1.58, PASS. Two goals over samples: a Holm line follows."""
+    from kvbench.bench.sweep import sweep_goal_lines
+
+    rows = [{"design": "six_policies", "fork_batch": 1, "speedup": 1.44, "sample_ratios": [1.38, 1.46, 1.48],
+             "goal": 1.4, "identical": 36, "pairs": 36},
+            {"design": "niah_grid", "fork_batch": 0, "speedup": 1.5, "sample_ratios": [1.45, 1.50, 1.55],
+             "goal": 1.4, "identical": 72, "pairs": 72}]
+    lines = sweep_goal_lines(rows)
+    assert lines[0] == ("six_policies (rows per cache 1): shared vs separate 1.44x configurations x samples per hour, "
+                        "per sample 1.38, 1.46, 1.48: NOT RESOLVED at 95 % (goal >= 1.4x; 3 samples, one-sided t "
+                        "bounds of the mean ratio 1.35x and 1.53x); identical predictions 36/36")
+    assert "PASS at 95 % (goal >= 1.4x; 3 samples, one-sided t bounds of the mean ratio 1.42x and 1.58x)" in lines[1]
+    assert "(rows per cache all)" in lines[1] and lines[2].startswith("HOLM  sweep goals, the 2 lines over samples")
 
 
 def _trunk_jobs(names: list[str], protocol: str) -> list[Job]:

@@ -173,7 +173,7 @@ def batch_goal_lines(rows: list[dict[str, Any]]) -> list[str]:
             continue
         goal = GOALS.get(workload) if top["batch"] >= GOAL_BATCH and name != HF else None
         each = top.get("round_vs_batch1") or [top["vs_batch1"]]
-        verdict, passed, p = ("", None, None) if goal is None else _verdict(each, goal)
+        verdict, passed, p = ("", None, None) if goal is None else goal_verdict(each, goal)
         spread = f" (median of {len(each)} rounds: {', '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else ""
         same = ", ".join(f"K={r['batch']} {r['same_as_batch1']}/{r['samples']}" for r in group if r["batch"] > 1)
         lines.append(f"{workload}: {name} batch {top['batch']} vs 1: {top['vs_batch1']:.2f}x samples per hour"
@@ -197,22 +197,23 @@ def _ceiling(group: list[dict[str, Any]], top: dict[str, Any]) -> str:
             f"{top['prefill_s']:.1f} s against batch 1's {one['seconds']:.1f} s in all)")
 
 
-def _verdict(ratios: Sequence[float], goal: float) -> tuple[str, bool | None, float | None]:
-    """The goal judged on the rounds' paired ratios (each round's K = 1 time over its own K time) at 95 %: PASS when
-    the one-sided lower t bound of their mean meets it, MISS when the upper bound is under it, NOT RESOLVED otherwise
-    (`kvbench.metrics.stats.one_sided_bounds`; every round over the line is not enough at n = 3 when they spread). One
-    round has no interval: its ratio is said against the goal, marked as one round.
+def goal_verdict(ratios: Sequence[float], goal: float, unit: str = "round"
+                 ) -> tuple[str, bool | None, float | None]:
+    """The goal judged on paired ratios (each round's, or sample's: `unit`; the baseline's time over the measured
+    way's) at 95 %: PASS when the one-sided lower t bound of their mean meets it, MISS when the upper bound is under
+    it, NOT RESOLVED otherwise (`kvbench.metrics.stats.one_sided_bounds`; every ratio over the line is not enough at
+    n = 3 when they spread). One ratio has no interval: it is said against the goal, marked as one.
     Returns (the words, the verdict: PASS True / MISS False / None, its one-sided p value in that direction for a
     family of goals, the smaller of the two when not resolved; None with one round)."""
     bounds = one_sided_bounds(ratios)
     if bounds is None:
         ok = ratios[0] >= goal
-        return f"{'PASS' if ok else 'MISS'} (goal >= {goal}x; one round: no interval)", ok, None
+        return f"{'PASS' if ok else 'MISS'} (goal >= {goal}x; one {unit}: no interval)", ok, None
     lower, upper = bounds
     under, over = one_sided_p(ratios, goal)
     passed, p = (True, over) if lower >= goal else (False, under) if upper < goal else (None, min(under, over))
     label = {True: "PASS", False: "MISS", None: "NOT RESOLVED"}[passed]
-    return (f"{label} at 95 % (goal >= {goal}x; {len(ratios)} rounds, one-sided t bounds of the mean ratio "
+    return (f"{label} at 95 % (goal >= {goal}x; {len(ratios)} {unit}s, one-sided t bounds of the mean ratio "
             f"{lower:.2f}x and {upper:.2f}x)"), passed, p
 
 

@@ -191,11 +191,11 @@ def holm_line(results: Sequence[dict[str, Any]], alpha: float = ALPHA) -> str | 
 
 
 def family_line(lines: Sequence[tuple[str, bool | None, float]], what: str, labels: tuple[str, str],
-                alpha: float = ALPHA) -> str | None:
+                alpha: float = ALPHA, over: str = "rounds") -> str | None:
     """Lines of one run, each a test at 1 - alpha on its own, as one family: what each line's verdict is once Holm's
     correction (`kvbench.metrics.stats.holm`) keeps the family-wise error at `alpha`; None with fewer than two lines.
     `lines`: (name, verdict: True / False / None for not resolved, its p value in the direction of its verdict);
-    `labels`: the words for True and False. A line keeps its verdict when its adjusted p value is within alpha, else
+    `labels`: the words for True and False; `over`: what each line's test is over. A line keeps its verdict when its adjusted p value is within alpha, else
     it is not resolved after the correction."""
     if len(lines) < 2:
         return None
@@ -205,7 +205,7 @@ def family_line(lines: Sequence[tuple[str, bool | None, float]], what: str, labe
         kept = passed is not None and p <= alpha
         groups[labels[0] if kept and passed else labels[1] if kept else "not resolved"].append(f"{name} ({p:.2g})")
     body = "; ".join(f"{k} {', '.join(v)}" for k, v in groups.items() if v)
-    return (f"HOLM  {what}, the {len(lines)} lines over rounds as one family (family-wise {100 * alpha:.0f} %, "
+    return (f"HOLM  {what}, the {len(lines)} lines over {over} as one family (family-wise {100 * alpha:.0f} %, "
             f"adjusted p): {body}")
 
 
