@@ -157,11 +157,13 @@ def test_prefill_once_one_forward_per_cache(model64) -> None:
 
 
 def test_shared_bytes_bound() -> None:
-    """The bound worked out by hand for tiny-llama (2 layers, 2 KV heads, head_dim 64, float32): per slot of one
-    head of one layer, K+V 2 x 64 x 4 = 512 bytes, its position (int64) 8 and per-token state (4 x float32) 16:
-    536; x 2 layers x 2 heads = 2,144 per slot of a row. T = 101, 8 new tokens + a 4-token answer: 113 slots a row.
-    Five jobs (K-norm, StreamingLLM, KeyDiff, TOVA at N = 64, the full cache): 5 x 113 x 2,144 = 1,211,360; at most
-    1 row a cache: that row and up to 2 shared trunks, 3 x 113 x 2,144 = 726,816."""
+    """The bound worked out by hand for tiny-llama (2 layers, 4 query / 2 KV heads, head_dim 64, float32): per slot
+    of one head of one layer, K+V 2 x 64 x 4 = 512 bytes, its position (int64) 8 and per-token state (4 x float32)
+    16: 536, x 2 heads = 1,072; TOVA reads its window's attention (query_window 1): 4 query heads x 2 rows x 4 = 32
+    a slot of a layer; x 2 layers = 2,208 per slot of a row. T = 101, 8 new tokens + a 4-token answer: 113 slots a
+    row. Five jobs (K-norm, StreamingLLM, KeyDiff, TOVA at N = 64, the full cache): 5 x 113 x 2,208 = 1,247,520; at
+    most 1 row a cache: that row and up to 2 shared trunks, 3 x 113 x 2,208 = 748,512. Without TOVA (4 jobs):
+    4 x 113 x 2,144 = 969,088."""
     from kvbench.run.loop import shared_bytes
 
     model32 = installed_model("tiny-llama", output_scale=1.0)[0]
@@ -169,8 +171,9 @@ def test_shared_bytes_bound() -> None:
     for name, budget in (("knorm", 64), ("streamingllm", 64), ("keydiff", 64), ("tova", 64), ("full", 200)):
         policy = make_policy(name, budget, 1)
         jobs.append(Job(_prompt(), policy, GenerationSettings(block=B, max_new_tokens=8), answer_ids=ANSWER))
-    assert shared_bytes(model32, jobs) == 1_211_360
-    assert shared_bytes(model32, jobs, batch=1) == 726_816
+    assert shared_bytes(model32, jobs) == 1_247_520
+    assert shared_bytes(model32, jobs, batch=1) == 748_512
+    assert shared_bytes(model32, [j for j in jobs if j.policy.name != "tova"]) == 969_088
 
 
 def test_context_only(model64) -> None:

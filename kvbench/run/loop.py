@@ -81,12 +81,16 @@ def _size(n: int) -> str:
 def shared_bytes(model: Any, jobs: Sequence[Job], batch: int | None = None) -> int:
     """An upper bound of the K+V bytes `generate_batch(model, jobs, batch)` allocates at once beyond the model: per
     row of a batch, every layer at the run's largest capacity (the prompt and its answer, T + new), and per-token
-    state (float32) and positions (int64) alike; a cache's rows at a time, and the shared trunks (a row each, at most
-    2: one per way of attending, each shared by 2 caches at least, so never more rows than jobs)."""
+    state (float32) and positions (int64) alike, and for a policy that reads its window's attention (query_window
+    w > 0, or diagnostics: w >= 1) the stored rows, h_q x (w + 1) float32 a slot; a cache's rows at a time, and the
+    shared trunks (a row each, at most 2: one per way of attending, each shared by 2 caches at least, so never more
+    rows than jobs)."""
     cfg = model.config.get_text_config(decoder=True)
-    layers, h_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_slot = layers * h_kv * (2 * head_dim * torch.finfo(model.dtype).bits // 8 + 8 + 4 * 4)
+    layers, h_kv, h_q = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q
+    window = max(max(j.policy.query_window, 1 if j.settings.diagnostics else 0) for j in jobs)
+    rows_per_slot = h_q * (window + 1) * 4 if window > 0 else 0
+    per_slot = layers * (h_kv * (2 * head_dim * torch.finfo(model.dtype).bits // 8 + 8 + 4 * 4) + rows_per_slot)
     T = max(len(j.input_ids) for j in jobs)
     new = max(j.settings.max_new_tokens + len(j.answer_ids or ()) for j in jobs)
     rows = min(len(jobs), (batch or len(jobs)) + 2)
