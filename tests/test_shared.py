@@ -274,6 +274,11 @@ def test_sweep_goal_lines_judge_the_samples_paired_ratios() -> None:
                         "bounds of the mean ratio 1.35x and 1.53x); identical predictions 36/36")
     assert "PASS at 95 % (goal >= 1.4x; 3 samples, one-sided t bounds of the mean ratio 1.42x and 1.58x)" in lines[1]
     assert "(rows per cache all)" in lines[1] and lines[2].startswith("HOLM  sweep goals, the 2 lines over samples")
+    # a table from before the per-sample ratios: judged on its pooled ratio alone, said so
+    pooled = {k: v for k, v in rows[0].items() if k != "sample_ratios"}
+    assert sweep_goal_lines([pooled]) == ["six_policies (rows per cache 1): shared vs separate 1.44x configurations x "
+                                          "samples per hour: PASS (goal >= 1.4x; one pooled ratio: no interval); "
+                                          "identical predictions 36/36"]
 
 
 def _trunk_jobs(names: list[str], protocol: str) -> list[Job]:

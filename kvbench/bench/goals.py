@@ -195,8 +195,8 @@ def family_line(lines: Sequence[tuple[str, bool | None, float]], what: str, labe
     """Lines of one run, each a test at 1 - alpha on its own, as one family: what each line's verdict is once Holm's
     correction (`kvbench.metrics.stats.holm`) keeps the family-wise error at `alpha`; None with fewer than two lines.
     `lines`: (name, verdict: True / False / None for not resolved, its p value in the direction of its verdict);
-    `labels`: the words for True and False; `over`: what each line's test is over. A line keeps its verdict when its adjusted p value is within alpha, else
-    it is not resolved after the correction."""
+    `labels`: the words for True and False; `over`: what each line's test is over. A line keeps its verdict when its
+    adjusted p value is within alpha, else it is not resolved after the correction."""
     if len(lines) < 2:
         return None
     adjusted = holm([p for _, _, p in lines])

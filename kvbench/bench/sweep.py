@@ -160,10 +160,12 @@ def sweep_goal_lines(rows: list[dict[str, Any]]) -> list[str]:
     count; with two or more goals over samples, a HOLM line (one family)."""
     lines, family = [], []
     for r in rows:
-        verdict, passed, p = goal_verdict(r.get("sample_ratios") or [r["speedup"]], r["goal"], "sample")
+        each = r.get("sample_ratios")
+        verdict, passed, p = (goal_verdict(each, r["goal"], "sample") if each else
+                              goal_verdict([r["speedup"]], r["goal"], "pooled ratio"))
+        per = f", per sample {', '.join(f'{x:.2f}' for x in each)}" if each else ""
         lines.append(f"{r['design']} (rows per cache {r.get('fork_batch') or 'all'}): shared vs separate "
-                     f"{r['speedup']:.2f}x configurations x samples per hour, per sample "
-                     f"{', '.join(f'{x:.2f}' for x in r.get('sample_ratios', []))}: {verdict}; identical predictions "
+                     f"{r['speedup']:.2f}x configurations x samples per hour{per}: {verdict}; identical predictions "
                      f"{r['identical']}/{r['pairs']}")
         if p is not None:
             family.append((f"{r['design']} K={r.get('fork_batch') or 'all'}", passed, p))
