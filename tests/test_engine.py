@@ -132,6 +132,35 @@ def test_a_block_writes_into_free_slots_and_eviction_marks_slots_free() -> None:
     assert bool((pos[0, 0] == pos[0, 0, :1]).all())  # every head alike (StreamingLLM ranks by position)
 
 
+@pytest.mark.parametrize("arch,policy", [("tiny-llama", "streamingllm"), ("tiny-llama", "h2o"),
+                                         ("tiny-mistral", "streamingllm"), ("tiny-mistral", "h2o")])
+def test_first_forward_is_causal_over_its_own_slots(arch: str, policy: str) -> None:
+    """An empty cache's unpadded first forward (`Batch.step` says so) builds no (t, S) mask and attends causally over
+    slots 0..t-1: the same logits and H2O's received attention as the masked path over all S slots, in float64,
+    through sdpa, explicit attention and a sliding-window layer (mistral, window 16 < t = 40)."""
+    from kvbench.engine.cache import SlotCache, forward
+
+    model = _model(arch, sliding_window=16) if arch == "tiny-mistral" else _model(arch)
+    ids = torch.tensor([random_prompt(40, 4)])
+    out = {}
+    with torch.inference_mode():
+        for causal in (True, False):
+            cache = SlotCache(model, POLICIES[policy](), 1, 64, 64)
+            logits = forward(model, cache, ids, torch.arange(40)[None], keep=40, causal=causal)
+            g = cache.evicting
+            assert (g.masks == ()) == causal and g.pos[..., :40].eq(torch.arange(40)).all()
+            out[causal] = logits, {k: v.clone() for k, v in g.state.items()}
+    assert (out[True][0] - out[False][0]).abs().max().item() < 1e-12
+    for name, state in out[False][1].items():  # H2O: every slot's received attention, the 24 free ones 0
+        assert (out[True][1][name] - state).abs().max().item() < 1e-12 and state[..., 40:].eq(0).all()
+    batch = Batch(model, [Job(ids[0].tolist(), StreamingLLM(budget=24), GenerationSettings(block=16))])
+    with torch.inference_mode():
+        batch.step([(0, 16)], [ids[0, :16].tolist()], [True], "prefill")
+        assert batch.cache.causal
+        batch.step([(16, 32)], [ids[0, 16:32].tolist()], [True], "prefill")
+        assert not batch.cache.causal
+
+
 def test_per_layer_budgets_keep_each_layers_own() -> None:
     """PyramidKV on 4 layers, N = 24, window 4, beta 20 (F = 20: the deepest layer 1, the first 39, the mirror pairs
     summing to 40; kvbench.policies.pyramidkv): after a 100-token prompt each layer holds its own N_l = 4 + F_l."""
@@ -395,9 +424,10 @@ def test_graded_branch_leaves_the_greedy_run_alone() -> None:
 
 
 # 7. Compiled equals eager ------------------------------------------------------------------------------------------
-def test_compiled_equals_eager_in_two_graphs() -> None:
-    """One graph for the prompt's blocks (the last partial one padded to B) and one for a decoding step, reused by
-    the next sample (another length): no graph break, no recompilation; the same tokens as eager."""
+def test_compiled_equals_eager_in_three_graphs() -> None:
+    """One graph for the first block (an empty cache: causal attention over its own slots), one for the other blocks
+    (the last partial one padded to B) and one for a decoding step, reused by the next sample (another length): no
+    graph break, no recompilation; the same tokens as eager."""
     from torch._dynamo.utils import counters
 
     model = _model(dtype=torch.float32)
@@ -410,7 +440,7 @@ def test_compiled_equals_eager_in_two_graphs() -> None:
         compiled = generate(model, SnapKV(budget=24, window=4, kernel=3), ids,
                             GenerationSettings(block=16, max_new_tokens=6, compile=True))
         assert compiled.tokens == eager.tokens
-    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["stats"]["unique_graphs"] == 3
     assert not counters["graph_break"]
 
 

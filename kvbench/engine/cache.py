@@ -127,6 +127,7 @@ class SlotCache(Cache):
         self.window = w
         self.qpos = torch.full((batch, w + 1), -1, dtype=torch.long, device=device)  # (b, w + 1) stored queries'
         self.positions: torch.Tensor | None = None  # (b, t) the current forward's positions
+        self.causal = False  # the current forward's (`begin`)
         # set by `begin`: the ring slots (b, m) the forward's last m = min(t, w) queries go to (padding: the spare
         # slot w), and the same as a scatter index over a layer's queries (b, h_q, m, d)
         self.ring: torch.Tensor | None = None
@@ -154,10 +155,12 @@ class SlotCache(Cache):
                 self.where[layer] = (group, row)
 
     # -- one forward ----------------------------------------------------------------------------------------------
-    def begin(self, positions: torch.Tensor) -> None:
-        """Before a forward of positions (b, t): where each layer's new tokens go, and the query positions."""
+    def begin(self, positions: torch.Tensor, causal: bool = False) -> None:
+        """Before a forward of positions (b, t): where each layer's new tokens go, and the query positions. `causal`
+        (the caller knows it on the host): the cache is empty and no row is padded, so the t tokens fill slots 0..t-1
+        of every head in order and attention over those is causal (`slot_attention` builds no (t, S) mask)."""
         b, t = positions.shape
-        self.positions = positions
+        self.positions, self.causal = positions, causal
         self.fed.copy_((positions >= 0).sum(dim=1))  # padding is not seen
         self.seen.add_(self.fed)
         for group in self.groups:
@@ -171,6 +174,8 @@ class SlotCache(Cache):
                 slots = group.write.repeat_interleave(h_q // h_kv, dim=2).unsqueeze(3)  # (L, b, h_q, 1, t)
                 group.probs.scatter_(-1, slots.expand(L, b, h_q, w, t), 0.0)
             group.write_kv = group.write.unsqueeze(-1).expand(L, b, h_kv, t, d).unbind(0)
+            if causal:
+                continue
             pos = group.pos.unsqueeze(3)  # (L, b, h_kv, 1, S)
             query = positions.view(1, b, 1, t, 1)
             # held (0 <= pos) and not after the query; a padding token (PAD) sees the padding (PAD <= pos <= PAD), never
@@ -360,9 +365,18 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     softcap = kwargs.get("softcap")
     b, h_q, t, d = query.shape
     h_kv = key.shape[1]
-    visible, mask = group.visible[row], group.masks[row]  # (b, h_kv, t, S), (b, h_q, t, S)
     window = kwargs.get("sliding_window")
-    if window:  # a sliding layer (never evicted): the slot holding position p is slot p
+    S = key.shape[2]
+    if cache.causal:  # an empty cache, no padding (`begin`): slots 0..t-1 hold the forward's positions, in order
+        key, value = key[:, :, :t], value[:, :, :t]
+        p = cache.positions
+        visible = p.view(b, 1, 1, t) <= p.view(b, 1, t, 1)  # (b, 1, t, t), for every head
+        if window:
+            visible = visible & (p.view(b, 1, 1, t) > p.view(b, 1, t, 1) - window)
+        mask = visible
+    else:
+        visible, mask = group.visible[row], group.masks[row]  # (b, h_kv, t, S), (b, h_q, t, S)
+    if window and not cache.causal:  # a sliding layer (never evicted): the slot holding position p is slot p
         pos = group.pos[row].unsqueeze(2)  # (b, h_kv, 1, S)
         visible = visible & (pos > cache.positions.view(b, 1, t, 1) - window)
         mask = visible.repeat_interleave(h_q // h_kv, dim=1)
@@ -370,18 +384,20 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     if group is cache.evicting and group.queries is not None:  # the forward's last queries enter the ring
         group.q_rows[row].scatter_(2, cache.ring_q, query[:, :, t - cache.ring_q.shape[2]:])
     attends = policy.needs_attention and group is cache.evicting
-    if not (attends or softcap):
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    if not (attends or softcap):  # sdpa; its causal kernel when it can (a mask costs a (t, S) pass per head)
+        causal = cache.causal and not window
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=None if causal else mask, scale=scaling,
+                                             is_causal=causal, enable_gqa=True)
         return out.transpose(1, 2), None
     # explicit (sdpa has no softcap; a policy reads the probabilities): the output from them, in the input dtype (as
     # sdpa's kernels)
-    hidden = (~visible).unsqueeze(2) if window else group.hidden[row]  # (b, h_kv, 1, t, S)
-    probs = probabilities(query, key, hidden, scaling, softcap, cache.zero)  # (b, h_kv, g, t, S)
+    hidden = (~visible).unsqueeze(2) if window or cache.causal else group.hidden[row]  # (b, h_kv | 1, 1, t, S)
+    probs = probabilities(query, key, hidden, scaling, softcap, cache.zero)  # (b, h_kv, g, t, S | t)
     if attends:  # what each slot received from the forward's queries, summed over them and the KV head's query heads
-        policy.on_attention(group.state_rows, row, probs.sum(dim=(2, 3)))  # (b, h_kv, S)
+        policy.on_attention(group.state_rows, row, F.pad(probs.sum(dim=(2, 3)), (0, S - key.shape[2])))  # (b, h_kv, S)
     probs = probs if probs.dtype == value.dtype else probs.to(value.dtype)
-    S = key.shape[2]
-    out = torch.bmm(probs.view(b * h_kv, h_q // h_kv * t, S), value.view(b * h_kv, S, -1))
+    n = key.shape[2]
+    out = torch.bmm(probs.view(b * h_kv, h_q // h_kv * t, n), value.reshape(b * h_kv, n, -1))
     return out.view(b, h_q, t, -1).transpose(1, 2), None  # (b, t, h_q, d)
 
 
@@ -414,9 +430,10 @@ def install(model: Any) -> None:
 
 
 def forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, keep: int = 1,
-            hook: Callable[[], None] | None = None) -> torch.Tensor:
-    """One forward of ids (b, t) at positions (b, t) through the cache -> logits (b, keep, vocab) of the last rows."""
-    cache.begin(positions)
+            causal: bool = False) -> torch.Tensor:
+    """One forward of ids (b, t) at positions (b, t) through the cache -> logits (b, keep, vocab) of the last rows;
+    `causal`: the cache is empty and no row padded (`SlotCache.begin`)."""
+    cache.begin(positions, causal)
     out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep,
                 slot_cache=cache)
     return out.logits

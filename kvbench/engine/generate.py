@@ -185,10 +185,10 @@ class _Row:
 
 
 def _forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, keep: int,
-             counts: torch.Tensor | None) -> torch.Tensor:
+             counts: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
     """ids (K, t) at positions (K, t) -> logits (K, keep, vocab) of the last positions; then the eviction when
-    `counts` (L, K, 1) is given (with it in one graph when compiled)."""
-    logits = forward(model, cache, ids, positions, keep)
+    `counts` (L, K, 1) is given (with it in one graph when compiled). `causal`: the cache's first forward, unpadded."""
+    logits = forward(model, cache, ids, positions, keep, causal)
     cache.settle()  # the per-token state and the peaks held: before the eviction
     if counts is not None:
         evict(cache, counts)
@@ -296,6 +296,7 @@ class Batch:
             t = max(t, max(r.job.settings.block or 0 for r in self.rows))
         ids = torch.zeros(len(self.rows), t, dtype=torch.long)
         positions = torch.full((len(self.rows), t), PAD, dtype=torch.long)
+        causal = not any(self.seen) and all(s is not None and s[1] - s[0] == t for s in spans)  # empty, unpadded
         for k, (span, ts) in enumerate(zip(spans, tokens)):
             if span is not None:
                 ids[k, t - len(ts):] = torch.tensor(ts)
@@ -309,7 +310,8 @@ class Batch:
         keep = max(max(n for _, _, n in scored), 1)
         t0 = self.clock()
         counts = self.counts(evicting)
-        logits = self.forward(self.model, self.cache, ids, positions, keep, counts if self.in_graph else None)
+        logits = self.forward(self.model, self.cache, ids, positions, keep, counts if self.in_graph else None,
+                              causal)
         evict_s = self._evict(counts, evicting) if counts is not None and not self.in_graph else 0.0
         spent = self.clock() - t0
         for k, row in enumerate(self.rows):
