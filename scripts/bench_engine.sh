@@ -6,12 +6,18 @@
 # COMPILED=1: each policy of POLICIES (default: streamingllm keydiff snapkv) eager and compiled (rows NAME+compiled:
 # each forward with its eviction as one torch.compile graph), one after the other in each round:
 # OUT/engine_4k_compiled.{json,md}.
+# OPS=1: the launch and reading goals instead (aten ops and kvbench functions per forward, counted, not timed; a
+# 28-layer tiny Llama: the width changes no count): OUT/engine_ops_28layers.{json,md}.
 # Arguments after the first go to kvbench-bench (a later flag wins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/bench_smollm2}
 name=engine_4k
 policies=all
+if [ "${OPS:-0}" = 1 ]; then
+    exec python -m kvbench.bench --arch tiny-llama --layers 28 --ops --policies all --budgets 1024 --block 128 \
+        --baselines none --out "$out/engine_ops_28layers.json" "${@:2}"
+fi
 if [ "${COMPILED:-0}" = 1 ]; then
     name=engine_4k_compiled
     policies=""

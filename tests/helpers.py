@@ -23,7 +23,7 @@ import torch
 
 from kvbench.engine.cache import install, select
 from kvbench.models.tiny import build_tiny_model
-from kvbench.policies.view import SlotView
+from kvbench.policies.base import SlotView
 
 
 def installed_model(arch: str = "tiny-llama", **kw: Any) -> tuple[Any, Any]:

@@ -333,7 +333,7 @@ def test_layer_tokens_are_what_each_layer_held_at_the_first_decoding_step(policy
     ragged heads: the static engine reports each layer's fullest head (GenerationResult.layer_tokens; the old engine
     gave the layer's total over its heads), which its allocation decides, so that one is checked against the cache
     read at the first step, where its heads share at most 2 x 16 slots (the fullest holds at most 32 + 1).
-    SlotCache.decode_tokens() gives the same list to an Observer.on_step once the first decoding step is done, None
+    SlotCache.layer_tokens gives the same list to an Observer.on_step once the first decoding step is done, None
     before it. No decoding step: None."""
     from kvbench.engine import generate as engine_generate
     from kvbench.engine.cache import install
@@ -348,10 +348,10 @@ def test_layer_tokens_are_what_each_layer_held_at_the_first_decoding_step(policy
         pol = {"knorm": lambda: KNorm(budget=16, skip_layers=(0,)),
                "adakv": lambda: AdaKV(budget=16, window=4, kernel=3),
                "streamingllm": lambda: setup.make_policy("streamingllm", 16, 0)}[policy]()
-        steps: list[tuple[list[list[int]], list[int] | None]] = []  # (each layer's heads' tokens, decode_tokens())
+        steps: list[tuple[list[list[int]], list[int] | None]] = []  # (each layer's heads' tokens, layer_tokens)
 
         def on_step(cache) -> None:
-            steps.append(([h[0].tolist() for h in cache.held()], cache.decode_tokens()))
+            steps.append(([h[0].tolist() for h in cache.held()], cache.layer_tokens))
 
         res = engine_generate.generate(model, pol, list(range(10, 50)),
                                        engine_generate.GenerationSettings(block=8, max_new_tokens=new),

@@ -18,13 +18,13 @@ from kvbench.engine.cache import SlotCache, forward, install, probabilities
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.models.tiny import build_tiny_model
 from kvbench.options import PROTOCOLS
+from kvbench.policies.base import SlotView
 from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.tova import TOVA
-from kvbench.policies.view import SlotView
 from kvbench.run.config import group_choices
 
 from helpers import installed_model, kept, make_view

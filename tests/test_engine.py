@@ -20,7 +20,7 @@ from kvbench.engine.cache import free_slots, install
 from kvbench.engine.generate import Batch, GenerationSettings, Job, Observer, capacity, generate, generate_batch, plan
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import Policy
+from kvbench.policies.base import Policy, SlotView, rank_mask
 from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
@@ -33,7 +33,6 @@ from kvbench.policies.sagekv import SageKV
 from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
-from kvbench.policies.view import SlotView, rank_mask
 
 from float64_reference import reference_logits
 from helpers import held_counts, random_prompt

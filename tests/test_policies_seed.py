@@ -14,13 +14,12 @@ from kvbench.engine.diagnostics import Diagnostics, aggregate, key_logdet
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.adakv import AdaKV, allocate
-from kvbench.policies.base import PolicyError
+from kvbench.policies.base import PolicyError, SlotView
 from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.pyramidkv import PyramidKV
 from kvbench.policies.sagekv import SageKV
-from kvbench.policies.view import SlotView
 
 from helpers import held_counts, installed_model, kept, make_view, run_config, settle
 from float64_reference import reference_logits

@@ -110,7 +110,7 @@ class Lockstep:
         t0 = self._raw()
         with torch.inference_mode():
             if self.loop is None:
-                held = cache.decode_tokens()
+                held = cache.layer_tokens  # the first batch row's (the reference runs beside a run alone)
                 if held is None:
                     return  # before the call's first decoding step: its layers' sizes are not known yet
                 self._start(held)

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from kvbench.policies.base import Policy
-from kvbench.policies.view import SlotView, ranks
+from kvbench.policies.base import Policy, SlotView, ranks
 
 IMPL = "kvbench_slots"
 PAD = -2  # the position of a padding token: it sees only padding, and its slot stays free
@@ -128,6 +127,7 @@ class SlotCache(Cache):
         self.qpos = torch.full((batch, w + 1), -1, dtype=torch.long, device=device)  # (b, w + 1) stored queries'
         self.positions: torch.Tensor | None = None  # (b, t) the current forward's positions
         self.causal = False  # the current forward's (`begin`)
+        self.no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # what HF's layers get: never read
         # set by `begin`: the ring slots (b, m) the forward's last m = min(t, w) queries go to (padding: the spare
         # slot w), and the same as a scatter index over a layer's queries (b, h_q, m, d)
         self.ring: torch.Tensor | None = None
@@ -275,12 +275,6 @@ class SlotCache(Cache):
         values.scatter_(2, group.write_kv[row], value_states)
         return keys, values
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are always passed explicitly (position_ids)
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return query_length, 0  # HF's mask function then builds nothing: slot_attention builds its own mask
-
     # -- what the engine and observers read -------------------------------------------------------------------------
     def view(self) -> SlotView:
         g = self.evicting
@@ -291,10 +285,6 @@ class SlotCache(Cache):
                         queries=g.queries[:, :, :, :w] if g.queries is not None else None,
                         qpos=self.qpos[:, :w] if g.queries is not None else None, state=g.state,
                         modules=self.row_modules, probs=g.probs[:, :, :, :w] if g.probs is not None else None)
-
-    def decode_tokens(self) -> list[int] | None:
-        """`layer_tokens` (of the first batch row: the benchmark's HF reference runs beside a run alone)."""
-        return self.layer_tokens
 
     def layer_positions(self) -> list[torch.Tensor]:
         """Per decoder layer, its slots' positions (b, h_kv, S), -1 free (a trace's record)."""
@@ -359,27 +349,21 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    layer = module.layer_idx
-    group, row = cache.where[layer]
+    group, row = cache.where[module.layer_idx]
     scaling = module.head_dim ** -0.5 if scaling is None else scaling
-    softcap = kwargs.get("softcap")
+    softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
     b, h_q, t, d = query.shape
-    h_kv = key.shape[1]
-    window = kwargs.get("sliding_window")
-    S = key.shape[2]
+    h_kv, S = key.shape[1], key.shape[2]
     if cache.causal:  # an empty cache, no padding (`begin`): slots 0..t-1 hold the forward's positions, in order
         key, value = key[:, :, :t], value[:, :, :t]
-        p = cache.positions
-        visible = p.view(b, 1, 1, t) <= p.view(b, 1, t, 1)  # (b, 1, t, t), for every head
-        if window:
-            visible = visible & (p.view(b, 1, 1, t) > p.view(b, 1, t, 1) - window)
-        mask = visible
+        kpos = cache.positions.view(b, 1, 1, t)
+        visible = mask = kpos <= cache.positions.view(b, 1, t, 1)  # (b, 1, t, t), every head alike
     else:
+        kpos = group.pos[row].unsqueeze(2)  # (b, h_kv, 1, S)
         visible, mask = group.visible[row], group.masks[row]  # (b, h_kv, t, S), (b, h_q, t, S)
-    if window and not cache.causal:  # a sliding layer (never evicted): the slot holding position p is slot p
-        pos = group.pos[row].unsqueeze(2)  # (b, h_kv, 1, S)
-        visible = visible & (pos > cache.positions.view(b, 1, t, 1) - window)
-        mask = visible.repeat_interleave(h_q // h_kv, dim=1)
+    if window:  # a sliding layer (never evicted): the slot holding position p is slot p
+        visible = visible & (kpos > cache.positions.view(b, 1, t, 1) - window)
+        mask = visible if cache.causal else visible.repeat_interleave(h_q // h_kv, dim=1)
     policy = cache.policy
     if group is cache.evicting and group.queries is not None:  # the forward's last queries enter the ring
         group.q_rows[row].scatter_(2, cache.ring_q, query[:, :, t - cache.ring_q.shape[2]:])
@@ -394,9 +378,10 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     hidden = (~visible).unsqueeze(2) if window or cache.causal else group.hidden[row]  # (b, h_kv | 1, 1, t, S)
     probs = probabilities(query, key, hidden, scaling, softcap, cache.zero)  # (b, h_kv, g, t, S | t)
     if attends:  # what each slot received from the forward's queries, summed over them and the KV head's query heads
-        policy.on_attention(group.state_rows, row, F.pad(probs.sum(dim=(2, 3)), (0, S - key.shape[2])))  # (b, h_kv, S)
+        received = probs.sum(dim=(2, 3))  # (b, h_kv, S), causal: (b, h_kv, t), the slots after t received nothing
+        policy.on_attention(group.state_rows, row, F.pad(received, (0, S - t)) if cache.causal else received)
     probs = probs if probs.dtype == value.dtype else probs.to(value.dtype)
-    n = key.shape[2]
+    n = key.shape[2]  # S, or t when causal
     out = torch.bmm(probs.view(b * h_kv, h_q // h_kv * t, n), value.reshape(b * h_kv, n, -1))
     return out.view(b, h_q, t, -1).transpose(1, 2), None  # (b, t, h_q, d)
 
@@ -419,8 +404,8 @@ def probabilities(query: torch.Tensor, key: torch.Tensor, hidden: torch.Tensor, 
 
 def install(model: Any) -> None:
     """Register the slot attention and select it for `model`. Its mask function is sdpa's, for forwards outside
-    kvbench's loop (HF's own generate: they attend through sdpa); a slot-cache forward asks it for nothing (its
-    sizes make HF skip the mask) and builds its own."""
+    kvbench's loop (HF's own generate: they attend through sdpa); a slot-cache forward passes a 4-D placeholder mask,
+    so HF builds none, and builds its own."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -430,10 +415,15 @@ def install(model: Any) -> None:
 
 
 def forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, keep: int = 1,
-            causal: bool = False) -> torch.Tensor:
+            counts: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
     """One forward of ids (b, t) at positions (b, t) through the cache -> logits (b, keep, vocab) of the last rows;
-    `causal`: the cache is empty and no row padded (`SlotCache.begin`)."""
+    then the eviction when `counts` (L, b, 1) is given (the two one graph when compiled). `causal`: the cache is empty
+    and no row padded (`SlotCache.begin`)."""
     cache.begin(positions, causal)
+    # a 4-D attention_mask makes HF's mask preparation return it untouched (slot_attention builds its own)
     out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep,
-                slot_cache=cache)
+                attention_mask=cache.no_mask, slot_cache=cache)
+    cache.settle()  # the per-token state and the peaks held: before the eviction
+    if counts is not None:
+        evict(cache, counts)
     return out.logits

@@ -26,7 +26,8 @@ from typing import Any, Sequence
 
 import torch
 
-from kvbench.policies.view import SlotView
+from kvbench.policies.base import SlotView
+
 
 NAMES = ("attention_loss", "perturbation", "key_logdet", "head_share")
 _QUERY_NAMES = ("attention_loss", "perturbation")

@@ -184,25 +184,15 @@ class _Row:
     trunk: int = 0  # prompt tokens done by a shared trunk
 
 
-def _forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, keep: int,
-             counts: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
-    """ids (K, t) at positions (K, t) -> logits (K, keep, vocab) of the last positions; then the eviction when
-    `counts` (L, K, 1) is given (with it in one graph when compiled). `causal`: the cache's first forward, unpadded."""
-    logits = forward(model, cache, ids, positions, keep, causal)
-    cache.settle()  # the per-token state and the peaks held: before the eviction
-    if counts is not None:
-        evict(cache, counts)
-    return logits
-
-
-_compiled: dict[str, Callable[..., torch.Tensor]] = {}  # `_forward` compiled per device type (graphs kept per shape)
+_compiled: dict[str, Callable[..., torch.Tensor]] = {}  # `forward` compiled per device type (graphs kept per shape)
 
 
 def compiled_forward(device: torch.device) -> Callable[..., torch.Tensor]:
-    """`_forward` as one torch.compile graph per shape; on CUDA replayed as a CUDA graph (mode reduce-overhead)."""
+    """`forward` (forward + eviction) as one torch.compile graph per shape; on CUDA replayed as a CUDA graph (mode
+    reduce-overhead)."""
     if device.type not in _compiled:
         mode = "reduce-overhead" if device.type == "cuda" else None
-        _compiled[device.type] = torch.compile(_forward, fullgraph=True, dynamic=False, mode=mode)
+        _compiled[device.type] = torch.compile(forward, fullgraph=True, dynamic=False, mode=mode)
     return _compiled[device.type]
 
 
@@ -253,7 +243,7 @@ class Batch:
         self.layer_tokens: list[int] | None = None  # the first row's SlotCache.layer_tokens, known after the prompt
         self.tracing = True  # Observer.trace records the run's forwards (not its graded branch's)
         self.clock = self.rows[0].obs.clock
-        self.forward = compiled_forward(self.device) if self.compiled else _forward
+        self.forward = compiled_forward(self.device) if self.compiled else forward
         self.diagnosed = [r.diag for r in self.rows]
         # diagnostics observe the eviction from the host: a diagnosed batch evicts outside the compiled forward
         self.in_graph = self.compiled and not any(self.diagnosed)

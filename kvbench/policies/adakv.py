@@ -24,16 +24,11 @@ h_kv * N).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvbench.policies.base import PolicyError
+from kvbench.policies.base import PolicyError, SlotView, rank_mask, ranks
 from kvbench.policies.snapkv import SnapKV
-from kvbench.policies.view import rank_mask, ranks
-
-if TYPE_CHECKING:
-    from kvbench.policies.view import SlotView
 
 ALLOCATIONS = ("adakv", "kvpress")
 

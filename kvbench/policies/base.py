@@ -1,10 +1,16 @@
-"""The shared base of every eviction policy: its budget, protected tokens and the one method it writes, `score`.
+"""The shared base of every eviction policy: the `Policy` class (its budget, protected tokens and the one method it
+writes, `score`), the `SlotView` a score reads, and the ranking the engine selects by.
 
-A policy scores the slots of every evicting layer at once (a `SlotView`, kvbench/policies/view.py): `score(view)`
-returns (L, b, h_kv, S), higher = keep. The engine (kvbench/engine/cache.py) does the rest, for every policy alike:
-the protected tokens (the first `n_sink` positions and the latest `n_recent`) rank above everything and free slots
-below, each head keeps its top `counts` (the layer's budget, `layer_budget`; a per-head allocation overrides
-`counts`), ties go to the earlier token, and the other slots are marked free.
+A policy scores the slots of every evicting layer at once: `score(view)` returns (L, b, h_kv, S), higher = keep. The
+engine (kvbench/engine/cache.py) does the rest, for every policy alike: the protected tokens (the first `n_sink`
+positions and the latest `n_recent`) rank above everything and free slots below, each head keeps its top `counts`
+(the layer's budget, `layer_budget`; a per-head allocation overrides `counts`), ties go to the earlier token
+(`ranks`), and the other slots are marked free.
+
+The view. The static layout (kvbench/engine/cache.py) gives each evicting layer S slots per KV head; a slot holds a
+token's post-RoPE key and value and its absolute position, or is free (position -1). The evicting layers are stacked
+on a leading axis L, so one policy call scores every layer (one batched selection follows, by the engine). Free slots
+keep whatever K/V they held last: a score may read them, the engine ranks them below every held token.
 
 What the engine provides, only when a policy asks for it:
 - `query_window` w > 0: the latest w post-RoPE queries of each layer (across blocks and decoding steps), in
@@ -17,14 +23,123 @@ What the engine provides, only when a policy asks for it:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 
 from kvbench.options import positive_int
 
-if TYPE_CHECKING:
-    from kvbench.policies.view import SlotView
+_TINY = torch.finfo(torch.float32).tiny  # a row's mass when it holds nothing (its probabilities are then 0)
+
+
+@dataclass
+class SlotView:
+    keys: torch.Tensor  # (L, b, h_kv, S, d) post-RoPE keys, free slots stale
+    values: torch.Tensor  # (L, b, h_kv, S, d)
+    pos: torch.Tensor  # (L, b, h_kv, S) int64 absolute positions, -1 free
+    seen: torch.Tensor  # (b,) int64 tokens each row has seen (every position is below it)
+    fed: torch.Tensor  # (b,) int64 tokens of the forward just done (positions seen - fed .. seen - 1)
+    layers: tuple[int, ...]  # the decoder layer of each of the L rows
+    scaling: float  # the model's attention scale
+    softcap: float | None = None
+    # (L, b, h_q, w, d) the latest w queries (Policy.query_window), post-RoPE, the one at position p in ring slot p % w
+    queries: torch.Tensor | None = None
+    qpos: torch.Tensor | None = None  # (b, w) int64 their positions, -1: no query there yet
+    # (L, b, h_q, w, S) float32 each stored query's attention probabilities over the slots as computed when it entered
+    # (0 for the slots it does not see), kept by the engine; None: `attention` computes them from the queries
+    probs: torch.Tensor | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (L, b, h_kv, S) float32 per-token state
+    modules: tuple[Any, ...] = ()  # the attention module of each row's layer
+    decoding: bool = False  # the eviction after a decoding step (else after a prompt forward)
+    # (L, b, 1) int64 each row's budget per layer in this eviction (the engine's `counts`: per-row budgets of a batch,
+    # the capacity S for a row that does not evict); None: not given, `row_budgets` asks the policy per layer
+    budgets: torch.Tensor | None = None
+
+    @property
+    def held(self) -> torch.Tensor:
+        """(L, b, h_kv, S) bool: the slots that hold a token."""
+        return self.pos >= 0
+
+    def row_budgets(self, layer_budget: Callable[[int], int | None]) -> torch.Tensor:
+        """(L, b, 1) int64 the budgets of this eviction, for a score that depends on them (CriticalKV's stage 1,
+        SAGE-KV's selection): `budgets` when the engine gave them, else `layer_budget(layer)` of each row's layer for
+        every batch row (right for a run alone)."""
+        if self.budgets is not None:
+            return self.budgets
+        L, b = self.pos.shape[:2]
+        table = torch.tensor([layer_budget(i) for i in self.layers], dtype=torch.long, device=self.pos.device)
+        return table.view(L, 1, 1).expand(L, b, 1)
+
+    def protected(self, n_sink: int, n_recent: int) -> torch.Tensor:
+        """(L, b, h_kv, S) bool: the held slots a selection always keeps, the first `n_sink` positions and the latest
+        `n_recent` (by position: seen - n_recent on). The engine's +inf ranks (kvbench/engine/cache.py `evict`),
+        here so that a score that needs them before the engine applies them (CriticalKV's stage 1) marks the same."""
+        edge = self.pos < n_sink
+        if n_recent > 0:
+            edge |= self.pos >= self.seen.view(1, -1, 1, 1) - n_recent
+        return edge & (self.pos >= 0)
+
+    def attention(self) -> torch.Tensor:
+        """(L, b, h_q, w, S) float32 attention probabilities of the stored queries over the slots: a query sees the
+        held slots at positions up to its own; the model's scale and softcap; a query slot not filled yet (qpos -1)
+        gets zeros. From the engine's stored rows (`probs`) renormalised over the slots held now: the softmax over
+        fewer keys, the same values up to float rounding (a different order of the sums, one division more)."""
+        rows, held = self.attention_rows()
+        return rows * (held / rows.mul(held).sum(dim=-1, keepdim=True).clamp_min(_TINY))
+
+    def mean_attention(self) -> torch.Tensor:
+        """(L, b, h_q, S) `attention()` averaged over the stored queries (SnapKV's observation window), as one product
+        over the stored rows: sum_r rows_r / (w * mass_r), mass_r = the row's sum over the slots held."""
+        rows, held = self.attention_rows()  # (L, b, h_q, w, S), (L, b, h_q, 1, S)
+        L, b, h_q, w, S = rows.shape
+        flat = rows.reshape(L * b * h_q, w, S)
+        # (R, 1, w): held (1 x S) times the rows transposed, which BLAS reads row by row (flat times held, a column,
+        # strides across them)
+        mass = torch.bmm(held.reshape(L * b * h_q, 1, S), flat.transpose(1, 2))
+        weight = mass.clamp_min(_TINY).reciprocal().mul_(1.0 / w)  # (R, 1, w)
+        return torch.bmm(weight, flat).view(L, b, h_q, S) * held.view(L, b, h_q, S)
+
+    def latest_attention(self) -> torch.Tensor:
+        """(L, b, h_q, S) `attention()` of each row's latest query (the stored one at the highest position)."""
+        rows, held = self.attention_rows()
+        L, b, h_q, w, S = rows.shape
+        slot = self.qpos.argmax(dim=1).view(1, b, 1, 1, 1).expand(L, b, h_q, 1, S)  # type: ignore[union-attr]
+        last = rows.gather(3, slot) * held  # (L, b, h_q, 1, S)
+        return (last / last.sum(dim=-1, keepdim=True).clamp_min(_TINY)).squeeze(3)
+
+    def attention_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored queries' rows (L, b, h_q, w, S), the engine's (`probs`) or computed from the queries (a view
+        built by hand), and the held slots (L, b, h_q, 1, S) float32."""
+        assert self.queries is not None and self.qpos is not None, "the policy declares no query_window"
+        L, b, h_q, w, d = self.queries.shape
+        h_kv, S = self.keys.shape[2], self.keys.shape[3]
+        g = h_q // h_kv
+        held = (self.pos >= 0).repeat_interleave(g, dim=2).unsqueeze(3).float()  # (L, b, h_q, 1, S)
+        if self.probs is not None:
+            return self.probs, held
+        q = self.queries.float().reshape(L * b * h_kv, g * w, d)
+        k = self.keys.float().reshape(L * b * h_kv, S, d)
+        logits = torch.baddbmm(q.new_zeros(()), q, k.transpose(1, 2), beta=0.0, alpha=self.scaling)
+        logits = logits.view(L, b, h_kv, g, w, S)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        qpos = self.qpos.view(1, b, 1, 1, w, 1)
+        visible = (self.pos.view(L, b, h_kv, 1, 1, S) <= qpos) & self.held.view(L, b, h_kv, 1, 1, S)
+        probs = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1).nan_to_num_(0.0)  # unfilled: 0
+        return probs.view(L, b, h_q, w, S), held
+
+    def written(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """(L, b, h_kv, t, d): the entries of a slot buffer `x` (L, b, h_kv, S, d) (`keys`, `values`) at `slots`
+        (L, b, h_kv, t): a forward's new tokens, for `Policy.token_state`."""
+        return x.gather(3, slots.unsqueeze(-1).expand(*slots.shape, x.shape[-1]))
+
+    def group_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """(L, b, h_q, ...) -> (L, b, h_kv, ...): the mean over each KV head's query heads (GQA)."""
+        L, b, h_q = x.shape[:3]
+        h_kv = self.keys.shape[2]
+        return x.view(L, b, h_kv, h_q // h_kv, *x.shape[3:]).mean(dim=3)
 
 
 class PolicyError(ValueError):
@@ -107,3 +222,38 @@ class Policy:
         """`received` (b, h_kv, S): the attention each slot of one layer received from a forward's queries (their
         probabilities summed over the queries and each KV head's query heads), for a policy that `needs_attention`;
         `state[name][row]` is that layer's per-token state (b, h_kv, S), written in place."""
+
+
+# -- the ranking the engine selects by (and policies that rank within their score) -------------------------------------
+def ranks(scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., n) each entry's rank in its row by `scores` (..., n) taken in float32, highest first (0); ties go to the
+    earlier token: the lower position when `positions` (..., n) (at least PAD) are given, else the lower index. One
+    sort of a key that holds both (`order_key`), so a ranking never depends on how a kernel orders equal scores
+    (HashEvict's Hamming scores tie all the time)."""
+    order = order_key(scores, positions).argsort(dim=-1, descending=True)
+    n = scores.shape[-1]
+    return torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
+
+
+def order_key(scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., n) int64, ordered as `ranks` ranks: the float32 score's order-preserving bits above, the tie-break (the
+    earlier position, or index, larger) below; distinct within a row whenever the positions are."""
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 is 0.0
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: ordered as the floats
+    n = scores.shape[-1]
+    later = positions + 2 if positions is not None else torch.arange(n, device=scores.device).expand(scores.shape)
+    return bits * (1 << 32) + ((1 << 32) - 1 - later)
+
+
+def rank_mask(scores: torch.Tensor, count: int | torch.Tensor, positions: torch.Tensor | None = None,
+              most: int | None = None) -> torch.Tensor:
+    """(..., n) bool: each row's top `count` entries (an int, or a tensor of the rows' shape), -inf never; ties as
+    `ranks` breaks them. `most`: no count exceeds it (a bound known on the host), so a top-`most` replaces the sort."""
+    count = torch.as_tensor(count, device=scores.device)
+    if most is None:
+        return (ranks(scores, positions) < count.unsqueeze(-1)) & (scores > -math.inf)
+    most = min(most, scores.shape[-1])
+    top = order_key(scores, positions).topk(most, dim=-1).indices  # (..., most), best first
+    chosen = torch.arange(most, device=scores.device) < count.unsqueeze(-1)  # (..., most)
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, chosen.expand_as(top))
+    return mask & (scores > -math.inf)

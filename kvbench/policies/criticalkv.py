@@ -24,17 +24,13 @@ counts are computed there and handed to the engine by `counts`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import Policy, PolicyError
+from kvbench.policies.base import Policy, PolicyError, SlotView, rank_mask
 from kvbench.policies.snapkv import SnapKV
-from kvbench.policies.view import rank_mask
-
-if TYPE_CHECKING:
-    from kvbench.policies.view import SlotView
 
 BASES = {"snapkv": SnapKV, "adakv": AdaKV}
 STAGE1 = ("outside", "inside")

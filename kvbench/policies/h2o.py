@@ -15,14 +15,11 @@ as other papers run it (HashEvict §4: the first 4 and the latest 10 for every m
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
-from kvbench.policies.base import Policy, PolicyError
-
-if TYPE_CHECKING:
-    from kvbench.policies.view import SlotView
+from kvbench.policies.base import Policy, PolicyError, SlotView
 
 
 class H2O(Policy):

@@ -12,14 +12,11 @@ tokens' keys instead of their queries (what the authors' code does).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from kvbench.policies.base import Policy, PolicyError
-
-if TYPE_CHECKING:
-    from kvbench.policies.view import SlotView
+from kvbench.policies.base import Policy, PolicyError, SlotView
 
 PROBES = ("query", "key")
 PACK = 24  # code bits per float32 state (exact integers up to 2^24)

@@ -14,15 +14,11 @@ the default does: -sum_j cos(k_i, k_j) = -cos(k_i, mean_j u_j) |mean_j u_j| n, t
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from kvbench.policies.base import Policy, PolicyError
-
-if TYPE_CHECKING:
-    from kvbench.policies.view import SlotView
+from kvbench.policies.base import Policy, PolicyError, SlotView
 
 ANCHORS = ("mean_normalized", "mean", "median", "pairwise")
 METRICS = ("cosine", "dot", "euclidean")

@@ -6,14 +6,11 @@ engine does no policy work for them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
-from kvbench.policies.base import Policy
-
-if TYPE_CHECKING:
-    from kvbench.policies.view import SlotView
+from kvbench.policies.base import Policy, SlotView
 
 
 class KNorm(Policy):

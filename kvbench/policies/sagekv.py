@@ -16,15 +16,11 @@ overflowed the budget, the first decoding step that does makes the selection.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from kvbench.policies.base import Policy, PolicyError
-from kvbench.policies.view import rank_mask
-
-if TYPE_CHECKING:
-    from kvbench.policies.view import SlotView
+from kvbench.policies.base import Policy, PolicyError, SlotView, rank_mask
 
 
 class SageKV(Policy):

@@ -10,15 +10,11 @@ block smaller than the window (and B = 1 decoding) still scores with `window` qu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from kvbench.policies.base import Policy, PolicyError
-
-if TYPE_CHECKING:
-    from kvbench.policies.view import SlotView
+from kvbench.policies.base import Policy, PolicyError, SlotView
 
 
 class SnapKV(Policy):

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvbench.policies.base import Policy
-
-if TYPE_CHECKING:
-    from kvbench.policies.view import SlotView
+from kvbench.policies.base import Policy, SlotView
 
 
 class StreamingLLM(Policy):
