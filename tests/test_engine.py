@@ -456,8 +456,8 @@ class _Ops(TorchDispatchMode):
 
 def test_ops_per_step_near_hf() -> None:
     """A decoding step (its eviction included) of a 28-layer model runs at most 1.10x the aten ops of HF's own
-    decoding step over a DynamicCache (StreamingLLM, K-norm, KeyDiff; SnapKV within 1.25x), and reads nothing back
-    to the host (no aten._local_scalar_dense)."""
+    decoding step over a DynamicCache (StreamingLLM, K-norm, KeyDiff; SnapKV and H2O, whose attention is explicit,
+    within 1.25x), and reads nothing back to the host (no aten._local_scalar_dense)."""
     model, _ = build_tiny_model("tiny-llama", output_scale=1.0, num_hidden_layers=28)
     ids = random_prompt(200, 4)
     with torch.inference_mode():
@@ -466,7 +466,7 @@ def test_ops_per_step_near_hf() -> None:
         with _Ops() as hf:
             model(input_ids=torch.tensor([ids[199:]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
         for policy, bound in ((StreamingLLM(budget=64), 1.10), (KNorm(budget=64), 1.10), (KeyDiff(budget=64), 1.10),
-                              (SnapKV(budget=64), 1.25)):
+                              (SnapKV(budget=64), 1.25), (H2O(budget=64), 1.25)):
             batch = Batch(model, [Job(ids, policy, GenerationSettings(block=128, max_new_tokens=2))])
             for start in (0, 128):
                 end = min(200, start + 128)

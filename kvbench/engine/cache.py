@@ -354,15 +354,15 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
     b, h_q, t, d = query.shape
     h_kv, S = key.shape[1], key.shape[2]
+    p = cache.positions  # (b, t)
     if cache.causal:  # an empty cache, no padding (`begin`): slots 0..t-1 hold the forward's positions, in order
         key, value = key[:, :, :t], value[:, :, :t]
-        kpos = cache.positions.view(b, 1, 1, t)
-        visible = mask = kpos <= cache.positions.view(b, 1, t, 1)  # (b, 1, t, t), every head alike
+        visible = mask = p.view(b, 1, 1, t) <= p.view(b, 1, t, 1)  # (b, 1, t, t), every head alike
     else:
-        kpos = group.pos[row].unsqueeze(2)  # (b, h_kv, 1, S)
         visible, mask = group.visible[row], group.masks[row]  # (b, h_kv, t, S), (b, h_q, t, S)
     if window:  # a sliding layer (never evicted): the slot holding position p is slot p
-        visible = visible & (kpos > cache.positions.view(b, 1, t, 1) - window)
+        kpos = p.view(b, 1, 1, t) if cache.causal else group.pos[row].unsqueeze(2)  # (b, h_kv | 1, 1, n)
+        visible = visible & (kpos > p.view(b, 1, t, 1) - window)
         mask = visible if cache.causal else visible.repeat_interleave(h_q // h_kv, dim=1)
     policy = cache.policy
     if group is cache.evicting and group.queries is not None:  # the forward's last queries enter the ring
