@@ -28,7 +28,8 @@ LM_TOKENS_AFTER_EVICTION = "after_eviction"
 RUN_DEFAULTS: dict[str, Any] = {
     "compare": [], "budget": None, "block": None, "protocol": "blockwise", "seed": 0, "scenario": "question_aware",
     "save_prompts": False, "overwrite": False, "device": "auto", "shard": None, "diagnostics": [], "graded": True,
-    "progress": True, "batch_size": 1, "share": True, "compile": False,
+    "progress": True, "batch_size": 1, "share": True, "share_rows": "auto",
+    "compile": False,
 }
 # Settings of the engine before the static slot cache that runs of that time recorded (how they decoded, never what a
 # result means): a reader of a stored config leaves them out.

@@ -54,3 +54,17 @@ def test_compile_reaches_the_engine_and_is_not_in_the_key() -> None:
     assert RunSettings.from_config({"budget": 64}).key("keydiff") != plain.key("keydiff")  # where a setting changes it
     with pytest.raises(ConfigError, match="compile must be true or false, got 'yes please'"):
         RunSettings.from_config({"compile": "yes please"})
+
+
+def test_share_rows_is_true_false_or_auto_and_not_in_the_key() -> None:
+    # share_rows (auto by default: a shared group's runs of one policy class as the rows of one cache on CUDA, a cache
+    # each elsewhere) changes how a group runs, never its records but for a batch's rounding: not in the resume key;
+    # a group shares with runs of its own share_rows only (the rest of the settings are the group key's)
+    plain = RunSettings.from_config({})
+    assert RUN_DEFAULTS["share_rows"] == "auto" == plain.share_rows
+    for value in (True, False, "auto"):
+        flipped = RunSettings.from_config({"share_rows": value})
+        assert flipped.share_rows == value and flipped.key("keydiff") == plain.key("keydiff")
+    assert RunSettings.from_config({"share_rows": True}).group_key() != plain.group_key()
+    with pytest.raises(ConfigError, match="share_rows must be true, false or auto, got 'rows'"):
+        RunSettings.from_config({"share_rows": "rows"})

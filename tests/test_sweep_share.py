@@ -1,9 +1,10 @@
 """Shared-work sweeps in the run layer (kvbench.run.app.run_members / run_group, kvbench.run.loop.run_shared, the
 in-process launcher): a sweep's runs that differ only in policy and budget run sample-major, each sample's runs
-through `generate_batch` together (the runs whose policies select alike, a policy's budgets, as the rows of one
-cache), each into its own run directory with the records it has alone (timings and the record's `batch` aside; in
-float64, where a K-row product cannot round a near-tie the other way); share=false runs alone; a kill mid-group
-resumes per (run, sample) to the same records; the CLI's sweep and a `compare` job share."""
+through `generate_batch` together (from one shared trunk; with share_rows=true the runs whose policies select alike,
+a policy's budgets, as the rows of one cache; the default on a CPU, a cache each), each into its own run directory
+with the records it has alone (timings and the record's `batch` aside; in float64, where a K-row product cannot round
+a near-tie the other way); share=false runs alone; a kill mid-group resumes per (run, sample) to the same records;
+the CLI's sweep and a `compare` job share."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def separate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_a_shared_sweep_writes_what_separate_runs_write(separate: tuple[Path, Path], tmp_path: Path) -> None:
     data, alone = separate
     members = [m for protocol in ("blockwise", "prefill_once")
-               for m in _members(data, tmp_path / protocol, f"protocol={protocol}")]
+               for m in _members(data, tmp_path / protocol, f"protocol={protocol}", "share_rows=true")]
     metrics = run_members(members, Session())
     assert [m["policy"] for m in metrics] == [m.name for m in members]  # in the order given
     for m in members:
@@ -144,7 +145,8 @@ def _kill_and_resume(separate: tuple[Path, Path], tmp_path: Path) -> dict[str, l
     ends for that run), one file ends in a torn line, one run has written nothing yet, none has metrics.json; then
     the relaunch. Each run's records, by run directory name."""
     data, alone = separate
-    members = _members(data, tmp_path, policies=("keydiff", "snapkv"))[:3]  # keydiff N = 64, 4096; snapkv N = 64
+    members = _members(data, tmp_path, "share_rows=true", policies=("keydiff", "snapkv"))[:3]  # keydiff N = 64,
+    # 4096; snapkv N = 64
     assert [m.run_dir.name for m in members] == ["keydiff_N64", "keydiff_N4096", "snapkv_N64"]
     for m, keep in zip(members, (3, 0, 1)):
         shutil.copytree(alone / "blockwise" / m.run_dir.name, m.run_dir)
@@ -175,7 +177,8 @@ def test_a_resumed_groups_runs_batch_where_they_meet(separate: tuple[Path, Path]
 
 def test_the_cli_sweep_shares_and_sigkill_mid_group_resumes(separate: tuple[Path, Path], tmp_path: Path) -> None:
     """`kvbench -m` over keydiff, random x N = 64, 4096 (one group), killed (SIGKILL) once some run has finished a
-    sample, then launched again: every run's records equal the separate runs' (the module's reference)."""
+    sample, then launched again: every run's records equal the separate runs' (the module's reference); with the
+    default share_rows (auto) on a CPU each run has a cache of its own, from the shared trunk."""
     data, alone = separate
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "kvbench.cli", "-m", "model=tiny-llama", FLOAT64, "task=jsonl", f"task.path={data}",
@@ -200,9 +203,12 @@ def test_the_cli_sweep_shares_and_sigkill_mid_group_resumes(separate: tuple[Path
         assert _untimed(killed / run) == _untimed(alone / "blockwise" / run), run
         assert (killed / run / ".hydra" / "overrides.yaml").is_file()  # each job set up by Hydra as before
     assert res.stdout.count("run directory: ") == 4
-    # the last sample ran after the relaunch: keydiff's two budgets as the rows of one cache, random alone
-    assert _lines(killed / "keydiff_N4096" / "predictions.jsonl")[-1]["batch"]["size"] == 2
-    assert "batch" not in _lines(killed / "random_N4096" / "predictions.jsonl")[-1]
+    # the last sample ran after the relaunch: keydiff's two budgets each in its own cache from one trunk, each taking
+    # it over to its own first eviction (N = 64: the blocks to 80, the first to end past 64; N = 4096 never evicts
+    # this prompt: all of it), random alone
+    last = {run: _lines(killed / run / "predictions.jsonl")[-1] for run in runs}
+    assert not any("batch" in r for r in last.values())
+    assert [last[run].get("trunk_tokens") for run in runs] == [last["keydiff_N4096"]["prompt_tokens"], 80, None, None]
 
 
 def test_a_compare_job_shares(separate: tuple[Path, Path], tmp_path: Path) -> None:
@@ -228,7 +234,7 @@ def test_batch_size_groups_share_too(separate: tuple[Path, Path], tmp_path: Path
         run_members(_members(data, out, *extra, policies=("keydiff",), budgets=(64, 128)), Session())
 
     run(tmp_path / "alone", "share=false")
-    run(tmp_path / "batched", "batch_size=2")
+    run(tmp_path / "batched", "batch_size=2", "share_rows=true")
     for name in ("keydiff_N64", "keydiff_N128"):
         batched = _lines(tmp_path / "batched" / name / "predictions.jsonl")
         assert {r["batch"]["size"] for r in batched} == {2}

@@ -181,12 +181,12 @@ class SharedRun:
 def run_shared(model: Any, tokenizer: Any, runs: list[SharedRun], task: Task,
                env: TaskEnv) -> list[list[dict[str, Any]]]:
     """Every run's missing samples, sample-major: for each sample, the runs that lack it go through
-    `engine.generate.generate_batch` together (the runs whose policies select alike, budgets included, as the rows of
-    one cache: one forward and one eviction for all of them), and each run's record is appended to its own
-    predictions.jsonl as soon as the sample ends, so a kill loses at most the sample under way and a relaunch resumes
-    per (run, sample). Each record is the run's batch-1 record but for the timings (its equal share of each forward)
-    and the batch's rounding (a token may differ where it decides a near-tie, as with batched samples; the record's
-    `batch` says it was a row). Returns each run's records in the task's sample order."""
+    `engine.generate.generate_batch` together (from one shared trunk; with `share_rows` the runs whose policies select
+    alike, budgets included, as the rows of one cache: one forward and one eviction for all of them), and each run's
+    record is appended to its own predictions.jsonl as soon as the sample ends, so a kill loses at most the sample
+    under way and a relaunch resumes per (run, sample). Each record is the run's batch-1 record but for the timings
+    (its equal share of each forward) and a batch's rounding (a token may differ where it decides a near-tie, as with
+    batched samples; the record's `batch` says it was a row). Returns each run's records in the task's sample order."""
     from tqdm import tqdm
 
     settings = runs[0].settings  # the group's common settings (samples, shard, progress)
@@ -201,6 +201,8 @@ def run_shared(model: Any, tokenizer: Any, runs: list[SharedRun], task: Task,
                 lm_score_start(len(s.input_ids), task.lm_tokens, r.settings)
     bar = tqdm(total=len(todo), desc=f"{task.name} x {len(runs)} runs", unit="sample", disable=not settings.progress,
                dynamic_ncols=True)
+    rows = settings.share_rows
+    batch = None if rows is True or (rows == "auto" and model.device.type == "cuda") else 1  # None: rows
     limit, said = memory_limit(model), False
     for sample in todo:
         members = [j for j, d in enumerate(done) if sample.id not in d]
@@ -208,15 +210,15 @@ def run_shared(model: Any, tokenizer: Any, runs: list[SharedRun], task: Task,
         for j in members:
             runs[j].policy.start_sample(sample_seed(sample.id))
             jobs.append(sample_job(tokenizer, runs[j].policy, task, sample, runs[j].settings, default_stop))
-        parts = split_to_fit(model, jobs, None, limit)
+        parts = split_to_fit(model, jobs, batch, limit)
         if len(parts) > 1 and not said:
-            need = shared_bytes(model, jobs)
+            need = shared_bytes(model, jobs, batch)
             print(f"kvbench: {len(jobs)} runs sharing a sample's work would hold ~{_size(need)} of caches, over the "
                   f"{_size(limit)} kvbench allows (half the free memory): they run as {len(parts)} groups",
                   file=sys.stderr)
             said = True
         # (the parts are consecutive: their results come in the jobs' order)
-        results = [res for part in parts for res in generate_batch(model, [jobs[k] for k in part])]
+        results = [res for part in parts for res in generate_batch(model, [jobs[k] for k in part], batch)]
         for j, job, res in zip(members, jobs, results):
             record = sample_record(tokenizer, task, sample, job, res, runs[j].settings)
             append_record(runs[j].pred_path, record)

@@ -67,6 +67,11 @@ class RunSettings:
     # sample's runs whose policies select alike as the rows of one cache (kvbench.run.app.run_group); false runs each
     # alone. Results are the same but for a batch's rounding, so the key leaves it out.
     share: bool = _setting(True, changes_results=False)
+    # How a shared group's runs of one policy class go (docs/sweeps.md): true as the rows of one cache (one forward
+    # and one eviction for all: a GPU's launches), false a cache each (from the same shared trunk, their records
+    # exactly the separate runs'), "auto" rows on CUDA and a cache each elsewhere (on a CPU rows cost more arithmetic
+    # than they save: results/bench_sweep).
+    share_rows: bool | str = _setting("auto", changes_results=False)
     # Each prompt block and decoding step (its eviction included) as one compiled graph (torch.compile; on CUDA a CUDA
     # graph): the same predictions as eager (tests/test_engine.py), so the key leaves it out.
     compile: bool = _setting(False, changes_results=False)
@@ -113,7 +118,8 @@ class RunSettings:
                    shard=shard, diagnostics=tuple(cfg["diagnostics"] or ()),
                    graded=_flag("graded", cfg["graded"]),
                    progress=_flag("progress", cfg["progress"]), batch_size=batch_size,
-                   share=_flag("share", cfg["share"]), compile=_flag("compile", cfg["compile"]))
+                   share=_flag("share", cfg["share"]), share_rows=_auto_flag("share_rows", cfg["share_rows"]),
+                   compile=_flag("compile", cfg["compile"]))
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the run records them (config.yaml; the resume key; metrics): plain values in the
@@ -153,6 +159,12 @@ class RunSettings:
     def with_policy(self, policy: Mapping[str, Any]) -> RunSettings:
         """These settings with one policy chosen (a `compare` list runs each of its policies so)."""
         return replace(self, policy=dict(policy))
+
+
+def _auto_flag(name: str, value: Any) -> bool | str:
+    if value != "auto" and not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true, false or auto, got {value!r}")
+    return value
 
 
 def _flag(name: str, value: Any) -> bool:
