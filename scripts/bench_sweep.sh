@@ -2,6 +2,7 @@
 # Shared-work sweeps on SmolLM2-135M (the static engine's shared trunks): results/bench_sweep/static_*.
 #
 #   bash scripts/bench_sweep.sh [OUT]     # default OUT: results/bench_sweep
+#   PREFILL_ONCE=1 bash scripts/bench_sweep.sh [OUT]   # the prefill_once design alone: OUT/static_prefill_once.*
 #
 # Design, samples and CPU budget: results/bench_sweep/RUN.md.
 set -euo pipefail
@@ -13,6 +14,11 @@ mkdir -p "$OUT" "$SCRATCH"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 BENCH=(python -m kvbench.bench --model smollm2-135m --samples 3 --threads 1 --clock cpu)
 IDENTITY=(python scripts/batch_identity.py --batch 1 --shard 0/5)
+if [ "${PREFILL_ONCE:-0}" = 1 ]; then
+    /usr/bin/time -v "${BENCH[@]}" --sweep prefill_once --fork-batch 1 --out "$OUT/static_prefill_once.json" \
+        > "$OUT/static_prefill_once.log" 2>&1
+    exit
+fi
 {
     /usr/bin/time -v "${BENCH[@]}" --sweep niah_grid,prefill_once --fork-batch 1,12 \
         --out "$OUT/static_smollm2.json" > "$SCRATCH/bench.log" 2>&1
