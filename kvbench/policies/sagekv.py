@@ -37,9 +37,7 @@ class SageKV(Policy):
     def sizes(self, group: int) -> tuple[int, int, int]:
         """(sink, k, recent) for budget N and `group` query heads per KV head."""
         n = self.budget
-        sink = n // 4 if self.sink is None else int(self.sink)
-        k = n // 2 ** math.ceil(math.log2(2 * group)) if self.k is None else int(self.k)
-        recent = n - sink - group * k - 1 if self.recent is None else int(self.recent)
+        sink, k, recent = self.row_sizes(n, group)
         if sink < 0 or k < 1 or recent < 0 or sink + group * k + recent + 1 > n:
             raise PolicyError(f"sagekv sizes sink={sink} k={k} recent={recent} with group {group} do not fit "
                               f"budget {n} (need sink + group*k + recent + 1 <= budget, k >= 1)")
