@@ -147,7 +147,7 @@ def test_first_forward_is_causal_over_its_own_slots(arch: str, policy: str) -> N
             cache = SlotCache(model, POLICIES[policy](), 1, 64, 64)
             logits = forward(model, cache, ids, torch.arange(40)[None], keep=40, causal=causal)
             g = cache.evicting
-            assert (g.masks == ()) == causal and g.pos[..., :40].eq(torch.arange(40)).all()
+            assert (g.visible == ()) == causal and g.pos[..., :40].eq(torch.arange(40)).all()
             out[causal] = logits, {k: v.clone() for k, v in g.state.items()}
     assert (out[True][0] - out[False][0]).abs().max().item() < 1e-12
     for name, state in out[False][1].items():  # H2O: every slot's received attention, the 24 free ones 0

@@ -52,7 +52,7 @@ class _Group:
         self.rows()
         self.write: torch.Tensor | None = None  # (L, b, h_kv, t) the slots this forward's tokens go into
         # per layer, set by `SlotCache.begin` for a forward: the write index over K/V (b, h_kv, t, d), the visibility
-        # (b, h_kv, t, S), its copy per query head for sdpa (b, h_q, t, S) and for explicit attention its complement
+        # (b, h_kv, t, S), and for sdpa its copy per query head (b, h_q, t, S), for explicit attention its complement
         # (b, h_kv, 1, t, S)
         self.write_kv: tuple[torch.Tensor, ...] = ()
         self.visible: tuple[torch.Tensor, ...] = ()
@@ -117,8 +117,6 @@ class SlotCache(Cache):
             if kept else None
         self.index()
         self.group_size = h_q // h_kv
-        # attention computed explicitly (not by sdpa): for a policy that reads it, or a softcap sdpa does not have
-        self.explicit = policy.needs_attention or bool(getattr(cfg, "attn_logit_softcapping", None))
         # baddbmm's input (its beta is 0), in the dtype explicit attention computes in (at least float32)
         self.zero = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=device)
         self.seen = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens each row has seen
@@ -174,7 +172,8 @@ class SlotCache(Cache):
                 slots = group.write.repeat_interleave(h_q // h_kv, dim=2).unsqueeze(3)  # (L, b, h_q, 1, t)
                 group.probs.scatter_(-1, slots.expand(L, b, h_q, w, t), 0.0)
             group.write_kv = group.write.unsqueeze(-1).expand(L, b, h_kv, t, d).unbind(0)
-            if causal:
+            if causal:  # slot_attention builds the (t, t) masks it needs
+                group.visible = group.masks = group.hidden = ()
                 continue
             pos = group.pos.unsqueeze(3)  # (L, b, h_kv, 1, S)
             query = positions.view(1, b, 1, t, 1)
@@ -182,8 +181,10 @@ class SlotCache(Cache):
             # a held token
             visible = (pos <= query) & (pos >= query.clamp(max=0))  # (L, b, h_kv, t, S)
             group.visible = visible.unbind(0)  # (b, h_kv, t, S) each
-            group.masks = visible.repeat_interleave(self.group_size, dim=2).unbind(0)  # (b, h_q, t, S) each
-            group.hidden = (~visible).unsqueeze(3).unbind(0) if self.explicit else ()  # (b, h_kv, 1, t, S) each
+            # explicit attention (a softcap, which sdpa lacks; a policy that reads it, in its evicting layers) or sdpa
+            explicit = bool(self.softcap) or (self.policy.needs_attention and group is self.evicting)
+            group.masks = () if explicit else visible.repeat_interleave(self.group_size, dim=2).unbind(0)
+            group.hidden = (~visible).unsqueeze(3).unbind(0) if explicit else ()
             if min(group.limits) < S:  # per-layer budgets: each layer attends over its own first S_l slots
                 group.visible = tuple(v[..., :s] for v, s in zip(group.visible, group.limits))
                 group.masks = tuple(m[..., :s] for m, s in zip(group.masks, group.limits))
@@ -352,14 +353,13 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     group, row = cache.where[module.layer_idx]
     scaling = module.head_dim ** -0.5 if scaling is None else scaling
     softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
-    b, h_q, t, d = query.shape
-    h_kv, S = key.shape[1], key.shape[2]
+    (b, h_q, t, d), (h_kv, S) = query.shape, key.shape[1:3]
     p = cache.positions  # (b, t)
     if cache.causal:  # an empty cache, no padding (`begin`): slots 0..t-1 hold the forward's positions, in order
         key, value = key[:, :, :t], value[:, :, :t]
         visible = mask = p.view(b, 1, 1, t) <= p.view(b, 1, t, 1)  # (b, 1, t, t), every head alike
     else:
-        visible, mask = group.visible[row], group.masks[row]  # (b, h_kv, t, S), (b, h_q, t, S)
+        visible, mask = group.visible[row], group.masks[row] if group.masks else None  # (b, h_kv | h_q, t, S)
     if window:  # a sliding layer (never evicted): the slot holding position p is slot p
         kpos = p.view(b, 1, 1, t) if cache.causal else group.pos[row].unsqueeze(2)  # (b, h_kv | 1, 1, n)
         visible = visible & (kpos > p.view(b, 1, t, 1) - window)
