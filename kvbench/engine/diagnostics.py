@@ -28,7 +28,6 @@ import torch
 
 from kvbench.policies.base import SlotView
 
-
 NAMES = ("attention_loss", "perturbation", "key_logdet", "head_share")
 _QUERY_NAMES = ("attention_loss", "perturbation")
 RIDGE = 1e-6

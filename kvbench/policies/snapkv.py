@@ -10,7 +10,6 @@ block smaller than the window (and B = 1 decoding) still scores with `window` qu
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
