@@ -36,9 +36,9 @@ class _Group:
     """The stacked buffers of the layers with one capacity."""
 
     def __init__(self, layers: list[int], b: int, h_kv: int, h_q: int, slots: list[int], d: int, dtype: torch.dtype,
-                 device: torch.device, states: tuple[str, ...], window: int, attention: bool) -> None:
+                 device: torch.device, states: tuple[str, ...], window: int, attention: bool, explicit: bool) -> None:
         L, S = len(layers), max(slots)
-        self.layers = layers
+        self.layers, self.explicit = layers, explicit  # explicit: its layers attend explicitly, not through sdpa
         # the slots each layer uses, its first `limits[i]` (S for all but a policy with per-layer budgets): a head
         # writes into its first free slots and never holds more than its layer's limit, so it never reaches past it
         self.limits = slots
@@ -69,7 +69,7 @@ class _Group:
 
     def clone(self) -> _Group:
         other = object.__new__(_Group)
-        other.layers, other.limits, other.write = self.layers, self.limits, None
+        other.layers, other.limits, other.explicit, other.write = self.layers, self.limits, self.explicit, None
         other.keys, other.values, other.pos = self.keys.clone(), self.values.clone(), self.pos.clone()
         other.state = {k: v.clone() for k, v in self.state.items()}
         other.queries = None if self.queries is None else self.queries.clone()
@@ -111,10 +111,12 @@ class SlotCache(Cache):
         kept = [i for i in range(n) if i not in evicted]
         w = window  # the query ring's length (Policy.query_window); `attention`: keep the stored queries' attention
         slots = [capacity] * len(evicted) if isinstance(capacity, int) else capacity  # per evicting layer
+        # attention computed explicitly: a softcap (sdpa has none) in every layer, a policy that reads it in its own
+        softcap = bool(getattr(cfg, "attn_logit_softcapping", None))
         self.evicting = _Group(evicted, batch, h_kv, h_q, slots, d, dtype, device, policy.state_names, w,
-                               attention) if evicted else None
-        self.full = _Group(kept, batch, h_kv, h_q, [full_capacity] * len(kept), d, dtype, device, (), 0, False) \
-            if kept else None
+                               attention, softcap or policy.needs_attention) if evicted else None
+        self.full = _Group(kept, batch, h_kv, h_q, [full_capacity] * len(kept), d, dtype, device, (), 0, False,
+                           softcap) if kept else None
         self.index()
         self.group_size = h_q // h_kv
         # baddbmm's input (its beta is 0), in the dtype explicit attention computes in (at least float32)
@@ -181,10 +183,8 @@ class SlotCache(Cache):
             # a held token
             visible = (pos <= query) & (pos >= query.clamp(max=0))  # (L, b, h_kv, t, S)
             group.visible = visible.unbind(0)  # (b, h_kv, t, S) each
-            # explicit attention (a softcap, which sdpa lacks; a policy that reads it, in its evicting layers) or sdpa
-            explicit = bool(self.softcap) or (self.policy.needs_attention and group is self.evicting)
-            group.masks = () if explicit else visible.repeat_interleave(self.group_size, dim=2).unbind(0)
-            group.hidden = (~visible).unsqueeze(3).unbind(0) if explicit else ()
+            group.masks = () if group.explicit else visible.repeat_interleave(self.group_size, dim=2).unbind(0)
+            group.hidden = (~visible).unsqueeze(3).unbind(0) if group.explicit else ()
             if min(group.limits) < S:  # per-layer budgets: each layer attends over its own first S_l slots
                 group.visible = tuple(v[..., :s] for v, s in zip(group.visible, group.limits))
                 group.masks = tuple(m[..., :s] for m, s in zip(group.masks, group.limits))
@@ -357,7 +357,8 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     p = cache.positions  # (b, t)
     if cache.causal:  # an empty cache, no padding (`begin`): slots 0..t-1 hold the forward's positions, in order
         key, value = key[:, :, :t], value[:, :, :t]
-        visible = mask = p.view(b, 1, 1, t) <= p.view(b, 1, t, 1)  # (b, 1, t, t), every head alike
+        # (b, 1, t, t), every head alike; none for sdpa's causal kernel
+        visible = mask = (p.view(b, 1, 1, t) <= p.view(b, 1, t, 1)) if window or group.explicit else None
     else:
         visible, mask = group.visible[row], group.masks[row] if group.masks else None  # (b, h_kv | h_q, t, S)
     if window:  # a sliding layer (never evicted): the slot holding position p is slot p
@@ -368,7 +369,7 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     if group is cache.evicting and group.queries is not None:  # the forward's last queries enter the ring
         group.q_rows[row].scatter_(2, cache.ring_q, query[:, :, t - cache.ring_q.shape[2]:])
     attends = policy.needs_attention and group is cache.evicting
-    if not (attends or softcap):  # sdpa; its causal kernel when it can (a mask costs a (t, S) pass per head)
+    if not group.explicit:  # sdpa; its causal kernel when it can (a mask costs a (t, S) pass per head)
         causal = cache.causal and not window
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=None if causal else mask, scale=scaling,
                                              is_causal=causal, enable_gqa=True)
