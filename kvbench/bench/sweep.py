@@ -88,8 +88,7 @@ def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], sampl
     for design in designs:
         configs = len(design.policies) * len(design.budgets)
         ways: list[int | None] = [None, *fork_batches]  # None: separate
-        seconds = {w: 0.0 for w in ways}
-        each: dict[int | None, list[float]] = {w: [] for w in ways}  # per sample (paired ratios for the goal)
+        each: dict[int | None, list[float]] = {w: [] for w in ways}  # seconds per sample (paired ratios for the goal)
         identical = {k: 0 for k in fork_batches}
         first_difference: dict[int, Any] = {k: None for k in fork_batches}
         for s in range(samples):
@@ -103,7 +102,6 @@ def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], sampl
                 else:
                     took, results = _timed(model, clock, lambda: [
                         generate(model, j.policy, list(j.input_ids), j.settings, observer=j.observer) for j in jobs])
-                seconds[way] += took
                 each[way].append(took)
                 tokens[way] = [r.tokens for r in results]
             for k in fork_batches:
@@ -112,6 +110,7 @@ def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], sampl
                 if first_difference[k] is None and not all(same):
                     j = same.index(False)
                     first_difference[k] = {"sample": s, "configuration": _label(design, j)}
+            seconds = {w: sum(times) for w, times in each.items()}  # so far
             if log:
                 shared = ", ".join(f"shared K={k} {seconds[k]:.1f} s (identical {identical[k]}/"
                                    f"{configs * (s + 1)})" for k in fork_batches)
