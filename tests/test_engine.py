@@ -81,6 +81,35 @@ def test_block_prefill_equals_full_forward(arch: str) -> None:
         assert (torch.tensor(res.lm_logprobs) - want).abs().max().item() < 1e-5, (arch, block)
 
 
+def test_softcap_model_attends_explicitly_and_equals_hf() -> None:
+    """A Gemma-2-shaped model (attention logit softcap 5.0, which sdpa lacks, and sliding layers of window 24) attends
+    explicitly in every layer: the LM score through blocks of 7 and 32 and one forward, StreamingLLM and H2O (which
+    reads the attention), equals HF's eager forward of the whole prompt in float64 (scores stored as float32)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
+                       attn_logit_softcapping=5.0, final_logit_softcapping=None, max_position_embeddings=512)
+    cfg._attn_implementation = "eager"
+    model = Gemma2ForCausalLM(cfg).double().eval()
+    # larger query and key weights, so the attention logits reach where the cap bends them (at the random init's scale
+    # the cap changes almost nothing: a layer attending through sdpa, without it, passed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+            layer.self_attn.k_proj.weight.mul_(30.0)
+    ids = random_prompt(100, 5)
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], dim=-1)
+    want = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    install(model)
+    for policy in (StreamingLLM(budget=400), H2O(budget=400)):
+        for block in (7, 32, None):
+            res = generate(model, policy, ids, GenerationSettings(block=block, score_from=0))
+            assert (torch.tensor(res.lm_logprobs, dtype=torch.float64) - want).abs().max().item() < 1e-6, block
+
+
 def test_budget_at_least_prompt_evicts_nothing() -> None:
     model = _model(dtype=torch.float32)
     ids = random_prompt(200, 1)
