@@ -14,6 +14,7 @@ import torch
 
 from kvbench.bench.setup import make_policy
 from kvbench.engine import cache as engine_cache
+from kvbench.engine import generate as engine_generate
 from kvbench.engine.cache import SlotCache, forward, install, probabilities
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.models.tiny import build_tiny_model
@@ -129,7 +130,8 @@ class Float32Twin:
         policy.score, policy.token_state = self.score, self.token_state
 
     def install(self, monkeypatch: Any) -> None:
-        monkeypatch.setattr(engine_cache, "select", self.select)
+        monkeypatch.setattr(engine_cache, "select", self.select)  # a compiled forward's eviction
+        monkeypatch.setattr(engine_generate, "select", self.select)  # the eager one, timed apart
 
     def _draws(self) -> Any:  # Random's generator: the checks must not consume the run's draws
         gen = getattr(self.policy, "_gen", None)

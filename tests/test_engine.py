@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
-from kvbench.engine.cache import free_slots, install
+from kvbench.engine.cache import install
 from kvbench.engine.generate import Batch, GenerationSettings, Job, Observer, capacity, generate, generate_batch, plan
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.adakv import AdaKV
@@ -122,12 +122,6 @@ def test_budget_at_least_prompt_evicts_nothing() -> None:
 
 
 # 2. The layout, by hand --------------------------------------------------------------------------------------------
-def test_free_slots_are_the_first_free_in_slot_order() -> None:
-    pos = torch.tensor([[[5, -1, 2, -1, -1, 7]]])  # (1, 1, 6): slots 1, 3, 4 free
-    assert free_slots(pos, 2).tolist() == [[[1, 3]]]
-    assert free_slots(pos, 3).tolist() == [[[1, 3, 4]]]
-
-
 def test_capacity_is_the_most_held_during_a_forward() -> None:
     settings = GenerationSettings(block=16, max_new_tokens=5)
     chunks = plan(70, settings, StreamingLLM(budget=24))
@@ -228,9 +222,9 @@ def test_query_ring_holds_position_p_in_slot_p_mod_w() -> None:
     with torch.inference_mode():
         batch.step([(0, 4), (0, 4)], [ids[:4], ids[:4]], [True, True], "prefill")
         batch.step([(4, 8), (4, 6)], [ids[4:8], ids[4:6]], [True, True], "prefill")  # row 1: 2 tokens, 2 padding
-        assert batch.cache.view().qpos.tolist() == [[4, 5, 6, 7], [4, 5, 2, 3]]
+        assert batch.cache.view.qpos.tolist() == [[4, 5, 6, 7], [4, 5, 2, 3]]
         batch.step([(8, 10), None], [ids[8:10], []], [True, False], "prefill")
-        assert batch.cache.view().qpos.tolist() == [[8, 9, 6, 7], [4, 5, 2, 3]]
+        assert batch.cache.view.qpos.tolist() == [[8, 9, 6, 7], [4, 5, 2, 3]]
 
 
 @pytest.mark.parametrize("name", ["snapkv", "tova", "adakv"])

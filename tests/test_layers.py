@@ -209,9 +209,10 @@ def test_the_use_checker_sees_an_attribute(tmp_path: Path) -> None:
 
 
 def test_the_engine_fills_every_field_of_the_view() -> None:
-    """SlotCache.view passes every SlotView field but `budgets` (the eviction's counts, which `select` sets on the
-    view it is given); a field added to SlotView that the engine does not fill fails here. The view it returns is a
-    SlotView over the cache's own evicting buffers (tiny-llama: 2 layers, 2 KV heads)."""
+    """SlotCache.make_view passes every SlotView field but `budgets` (the eviction's counts, which `select` sets on
+    the view it is given) and `decoding` (set once the prompt is done); a field added to SlotView that the engine does
+    not fill fails here. The cache's `view` is a SlotView over its own evicting buffers (tiny-llama: 2 layers, 2 KV
+    heads)."""
     import dataclasses
 
     from kvbench.engine.cache import SlotCache, install
@@ -223,12 +224,12 @@ def test_the_engine_fills_every_field_of_the_view() -> None:
     calls = [n for n in ast.walk(ast.parse((PKG / "engine" / "cache.py").read_text()))
              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "SlotView"]
     assert len(calls) == 1 and not calls[0].args
-    assert {k.arg for k in calls[0].keywords} == fields - {"budgets"}
+    assert {k.arg for k in calls[0].keywords} == fields - {"budgets", "decoding"}
 
     model, _ = build_tiny_model("tiny-llama")
     install(model)
     cache = SlotCache(model, KeyDiff(budget=16), batch=1, capacity=24, full_capacity=64)
-    view = cache.view()
+    view = cache.view
     assert isinstance(view, SlotView) and view.layers == (0, 1) and view.budgets is None
     assert view.pos is cache.evicting.pos and view.keys is cache.evicting.keys
     assert tuple(view.pos.shape) == (2, 1, 2, 24)

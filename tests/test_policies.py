@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from kvbench.policies.base import PolicyError
+from kvbench.policies.base import PolicyError, pool
 from kvbench.policies.full import Full
 from kvbench.policies.h2o import H2O
 from kvbench.policies.keydiff import KeyDiff
 from kvbench.policies.knorm import KNorm
 from kvbench.policies.random import Random
-from kvbench.policies.snapkv import SnapKV, pool
+from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.streamingllm import StreamingLLM
 from kvbench.policies.tova import TOVA
 

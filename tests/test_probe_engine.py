@@ -28,7 +28,7 @@ class DropPositions(Policy):
         self.drop = drop
 
     def score(self, view):
-        gone = torch.zeros_like(view.held)
+        gone = torch.zeros_like(view.pos >= 0)
         for row, layer in enumerate(view.layers):
             for p in self.drop.get(layer, ()):
                 gone[row] |= view.pos[row] == p

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.engine.cache import SlotCache, evict, forward, install
+from kvbench.engine.cache import SlotCache, forward, install
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.options import resolve_protocol
 from kvbench.models.tiny import build_tiny_model
@@ -71,8 +71,7 @@ def test_prefill_once_equals_one_forward_one_eviction_then_plain_greedy(model) -
     cache = SlotCache(model, policy, 1, T + NEW, T + NEW, window=policy.query_window)
     expected: list[int] = []
     with torch.inference_mode():
-        logits = forward(model, cache, torch.tensor([ids]), torch.arange(T)[None], 1)[:, -1]
-        evict(cache, torch.full((L, 1, 1), N))
+        logits = forward(model, cache, torch.tensor([ids]), torch.arange(T)[None], 1, torch.full((L, 1, 1), N))[:, -1]
         for k in range(NEW):
             expected.append(int(logits.argmax(dim=-1)))
             logits = forward(model, cache, torch.tensor([[expected[-1]]]), torch.tensor([[T + k]]), 1)[:, -1]

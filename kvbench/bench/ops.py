@@ -94,7 +94,7 @@ def count_ops(model: Any, make_policy: Callable[[str], Any], names: Sequence[str
         s, e = spans[-1]
         with OpCounter() as blk:
             batch.step([(s, e)], [ids[s:e]], [True], "prefill")
-        batch.cache.decoding = True
+        batch.cache.view.decoding = True
         with OpCounter() as step:
             batch.step([(length, length + 1)], [[ids[0]]], [True], "decode")
         with FunctionCounter() as read:

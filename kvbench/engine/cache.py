@@ -11,7 +11,7 @@ remove keys, and a key written later is after every stored query, so its entries
 cache is a view of its group's row. Nothing ever changes shape, so a forward (and its eviction) can be one compiled
 graph.
 
-A forward of t tokens writes them into each head's first t free slots (`free_slots`), with their positions; attention
+A forward of t tokens writes them into each head's first t free slots (`begin`), with their positions; attention
 runs over all S slots with a mask built from the positions (held, and not after the query: causal); eviction ranks the
 slots and marks the ones beyond each head's count free. No slot is copied or compacted, and nothing is read back to
 the host. Batch rows are independent runs: each has its own positions and seen count.
@@ -20,7 +20,7 @@ the host. Batch rows are independent runs: each has its own positions and seen c
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -87,14 +87,6 @@ def evicted_layers(cfg: Any, policy: Policy) -> list[int]:
             and types[i] != "sliding_attention"]
 
 
-def free_slots(pos: torch.Tensor, t: int) -> torch.Tensor:
-    """(..., S) positions -> (..., t) the first t free slots of each head, in slot order: the j-th free slot is the
-    first where the running count of free slots reaches j (a binary search per token, no sort)."""
-    free = (pos < 0).long().cumsum(dim=-1)  # (..., S) nondecreasing
-    want = torch.arange(1, t + 1, device=pos.device).expand(*pos.shape[:-1], t).contiguous()
-    return torch.searchsorted(free, want)
-
-
 class SlotCache(Cache):
     """A static, policy-managed cache for `b` runs (batch rows) of one model and one policy (module doc)."""
 
@@ -135,7 +127,6 @@ class SlotCache(Cache):
         # each decoder layer's tokens per KV head (its fullest head) at the first decoding step, the step's token
         # included, set by the loop once that step is done (kvbench-bench sizes HF's reference cache by it)
         self.layer_tokens: list[int] | None = None
-        self.decoding = False  # set once the prompt is done (a policy may select differently then: SAGE-KV)
         # decoder layer -> its attention module; the model's attention scale and softcap (what scores recompute)
         self.modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
         self.scaling: float = next(iter(self.modules.values())).scaling if self.modules else d ** -0.5
@@ -145,6 +136,9 @@ class SlotCache(Cache):
         # (b,) most tokens all layers' heads held together, over time (x bytes_per_head_token: the K+V bytes held)
         self.peak_total = torch.zeros(batch, dtype=torch.long, device=device)
         self.peak_batch = torch.zeros((), dtype=torch.long, device=device)  # the most all rows held together
+        # what the policy reads; its `decoding` is set once the prompt is done (a policy may select differently then:
+        # SAGE-KV)
+        self.view = self.make_view()
 
     def index(self) -> None:
         """`groups` (the evicting one first) and `where`: each decoder layer's group and row in it (its views)."""
@@ -163,9 +157,13 @@ class SlotCache(Cache):
         self.positions, self.causal = positions, causal
         self.fed.copy_((positions >= 0).sum(dim=1))  # padding is not seen
         self.seen.add_(self.fed)
+        want = torch.arange(1, t + 1, device=positions.device)  # (t,)
         for group in self.groups:
             L, _, h_kv, S, d = group.keys.shape
-            group.write = free_slots(group.pos, t)  # (L, b, h_kv, t)
+            # each head's first t free slots, in slot order: the j-th is the first where the running count of free
+            # slots reaches j (a binary search per token, no sort)
+            free = (group.pos < 0).long().cumsum(dim=-1)  # (L, b, h_kv, S) nondecreasing
+            group.write = torch.searchsorted(free, want.expand(L, b, h_kv, t).contiguous())  # (L, b, h_kv, t)
             group.pos.scatter_(-1, group.write, positions.view(1, b, 1, t).expand(L, b, h_kv, t))
             for state in group.state.values():
                 state.scatter_(-1, group.write, 0.0)
@@ -230,7 +228,7 @@ class SlotCache(Cache):
             g.probs.permute(1, 3, 0, 2, 4).index_put_((rows_b, self.ring),
                                                       rows.view(L, b, h_q, m, S).float().permute(1, 3, 0, 2, 4))
         if self.policy.state_names:
-            for name, new in self.policy.token_state(self.view(), g.write).items():
+            for name, new in self.policy.token_state(self.view, g.write).items():
                 g.state[name].scatter_(-1, g.write, new.float())
 
     def adopt(self, trunk: SlotCache, end: int, fed: int, queries: torch.Tensor | None,
@@ -263,8 +261,9 @@ class SlotCache(Cache):
                 for row, r in enumerate(rows):
                     got = F.pad(forward[r], (0, max(0, S - forward[r].shape[-1])))[..., :S]  # (1, h_kv, S)
                     self.policy.on_attention(g.state_rows, row, got.expand(b, -1, -1))
-            # the held slots, in slot order: `free_slots` of the negated positions (held ones < 0, others >= 0)
-            g.write = free_slots(-g.pos - 1, end)
+            # the held slots, for `settle`: the trunk wrote positions 0..end-1 into slots 0..end-1 of every head (one
+            # unpadded prompt, nothing evicted before `end`)
+            g.write = torch.arange(end, device=g.pos.device).expand(*g.pos.shape[:3], end)
         self.settle()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
@@ -277,12 +276,15 @@ class SlotCache(Cache):
         return keys, values
 
     # -- what the engine and observers read -------------------------------------------------------------------------
-    def view(self) -> SlotView:
+    def make_view(self) -> SlotView | None:
+        """What a policy reads (`view`): views of the evicting group's buffers, which every forward updates in place,
+        so made once (and for a fork); None when no layer evicts."""
         g = self.evicting
-        assert g is not None
+        if g is None:
+            return None
         w = self.window  # the ring's spare slot w left out
-        return SlotView(decoding=self.decoding, keys=g.keys, values=g.values, pos=g.pos, seen=self.seen, fed=self.fed,
-                        layers=tuple(g.layers), scaling=self.scaling, softcap=self.softcap,
+        return SlotView(keys=g.keys, values=g.values, pos=g.pos, seen=self.seen, fed=self.fed, layers=tuple(g.layers),
+                        scaling=self.scaling, softcap=self.softcap,
                         queries=g.queries[:, :, :, :w] if g.queries is not None else None,
                         qpos=self.qpos[:, :w] if g.queries is not None else None, state=g.state,
                         modules=self.row_modules, probs=g.probs[:, :, :, :w] if g.probs is not None else None)
@@ -301,6 +303,9 @@ class SlotCache(Cache):
         other.seen, other.fed, other.qpos = self.seen.clone(), self.fed.clone(), self.qpos.clone()
         other.peak, other.peak_total = self.peak.clone(), self.peak_total.clone()
         other.peak_batch = self.peak_batch.clone()
+        other.view = other.make_view()
+        if other.view is not None:
+            other.view.decoding = self.view.decoding  # type: ignore[union-attr]
         return other
 
     def bytes_per_head_token(self) -> int:
@@ -324,17 +329,6 @@ def select(policy: Policy, view: SlotView, counts: torch.Tensor) -> torch.Tensor
     ranked = ranked.masked_fill(view.pos < 0, -math.inf)
     counts = policy.counts(view, ranked, counts)  # (L, b, h_kv | 1)
     return ranks(ranked, view.pos) >= counts.unsqueeze(-1)
-
-
-def evict(cache: SlotCache, counts: torch.Tensor, observe: Callable[[SlotView, torch.Tensor], None] | None = None
-          ) -> None:
-    """Mark free the slots `select` frees in the evicting layers (counts (L, b, 1)). `observe(view, keep)`
-    (diagnostics) sees the selection, keep (L, b, h_kv, S) bool, while every token is still held."""
-    view = cache.view()
-    drop = select(cache.policy, view, counts)
-    if observe is not None:
-        observe(view, ~drop & (view.pos >= 0))
-    view.pos.masked_fill_(drop, -1)
 
 
 # -- attention --------------------------------------------------------------------------------------------------------
@@ -425,6 +419,6 @@ def forward(model: Any, cache: SlotCache, ids: torch.Tensor, positions: torch.Te
     out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep,
                 attention_mask=cache.no_mask, slot_cache=cache)
     cache.settle()  # the per-token state and the peaks held: before the eviction
-    if counts is not None:
-        evict(cache, counts)
+    if counts is not None:  # the eviction: the slots `select` frees are marked free
+        cache.view.pos.masked_fill_(select(cache.policy, cache.view, counts), -1)  # type: ignore[union-attr]
     return out.logits

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvbench.engine.cache import IMPL, PAD, SlotCache, evict, evicted_layers, forward, install
+from kvbench.engine.cache import IMPL, PAD, SlotCache, evicted_layers, forward, install, select
 from kvbench.engine.diagnostics import Diagnostics
 from kvbench.models.generation import greedy_processors
 from kvbench.options import PROTOCOLS
@@ -296,20 +296,22 @@ class Batch:
         for k, row in enumerate(self.rows):
             if row.obs.trace and self.tracing and spans[k] is not None:  # the row's own forwards only
                 row.traces.append([p[k:k + 1].clone() for p in self.cache.layer_positions()])
-        scored = [(0, 0, 0)] * len(spans) if phase == "decode" else [self._scored(k, s) for k, s in enumerate(spans)]
-        keep = max(max(n for _, _, n in scored), 1)
+        scored, keep = [], 1  # the LM score's positions per row (`_scored`), the last positions the logits keep
+        if phase == "prefill":
+            scored = [self._scored(k, s) for k, s in enumerate(spans)]
+            keep = max(max(n for _, _, n in scored), 1)
         t0 = self.clock()
         counts = self.counts(evicting)
         logits = self.forward(self.model, self.cache, ids, positions, keep, counts if self.in_graph else None,
                               causal)
         evict_s = self._evict(counts, evicting) if counts is not None and not self.in_graph else 0.0
         spent = self.clock() - t0
-        for k, row in enumerate(self.rows):
+        for row in self.rows:
             row.time_s[phase] += spent / len(self.rows)
             row.evict_s[phase] += evict_s / len(self.rows)
-            lo, hi, _ = scored[k]
+        for k, (lo, hi, _) in enumerate(scored):
             if hi > lo:
-                self._score(row, logits[k], keep - (spans[k][1] - lo), lo, hi)
+                self._score(self.rows[k], logits[k], keep - (spans[k][1] - lo), lo, hi)  # type: ignore[index]
         last = logits[:, -1].float()
         return last.clone() if self.compiled else last  # a CUDA graph's next replay overwrites its outputs
 
@@ -318,8 +320,11 @@ class Batch:
         side); returns its seconds."""
         sync(self.device)
         t1 = self.clock()
-        diagnosed = self.diagnosed
-        evict(self.cache, counts, _observer(diagnosed, evicting) if any(diagnosed) else None)
+        diagnosed, view = self.diagnosed, self.cache.view
+        drop = select(self.cache.policy, view, counts)  # (L, K, h_kv, S) the slots it frees
+        if any(diagnosed):  # the diagnostics see the selection while every token is still held
+            _observe(diagnosed, evicting, view, ~drop & (view.pos >= 0))
+        view.pos.masked_fill_(drop, -1)
         sync(self.device)
         evict_s = self.clock() - t1
         if any(diagnosed):  # the diagnostics' own time is not the eviction's
@@ -346,13 +351,11 @@ class Batch:
                            rows.argmax(dim=-1) == target[a:b]))
 
 
-def _observer(diags: list[Diagnostics | None], evicting: list[bool]) -> Callable[..., None]:
-    """The eviction's observer: each diagnosed row's measures of its selection (while every token is still held)."""
-    def observe(view: Any, keep: torch.Tensor) -> None:
-        for k, diag in enumerate(diags):
-            if diag is not None and evicting[k]:
-                diag.observe(view, keep, k)
-    return observe
+def _observe(diags: list[Diagnostics | None], evicting: list[bool], view: Any, keep: torch.Tensor) -> None:
+    """Each diagnosed evicting row's measures of its selection, keep (L, K, h_kv, S) bool."""
+    for k, diag in enumerate(diags):
+        if diag is not None and evicting[k]:
+            diag.observe(view, keep, k)
 
 
 def _prefill(batch: Batch) -> torch.Tensor:
@@ -455,7 +458,8 @@ def _rows(model: Any, jobs: Sequence[Job], trunk: Trunk | None = None) -> list[G
     if trunk is not None:
         batch.adopt(trunk)
     logits = _prefill(batch)
-    batch.cache.decoding = True
+    if batch.cache.view is not None:
+        batch.cache.view.decoding = True
     graded: list[list[torch.Tensor]] = [[] for _ in jobs]
     graded_s = [0.0] * len(jobs)
     if any(j.answer_ids for j in jobs):

@@ -27,13 +27,12 @@ import math
 
 import torch
 
-from kvbench.policies.base import PolicyError, SlotView, rank_mask, ranks
-from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.base import PolicyError, SlotView, WindowAttention, rank_mask, ranks
 
 ALLOCATIONS = ("adakv", "kvpress")
 
 
-class AdaKV(SnapKV):
+class AdaKV(WindowAttention):
     name = "adakv"
 
     def __init__(self, alpha_safeguard: float = 0.2, allocation: str = "adakv", pooling: str = "max",
@@ -86,24 +85,20 @@ def allocate(scores: torch.Tensor, budget: torch.Tensor, n_protected: torch.Tens
     The pooled top-`total` is a rank among the row's h * S scores (`ranks`); scores tied at the cut across heads go
     to the lower head."""
     R, h, S = scores.shape
-
-    def top_per_head(flat: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        """(R, h) how many of each row's top `total` (R, 1) of `flat` (R, h * S) are each head's (ties to the lower
-        head, then the lower slot: `ranks` by index)."""
-        return (ranks(flat) < total).view(R, h, S).sum(dim=-1)
-
+    # both rules count how many of a row's top `total` (R, 1) pooled scores (R, h * S) are each head's: their ranks
+    # below `total`, summed per head (ties to the lower head, then the lower slot: `ranks` by index)
     if rule == "kvpress":
         safe_count = n_protected.maximum((budget.double() * alpha_safeguard).floor().long())  # (R, h)
         # (R, h, S): which of tokens tied at a head's cut is `safe` changes no head's count (they are one head's)
         safe = rank_mask(scores, safe_count)
         pooled = scores.masked_fill(safe, math.inf).reshape(R, h * S)
         total = (pooled > -math.inf).sum(dim=-1, keepdim=True).minimum(h * budget)  # (R, 1)
-        return top_per_head(pooled, total)
+        return (ranks(pooled) < total).view(R, h, S).sum(dim=-1)
     free = budget - n_protected  # (R, h) F per head
     floor_cap = (free.double() * alpha_safeguard).floor()  # (R, h) int(a * F) in double, as Python computes it
     unprot = scores.masked_fill(scores == math.inf, -math.inf).reshape(R, h * S)
     total = torch.minimum(free.sum(dim=-1, keepdim=True), (unprot > -math.inf).sum(dim=-1, keepdim=True))  # (R, 1)
-    c = top_per_head(unprot, total)  # (R, h)
+    c = (ranks(unprot) < total).view(R, h, S).sum(dim=-1)  # (R, h)
     exact = c * (1 - alpha_safeguard) + floor_cap.float()  # (R, h) float32, as AdaKV's code computes it
     k = torch.round(exact).long()
     excess = (k.sum(dim=-1) - free.sum(dim=-1)).clamp_min(0)  # (R,) > 0 only through rounding up

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from kvbench.options import positive_int
 
@@ -53,28 +54,14 @@ class SlotView:
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (L, b, h_kv, S) float32 per-token state
     modules: tuple[Any, ...] = ()  # the attention module of each row's layer
     decoding: bool = False  # the eviction after a decoding step (else after a prompt forward)
-    # (L, b, 1) int64 each row's budget per layer in this eviction (the engine's `counts`: per-row budgets of a batch,
-    # the capacity S for a row that does not evict); None: not given, `row_budgets` asks the policy per layer
+    # (L, b, 1) int64 each row's budget per layer in this eviction, for a score that depends on it (CriticalKV's
+    # stage 1, SAGE-KV's selection): the engine's `counts` (per-row budgets of a batch, the capacity S for a row that
+    # does not evict), set by its `select` before it calls `score`
     budgets: torch.Tensor | None = None
-
-    @property
-    def held(self) -> torch.Tensor:
-        """(L, b, h_kv, S) bool: the slots that hold a token."""
-        return self.pos >= 0
-
-    def row_budgets(self, layer_budget: Callable[[int], int | None]) -> torch.Tensor:
-        """(L, b, 1) int64 the budgets of this eviction, for a score that depends on them (CriticalKV's stage 1,
-        SAGE-KV's selection): `budgets` when the engine gave them, else `layer_budget(layer)` of each row's layer for
-        every batch row (right for a run alone)."""
-        if self.budgets is not None:
-            return self.budgets
-        L, b = self.pos.shape[:2]
-        table = torch.tensor([layer_budget(i) for i in self.layers], dtype=torch.long, device=self.pos.device)
-        return table.view(L, 1, 1).expand(L, b, 1)
 
     def protected(self, n_sink: int, n_recent: int) -> torch.Tensor:
         """(L, b, h_kv, S) bool: the held slots a selection always keeps, the first `n_sink` positions and the latest
-        `n_recent` (by position: seen - n_recent on). The engine's +inf ranks (kvbench/engine/cache.py `evict`),
+        `n_recent` (by position: seen - n_recent on). The engine's +inf ranks (kvbench/engine/cache.py `select`),
         here so that a score that needs them before the engine applies them (CriticalKV's stage 1) marks the same."""
         edge = self.pos < n_sink
         if n_recent > 0:
@@ -126,7 +113,7 @@ class SlotView:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         qpos = self.qpos.view(1, b, 1, 1, w, 1)
-        visible = (self.pos.view(L, b, h_kv, 1, 1, S) <= qpos) & self.held.view(L, b, h_kv, 1, 1, S)
+        visible = (self.pos.view(L, b, h_kv, 1, 1, S) <= qpos) & (self.pos >= 0).view(L, b, h_kv, 1, 1, S)
         probs = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1).nan_to_num_(0.0)  # unfilled: 0
         return probs.view(L, b, h_q, w, S), held
 
@@ -222,6 +209,52 @@ class Policy:
         """`received` (b, h_kv, S): the attention each slot of one layer received from a forward's queries (their
         probabilities summed over the queries and each KV head's query heads), for a policy that `needs_attention`;
         `state[name][row]` is that layer's per-token state (b, h_kv, S), written in place."""
+
+
+class WindowAttention(Policy):
+    """SnapKV's scores (kvbench/policies/snapkv.py), shared here by the policies built on them (PyramidKV, AdaKV,
+    CriticalKV's bases): the mean attention of the latest `window` queries (the observation window, its tokens
+    protected), pooled along the sequence over `kernel` neighbours (`pool`), averaged over each KV head's query
+    heads."""
+
+    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", **kwargs: Any) -> None:
+        if pooling not in ("avg", "max"):
+            raise PolicyError(f"{self.name} pooling '{pooling}' unknown; choose one of: avg, max")
+        if kernel < 1 or kernel % 2 == 0:
+            raise PolicyError(f"{self.name} kernel must be a positive odd number, got {kernel}")
+        self.window, self.kernel, self.pooling = int(window), int(kernel), pooling
+        self.query_window = self.window
+        super().__init__(n_recent=self.window, **kwargs)
+
+    def score(self, view: SlotView) -> torch.Tensor:
+        """(L, b, h_kv, S): the window's mean attention per query head (`view.mean_attention`), pooled along the
+        sequence (the slots in position order, free slots, all 0, first: zero padding; the window's own attention
+        left out of its neighbours': its tokens are protected), then averaged over each KV head's query heads."""
+        probs = view.mean_attention()  # (L, b, h_q, S)
+        L, b, h_kv, S = view.pos.shape
+        g = probs.shape[2] // h_kv
+        window = (view.pos >= view.seen.view(1, -1, 1, 1) - self.window).repeat_interleave(g, dim=2)
+        order = view.pos.argsort(dim=-1).repeat_interleave(g, dim=2)  # (L, b, h_q, S): by position, free first
+        pooled = pool(probs.masked_fill(window, 0.0).gather(-1, order), self.kernel, self.pooling)
+        return torch.empty_like(pooled).scatter_(-1, order, pooled).view(L, b, h_kv, g, S).mean(dim=3)
+
+
+def pool(x: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """(..., n) float32 or float64 scores -> (..., n): each pooled over itself and its kernel // 2 neighbours on either
+    side along the last axis, zero padded; "avg" divides by `kernel` whatever the padding, as F.avg_pool1d (stride 1,
+    count_include_pad) does, "max" is F.max_pool1d. The average is the sum of `kernel` shifted slices, added in the
+    window's order, over `kernel`: the very float32/float64 values of avg_pool1d, whose CPU kernel adds each window in
+    that order (adding the padding's zeros changes no sum; tests/test_policies.py checks every bit), in fewer passes
+    over many rows."""
+    pad = kernel // 2
+    if pooling == "max":
+        return F.max_pool1d(x.reshape(-1, 1, x.shape[-1]), kernel, stride=1, padding=pad).view(x.shape)
+    n = x.shape[-1]
+    padded = F.pad(x, (pad, pad))  # (..., n + 2 pad)
+    total = padded[..., :n].clone()
+    for j in range(1, kernel):
+        total += padded[..., j:j + n]
+    return total / kernel
 
 
 # -- the ranking the engine selects by (and policies that rank within their score) -------------------------------------

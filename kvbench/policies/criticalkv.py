@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import Policy, PolicyError, SlotView, rank_mask
+from kvbench.policies.base import Policy, PolicyError, SlotView, ranks
 from kvbench.policies.snapkv import SnapKV
 
 BASES = {"snapkv": SnapKV, "adakv": AdaKV}
@@ -70,80 +70,59 @@ class CriticalKV(Policy):
         self.base.attach(num_layers)
 
     def token_state(self, view: SlotView, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The value norms of a forward's t new tokens in every evicting layer (L, b, h_kv, t), read from the value
-        buffers at their `slots` (L, b, h_kv, t): every layer's query heads in one batched product, in chunks of layers
-        whose (b, h_q, t, hidden) intermediates stay within 64 MiB."""
-        new = view.written(view.values, slots)  # (L, b, h_kv, t, d)
-        L, b = new.shape[:2]
-        w = self.head_columns(view)  # (L, 1, h_kv, g, d, hidden)
-        per_layer = b * w.shape[3] * slots.shape[-1] * w.shape[-1] * 4
-        step = max(1, (64 << 20) // per_layer)
-        return {"vnorm": torch.cat([value_norms(new[i:i + step], w[i:i + step]) for i in range(0, L, step)])}
-
-    def head_columns(self, view: SlotView) -> torch.Tensor:
-        """(L, 1, h_kv, g, d, hidden) float32: each evicting layer's W_O (hidden, h_q * d), head h's columns
-        transposed, grouped by KV head; made once per set of layers and kept (derived from the weights, never
-        written)."""
+        """The value norms of a forward's t new tokens in every evicting layer (L, b, h_kv, t): ||v W_O^h||_1 of each
+        value (read from the value buffers at its `slots` (L, b, h_kv, t)) through each query head h's columns of W_O
+        (`head_columns`, made once per set of layers and kept), averaged over each KV head's g query heads, float32;
+        every layer's query heads in one batched product, in chunks of layers whose (b, h_q, t, hidden)
+        intermediates stay within 64 MiB."""
         if self._w is None or self._w[0] != view.layers:
-            d, h_kv = view.values.shape[-1], view.values.shape[2]
-            heads = [m.o_proj.weight.detach().float().view(-1, m.o_proj.weight.shape[1] // d, d).permute(1, 2, 0)
-                     for m in view.modules]  # (h_q, d, hidden) each
-            w = torch.stack(heads)  # (L, h_q, d, hidden)
-            self._w = (view.layers, w.view(w.shape[0], 1, h_kv, -1, d, w.shape[-1]).contiguous())
-        return self._w[1]
+            self._w = (view.layers, head_columns(view))
+        w = self._w[1]  # (L, 1, h_kv, g, d, hidden)
+        new = view.written(view.values, slots).float().unsqueeze(3)  # (L, b, h_kv, 1, t, d)
+        L, b = new.shape[:2]
+        step = max(1, (64 << 20) // (b * w.shape[3] * slots.shape[-1] * w.shape[-1] * 4))
+        norms = []
+        for i in range(0, L, step):
+            proj = torch.matmul(new[i:i + step], w[i:i + step])  # (l, b, h_kv, g, t, hidden)
+            norms.append(proj.abs_().sum(dim=-1).mean(dim=3))
+        return {"vnorm": torch.cat(norms)}
 
     def head_capacity(self, budget: int) -> int:
         return self.base.head_capacity(budget)
 
     def score(self, view: SlotView) -> torch.Tensor:
-        """The stage-2 ranking (`stage2_scores`) over the base's scores A: it needs each head's count, so the base's
-        allocation runs here (on A as the engine ranks it: protected +inf, free -inf, re-derived from the view; the
-        budgets `view.row_budgets`), and `counts` hands the same counts to the engine (kept from this call)."""
+        """CriticalKV Alg. 1 per head as one ranking (L, b, h_kv, S) over the base's scores A: the stage-1 tokens (the
+        head's top `first` by A, protected first, ties by position as the engine's) at +inf, the others by
+        (A + eps) * vnorm, free slots -inf; the head keeps its top `counts` of it. `first` is n_prot + floor(alpha *
+        (count - n_prot)) (`outside`) or max(n_prot, floor(alpha * count)) (`inside`), floors of the double products
+        as Python's int() takes them. Stage 1 needs each head's count, so the base's allocation runs here (on A as the
+        engine ranks it: protected +inf, free -inf, re-derived from the view; the budgets `view.budgets`), and
+        `counts` hands the same counts to the engine (kept from this call)."""
         ranked = self.base.score(view).float()  # (L, b, h_kv, S): A
         ranked = torch.where(view.protected(self.n_sink, self.n_recent), math.inf, ranked)
-        ranked = ranked.masked_fill(~view.held, -math.inf)
+        ranked = ranked.masked_fill(view.pos < 0, -math.inf)
         L, b, h, S = ranked.shape
-        budgets = view.row_budgets(self.base.layer_budget)  # (L, b, 1): N per row
-        counts = self.base.counts(view, ranked, budgets).expand(L, b, h)  # SnapKV: N; AdaKV: per head
+        counts = self.base.counts(view, ranked, view.budgets).expand(L, b, h)  # type: ignore[arg-type]
         n_prot = (ranked == math.inf).sum(dim=-1)  # (L, b, h)
-        R = L * b
-        stage2 = stage2_scores(ranked.reshape(R, h, S), view.state["vnorm"].reshape(R, h, S), counts.reshape(R, h),
-                               n_prot.reshape(R, h), self.alpha, self.eps, self.stage1_window,
-                               view.pos.reshape(R, h, S))  # ties by position, as the engine's
-        self._counts = counts
-        return stage2.view(L, b, h, S)
+        if self.stage1_window == "outside":
+            first = n_prot + ((counts - n_prot).double() * self.alpha).floor().long()  # (L, b, h)
+        else:
+            first = torch.maximum(n_prot, (counts.double() * self.alpha).floor().long())
+        stage1 = ranks(ranked, view.pos) < first.unsqueeze(-1)  # (L, b, h, S)
+        self._counts = counts  # SnapKV: each row's N; AdaKV: per head
+        return ((ranked + self.eps) * view.state["vnorm"]).masked_fill(stage1, math.inf).masked_fill(
+            ranked == -math.inf, -math.inf)
 
     def counts(self, view: SlotView, ranked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         assert self._counts is not None, "counts before score"
         return self._counts  # (L, b, h_kv): what `score` ranked for (the engine calls it right after)
 
 
-def value_norms(values: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """(L, b, h_kv, t) ||v W_O^h||_1 of the tokens' values (L, b, h_kv, t, d) through each query head h's columns of
-    W_O, `w` (L, 1, h_kv, g, d, hidden), averaged over each KV head's g query heads (float32)."""
-    proj = torch.matmul(values.float().unsqueeze(3), w)  # (L, b, h_kv, g, t, hidden)
-    return proj.abs_().sum(dim=-1).mean(dim=3)
-
-
-def stage2_scores(scores: torch.Tensor, vnorm: torch.Tensor, counts: torch.Tensor | int, n_prot: torch.Tensor | int,
-                  alpha: float, eps: float, stage1_window: str = "outside",
-                  positions: torch.Tensor | None = None) -> torch.Tensor:
-    """CriticalKV Alg. 1 per head as one ranking (b, h, n): the stage-1 tokens (`counts` of them by score, protected
-    first) at +inf, the others by (score + eps) * vnorm, padding -inf; the head keeps its top `counts` of it.
-    `scores`: protected +inf, padding -inf.
-
-    Stage-1 count: n_prot + floor(alpha * (counts - n_prot)) (`outside`) or max(n_prot, floor(alpha * counts))
-    (`inside`), floors of the double products as Python's int() takes them. `positions`: ties by position. `counts`
-    and `n_prot` may be ints, one for every head: the same floors in Python's double arithmetic.
-    """
-    if isinstance(counts, int) and isinstance(n_prot, int):
-        first: torch.Tensor | int = (n_prot + math.floor((counts - n_prot) * alpha) if stage1_window == "outside"
-                                     else max(n_prot, math.floor(counts * alpha)))
-    else:
-        counts, n_prot = torch.as_tensor(counts, device=scores.device), torch.as_tensor(n_prot, device=scores.device)
-        if stage1_window == "outside":
-            first = n_prot + ((counts - n_prot).double() * alpha).floor().long()  # (b, h)
-        else:
-            first = torch.maximum(n_prot, (counts.double() * alpha).floor().long())
-    stage1 = rank_mask(scores, first, positions)
-    return ((scores + eps) * vnorm).masked_fill(stage1, math.inf).masked_fill(scores == -math.inf, -math.inf)
+def head_columns(view: SlotView) -> torch.Tensor:
+    """(L, 1, h_kv, g, d, hidden) float32: each evicting layer's W_O (hidden, h_q * d), head h's columns transposed,
+    grouped by KV head (derived from the weights, never written)."""
+    d, h_kv = view.values.shape[-1], view.values.shape[2]
+    heads = [m.o_proj.weight.detach().float().view(-1, m.o_proj.weight.shape[1] // d, d).permute(1, 2, 0)
+             for m in view.modules]  # (h_q, d, hidden) each
+    w = torch.stack(heads)  # (L, h_q, d, hidden)
+    return w.view(w.shape[0], 1, h_kv, -1, d, w.shape[-1]).contiguous()

@@ -50,9 +50,10 @@ class KeyDiff(Policy):
             # -cos(k_i, mean_j u_j) ranks a head's tokens as -(k_i . sum_j u_j) / |k_i| does (|anchor| and the count
             # are one positive number per head): two products over the keys
             inv = view.state["inv_norm"]  # (L, b, h_kv, S)
-            anchor = torch.matmul((inv * view.held).unsqueeze(-2), k)  # (L, b, h_kv, 1, d): the held unit keys' sum
+            # (L, b, h_kv, 1, d): the held unit keys' sum
+            anchor = torch.matmul((inv * (view.pos >= 0)).unsqueeze(-2), k)
             return torch.matmul(k, anchor.transpose(-1, -2)).squeeze(-1).mul_(inv).neg_()  # (L, b, h_kv, S)
-        held = view.held.unsqueeze(-1)  # (L, b, h_kv, S, 1): the anchor is over the held keys only
+        held = (view.pos >= 0).unsqueeze(-1)  # (L, b, h_kv, S, 1): the anchor is over the held keys only
         count = held.sum(dim=-2, keepdim=True).clamp_min(1)  # (L, b, h_kv, 1, 1)
         if self.anchor in ("mean_normalized", "pairwise"):
             a = (F.normalize(k, dim=-1) * held).sum(dim=-2, keepdim=True) / count  # (L, b, h_kv, 1, d)

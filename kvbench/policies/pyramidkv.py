@@ -23,11 +23,10 @@ import functools
 from fractions import Fraction
 from typing import Any
 
-from kvbench.policies.base import PolicyError
-from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.base import PolicyError, WindowAttention
 
 
-class PyramidKV(SnapKV):
+class PyramidKV(WindowAttention):
     name = "pyramidkv"
 
     def __init__(self, beta: float = 20, window: int = 8, kernel: int = 7, pooling: str = "max",

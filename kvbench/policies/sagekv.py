@@ -50,12 +50,12 @@ class SageKV(Policy):
         recent + 1, pinning sinks | union in `state["pinned"]`, in place), else every held token. A row whose budget
         is the capacity S or more (a batch row that does not evict now) keeps every held token: under such a budget
         no head ever passed it, so it never selected and never slides."""
-        held = view.held  # (L, b, h_kv, S)
+        held = view.pos >= 0  # (L, b, h_kv, S)
         L, b, h_kv, S = held.shape
         assert view.queries is not None
         h_q = view.queries.shape[2]
         g = h_q // h_kv
-        budgets = view.row_budgets(self.layer_budget).view(L, b, 1, 1)
+        budgets = view.budgets.view(L, b, 1, 1)  # type: ignore[union-attr]
         sink, k, recent = self.row_sizes(budgets, g)  # ints, or (L, b, 1, 1) from each row's budget
         seen = view.seen.view(1, b, 1, 1)
         longest = held.sum(dim=-1, keepdim=True).amax(dim=2, keepdim=True)  # (L, b, 1, 1): `physical()`
