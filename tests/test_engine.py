@@ -501,6 +501,23 @@ def test_ops_per_step_near_hf() -> None:
             assert "aten._local_scalar_dense.default" not in ours.count
 
 
+def test_a_decoding_step_reads_in_at_most_25_functions_in_4_files() -> None:
+    """Issue 62's reading goal, for every policy in conf/policy/ at its defaults: one steady decoding step (the
+    forward and its eviction) calls at most 25 distinct kvbench functions in at most 4 files (`kvbench-bench --ops`'s
+    count: comprehensions count). A 4-layer model, so that K-norm (layers 0 and 1 skipped) evicts too."""
+    from kvbench.bench.ops import count_ops
+    from kvbench.bench.setup import all_policies, make_policy
+
+    model, _ = build_tiny_model("tiny-llama", num_hidden_layers=4)
+    ids = random_prompt(200, 4)
+    rows = count_ops(model, lambda name: make_policy(name, 64, 0), all_policies(), 64, 64, 200, ids)
+    assert len(rows) == 13
+    for r in rows:
+        assert r["step_functions"] <= 25 and len(r["step_files"]) <= 4, (r["policy"], r["step_functions"],
+                                                                          r["step_files"])
+        assert {"engine/cache.py", "engine/generate.py", "policies/base.py"} <= set(r["step_files"]), r["policy"]
+
+
 # 9. Canaries: fail loudly when transformers changes what the engine relies on ---------------------------------------
 def test_transformers_canaries() -> None:
     """An attention function registered with transformers receives the forward's extra keyword arguments (the slot
