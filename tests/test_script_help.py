@@ -7,7 +7,7 @@ import pytest
 
 from helpers import load_script
 
-SCRIPTS = ("batch_identity", "logit_margin", "reproduce", "verdicts")
+SCRIPTS = ("batch_identity", "engine_ab", "logit_margin", "reproduce", "verdicts")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -17,3 +17,20 @@ def test_help_prints_and_exits_0(name: str, capsys: pytest.CaptureFixture[str]) 
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
 
+
+
+def test_engine_ab_verdicts_by_hand() -> None:
+    """scripts/engine_ab.py's goal lines: ratios 1, 1, 1 (no spread: the mean decides) PASS against 1.10x; 1.2,
+    1.2, 1.2 MISS; 0.9, 1.1, 1.2 (log ratios' mean 0.058, standard error 0.085: t = -0.44 against log 1.1 = 0.095,
+    one-sided p 0.35) not resolved, in both measures."""
+    ab = load_script("engine_ab")
+
+    def runs(then: list[float], now: list[float]) -> dict:
+        return {side: {"prefill_s": v, "decode_ms_per_token": v} for side, v in (("ref", then), ("now", now))}
+
+    result = {"policies": {"same": runs([10.0] * 3, [10.0] * 3), "slower": runs([10.0] * 3, [12.0] * 3),
+                           "noisy": runs([10.0] * 3, [9.0, 11.0, 12.0])}}
+    got = {(line["policy"], line["measure"]): line["verdict"] for line in ab.lines(result)}
+    for measure in ("prefill_s", "decode_ms_per_token"):
+        assert got[("same", measure)] == "PASS" and got[("slower", measure)] == "MISS"
+        assert got[("noisy", measure)] == "not resolved"
