@@ -22,7 +22,7 @@ from kvbench.engine.cache import IMPL, PAD, SlotCache, evicted_layers, forward, 
 from kvbench.engine.diagnostics import Diagnostics
 from kvbench.models.generation import greedy_processors
 from kvbench.options import PROTOCOLS
-from kvbench.policies.base import Policy
+from kvbench.policies.base import Policy, SlotView
 
 _SCORE_ROWS = 512  # positions per float32 log_softmax of the LM score (a full cache scores the whole prompt at once)
 
@@ -351,7 +351,7 @@ class Batch:
                            rows.argmax(dim=-1) == target[a:b]))
 
 
-def _observe(diags: list[Diagnostics | None], evicting: list[bool], view: Any, keep: torch.Tensor) -> None:
+def _observe(diags: list[Diagnostics | None], evicting: list[bool], view: SlotView, keep: torch.Tensor) -> None:
     """Each diagnosed evicting row's measures of its selection, keep (L, K, h_kv, S) bool."""
     for k, diag in enumerate(diags):
         if diag is not None and evicting[k]:
