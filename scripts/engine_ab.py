@@ -4,14 +4,13 @@ engine against this one's, measured at the same moment.
 Across runs on a shared VM the machine's speed moves by about 10 % (results/bench_smollm2/RUN.md), as much as the
 goal's margin, so two tables made on different days cannot tell a 10 % change. Here both engines run from frozen
 worktrees (`git worktree`, each with the `kvbench/conf` link) as a pair of processes, one right after the other, one
-thread, alone on the machine as the goal's tables were made (a pair started together on two cores measured the
-static engine's prompts about 8 % slower than alone: it moves more memory, and the other process competes for it).
-Each process is one `kvbench-bench` call of one policy (SmolLM2-135M, the 4096-token filler prompt, N = 1024, B = 128,
-32 new tokens, CPU clock, one measured call after its warm-up, no HF baseline); pairs run policy after policy, the
-policy order rotated each round, the side that runs first alternating. A policy's ratio per round is its time now over its time then in the same pair; a goal line (a policy's
-prompt or decoding) is a one-sided t-test of the rounds' log ratios against log 1.10 (the goal), on the side its
-mean falls, Holm-adjusted over all lines: PASS (under the line) or MISS (over it) where the adjusted p < 0.05, else
-not resolved.
+thread, alone on the machine as the goal's tables were made. Each process is one `kvbench-bench` call of one policy
+(SmolLM2-135M, the 4096-token filler prompt, N = 1024, B = 128, 32 new tokens, CPU clock, one measured call after its
+warm-up, no HF baseline); pairs run policy after policy, the policy order rotated each round, the side that runs first
+alternating. A policy's ratio per round is its time now over its time then in the same pair; a goal line (a policy's
+prompt or decoding) is a one-sided t-test of the rounds' log ratios against log 1.10 (the goal), on the side its mean
+falls, Holm-adjusted over all lines: PASS (under the line) or MISS (over it) where the adjusted p < 0.05, else not
+resolved.
 
     python scripts/engine_ab.py REF [--rounds 3] [--policies all] [--out results/bench_smollm2/engine_ab_REF.json]
 
@@ -95,10 +94,10 @@ def markdown(result: dict) -> str:
     head = [f"Paired A/B of issue 62's CPU goal: kvbench `{now}` against `{ref}`, {result['rounds']} rounds "
             f"(`python scripts/engine_ab.py {result['ref_arg']} --rounds {result['rounds']}`). SmolLM2-135M, "
             "float32, CPU, one thread; 4096-token prompt, N = 1024, B = 128, 32 new tokens; CPU clock; each "
-            "round's two calls one right after the other, alone on the machine. Times: medians over rounds; ratio = now / then "
-            "within a round, their geometric mean and its one-sided 95 % bounds (unadjusted); a line PASSes (MISSes) "
-            f"when the one-sided t-test that its mean is under (over) {GOAL:.2f}x has p < 0.05 after Holm over all "
-            f"{2 * len(result['policies'])} lines.", "",
+            "round's two calls one right after the other, alone on the machine. Times: medians over rounds; ratio = "
+            "now / then within a round, their geometric mean and its one-sided 95 % bounds (unadjusted); a line "
+            f"PASSes (MISSes) when the one-sided t-test that its mean is under (over) {GOAL:.2f}x has p < 0.05 "
+            f"after Holm over all {2 * len(result['policies'])} lines.", "",
             "| policy | measure | then | now | ratios by round | mean ratio | 95 % bounds | Holm p | verdict |",
             "|---|---|---|---|---|---|---|---|---|"]
     rows, goals = [], []

@@ -52,8 +52,8 @@ class _Group:
         self.rows()
         self.write: torch.Tensor | None = None  # (L, b, h_kv, t) the slots this forward's tokens go into
         # per layer, set by `SlotCache.begin` for a forward: the write index over K/V (b, h_kv, t, d), the visibility
-        # (b, h_kv, t, S), and for sdpa its copy per query head (b, h_q, t, S), for explicit attention its complement
-        # (b, h_kv, 1, t, S)
+        # (b, h_kv, t, S), and for sdpa the same as (b * h_kv, 1, t, S) (`k_flat`), for explicit attention its
+        # complement (b, h_kv, 1, t, S)
         self.write_kv: tuple[torch.Tensor, ...] = ()
         self.visible: tuple[torch.Tensor, ...] = ()
         self.masks: tuple[torch.Tensor, ...] = ()
@@ -64,6 +64,10 @@ class _Group:
         indexes nothing)."""
         self.k_rows = tuple(k[:, :, :s] for k, s in zip(self.keys.unbind(0), self.limits))
         self.v_rows = tuple(v[:, :, :s] for v, s in zip(self.values.unbind(0), self.limits))
+        # the same as sdpa reads them: each KV head a batch entry of its own, (b * h_kv, 1, S_l, d), so that its mask
+        # is one (t, S) per KV head, shared by its query heads (not copied per query head)
+        self.k_flat = tuple(k.flatten(0, 1).unsqueeze(1) for k in self.k_rows)
+        self.v_flat = tuple(v.flatten(0, 1).unsqueeze(1) for v in self.v_rows)
         self.q_rows = self.queries.unbind(0) if self.queries is not None else ()
         self.state_rows = {name: t.unbind(0) for name, t in self.state.items()}
 
@@ -110,7 +114,6 @@ class SlotCache(Cache):
         self.full = _Group(kept, batch, h_kv, h_q, [full_capacity] * len(kept), d, dtype, device, (), 0, False,
                            softcap) if kept else None
         self.index()
-        self.group_size = h_q // h_kv
         # baddbmm's input (its beta is 0), in the dtype explicit attention computes in (at least float32)
         self.zero = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=device)
         self.seen = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) tokens each row has seen
@@ -181,7 +184,7 @@ class SlotCache(Cache):
             # a held token
             visible = (pos <= query) & (pos >= query.clamp(max=0))  # (L, b, h_kv, t, S)
             group.visible = visible.unbind(0)  # (b, h_kv, t, S) each
-            group.masks = () if group.explicit else visible.repeat_interleave(self.group_size, dim=2).unbind(0)
+            group.masks = () if group.explicit else visible.flatten(1, 2).unsqueeze(2).unbind(0)
             group.hidden = (~visible).unsqueeze(3).unbind(0) if group.explicit else ()
             if min(group.limits) < S:  # per-layer budgets: each layer attends over its own first S_l slots
                 group.visible = tuple(v[..., :s] for v, s in zip(group.visible, group.limits))
@@ -349,25 +352,29 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
     (b, h_q, t, d), (h_kv, S) = query.shape, key.shape[1:3]
     p = cache.positions  # (b, t)
-    if cache.causal:  # an empty cache, no padding (`begin`): slots 0..t-1 hold the forward's positions, in order
-        key, value = key[:, :, :t], value[:, :, :t]
-        # (b, 1, t, t), every head alike; none for sdpa's causal kernel
-        visible = mask = (p.view(b, 1, 1, t) <= p.view(b, 1, t, 1)) if window or group.explicit else None
-    else:
-        visible, mask = group.visible[row], group.masks[row] if group.masks else None  # (b, h_kv | h_q, t, S)
+    # (b, h_kv, t, S) and sdpa's copy; an empty cache, no padding (`begin`: slots 0..t-1 hold the forward's positions,
+    # in order): (b, 1, t, t), every head alike, and no mask for sdpa's causal kernel
+    visible, mask = ((p.view(b, 1, 1, t) <= p.view(b, 1, t, 1), None) if cache.causal
+                     else (group.visible[row], group.masks[row] if group.masks else None))
     if window:  # a sliding layer (never evicted): the slot holding position p is slot p
         kpos = p.view(b, 1, 1, t) if cache.causal else group.pos[row].unsqueeze(2)  # (b, h_kv | 1, 1, n)
         visible = visible & (kpos > p.view(b, 1, t, 1) - window)
-        mask = visible if cache.causal else visible.repeat_interleave(h_q // h_kv, dim=1)
+        mask = visible.expand(b, h_kv, t, -1).reshape(b * h_kv, 1, t, -1)
     policy = cache.policy
     if group is cache.evicting and group.queries is not None:  # the forward's last queries enter the ring
         group.q_rows[row].scatter_(2, cache.ring_q, query[:, :, t - cache.ring_q.shape[2]:])
     attends = policy.needs_attention and group is cache.evicting
-    if not group.explicit:  # sdpa; its causal kernel when it can (a mask costs a (t, S) pass per head)
+    if not group.explicit:  # sdpa, each KV head a batch entry (`k_flat`); its causal kernel when it can (a mask costs a
+        # (t, S) pass per head)
         causal = cache.causal and not window
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=None if causal else mask, scale=scaling,
-                                             is_causal=causal, enable_gqa=True)
-        return out.transpose(1, 2), None
+        k, v = group.k_flat[row], group.v_flat[row]  # (b * h_kv, 1, S, d)
+        if cache.causal:
+            k, v = k[:, :, :t], v[:, :, :t]
+        out = F.scaled_dot_product_attention(query.reshape(b * h_kv, h_q // h_kv, t, d), k, v, attn_mask=mask,
+                                             scale=scaling, is_causal=causal, enable_gqa=True)
+        return out.view(b, h_q, t, d).transpose(1, 2), None
+    if cache.causal:
+        key, value = key[:, :, :t], value[:, :, :t]
     # explicit (sdpa has no softcap; a policy reads the probabilities): the output from them, in the input dtype (as
     # sdpa's kernels)
     hidden = (~visible).unsqueeze(2) if window or cache.causal else group.hidden[row]  # (b, h_kv | 1, 1, t, S)

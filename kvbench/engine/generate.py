@@ -22,7 +22,7 @@ from kvbench.engine.cache import IMPL, PAD, SlotCache, evicted_layers, forward, 
 from kvbench.engine.diagnostics import Diagnostics
 from kvbench.models.generation import greedy_processors
 from kvbench.options import PROTOCOLS
-from kvbench.policies.base import Policy, SlotView
+from kvbench.policies.base import Policy
 
 _SCORE_ROWS = 512  # positions per float32 log_softmax of the LM score (a full cache scores the whole prompt at once)
 
@@ -322,8 +322,9 @@ class Batch:
         t1 = self.clock()
         diagnosed, view = self.diagnosed, self.cache.view
         drop = select(self.cache.policy, view, counts)  # (L, K, h_kv, S) the slots it frees
-        if any(diagnosed):  # the diagnostics see the selection while every token is still held
-            _observe(diagnosed, evicting, view, ~drop & (view.pos >= 0))
+        for k, diag in enumerate(diagnosed):  # each diagnosed row's measures, while every token is still held
+            if diag is not None and evicting[k]:
+                diag.observe(view, ~drop & (view.pos >= 0), k)
         view.pos.masked_fill_(drop, -1)
         sync(self.device)
         evict_s = self.clock() - t1
@@ -349,13 +350,6 @@ class Batch:
             rows = logits[first + a:first + b].float()  # (n, vocab)
             row.lm.append((torch.log_softmax(rows, dim=-1).gather(1, target[a:b, None])[:, 0],
                            rows.argmax(dim=-1) == target[a:b]))
-
-
-def _observe(diags: list[Diagnostics | None], evicting: list[bool], view: SlotView, keep: torch.Tensor) -> None:
-    """Each diagnosed evicting row's measures of its selection, keep (L, K, h_kv, S) bool."""
-    for k, diag in enumerate(diags):
-        if diag is not None and evicting[k]:
-            diag.observe(view, keep, k)
 
 
 def _prefill(batch: Batch) -> torch.Tensor:
