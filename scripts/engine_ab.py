@@ -91,8 +91,9 @@ def lines(result: dict) -> list[dict]:
 
 def markdown(result: dict) -> str:
     ref, now = result["ref"], result["now"]
+    chosen = "" if result.get("policies_arg", "all") == "all" else f" --policies {result['policies_arg']}"
     head = [f"Paired A/B of issue 62's CPU goal: kvbench `{now}` against `{ref}`, {result['rounds']} rounds "
-            f"(`python scripts/engine_ab.py {result['ref_arg']} --rounds {result['rounds']}`). SmolLM2-135M, "
+            f"(`python scripts/engine_ab.py {result['ref_arg']} --rounds {result['rounds']}{chosen}`). SmolLM2-135M, "
             "float32, CPU, one thread; 4096-token prompt, N = 1024, B = 128, 32 new tokens; CPU clock; each "
             "round's two calls one right after the other, alone on the machine. Times: medians over rounds; ratio = "
             "now / then within a round, their geometric mean and its one-sided 95 % bounds (unadjusted); a line "
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1}/{args.rounds} {name}: " + ", ".join(
                     f"{s} {values[name][s]['prefill_s'][-1]:.2f} s" for s in ("ref", "now")), flush=True)
         result = {"ref": commits["ref"], "now": commits["now"], "ref_arg": args.ref, "rounds": args.rounds,
+                  "policies_arg": args.policies,
                   "bench_args": BENCH, "wall_s": round(time.time() - t0, 1), "policies": values}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
