@@ -352,10 +352,12 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
     (b, h_q, t, d), (h_kv, S) = query.shape, key.shape[1:3]
     p = cache.positions  # (b, t)
-    # (b, h_kv, t, S) and sdpa's copy; an empty cache, no padding (`begin`: slots 0..t-1 hold the forward's positions,
-    # in order): (b, 1, t, t), every head alike, and no mask for sdpa's causal kernel
-    visible, mask = ((p.view(b, 1, 1, t) <= p.view(b, 1, t, 1), None) if cache.causal
-                     else (group.visible[row], group.masks[row] if group.masks else None))
+    if cache.causal:  # an empty cache, no padding (`begin`): slots 0..t-1 hold the forward's positions, in order
+        # (b, 1, t, t), every head alike, built only where it is read; none for sdpa's causal kernel
+        visible = (p.view(b, 1, 1, t) <= p.view(b, 1, t, 1)) if window or group.explicit else None
+        mask = None
+    else:
+        visible, mask = group.visible[row], group.masks[row] if group.masks else None  # (b, h_kv, t, S), sdpa's
     if window:  # a sliding layer (never evicted): the slot holding position p is slot p
         kpos = p.view(b, 1, 1, t) if cache.causal else group.pos[row].unsqueeze(2)  # (b, h_kv | 1, 1, n)
         visible = visible & (kpos > p.view(b, 1, t, 1) - window)
@@ -364,8 +366,7 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     if group is cache.evicting and group.queries is not None:  # the forward's last queries enter the ring
         group.q_rows[row].scatter_(2, cache.ring_q, query[:, :, t - cache.ring_q.shape[2]:])
     attends = policy.needs_attention and group is cache.evicting
-    if not group.explicit:  # sdpa, each KV head a batch entry (`k_flat`); its causal kernel when it can (a mask costs a
-        # (t, S) pass per head)
+    if not group.explicit:  # sdpa, each KV head a batch entry (`k_flat`); its causal kernel when it can
         causal = cache.causal and not window
         k, v = group.k_flat[row], group.v_flat[row]  # (b * h_kv, 1, S, d)
         if cache.causal:
