@@ -10,9 +10,15 @@ warm-up, no HF baseline); pairs run policy after policy, the policy order rotate
 alternating. A policy's ratio per round is its time now over its time then in the same pair; a goal line (a policy's
 prompt or decoding) is a one-sided t-test of the rounds' log ratios against log 1.10 (the goal), on the side its mean
 falls, Holm-adjusted over all lines: PASS (under the line) or MISS (over it) where the adjusted p < 0.05, else not
-resolved.
+resolved. The goal as a whole ("no line above 1.10x") is an intersection-union test: met when every line's own test
+puts it under the line at 0.05 (no adjustment: the claim needs all of them), not met when a line MISSes.
 
-    python scripts/engine_ab.py REF [--rounds 3] [--policies all] [--out results/bench_smollm2/engine_ab_REF.json]
+`--together` starts a pair's two calls at once, one on each of two cores, instead of one after the other: half the
+wall time, and both sides see the same moment of the machine (each beside the other). `--new-tokens` decodes more
+tokens per call than the goal's 32, for a decoding time per token that one call measures with less spread.
+
+    python scripts/engine_ab.py REF [--rounds 3] [--policies all] [--new-tokens 32] [--together]
+        [--out results/bench_smollm2/engine_ab_REF.json]
 
 Needs the model in the local cache (`kvbench-bench --model smollm2-135m` fetches it). Writes OUT (raw values) and
 OUT with .md (the table and the verdicts); the worktrees and per-call files go to a scratch folder under
@@ -36,8 +42,8 @@ from kvbench.metrics.stats import ALPHA, holm, one_sided_bounds, one_sided_p
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 1.10
-BENCH = ["--model", "smollm2-135m", "--lengths", "4096", "--budgets", "1024", "--block", "128", "--new-tokens", "32",
-         "--repeats", "1", "--threads", "1", "--clock", "cpu", "--baselines", "none", "--no-syncs", "--quiet"]
+BENCH = ["--model", "smollm2-135m", "--lengths", "4096", "--budgets", "1024", "--block", "128", "--repeats", "1",
+         "--threads", "1", "--clock", "cpu", "--baselines", "none", "--no-syncs", "--quiet"]
 MEASURES = (("prefill_s", "prompt s"), ("decode_ms_per_token", "decoding ms/token"))
 
 
@@ -52,9 +58,10 @@ def worktree(rev: str, path: Path) -> str:
     return git("-C", str(path), "rev-parse", "--short", "HEAD")
 
 
-def start(tree: Path, policy: str, out: Path) -> subprocess.Popen:
+def start(tree: Path, policy: str, new_tokens: int, out: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree))
-    return subprocess.Popen([sys.executable, "-m", "kvbench.bench", *BENCH, "--policies", policy, "--out", str(out)],
+    return subprocess.Popen([sys.executable, "-m", "kvbench.bench", *BENCH, "--new-tokens", str(new_tokens),
+                             "--policies", policy, "--out", str(out)],
                             cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -89,20 +96,37 @@ def lines(result: dict) -> list[dict]:
     return out
 
 
+def overall(lines_: list[dict]) -> str:
+    """The goal as a whole, "every line at most 1.10x": met when every line's own one-sided test puts it under the
+    line (p < 0.05 each, the intersection-union test: a claim about all lines at once needs no adjustment), not met
+    when a line MISSes after Holm, else not resolved."""
+    if any(line["verdict"] == "MISS" for line in lines_):
+        return "not met"
+    if all(line["p"] is not None and line["side"] == "under" and line["p"] < ALPHA for line in lines_):
+        return "met"
+    return "not resolved"
+
+
 def markdown(result: dict) -> str:
     ref, now = result["ref"], result["now"]
     chosen = "" if result.get("policies_arg", "all") == "all" else f" --policies {result['policies_arg']}"
+    new_tokens = result.get("new_tokens", 32)
+    chosen += (f" --new-tokens {new_tokens}" if new_tokens != 32 else "") + (" --together" if result.get("together")
+                                                                             else "")
+    when = ("each round's two calls started together, one on each of the two cores" if result.get("together") else
+            "each round's two calls one right after the other, alone on the machine")
     head = [f"Paired A/B of issue 62's CPU goal: kvbench `{now}` against `{ref}`, {result['rounds']} rounds "
             f"(`python scripts/engine_ab.py {result['ref_arg']} --rounds {result['rounds']}{chosen}`). SmolLM2-135M, "
-            "float32, CPU, one thread; 4096-token prompt, N = 1024, B = 128, 32 new tokens; CPU clock; each "
-            "round's two calls one right after the other, alone on the machine. Times: medians over rounds; ratio = "
+            f"float32, CPU, one thread; 4096-token prompt, N = 1024, B = 128, {new_tokens} new tokens; CPU clock; "
+            f"{when}. Times: medians over rounds; ratio = "
             "now / then within a round, their geometric mean and its one-sided 95 % bounds (unadjusted); a line "
             f"PASSes (MISSes) when the one-sided t-test that its mean is under (over) {GOAL:.2f}x has p < 0.05 "
             f"after Holm over all {2 * len(result['policies'])} lines.", "",
             "| policy | measure | then | now | ratios by round | mean ratio | 95 % bounds | Holm p | verdict |",
             "|---|---|---|---|---|---|---|---|---|"]
     rows, goals = [], []
-    for line in lines(result):
+    judged = lines(result)
+    for line in judged:
         p = result["policies"][line["policy"]]
         fmt = "{:.2f}" if line["measure"] == "prefill_s" else "{:.1f}"
         then, cur = (fmt.format(statistics.median(p[s][line["measure"]])) for s in ("ref", "now"))
@@ -113,7 +137,9 @@ def markdown(result: dict) -> str:
                     f"{line['verdict']} |")
         goals.append(f"- {line['policy']}: {line['label']} {line['mean']:.2f}x `{ref}`'s: {line['verdict']} against "
                      f"<= {GOAL:.2f}x")
-    return "\n".join(head + rows + ["", "## Goals", ""] + goals) + "\n"
+    whole = (f"- the goal as a whole (every line <= {GOAL:.2f}x; intersection-union test, each line's own one-sided p "
+             f"< 0.05): {overall(judged)}")
+    return "\n".join(head + rows + ["", "## Goals", ""] + goals + [whole]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,10 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("ref", help="the earlier commit (the goal's 'today')")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--policies", default="all", help="comma-separated, or all (every policy both commits have)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per call (the goal's: 32)")
+    ap.add_argument("--together", action="store_true", help="a pair's two calls at once, one per core")
     ap.add_argument("--out", default=None, help="JSON (default results/bench_smollm2/engine_ab_REF.json)")
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        print("engine_ab: --rounds must be at least 1", file=sys.stderr)
+    if args.rounds < 1 or args.new_tokens < 1:
+        print("engine_ab: --rounds and --new-tokens must be at least 1", file=sys.stderr)
         return 2
     try:
         ref_commit = git("rev-parse", "--short", args.ref)
@@ -150,18 +178,20 @@ def main(argv: list[str] | None = None) -> int:
             order = names[r % len(names):] + names[:r % len(names)]
             for i, name in enumerate(order):
                 sides = ("ref", "now") if (r + i) % 2 == 0 else ("now", "ref")
-                for s in sides:  # one after the other: alone on the machine
-                    proc = start(trees[s], name, scratch / f"{s}_{name}_{r}.json")
-                    _, err = proc.communicate()
-                    if proc.returncode != 0:
-                        raise RuntimeError(f"{s} {name} round {r}: exit {proc.returncode}: {err.strip()[-500:]}")
+                # one after the other (alone on the machine), or both at once (`--together`)
+                for group in ([sides] if args.together else [[s] for s in sides]):
+                    procs = {s: start(trees[s], name, args.new_tokens, scratch / f"{s}_{name}_{r}.json") for s in group}
+                    for s, proc in procs.items():
+                        _, err = proc.communicate()
+                        if proc.returncode != 0:
+                            raise RuntimeError(f"{s} {name} round {r}: exit {proc.returncode}: {err.strip()[-500:]}")
                 for s in sides:
                     for key, v in measured(scratch / f"{s}_{name}_{r}.json").items():
                         values[name][s][key].append(v)
                 print(f"round {r + 1}/{args.rounds} {name}: " + ", ".join(
                     f"{s} {values[name][s]['prefill_s'][-1]:.2f} s" for s in ("ref", "now")), flush=True)
         result = {"ref": commits["ref"], "now": commits["now"], "ref_arg": args.ref, "rounds": args.rounds,
-                  "policies_arg": args.policies,
+                  "policies_arg": args.policies, "new_tokens": args.new_tokens, "together": args.together,
                   "bench_args": BENCH, "wall_s": round(time.time() - t0, 1), "policies": values}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")

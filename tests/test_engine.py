@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
+import kvbench.engine.cache as cache_module
 from kvbench.engine.cache import install
 from kvbench.engine.generate import Batch, GenerationSettings, Job, Observer, capacity, generate, generate_batch, plan
 from kvbench.models.tiny import build_tiny_model
@@ -227,12 +228,14 @@ def test_query_ring_holds_position_p_in_slot_p_mod_w() -> None:
         assert batch.cache.view.qpos.tolist() == [[8, 9, 6, 7], [4, 5, 2, 3]]
 
 
-@pytest.mark.parametrize("name", ["snapkv", "tova", "adakv"])
-def test_stored_window_rows_equal_their_recomputation(name: str, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("name,chunk", [("snapkv", None), ("tova", None), ("adakv", None), ("snapkv", 1)])
+def test_stored_window_rows_equal_their_recomputation(name: str, chunk: int | None, monkeypatch: Any) -> None:
     """The attention rows the cache keeps for the latest queries (each computed once, when its query entered, then
     renormalised over the slots still held) equal the attention recomputed from the stored queries and the slots held
     now, at every eviction of a batch of two runs of different lengths (the shorter padded): prompt blocks and
-    decoding steps; `mean_attention` is their mean."""
+    decoding steps; `mean_attention` is their mean. `chunk` 1: the rows computed a layer at a time (`ROW_CHUNK`)."""
+    if chunk is not None:
+        monkeypatch.setattr(cache_module, "ROW_CHUNK", chunk)
     model = _model(num_hidden_layers=2)
     jobs = [Job(random_prompt(n, n), POLICIES[name](), GenerationSettings(block=16, max_new_tokens=6))
             for n in (70, 57)]

@@ -34,3 +34,18 @@ def test_engine_ab_verdicts_by_hand() -> None:
     for measure in ("prefill_s", "decode_ms_per_token"):
         assert got[("same", measure)] == "PASS" and got[("slower", measure)] == "MISS"
         assert got[("noisy", measure)] == "not resolved"
+
+
+def test_engine_ab_goal_as_a_whole_by_hand() -> None:
+    """The goal over every line (intersection-union): two lines at ratios 1.0, 1.01, 0.99 (log mean ~0, well under
+    log 1.1, each p < 0.05) are met together; add 0.9, 1.1, 1.2 (one-sided p 0.35, not resolved) and the whole is not
+    resolved; add 1.2, 1.2, 1.2 (MISS) and it is not met."""
+    ab = load_script("engine_ab")
+
+    def policy(now: list[float]) -> dict:
+        return {side: {"prefill_s": v, "decode_ms_per_token": v} for side, v in (("ref", [10.0] * 3), ("now", now))}
+
+    tight = {"a": policy([10.0, 10.1, 9.9])}
+    assert ab.overall(ab.lines({"policies": tight})) == "met"
+    assert ab.overall(ab.lines({"policies": {**tight, "b": policy([9.0, 11.0, 12.0])}})) == "not resolved"
+    assert ab.overall(ab.lines({"policies": {**tight, "c": policy([12.0] * 3)}})) == "not met"

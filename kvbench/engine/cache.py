@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache
 from kvbench.policies.base import Policy, SlotView, ranks
 
 IMPL = "kvbench_slots"
+ROW_CHUNK = 1 << 21  # stored attention rows computed at once (`SlotCache.settle`): 8 MB of float32
 PAD = -2  # the position of a padding token: it sees only padding, and its slot stays free
 
 
@@ -127,8 +128,7 @@ class SlotCache(Cache):
         # slot w), and the same as a scatter index over a layer's queries (b, h_q, m, d)
         self.ring: torch.Tensor | None = None
         self.ring_q: torch.Tensor | None = None
-        # each decoder layer's tokens per KV head (its fullest head) at the first decoding step, the step's token
-        # included, set by the loop once that step is done (kvbench-bench sizes HF's reference cache by it)
+        # per decoder layer, its fullest head's tokens at the first decoding step (set by the loop; for kvbench-bench)
         self.layer_tokens: list[int] | None = None
         # decoder layer -> its attention module; the model's attention scale and softcap (what scores recompute)
         self.modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
@@ -139,8 +139,7 @@ class SlotCache(Cache):
         # (b,) most tokens all layers' heads held together, over time (x bytes_per_head_token: the K+V bytes held)
         self.peak_total = torch.zeros(batch, dtype=torch.long, device=device)
         self.peak_batch = torch.zeros((), dtype=torch.long, device=device)  # the most all rows held together
-        # what the policy reads; its `decoding` is set once the prompt is done (a policy may select differently then:
-        # SAGE-KV)
+        # what the policy reads (its `decoding` set once the prompt is done: SAGE-KV selects differently then)
         self.view = self.make_view()
 
     def index(self) -> None:
@@ -180,8 +179,7 @@ class SlotCache(Cache):
                 continue
             pos = group.pos.unsqueeze(3)  # (L, b, h_kv, 1, S)
             query = positions.view(1, b, 1, t, 1)
-            # held (0 <= pos) and not after the query; a padding token (PAD) sees the padding (PAD <= pos <= PAD), never
-            # a held token
+            # held (0 <= pos) and not after the query; a padding token (PAD) sees only padding (PAD <= pos <= PAD)
             visible = (pos <= query) & (pos >= query.clamp(max=0))  # (L, b, h_kv, t, S)
             group.visible = visible.unbind(0)  # (b, h_kv, t, S) each
             group.masks = () if group.explicit else visible.flatten(1, 2).unsqueeze(2).unbind(0)
@@ -190,8 +188,7 @@ class SlotCache(Cache):
                 group.visible = tuple(v[..., :s] for v, s in zip(group.visible, group.limits))
                 group.masks = tuple(m[..., :s] for m, s in zip(group.masks, group.limits))
                 group.hidden = tuple(h[..., :s] for h, s in zip(group.hidden, group.limits))
-        # the query ring: the forward's last m = min(t, w) queries go to ring slots position % w (a row's positions are
-        # consecutive, ending at seen - 1), padding to the spare slot w
+        # the ring: the last m = min(t, w) queries go to slots position % w (positions end at seen - 1), padding to w
         w = self.window
         if w:
             m = min(t, w)
@@ -218,18 +215,21 @@ class SlotCache(Cache):
         if g.probs is not None and self.ring is not None:
             L, b, h_q, _, S = g.probs.shape
             d, m = g.queries.shape[-1], self.ring.shape[1]  # type: ignore[union-attr]
-            h_kv = g.keys.shape[2]
             ring = self.ring.view(1, b, 1, m, 1)
             query = g.queries.gather(3, ring.expand(L, b, h_q, m, d))  # type: ignore[union-attr]
             qpos = self.qpos.gather(1, self.ring).view(1, b, 1, m, 1)
-            pos = g.pos.unsqueeze(3)  # (L, b, h_kv, 1, S)
-            hidden = ((pos > qpos) | (pos < 0)).view(L * b, h_kv, 1, m, S)  # not held, or after the query
-            rows = probabilities(query.flatten(0, 1), g.keys.flatten(0, 1), hidden, self.scaling, self.softcap,
-                                 self.zero)  # (L * b, h_kv, g, m, S)
-            # whole rows put over the (batch row, ring slot) axes (a scatter would read an index per entry)
-            rows_b = torch.arange(b, device=pos.device).view(b, 1).expand(b, m)
-            g.probs.permute(1, 3, 0, 2, 4).index_put_((rows_b, self.ring),
-                                                      rows.view(L, b, h_q, m, S).float().permute(1, 3, 0, 2, 4))
+            rows_b = torch.arange(b, device=qpos.device).view(b, 1).expand(b, m)
+            # a few layers at a time, so that a chunk's rows stay in the CPU's cache from the product to the copy (a
+            # prompt block's w rows of all layers do not: 40 MB for SmolLM2 at N = 1024); a decoding step: one chunk
+            n = max(1, ROW_CHUNK // (b * h_q * m * S))
+            for lo in range(0, L, n):
+                pos = g.pos[lo:lo + n].unsqueeze(3)  # (n, b, h_kv, 1, S); hidden: not held, or after the query
+                hidden = ((pos > qpos) | (pos < 0)).flatten(0, 1).unsqueeze(2)  # (n * b, h_kv, 1, m, S)
+                rows = probabilities(query[lo:lo + n].flatten(0, 1), g.keys[lo:lo + n].flatten(0, 1), hidden,
+                                     self.scaling, self.softcap, self.zero)  # (n * b, h_kv, g, m, S)
+                # whole rows put over the (batch row, ring slot) axes (a scatter would read an index per entry)
+                g.probs[lo:lo + n].permute(1, 3, 0, 2, 4).index_put_(
+                    (rows_b, self.ring), rows.view(-1, b, h_q, m, S).float().permute(1, 3, 0, 2, 4))
         if self.policy.state_names:
             for name, new in self.policy.token_state(self.view, g.write).items():
                 g.state[name].scatter_(-1, g.write, new.float())
