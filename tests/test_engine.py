@@ -233,9 +233,9 @@ def test_stored_window_rows_equal_their_recomputation(name: str, chunk: int | No
     """The attention rows the cache keeps for the latest queries (each computed once, when its query entered, then
     renormalised over the slots still held) equal the attention recomputed from the stored queries and the slots held
     now, at every eviction of a batch of two runs of different lengths (the shorter padded): prompt blocks and
-    decoding steps; `mean_attention` is their mean. `chunk` 1: the rows computed a layer at a time (`ROW_CHUNK`)."""
+    decoding steps; `mean_attention` is their mean. `chunk` 1: the rows computed a layer at a time (`CHUNK_BYTES`)."""
     if chunk is not None:
-        monkeypatch.setattr(cache_module, "ROW_CHUNK", chunk)
+        monkeypatch.setattr(cache_module, "CHUNK_BYTES", chunk)
     model = _model(num_hidden_layers=2)
     jobs = [Job(random_prompt(n, n), POLICIES[name](), GenerationSettings(block=16, max_new_tokens=6))
             for n in (70, 57)]

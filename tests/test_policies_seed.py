@@ -4,6 +4,7 @@ bounds, and the eviction diagnostics."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.adakv import AdaKV, allocate
 from kvbench.policies.base import PolicyError, SlotView
+import kvbench.policies.criticalkv as criticalkv_module
 from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff
@@ -152,6 +154,24 @@ def test_criticalkv_value_norm_through_output_projection() -> None:
     view.modules = (module,)
     out = CriticalKV(budget=40).token_state(view, torch.arange(40).view(1, 1, 1, 40))
     assert out["vnorm"].tolist() == [[[[0.0, 4.5] + [0.0] * 38]]]
+
+
+def test_criticalkv_value_norms_layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two layers, each its own chunk (`CHUNK_BYTES` 1): the first layer's W_O as above (v = (1, -3): 4.5), the
+    second's doubled (9.0); each layer's norms come from its own columns."""
+    monkeypatch.setattr(criticalkv_module, "CHUNK_BYTES", 1)
+    modules = []
+    for scale in (1.0, 2.0):
+        o_proj = torch.nn.Linear(4, 2, bias=False)
+        with torch.no_grad():
+            o_proj.weight.copy_(scale * torch.tensor([[1.0, 0, 2, 0], [0, 1, 0, -1]]))
+        modules.append(SimpleNamespace(o_proj=o_proj))
+    one = make_view([[[1.0, -3.0]]], values=[[[1.0, -3.0]]])
+    two = one.values.expand(2, -1, -1, -1, -1)  # (L = 2, 1, 1, 1, 2)
+    view = dataclasses.replace(one, keys=two, values=two, pos=one.pos.expand(2, -1, -1, -1), layers=(0, 1),
+                               modules=tuple(modules))
+    out = CriticalKV(budget=40).token_state(view, torch.zeros(2, 1, 1, 1, dtype=torch.long))
+    assert out["vnorm"].tolist() == [[[[4.5]]], [[[9.0]]]]
 
 
 def test_criticalkv_on_adakv_follows_adakv_budgets() -> None:

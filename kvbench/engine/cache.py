@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from kvbench.policies.base import Policy, SlotView, ranks
+from kvbench.policies.base import CHUNK_BYTES, Policy, SlotView, ranks
 
 IMPL = "kvbench_slots"
-ROW_CHUNK = 1 << 21  # stored attention rows computed at once (`SlotCache.settle`): 8 MB of float32
 PAD = -2  # the position of a padding token: it sees only padding, and its slot stays free
 
 
@@ -219,9 +218,9 @@ class SlotCache(Cache):
             query = g.queries.gather(3, ring.expand(L, b, h_q, m, d))  # type: ignore[union-attr]
             qpos = self.qpos.gather(1, self.ring).view(1, b, 1, m, 1)
             rows_b = torch.arange(b, device=qpos.device).view(b, 1).expand(b, m)
-            # a few layers at a time, so that a chunk's rows stay in the CPU's cache from the product to the copy (a
-            # prompt block's w rows of all layers do not: 40 MB for SmolLM2 at N = 1024); a decoding step: one chunk
-            n = max(1, ROW_CHUNK // (b * h_q * m * S))
+            # a few layers at a time (`CHUNK_BYTES`: a prompt block's w rows of all layers are 40 MB for SmolLM2 at
+            # N = 1024); a decoding step's one row per layer is one chunk
+            n = max(1, CHUNK_BYTES // (4 * b * h_q * m * S))
             for lo in range(0, L, n):
                 pos = g.pos[lo:lo + n].unsqueeze(3)  # (n, b, h_kv, 1, S); hidden: not held, or after the query
                 hidden = ((pos > qpos) | (pos < 0)).flatten(0, 1).unsqueeze(2)  # (n * b, h_kv, 1, m, S)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvbench.policies.adakv import AdaKV
-from kvbench.policies.base import Policy, PolicyError, SlotView, ranks
+from kvbench.policies.base import CHUNK_BYTES, Policy, PolicyError, SlotView, ranks
 from kvbench.policies.snapkv import SnapKV
 
 BASES = {"snapkv": SnapKV, "adakv": AdaKV}
@@ -74,13 +74,13 @@ class CriticalKV(Policy):
         value (read from the value buffers at its `slots` (L, b, h_kv, t)) through each query head h's columns of W_O
         (`head_columns`, made once per set of layers and kept), averaged over each KV head's g query heads, float32;
         every layer's query heads in one batched product, in chunks of layers whose (b, h_q, t, hidden)
-        intermediates stay within 64 MiB."""
+        intermediates stay within `CHUNK_BYTES`."""
         if self._w is None or self._w[0] != view.layers:
             self._w = (view.layers, head_columns(view))
         w = self._w[1]  # (L, 1, h_kv, g, d, hidden)
         new = view.written(view.values, slots).float().unsqueeze(3)  # (L, b, h_kv, 1, t, d)
         L, b = new.shape[:2]
-        step = max(1, (64 << 20) // (b * w.shape[3] * slots.shape[-1] * w.shape[-1] * 4))
+        step = max(1, CHUNK_BYTES // (b * w.shape[3] * slots.shape[-1] * w.shape[-1] * 4))
         norms = []
         for i in range(0, L, step):
             proj = torch.matmul(new[i:i + step], w[i:i + step])  # (l, b, h_kv, g, t, hidden)
