@@ -220,7 +220,7 @@ class SlotCache(Cache):
             rows_b = torch.arange(b, device=qpos.device).view(b, 1).expand(b, m)
             # a few layers at a time (`CHUNK_BYTES`: a prompt block's w rows of all layers are 40 MB for SmolLM2 at
             # N = 1024); a decoding step's one row per layer is one chunk
-            n = max(1, CHUNK_BYTES // (4 * b * h_q * m * S))
+            n = max(1, CHUNK_BYTES // (4 * b * h_q * m * S)) if g.keys.is_cpu else L
             for lo in range(0, L, n):
                 pos = g.pos[lo:lo + n].unsqueeze(3)  # (n, b, h_kv, 1, S); hidden: not held, or after the query
                 hidden = ((pos > qpos) | (pos < 0)).flatten(0, 1).unsqueeze(2)  # (n * b, h_kv, 1, m, S)

@@ -32,10 +32,11 @@ import torch.nn.functional as F
 
 from kvbench.options import positive_int
 
-# the most bytes of float32 intermediates a batched computation over layers makes at once (the engine's stored
-# attention rows, CriticalKV's value norms): a chunk then stays in a CPU core's cache from its product to its
-# reduction, where a whole prompt block's would go through memory at each step; a decoding step's are one chunk
-CHUNK_BYTES = 2 << 20
+# the most bytes of float32 intermediates a batched computation over layers makes at once: on a CPU a chunk then stays
+# in the core's cache from its product to its reduction, where a whole prompt block's would go through memory at each
+# step. CriticalKV's value norms keep to it everywhere (a bound on their memory too); the engine's stored attention
+# rows only on a CPU (on a GPU each chunk would be launches more, for no gain). A decoding step's are one chunk.
+CHUNK_BYTES = 4 << 20
 _TINY = torch.finfo(torch.float32).tiny  # a row's mass when it holds nothing (its probabilities are then 0)
 
 
