@@ -14,7 +14,9 @@ resolved. The goal as a whole ("no line above 1.10x") is an intersection-union t
 puts it under the line at 0.05 (no adjustment: the claim needs all of them), not met when a line MISSes.
 
 `--together` starts a pair's two calls at once, one on each of two cores, instead of one after the other: half the
-wall time, and both sides see the same moment of the machine (each beside the other). `--new-tokens` decodes more
+wall time, and both sides see the same moment of the machine (each beside the other). Its decoding line is biased when
+the prompts' times differ: the side whose prompt ends sooner decodes beside the other's prompt, the other side partly
+alone (results/bench_smollm2/RUN.md measured ~4 % for a 3 % shorter prompt); read it with that in mind. `--new-tokens` decodes more
 tokens per call than the goal's 32, for a decoding time per token that one call measures with less spread.
 
     python scripts/engine_ab.py REF [--rounds 3] [--policies all] [--new-tokens 32] [--together]
