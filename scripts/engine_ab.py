@@ -16,8 +16,8 @@ puts it under the line at 0.05 (no adjustment: the claim needs all of them), not
 `--together` starts a pair's two calls at once, one on each of two cores, instead of one after the other: half the
 wall time, and both sides see the same moment of the machine (each beside the other). Its decoding line is biased when
 the prompts' times differ: the side whose prompt ends sooner decodes beside the other's prompt, the other side partly
-alone (results/bench_smollm2/RUN.md measured ~4 % for a 3 % shorter prompt); read it with that in mind. `--new-tokens` decodes more
-tokens per call than the goal's 32, for a decoding time per token that one call measures with less spread.
+alone (results/bench_smollm2/RUN.md measures it); its prompt line is not. `--new-tokens` decodes more tokens per call
+than the goal's 32, for a decoding time per token that one call measures with less spread.
 
     python scripts/engine_ab.py REF [--rounds 3] [--policies all] [--new-tokens 32] [--together]
         [--out results/bench_smollm2/engine_ab_REF.json]
