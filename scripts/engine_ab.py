@@ -1,17 +1,17 @@
 """Issue 62's CPU goal as a paired A/B: every policy's 4k prompt time and decoding time per token, an earlier commit's
 engine against this one's, measured at the same moment.
 
-Across runs on a shared VM the machine's speed moves by about 10 % (results/bench_smollm2/RUN.md), as much as the
-goal's margin, so two tables made on different days cannot tell a 10 % change. Here both engines run from frozen
-worktrees (`git worktree`, each with the `kvbench/conf` link) as a pair of processes, one right after the other, one
-thread, alone on the machine as the goal's tables were made. Each process is one `kvbench-bench` call of one policy
-(SmolLM2-135M, the 4096-token filler prompt, N = 1024, B = 128, 32 new tokens, CPU clock, one measured call after its
+Across runs on a shared VM the machine's speed moves by about 10 % (results/bench_smollm2/RUN.md), as much as the goal's
+margin, so two tables made on different days cannot tell a 10 % change. Here both engines run from frozen worktrees
+(`git worktree`, each with the `kvbench/conf` link) as a pair of processes, one right after the other, one thread, alone
+on the machine as the goal's tables were made. Each process is one `kvbench-bench` call of one policy (SmolLM2-135M, the
+4096-token filler prompt, N = 1024, B = 128, 32 new tokens or `--new-tokens`, CPU clock, one measured call after its
 warm-up, no HF baseline); pairs run policy after policy, the policy order rotated each round, the side that runs first
 alternating. A policy's ratio per round is its time now over its time then in the same pair; a goal line (a policy's
 prompt or decoding) is a one-sided t-test of the rounds' log ratios against log 1.10 (the goal), on the side its mean
 falls, Holm-adjusted over all lines: PASS (under the line) or MISS (over it) where the adjusted p < 0.05, else not
-resolved. The goal as a whole ("no line above 1.10x") is an intersection-union test: met when every line's own test
-puts it under the line at 0.05 (no adjustment: the claim needs all of them), not met when a line MISSes.
+resolved. The goal as a whole ("no line above 1.10x") is an intersection-union test: met when every line's own test puts
+it under the line at 0.05 (no adjustment: the claim needs all of them), not met when a line MISSes.
 
 `--together` starts a pair's two calls at once, one on each of two cores, instead of one after the other: half the
 wall time, and both sides see the same moment of the machine (each beside the other). Its decoding line is biased when
@@ -111,10 +111,10 @@ def overall(lines_: list[dict]) -> str:
 
 def markdown(result: dict) -> str:
     ref, now = result["ref"], result["now"]
-    chosen = "" if result.get("policies_arg", "all") == "all" else f" --policies {result['policies_arg']}"
     new_tokens = result.get("new_tokens", 32)
-    chosen += (f" --new-tokens {new_tokens}" if new_tokens != 32 else "") + (" --together" if result.get("together")
-                                                                             else "")
+    flags = [f" --policies {result['policies_arg']}" if result.get("policies_arg", "all") != "all" else "",
+             f" --new-tokens {new_tokens}" if new_tokens != 32 else "", " --together" if result.get("together") else ""]
+    chosen = "".join(flags)
     when = ("each round's two calls started together, one on each of the two cores" if result.get("together") else
             "each round's two calls one right after the other, alone on the machine")
     head = [f"Paired A/B of issue 62's CPU goal: kvbench `{now}` against `{ref}`, {result['rounds']} rounds "

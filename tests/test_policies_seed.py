@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import kvbench.policies.criticalkv as criticalkv_module
 from kvbench.engine.diagnostics import Diagnostics, aggregate, key_logdet
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.models.tiny import build_tiny_model
 from kvbench.policies.adakv import AdaKV, allocate
 from kvbench.policies.base import PolicyError, SlotView
-import kvbench.policies.criticalkv as criticalkv_module
 from kvbench.policies.criticalkv import CriticalKV
 from kvbench.policies.hashevict import HashEvict
 from kvbench.policies.keydiff import KeyDiff

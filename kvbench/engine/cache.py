@@ -360,13 +360,14 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     if window:  # a sliding layer (never evicted): the slot holding position p is slot p
         kpos = p.view(b, 1, 1, t) if cache.causal else group.pos[row].unsqueeze(2)  # (b, h_kv | 1, 1, n)
         visible = visible & (kpos > p.view(b, 1, t, 1) - window)
-        mask = visible.expand(b, h_kv, t, -1).reshape(b * h_kv, 1, t, -1)
     policy = cache.policy
     if group is cache.evicting and group.queries is not None:  # the forward's last queries enter the ring
         group.q_rows[row].scatter_(2, cache.ring_q, query[:, :, t - cache.ring_q.shape[2]:])
     attends = policy.needs_attention and group is cache.evicting
     if not group.explicit:  # sdpa, each KV head a batch entry (`k_flat`); its causal kernel when it can
         causal = cache.causal and not window
+        if window:  # (b * h_kv, 1, t, n) as sdpa reads it
+            mask = visible.expand(b, h_kv, t, -1).reshape(b * h_kv, 1, t, -1)
         k, v = group.k_flat[row], group.v_flat[row]  # (b * h_kv, 1, S, d)
         if cache.causal:
             k, v = k[:, :, :t], v[:, :, :t]
