@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # kvbench's engine on a GPU beside HF's own loop: `kvbench-bench` on CUDA, bfloat16, wall clock (each timer syncs the
 # device), >= 3 interleaved rounds (medians). A part takes a few minutes (the previous engine's eager ones 170-250 s
-# on an H100): give each its own call, the most wanted first.   bash scripts/bench_gpu.sh OUT CONFIG_DIR [part ...]
+# on an H100): give each its own call, the most wanted first, OUT under the device's $OUT: a part stopped by the
+# call's time limit leaves the rounds it finished there (kvbench-bench rewrites its files after each round), and its
+# round lines in the call's output.   bash scripts/bench_gpu.sh OUT CONFIG_DIR [part ...]
 #
 # CONFIG_DIR: a directory holding SmolLM2-135M-Instruct's config.json (e.g. the kvbench model cache's entry for
 # smollm2-135m): its geometry with random weights, since a GPU machine without the package registry cannot convert
@@ -14,7 +16,8 @@
 #   compiled      llama3b-16k's setting, StreamingLLM, KeyDiff, SnapKV and H2O eager beside compiled (rows
 #                 NAME+compiled: each block and decoding step one CUDA graph; each policy compiles its own graphs)
 #   smollm2-4k    SmolLM2's geometry, 4k-token prompt, N = 1024, B = 128, every policy eager
-# Each part writes OUT/<part>.json and OUT/<part>.md (the table, the command, the goal lines).
+# Each part writes OUT/<part>.json and OUT/<part>.md (the table, the command, the goal lines). DRY=1 prints each
+# part's command instead of running it (tests/test_script_help.py parses them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
@@ -32,7 +35,7 @@ for part in "${parts[@]}"; do  # every part checked before anything is written
     esac
 done
 mkdir -p "$out"
-common=(--device cuda --dtype bfloat16 --clock wall --block 128 --new-tokens 32 --repeats 3 --quiet)
+common=(--device cuda --dtype bfloat16 --clock wall --block 128 --new-tokens 32 --repeats 3)
 every=streamingllm,random,knorm,keydiff,tova,h2o,hashevict,snapkv,pyramidkv,adakv,criticalkv,sagekv
 llama3b=(--arch tiny-llama3 --layers 28 --lengths 16k --budgets 4096)
 for part in "${parts[@]}"; do
@@ -44,5 +47,5 @@ for part in "${parts[@]}"; do
                         streamingllm,streamingllm+compiled,keydiff,keydiff+compiled,snapkv,snapkv+compiled,h2o,h2o+compiled) ;;
         smollm2-4k) args=(--config "$config" --lengths 4k --budgets 1024 --policies "$every" --baselines full,hf) ;;
     esac
-    python3 -m kvbench.bench "${common[@]}" "${args[@]}" --out "$out/$part.json"
+    ${DRY:+echo} python3 -m kvbench.bench "${common[@]}" "${args[@]}" --out "$out/$part.json"
 done

@@ -547,6 +547,51 @@ def test_batch_rows_per_workload_policy_and_k(tmp_path, one_thread) -> None:
     assert "| niah | 2035-2048 / 32 | keydiff | 64 | 2 | 2 |" in md
 
 
+def test_a_bench_stopped_after_a_round_leaves_the_rounds_it_finished(tmp_path, one_thread, monkeypatch) -> None:
+    """After every round but the last the output holds the rounds so far, whole: a call stopped by a time limit
+    (here: the first call after round 1's files exist fails) leaves round 1, said so in the table's header; a run
+    that finishes leaves its full table and no temporary file."""
+    from kvbench.bench import batch
+    from kvbench.models.tiny import builtin_dir
+
+    out = tmp_path / "b.json"
+    args = ["--model", str(builtin_dir("tiny-llama")), "--lengths", "40", "--budgets", "16", "--block", "8",
+            "--new-tokens", "3", "--policies", "keydiff", "--baselines", "none", "--clock", "cpu", "--no-syncs",
+            "--out", str(out), "--quiet"]
+
+    def stopping(real):
+        def call(*args, **kwargs):
+            if out.exists():
+                raise RuntimeError("stopped")
+            return real(*args, **kwargs)
+        return call
+
+    with monkeypatch.context() as m:
+        m.setattr(measure, "measure", stopping(measure.measure))
+        with pytest.raises(RuntimeError, match="stopped"):
+            bench.main([*args, "--repeats", "3"])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["policy"] == "keydiff" and row["repeats"] == 1 and len(row["prefill_s_rounds"]) == 1
+    assert row["prefill_s"] == row["prefill_s_rounds"][0]
+    md = out.with_suffix(".md").read_text()
+    assert "medians of the first 1 of 3 interleaved rounds (the rest not measured)" in md
+    assert bench.main([*args, "--repeats", "2"]) == 0
+    assert json.loads(out.read_text())["rows"][0]["repeats"] == 2
+    assert "medians of 2 interleaved rounds" in out.with_suffix(".md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json", "b.md"]
+    out.unlink()
+    batch_args = ["--model", str(builtin_dir("tiny-llama")), "--batch", "1,2", "--samples", "2", "--workloads",
+                  "niah", "--policies", "streamingllm", "--budgets", "64", "--block", "16", "--baselines", "none",
+                  "--clock", "cpu", "--repeats", "2", "--out", str(out), "--quiet"]
+    with monkeypatch.context() as m:
+        m.setattr(batch, "_kvbench", stopping(batch._kvbench))
+        with pytest.raises(RuntimeError, match="stopped"):
+            bench.main(batch_args)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["rounds"]) for r in rows] == [(1, 1), (2, 1)]
+    assert "one round so far (of 2" in out.with_suffix(".md").read_text()
+
+
 def test_batch_goal_lines_judge_batch_8_against_the_workload_goal() -> None:
     from kvbench.bench.batch import batch_goal_lines
 

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from helpers import load_script
@@ -49,3 +53,26 @@ def test_engine_ab_goal_as_a_whole_by_hand() -> None:
     assert ab.overall(ab.lines({"policies": tight})) == "met"
     assert ab.overall(ab.lines({"policies": {**tight, "b": policy([9.0, 11.0, 12.0])}})) == "not resolved"
     assert ab.overall(ab.lines({"policies": {**tight, "c": policy([12.0] * 3)}})) == "not met"
+
+
+def test_bench_gpu_parts_are_commands_kvbench_bench_takes(tmp_path: Path) -> None:
+    """scripts/bench_gpu.sh runs only where a GPU is lent, for minutes that cannot be spent on a typo: each part's
+    command (DRY=1) parses, names policies that exist, and writes under OUT; an unknown part is one line, exit 2."""
+    from kvbench.bench import cli
+    from kvbench.bench.setup import make_policy
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_gpu.sh"
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out"), str(tmp_path)], capture_output=True, text=True,
+                          env=dict(os.environ, DRY="1"), check=True)
+    commands = [line.split() for line in done.stdout.splitlines()]
+    assert [c[-1] for c in commands] == [str(tmp_path / "out" / f"{part}.json")
+                                         for part in ("llama3b-16k", "batch8", "compiled", "smollm2-4k")]
+    for command in commands:
+        assert command[:3] == ["python3", "-m", "kvbench.bench"]
+        a = cli._parser().parse_args(command[3:])
+        assert a.device == "cuda" and a.clock == "wall"
+        for name in a.policies.split(","):
+            make_policy(name, 1024, 0)
+    bad = subprocess.run(["bash", str(script), str(tmp_path / "bad"), str(tmp_path), "llama3b"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and not (tmp_path / "bad").exists()

@@ -92,12 +92,14 @@ def _hf(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int, k
 def run_batch_bench(model: Any, tokenizer: Any, policies: Sequence[str], batches: Sequence[int],
                     workloads: Sequence[str], budget: int, block: int, samples: int | None, hf: bool, seed: int,
                     clock: Callable[[], float], log: Callable[[str], None] | None = None,
-                    rounds: int = 1) -> list[dict[str, Any]]:
+                    rounds: int = 1, on_round: Callable[[list[dict[str, Any]]], None] | None = None
+                    ) -> list[dict[str, Any]]:
     """One row per (workload, policy or hf, K), K = 1 first in each (workload, policy): every later row is compared
     with it (speed-up, identical tokens). With `rounds` > 1 every (policy, K) of a workload runs once per round, the
     rounds interleaved (round r starts r places further along the list, as kvbench.bench.measure does), and a row
     gives the medians over the rounds; its speed-up is the median of the per-round ratios (K = 1 and K of the same
-    round: a slow stretch of the machine weighs on both), with every round's ratio beside it."""
+    round: a slow stretch of the machine weighs on both), with every round's ratio beside it. `on_round` is called
+    after every round but the last with the rows measured so far (a bench stopped early leaves them)."""
     rows: list[dict[str, Any]] = []
     batches = sorted(set(batches) | {1})
     count = samples or max(batches)
@@ -115,6 +117,9 @@ def run_batch_bench(model: Any, tokenizer: Any, policies: Sequence[str], batches
                 runs[(name, k)].append(m)
                 if log and rounds > 1:
                     log(f"  round {r + 1}/{rounds} {workload:9s} {name:13s} K={k}: {m['seconds']:.1f} s")
+            if on_round is not None and (r + 1 < rounds or workload != workloads[-1]):
+                on_round(rows + [_row(workload, name, k, runs[(name, k)], runs[(name, 1)], prompts, new_tokens, budget,
+                                      block) for name, k in cells])
         for name, k in cells:
             row = _row(workload, name, k, runs[(name, k)], runs[(name, 1)], prompts, new_tokens, budget, block)
             rows.append(row)

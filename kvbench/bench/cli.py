@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -213,19 +214,26 @@ def _main(a: argparse.Namespace, lengths: list[int], budgets: list[int], block: 
             return _ops(a, model, policies, budgets[0], block, desc, device, log, t0)
         if a.batch:
             rows = run_batch_bench(model, tokenizer, policies, a.batch, a.workloads, budgets[0], block, a.samples,
-                                   HF in a.baselines, a.seed, CLOCKS[a.clock], log, rounds=a.repeats or 1)
+                                   HF in a.baselines, a.seed, CLOCKS[a.clock], log, rounds=a.repeats or 1,
+                                   on_round=lambda done: _write_batch(a, done, desc, device, None, t0, partial=True))
             return _write_batch(a, rows, desc, device, log, t0)
+
+        def write(rows: list[dict], done: int) -> None:  # after every round: a bench cut short keeps what it measured
+            results = goals(rows)
+            _write(a, {"rows": rows, "goals": results}, markdown_table(rows), goal_lines(results), desc, device,
+                   (f"medians of {repeats} interleaved rounds" if done == repeats else
+                    f"medians of the first {done} of {repeats} interleaved rounds (the rest not measured)")
+                   + f", {new_tokens} new tokens"
+                   + {None: "", "beside": ", HF's decoding measured again beside every kvbench call",
+                      "lockstep": ", HF's decoding in lockstep with every kvbench call (a step after each of its "
+                                  "steps; its peak RSS includes HF's cache)"}[a.hf_reference], show=done == repeats)
+
         rows = run_bench(model, configurations(policies, budgets, lengths, block, a.baselines, a.full_max_tokens),
-                         new_tokens, repeats, a.seed, desc, log, prompt, a.clock, a.syncs, a.hf_reference)
+                         new_tokens, repeats, a.seed, desc, log, prompt, a.clock, a.syncs, a.hf_reference, write)
     except (BenchError, PolicyError) as e:
         print(f"kvbench-bench: error: {e}", file=sys.stderr)
         return 2
-    results = goals(rows)
-    _write(a, {"rows": rows, "goals": results}, markdown_table(rows), goal_lines(results), desc, device,
-           f"medians of {repeats} interleaved rounds, {new_tokens} new tokens"
-           + {None: "", "beside": ", HF's decoding measured again beside every kvbench call",
-              "lockstep": ", HF's decoding in lockstep with every kvbench call (a step after each of its steps; its "
-                          "peak RSS includes HF's cache)"}[a.hf_reference])
+    write(rows, repeats)
     if log:
         log(f"kvbench-bench: {len(rows)} configurations in {time.perf_counter() - t0:.0f} s -> {a.out}")
     return 0
@@ -264,12 +272,14 @@ def _sweep(a: argparse.Namespace, log) -> int:
                        "tokens")
 
 
-def _write_batch(a: argparse.Namespace, rows: list[dict], desc: str, device: torch.device, log, t0: float) -> int:
-    """--batch: bench.json (rows and goal lines) and the markdown table."""
+def _write_batch(a: argparse.Namespace, rows: list[dict], desc: str, device: torch.device, log, t0: float,
+                 partial: bool = False) -> int:
+    """--batch: bench.json (rows and goal lines) and the markdown table; `partial`: the rounds so far, unprinted."""
     rounds = max((r["rounds"] for r in rows), default=1)  # as the rows were measured (run_batch_bench)
     return _write_rows(a, rows, batch_goal_lines(rows), batch_markdown(rows), desc, device, log, t0, "batch",
                        ("one round" if rounds == 1 else f"medians of {rounds} interleaved rounds") +
-                       "; samples decode exactly their new tokens")
+                       (f" so far (of {a.repeats or 1}, and the workloads measured so far; the rest not measured)"
+                        if partial else "") + "; samples decode exactly their new tokens", show=not partial)
 
 
 def _ops(a: argparse.Namespace, model: Any, policies: list[str], budget: int, block: int, desc: str,
@@ -304,29 +314,34 @@ READ_FUNCTIONS, READ_FILES = 25, 4  # a decoding step reads in at most 25 kvbenc
 
 
 def _write_rows(a: argparse.Namespace, rows: list[dict], lines: list[str], table: str, desc: str,
-                device: torch.device, log, t0: float, kind: str, about: str) -> int:
+                device: torch.device, log, t0: float, kind: str, about: str, show: bool = True) -> int:
     """--batch / --sweep output: bench.json (rows and goal lines), the table, and the closing log line."""
-    _write(a, {"rows": rows, "goals": lines}, table, lines, desc, device, about)
+    _write(a, {"rows": rows, "goals": lines}, table, lines, desc, device, about, show)
     if log:
         log(f"kvbench-bench: {len(rows)} {kind} rows in {time.perf_counter() - t0:.0f} s -> {a.out}")
     return 0
 
 
 def _write(a: argparse.Namespace, payload: dict, table: str, lines: list[str], desc: str, device: torch.device,
-           about: str) -> None:
+           about: str, show: bool = True) -> None:
     """--out (JSON) and the markdown file (--markdown, default --out with .md): where it ran, the command, the table
-    and the goal lines; the table and the lines are printed too."""
+    and the goal lines; with `show` the table and the lines are printed too. Each file is written whole or not at
+    all (a temporary file renamed over it), as a bench may be stopped while it writes."""
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
     md = Path(a.markdown) if a.markdown else out.with_suffix(".md")
     cpu = cpu_info()
-    md.write_text(f"{desc} on {device} ({cpu['model']}, {cpu['isa']}, torch {torch.__version__}, "
-                  f"{torch.get_num_threads()} threads); {a.clock} clock, {about}.\n\nCommand: `{a.command}`" +
-                  f"\n\n{table}\n" + goals_markdown(lines), encoding="utf-8")
-    print(table)
-    for ln in lines:
-        print(ln)
+    for path, text in ((out, json.dumps(payload, indent=1) + "\n"),
+                       (md, f"{desc} on {device} ({cpu['model']}, {cpu['isa']}, torch {torch.__version__}, "
+                            f"{torch.get_num_threads()} threads); {a.clock} clock, {about}.\n\nCommand: "
+                            f"`{a.command}`\n\n{table}\n" + goals_markdown(lines))):
+        part = path.with_name(path.name + ".part")
+        part.write_text(text, encoding="utf-8")
+        os.replace(part, path)
+    if show:
+        print(table)
+        for ln in lines:
+            print(ln)
 
 
 if __name__ == "__main__":

@@ -228,9 +228,12 @@ def warm_ups(configs: Sequence[Config], new_tokens: int, device_type: str) -> li
 def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: int, seed: int = 0,
               model_desc: str = "", log: Callable[[str], None] | None = None,
               prompt: Sequence[int] | None = None, clock: str = "wall", syncs: bool = True,
-              hf_reference: str | None = None) -> list[dict[str, Any]]:
+              hf_reference: str | None = None,
+              on_round: Callable[[list[dict[str, Any]], int], None] | None = None) -> list[dict[str, Any]]:
     """Measure every configuration `repeats` times, interleaved (round r runs them all, in an order rotated by r),
-    after the unmeasured warm-up calls of `warm_ups`; returns one row per configuration with medians. `prompt`: the
+    after the unmeasured warm-up calls of `warm_ups`; returns one row per configuration with medians. `on_round`
+    (rows, rounds done) is called after every round but the last with the rows of the rounds so far, so that a bench
+    stopped early (a time limit, a lost machine) can leave what it measured. `prompt`: the
     token ids every configuration reads its first `prompt_tokens` from (default: random ids per length). `syncs`:
     count host syncs per decoding step once per (policy, budget, block) (`host_syncs`; not for HF's own loop).
 
@@ -287,7 +290,15 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
                     f"(evict {m['evict_decode_s']:.3f}), peak RSS {m['peak_rss_mib']:.0f} MiB, "
                     f"cpu/wall {m['cpu_per_wall']:.2f}"
                     + (f"; HF's decoding {hf_reference} {m['hf_decode_s']:.3f} s" if ref is not None else ""))
-    rows = [{**_row(c, raw[c], model, model_desc, mem.method), "clock": clock,
+        if on_round is not None and r + 1 < repeats:
+            on_round(_rows(configs, raw, counted, model, model_desc, mem.method, clock), r + 1)
+    return _rows(configs, raw, counted, model, model_desc, mem.method, clock)
+
+
+def _rows(configs: Sequence[Config], raw: dict[Config, list[dict[str, Any]]], counted: dict[tuple, dict[str, Any]],
+          model: Any, model_desc: str, rss_method: str, clock: str) -> list[dict[str, Any]]:
+    """One row per configuration from its calls so far, with the ratios between rows (goals.add_ratios)."""
+    rows = [{**_row(c, raw[c], model, model_desc, rss_method), "clock": clock,
              **counted.get((c.policy, c.budget, c.block), NO_SYNCS)} for c in configs]
     add_ratios(rows)
     return rows
