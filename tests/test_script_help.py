@@ -66,13 +66,14 @@ def test_bench_gpu_parts_are_commands_kvbench_bench_takes(tmp_path: Path) -> Non
                           env=dict(os.environ, DRY="1"), check=True)
     commands = [line.split() for line in done.stdout.splitlines()]
     assert [c[-1] for c in commands] == [str(tmp_path / "out" / f"{part}.json")
-                                         for part in ("llama3b-16k", "batch8", "compiled", "smollm2-4k")]
+                                         for part in ("llama3b-16k", "compiled", "batch8", "compiled-attention", "smollm2-4k")]
     for command in commands:
         assert command[:3] == ["python3", "-m", "kvbench.bench"]
         a = cli._parser().parse_args(command[3:])
         assert a.device == "cuda" and a.clock == "wall"
         for name in a.policies.split(","):
             make_policy(name, 1024, 0)
+    assert "--compiled" in commands[1] and "--compiled" in commands[3]
     bad = subprocess.run(["bash", str(script), str(tmp_path / "bad"), str(tmp_path), "llama3b"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and not (tmp_path / "bad").exists()
