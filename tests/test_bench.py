@@ -245,6 +245,20 @@ def test_a_compiled_rows_eviction_is_not_judged() -> None:
                                                                              ["in graph", ""]]
 
 
+def test_a_compiled_row_on_cuda_is_judged_by_the_cuda_graphs_torch_skipped() -> None:
+    """On CUDA a compiled forward that torch does not make a CUDA graph launches every kernel: PASS with none
+    skipped, FAIL with any; no line on a CPU (no CUDA graphs there) nor for an eager row."""
+    def row(name: str, device: str, skips: int | None) -> dict:
+        extra = {} if skips is None else {"cudagraph_skips": skips}
+        return {**_row(name, 2000, 2.0, 1.0, 0.0, 0.0), "peak_kv_tokens": 80, "device": device, **extra}
+
+    rows = [row("keydiff", "cuda:0", None), row("keydiff+compiled", "cuda:0", 0), row("snapkv+compiled", "cuda:0", 2),
+            row("h2o+compiled", "cpu", 0)]
+    goals.add_ratios(rows)
+    lines = [(g["policy"], g["passed"], g["detail"]) for g in goals.goals(rows) if "CUDA graph" in g["goal"]]
+    assert lines == [("keydiff+compiled", True, "2000: 0 skipped"), ("snapkv+compiled", False, "2000: 2 skipped")]
+
+
 def test_the_decoding_goal_over_rounds_is_a_one_sided_t_bound_of_the_paired_ratios() -> None:
     # HF's decoding 3.0 s in each of 3 rounds (10 steps: 300 ms per token). Per-round ratios, worked by hand:
     # tova 3.30, 3.40, 3.20 s -> 1.10, 1.1333, 1.0667: mean 1.10, sd 0.0333, se 0.01925, t(0.95, 2) = 2.920: bounds

@@ -469,6 +469,35 @@ def test_compiled_equals_eager_in_three_graphs() -> None:
     assert not counters["graph_break"]
 
 
+def test_every_cache_tensor_a_compiled_forward_takes_is_a_static_address(monkeypatch: Any) -> None:
+    """On CUDA a compiled forward replays as a CUDA graph only if every input it writes in place is a static address
+    (CUDA graph trees skip a graph with another mutated input): every tensor the graph takes from the cache (slots,
+    positions, state, the ring and its rows, the peaks, the graded branch's fork) is one; the per-forward inputs (ids,
+    positions, counts) are copied in. Captured from dynamo's graphs (an eager backend: no inductor compile here)."""
+    from kvbench.engine import generate as engine
+
+    taken: dict[str, bool] = {}
+
+    def capture(gm: Any, example_inputs: list[Any]) -> Any:
+        for node in gm.graph.find_nodes(op="placeholder"):
+            arg = node.meta["grapharg"]
+            if isinstance(arg.example, torch.Tensor):
+                taken[arg.source.name] = getattr(arg.example, "_dynamo_static_input_type", None) is not None
+        return gm.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine, "_compiled", {"cpu": torch.compile(engine.forward, backend=capture, fullgraph=True,
+                                                                   dynamic=False)})
+    model, ids = _model(dtype=torch.float32), random_prompt(70, 3)
+    for policy in (SnapKV(budget=24, window=4, kernel=3), H2O(budget=24)):
+        generate(model, policy, ids, GenerationSettings(block=16, max_new_tokens=4, compile=True), answer_ids=[5, 6])
+    torch._dynamo.reset()
+    cache = {name for name in taken if name.startswith("L['cache']")}
+    assert {"L['cache'].seen", "L['cache'].peak", "L['cache'].view.probs"} <= cache
+    assert {name for name in cache if not taken[name]} == set()
+    assert {name for name in taken if not taken[name]} == {"L['ids']", "L['positions']", "L['counts']"}
+
+
 # 8. Launches: aten ops per forward against HF's own --------------------------------------------------------------------
 class _Ops(TorchDispatchMode):
     def __init__(self) -> None:

@@ -120,6 +120,9 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             flat.append((grow <= kv_grow + FLAT_SLACK_MIB,
                          f"{lo['prompt_tokens']}->{hi['prompt_tokens']}: {grow:+.0f} MiB (KV {kv_grow:+.0f} MiB)"))
         add(f"peak memory flat (growth <= KV growth + {FLAT_SLACK_MIB:.0f} MiB)", name, flat)
+        add("each compiled forward a CUDA graph (torch skipped none)", name,
+            [(r["cudagraph_skips"] == 0, f"{r['prompt_tokens']}: {r['cudagraph_skips']} skipped") for r in mine
+             if r.get("cudagraph_skips") is not None and r["device"].startswith("cuda")])
         counted = {r["budget"]: r for r in mine if r.get("host_syncs_max_step") is not None}  # same at every length
         add(f"host syncs per decoding step <= {HOST_SYNCS_PER_STEP} (the token)", name,
             [(r["host_syncs_max_step"] <= HOST_SYNCS_PER_STEP,

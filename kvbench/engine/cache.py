@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
 from transformers.cache_utils import Cache
 
 from kvbench.policies.base import CHUNK_BYTES, Policy, SlotView, ranks
@@ -205,9 +206,9 @@ class SlotCache(Cache):
         held = (self.groups[0].pos >= 0).sum(dim=-1)  # (layers, b, h_kv): the evicting layers first
         if len(self.groups) > 1:
             held = torch.cat([held, (self.groups[1].pos >= 0).sum(dim=-1)])
-        self.peak = torch.maximum(self.peak, held.amax(dim=(0, 2)))
-        self.peak_total = torch.maximum(self.peak_total, held.sum(dim=(0, 2)))
-        self.peak_batch = torch.maximum(self.peak_batch, held.sum())
+        torch.maximum(self.peak, held.amax(dim=(0, 2)), out=self.peak)  # in place: the buffers stay where they are
+        torch.maximum(self.peak_total, held.sum(dim=(0, 2)), out=self.peak_total)
+        torch.maximum(self.peak_batch, held.sum(), out=self.peak_batch)
         g = self.evicting
         if g is None:
             return
@@ -309,6 +310,15 @@ class SlotCache(Cache):
         if other.view is not None:
             other.view.decoding = self.view.decoding  # type: ignore[union-attr]
         return other
+
+    def static(self) -> SlotCache:
+        """Tags every tensor of the cache (a compiled forward's inputs) as a fixed address, unguarded (another cache
+        of the same shapes needs no recompilation): CUDA graph trees then replay over them and write them in place,
+        where one input the graph writes that is not static keeps the whole forward from being a CUDA graph."""
+        for t in tree_leaves([vars(x) for x in (self, *self.groups, self.view) if x is not None]):
+            if isinstance(t, torch.Tensor):
+                torch._dynamo.mark_static_address(t, guard=False)
+        return self
 
     def bytes_per_head_token(self) -> int:
         """K+V bytes of one token in one KV head of one layer."""

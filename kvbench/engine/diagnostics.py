@@ -15,7 +15,7 @@
 Cost per eviction: O(N + B) per head for the first two (one query), O(N d^2) for the log-det; never O(T^2). An
 eviction event: a layer that drops a token.
 Per sample: per-layer means over eviction events (prefill blocks and decoding steps), their mean and the largest value
-of any event; per run (`aggregate`): means over samples, and the largest.
+of any event; per run (kvbench.run.records.aggregate_diagnostics): means over samples, and the largest.
 """
 
 from __future__ import annotations
@@ -122,21 +122,3 @@ def key_logdet(keys: torch.Tensor, keep: torch.Tensor) -> float:
             vals.append(float(logabs) if sign > 0 else -math.inf)
     return sum(vals) / len(vals) if vals else float("nan")
 
-
-def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Over samples: mean of the per-sample means, and per-layer means over the samples that evicted there."""
-    out: dict[str, Any] = {}
-    for rec in records:
-        for name, d in (rec.get("diagnostics") or {}).items():
-            acc = out.setdefault(name, {"means": [], "layers": {}, "events": 0, "max": None})
-            if d.get("mean") is not None:
-                acc["means"].append(d["mean"])
-            if d.get("max") is not None:
-                acc["max"] = d["max"] if acc["max"] is None else max(acc["max"], d["max"])
-            for li, v in d.get("per_layer", {}).items():
-                acc["layers"].setdefault(li, []).append(v)
-            acc["events"] += d.get("events", 0)
-    return {name: {"mean": sum(a["means"]) / len(a["means"]) if a["means"] else None,
-                   "per_layer": {li: sum(v) / len(v) for li, v in sorted(a["layers"].items(), key=lambda x: int(x[0]))},
-                   "samples": len(a["means"]), "events": a["events"], "max": a["max"]}
-            for name, a in out.items()}

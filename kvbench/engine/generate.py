@@ -239,6 +239,8 @@ class Batch:
             keep = [k - k % -64 for k in keep]
             full += -full % 256
         self.cache = SlotCache(model, jobs[0].policy, len(jobs), keep, full, window, attention)
+        if self.compiled:
+            self.cache.static()
         self.seen = [0] * len(jobs)  # each row's tokens so far, on the host (its layers' budgets)
         self.layer_tokens: list[int] | None = None  # the first row's SlotCache.layer_tokens, known after the prompt
         self.tracing = True  # Observer.trace records the run's forwards (not its graded branch's)
@@ -458,7 +460,7 @@ def _rows(model: Any, jobs: Sequence[Job], trunk: Trunk | None = None) -> list[G
     graded_s = [0.0] * len(jobs)
     if any(j.answer_ids for j in jobs):
         main, before = batch.cache, [r.time_s["decode"] for r in batch.rows]
-        batch.cache, batch.tracing = main.fork(), False
+        batch.cache, batch.tracing = main.fork().static() if batch.compiled else main.fork(), False
         graded = _decode(batch, logits, graded=True)
         for k, r in enumerate(batch.rows):
             graded_s[k], r.time_s["decode"] = r.time_s["decode"] - before[k], before[k]

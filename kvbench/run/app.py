@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from kvbench import __version__
-from kvbench.engine.diagnostics import aggregate as aggregate_diagnostics
 from kvbench.models.generation import generation_provenance
 from kvbench.metrics.aggregate import average_of
 from kvbench.models.common import portable_path
@@ -29,7 +28,7 @@ from kvbench.run.config import load_group
 from kvbench.run.labels import describe_run
 from kvbench.run.machine import accelerator, cpu_info
 from kvbench.run.loop import SharedRun, check_lm_settings, run_shared, run_task
-from kvbench.run.records import summarize
+from kvbench.run.records import aggregate_diagnostics, summarize
 from kvbench.run.settings import ConfigError, RunSettings, build_policy, build_task, user_errors
 from kvbench.run.threads import current_threads
 from kvbench.tasks.base import Task, TaskEnv

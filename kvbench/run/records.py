@@ -1,6 +1,6 @@
-"""A run's records, torch-free: predictions.jsonl read and appended one whole line at a time, and the speed and
-memory summary of metrics.json `stats`. The report reads committed runs through this module alone, so it needs no
-torch (tests/test_report_torch_free.py)."""
+"""A run's records, torch-free: predictions.jsonl read and appended one whole line at a time, the speed and memory
+summary of metrics.json `stats`, and its eviction diagnostics over samples. The report reads committed runs through
+this module alone, so it needs no torch (tests/test_report_torch_free.py)."""
 
 from __future__ import annotations
 
@@ -82,3 +82,23 @@ def summarize(records: list[dict[str, Any]], budget: int | None, evicts: bool) -
         **({"batch_size": max(r["batch"]["size"] for r in batched),
             "batch_kv_bytes_peak": max(r["batch"]["kv_bytes_peak"] for r in batched)} if batched else {}),
     }
+
+
+def aggregate_diagnostics(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's eviction diagnostics (kvbench.engine.diagnostics) over its records: the mean of the per-sample means,
+    per-layer means over the samples that evicted there, the events and the largest value of any."""
+    out: dict[str, Any] = {}
+    for rec in records:
+        for name, d in (rec.get("diagnostics") or {}).items():
+            acc = out.setdefault(name, {"means": [], "layers": {}, "events": 0, "max": None})
+            if d.get("mean") is not None:
+                acc["means"].append(d["mean"])
+            if d.get("max") is not None:
+                acc["max"] = d["max"] if acc["max"] is None else max(acc["max"], d["max"])
+            for li, v in d.get("per_layer", {}).items():
+                acc["layers"].setdefault(li, []).append(v)
+            acc["events"] += d.get("events", 0)
+    return {name: {"mean": sum(a["means"]) / len(a["means"]) if a["means"] else None,
+                   "per_layer": {li: sum(v) / len(v) for li, v in sorted(a["layers"].items(), key=lambda x: int(x[0]))},
+                   "samples": len(a["means"]), "events": a["events"], "max": a["max"]}
+            for name, a in out.items()}
