@@ -469,6 +469,27 @@ def test_compiled_equals_eager_in_three_graphs() -> None:
     assert not counters["graph_break"]
 
 
+def test_compiled_runs_of_many_policies_in_one_process(monkeypatch: Any) -> None:
+    """Four policies' compiled runs in one process, 3 graphs each of the one compiled function: past dynamo's default
+    of 8 graphs a function, which with fullgraph would raise; the same tokens as eager. (Dynamo with its eager
+    backend: the graphs and guards are dynamo's, no inductor compile here.)"""
+    import functools
+
+    from kvbench.engine import generate as engine
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    monkeypatch.setattr(engine, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    model, ids = _model(dtype=torch.float32), random_prompt(70, 3)
+    for make in (lambda: StreamingLLM(budget=24, n_sink=2), lambda: KeyDiff(budget=24),
+                 lambda: SnapKV(budget=24, window=4, kernel=3), lambda: H2O(budget=24)):
+        eager = generate(model, make(), ids, GenerationSettings(block=16, max_new_tokens=4))
+        assert generate(model, make(), ids, GenerationSettings(block=16, max_new_tokens=4, compile=True)).tokens \
+            == eager.tokens
+    torch._dynamo.reset()
+
+
 def test_every_cache_tensor_a_compiled_forward_takes_is_a_static_address(monkeypatch: Any) -> None:
     """On CUDA a compiled forward replays as a CUDA graph only if every input it writes in place is a static address
     (CUDA graph trees skip a graph with another mutated input): every tensor the graph takes from the cache (slots,

@@ -192,6 +192,10 @@ def compiled_forward(device: torch.device) -> Callable[..., torch.Tensor]:
     reduce-overhead)."""
     if device.type not in _compiled:
         mode = "reduce-overhead" if device.type == "cuda" else None
+        # every policy, cache shape and batch has graphs of its own (3 a run), all of this one function: dynamo's
+        # default of 8 would end a process's third compiled run (fullgraph: an error)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   torch._dynamo.config.accumulated_recompile_limit)
         _compiled[device.type] = torch.compile(forward, fullgraph=True, dynamic=False, mode=mode)
     return _compiled[device.type]
 
