@@ -478,15 +478,15 @@ def test_compiled_runs_of_many_policies_in_one_process(monkeypatch: Any) -> None
     from kvbench.engine import generate as engine
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     monkeypatch.setattr(engine, "_compiled", {})
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     model, ids = _model(dtype=torch.float32), random_prompt(70, 3)
-    for make in (lambda: StreamingLLM(budget=24, n_sink=2), lambda: KeyDiff(budget=24),
-                 lambda: SnapKV(budget=24, window=4, kernel=3), lambda: H2O(budget=24)):
-        eager = generate(model, make(), ids, GenerationSettings(block=16, max_new_tokens=4))
-        assert generate(model, make(), ids, GenerationSettings(block=16, max_new_tokens=4, compile=True)).tokens \
-            == eager.tokens
+    with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's default, whatever an earlier test left
+        for make in (lambda: StreamingLLM(budget=24, n_sink=2), lambda: KeyDiff(budget=24),
+                     lambda: SnapKV(budget=24, window=4, kernel=3), lambda: H2O(budget=24)):
+            eager = generate(model, make(), ids, GenerationSettings(block=16, max_new_tokens=4))
+            assert generate(model, make(), ids, GenerationSettings(block=16, max_new_tokens=4, compile=True)).tokens \
+                == eager.tokens
     torch._dynamo.reset()
 
 
