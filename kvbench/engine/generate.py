@@ -39,7 +39,7 @@ class GenerationSettings:
     kvbench.engine.diagnostics measures taken at every eviction. `score_from`: the language-modelling score (None:
     not measured): the log-probability of each prompt token t + 1 given what the cache holds when position t goes
     in, for every prompt position t >= score_from (GenerationResult.lm_logprobs). `compile`: each forward with its
-    eviction as one compiled graph (the same predictions as eager; eviction time is then not measured apart).
+    eviction as one compiled graph (eager's predictions up to rounding; eviction time is not measured apart).
     """
 
     block: int | None = None

@@ -73,7 +73,7 @@ class RunSettings:
     # than they save: results/bench_sweep).
     share_rows: bool | str = _setting("auto", changes_results=False)
     # Each prompt block and decoding step (its eviction included) as one compiled graph (torch.compile; on CUDA a CUDA
-    # graph): the same predictions as eager (tests/test_engine.py), so the key leaves it out.
+    # graph): eager's predictions up to rounding (equal in float32: tests/test_engine.py), so the key leaves it out.
     compile: bool = _setting(False, changes_results=False)
 
     @classmethod
