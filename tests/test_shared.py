@@ -258,6 +258,32 @@ def test_bench_sweep_measures_both_ways(tmp_path) -> None:
     assert len(row["sample_ratios"]) == 2 and all(x > 0 for x in row["sample_ratios"])
 
 
+def test_bench_sweep_stopped_after_a_sample_leaves_it(tmp_path, monkeypatch) -> None:
+    """After every sample but the last the files hold the samples so far: a sweep bench stopped in its second sample
+    (here: the shared way fails once the first sample's files exist) leaves the first, said so in the header."""
+    import json
+
+    from kvbench.bench import cli as bench
+    from kvbench.bench import sweep
+
+    out = tmp_path / "sweep.json"
+    real = sweep.generate_batch
+
+    def stopping(*args, **kwargs):
+        if out.exists():
+            raise RuntimeError("stopped")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "generate_batch", stopping)
+    with pytest.raises(RuntimeError, match="stopped"):
+        bench.main(["--arch", "tiny-llama", "--sweep", "prefill_once", "--policies", "keydiff,tova", "--budgets", "40",
+                    "--lengths", "61", "--new-tokens", "2", "--samples", "3", "--threads", "1", "--clock", "cpu",
+                    "--fork-batch", "1", "--out", str(out), "--quiet"])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["samples"], row["pairs"], len(row["sample_ratios"])) == (1, 2, 1)
+    assert "(the samples so far, of 3; the rest not measured)" in (tmp_path / "sweep.md").read_text()
+
+
 def test_sweep_goal_lines_judge_the_samples_paired_ratios() -> None:
     """A design's per-sample ratios 1.38, 1.46, 1.48 against 1.4: mean 1.44, sd 0.0529, se 0.0306, t(0.95, 2) 2.920:
     one-sided bounds 1.35 and 1.53, not resolved although the pooled 1.44x is over the line; 1.45, 1.50, 1.55 against

@@ -265,11 +265,13 @@ def _sweep(a: argparse.Namespace, log) -> int:
     if log:
         log(f"kvbench-bench --sweep: {desc} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     t0 = time.perf_counter()
+    about = "shared and separate interleaved sample by sample; every configuration decodes exactly its new tokens"
     rows = run_sweep_bench(model, tokenizer, designs, a.samples or 2, a.seed, CLOCKS[a.clock], log,
-                           fork_batches=a.fork_batch or (0,))
-    return _write_rows(a, rows, sweep_goal_lines(rows), sweep_markdown(rows), desc, device, log, t0, "sweep",
-                       "shared and separate interleaved sample by sample; every configuration decodes exactly its new "
-                       "tokens")
+                           fork_batches=a.fork_batch or (0,), on_sample=lambda done: _write_rows(
+                               a, done, sweep_goal_lines(done), sweep_markdown(done), desc, device, None, t0, "sweep",
+                               about + f" (the samples so far, of {a.samples or 2}; the rest not measured)",
+                               show=False))
+    return _write_rows(a, rows, sweep_goal_lines(rows), sweep_markdown(rows), desc, device, log, t0, "sweep", about)
 
 
 def _write_batch(a: argparse.Namespace, rows: list[dict], desc: str, device: torch.device, log, t0: float,

@@ -79,10 +79,12 @@ def _timed(model: Any, clock: Callable[[], float], run: Callable[[], list[Any]])
 
 def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], samples: int, seed: int,
                     clock: Callable[[], float], log: Callable[[str], None] | None = None,
-                    fork_batches: Sequence[int] = (0,)) -> list[dict[str, Any]]:
+                    fork_batches: Sequence[int] = (0,),
+                    on_sample: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """One row per design and batch K: the design run shared (generate_batch with batch=K: a sample's runs whose
     policies select alike as the rows of one cache, K at a time) and separately, over the same samples; every way of a
-    design runs each sample back to back with the others, the order rotating from sample to sample."""
+    design runs each sample back to back with the others, the order rotating from sample to sample. `on_sample` is
+    called after every sample but the last with the rows so far (a bench stopped early leaves them)."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     rows = []
     for design in designs:
@@ -115,24 +117,33 @@ def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], sampl
                 shared = ", ".join(f"shared K={k} {seconds[k]:.1f} s (identical {identical[k]}/"
                                    f"{configs * (s + 1)})" for k in fork_batches)
                 log(f"  {design.name} sample {s + 1}/{samples}: separate {seconds[None]:.1f} s, {shared} so far")
-        work = configs * samples
-        for k in fork_batches:
-            rows.append({
-                "design": design.name, "protocol": design.protocol, "block": design.block,
-                "policies": list(design.policies), "budgets": list(design.budgets), "configurations": configs,
-                "samples": samples, "prompt_tokens": design.length, "new_tokens": design.new_tokens,
-                "fork_batch": k,
-                "shared_s": round(seconds[k], 3), "separate_s": round(seconds[None], 3),
-                "shared_per_hour": round(work / seconds[k] * 3600, 1),
-                "separate_per_hour": round(work / seconds[None] * 3600, 1),
-                "speedup": round(seconds[None] / seconds[k], 3),
-                "sample_ratios": [round(a / b, 3) for a, b in zip(each[None], each[k])],
-                "identical": identical[k], "pairs": work, "first_difference": first_difference[k],
-                "goal": design.goal,
-                # the process's peak RSS when the design ended: the largest of its ways (one process runs them all)
-                "process_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            })
+            if on_sample is not None and (s + 1 < samples or design is not designs[-1]):
+                on_sample(rows + _rows(design, each, identical, first_difference))
+        rows += _rows(design, each, identical, first_difference)
     return rows
+
+
+def _rows(design: Design, each: dict[int | None, list[float]], identical: dict[int, int],
+          first_difference: dict[int, Any]) -> list[dict[str, Any]]:
+    """A design's row per batch K from its samples so far: `each` way's seconds per sample (None: separate)."""
+    configs, samples = len(design.policies) * len(design.budgets), len(each[None])
+    seconds = {w: sum(times) for w, times in each.items()}
+    work = configs * samples
+    return [{
+        "design": design.name, "protocol": design.protocol, "block": design.block,
+        "policies": list(design.policies), "budgets": list(design.budgets), "configurations": configs,
+        "samples": samples, "prompt_tokens": design.length, "new_tokens": design.new_tokens,
+        "fork_batch": k,
+        "shared_s": round(seconds[k], 3), "separate_s": round(seconds[None], 3),
+        "shared_per_hour": round(work / seconds[k] * 3600, 1),
+        "separate_per_hour": round(work / seconds[None] * 3600, 1),
+        "speedup": round(seconds[None] / seconds[k], 3),
+        "sample_ratios": [round(a / b, 3) for a, b in zip(each[None], each[k])],
+        "identical": identical[k], "pairs": work, "first_difference": first_difference[k],
+        "goal": design.goal,
+        # the process's peak RSS so far: the largest of its ways (one process runs them all)
+        "process_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    } for k in identical]
 
 
 def _label(design: Design, j: int) -> str:
