@@ -15,6 +15,7 @@ the timed rounds.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import gc
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from torch._dynamo.utils import counters
 
 from kvbench.bench.goals import add_ratios
 from kvbench.bench.hfloop import HFLoop, Lockstep, hf_layer_sizes
@@ -138,7 +138,7 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
     """One call of configuration `cfg` on `prompt` (default: a random prompt); raw numbers for one round, timed by
     `clock` (CLOCKS: wall time, or the process's CPU time). `layer_sizes`: HF's own loop at those per-layer cache
     sizes (`hf_generate`). A kvbench call's `layer_tokens`: each layer's tokens per KV head at its first decoding
-    step (GenerationResult.layer_tokens); its `cudagraph_skips`: the CUDA graphs torch's compiler skipped during it
+    step (GenerationResult.layer_tokens); a compiled call's `cudagraph_skips`: the CUDA graphs torch skipped during it
     (on CUDA a compiled forward that is not a CUDA graph runs its kernels one launch each). `lockstep` (a kvbench
     configuration with a budget): HF's own decoding one step after each of the call's (`Lockstep`), its numbers as
     `hf_decode_s`, `hf_decode_steps`, `hf_layer_sizes` and `hf_tokens`; the call's peak RSS then includes HF's cache
@@ -158,12 +158,15 @@ def measure(model: Any, cfg: Config, new_tokens: int, mem: PeakMemory, seed: int
         settings = GenerationSettings(block=cfg.block, max_new_tokens=new_tokens, **variant(cfg.policy)[1])
         hf = Lockstep(model, ids, cfg.budget, new_tokens, CLOCKS[clock]) if lockstep else None
         observer = Observer(clock=hf.clock, on_step=hf.on_step) if hf else Observer(clock=CLOCKS[clock])
-        skips = counters["inductor"]["cudagraph_skips"]
+        if settings.compile:  # torch's compiler counters: imported where a call compiles, not at every start-up
+            from torch._dynamo.utils import counters
+            skips = counters["inductor"]["cudagraph_skips"]
         res = generate(model, policy, ids, settings, observer=observer)
         m = {"prefill_s": res.prefill_s, "decode_s": res.decode_s, "decode_steps": res.decode_steps,
              "tokens": res.tokens, "evict_prefill_s": res.evict_prefill_s, "evict_decode_s": res.evict_decode_s,
-             "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak, "layer_tokens": res.layer_tokens,
-             "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips}
+             "peak_kv_tokens": res.peak_kv_tokens, "kv_bytes_peak": res.kv_bytes_peak, "layer_tokens": res.layer_tokens}
+        if settings.compile:
+            m["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
         if hf is not None:
             m.update(hf.finish(), hf_reference="lockstep")
     m["cpu_per_wall"] = (time.process_time() - c0) / max(time.perf_counter() - w0, 1e-9)
@@ -265,10 +268,9 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
         raise BenchError(f"an HF reference ({hf_reference}) needs the hf-decode baseline (--baselines hf)")
     mem = PeakMemory(model.device)
     # per policy, the CUDA graphs torch skipped over all its calls (its first calls record them, the warm-up's too)
-    skipped: dict[str, int] = {}
+    skipped: collections.Counter[str] = collections.Counter()
     for c, n in warm_ups(configs, new_tokens, model.device.type):
-        m = measure(model, c, n, mem, seed, prompt, clock)
-        skipped[c.policy] = skipped.get(c.policy, 0) + m.get("cudagraph_skips", 0)
+        skipped[c.policy] += measure(model, c, n, mem, seed, prompt, clock).get("cudagraph_skips", 0)
     counted: dict[tuple[str, int | None, int | None], dict[str, Any]] = {}
     for c in configs if syncs else ():
         key = (c.policy, c.budget, c.block)
@@ -292,7 +294,7 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
                 m.update(hf_decode_s=h["decode_s"], hf_decode_steps=h["decode_steps"], hf_layer_sizes=sizes,
                          hf_reference="beside")
             raw[c].append(m)
-            skipped[c.policy] = skipped.get(c.policy, 0) + m.get("cudagraph_skips", 0)
+            skipped[c.policy] += m.get("cudagraph_skips", 0)
             if log:
                 log(f"round {r + 1}/{repeats} {c.policy:>12} N={c.budget} B={c.block} T={c.prompt_tokens}: "
                     f"prefill {m['prefill_s']:.3f} s (evict {m['evict_prefill_s']:.3f}), decode {m['decode_s']:.3f} s "
@@ -305,13 +307,13 @@ def run_bench(model: Any, configs: Sequence[Config], new_tokens: int, repeats: i
 
 
 def _rows(configs: Sequence[Config], raw: dict[Config, list[dict[str, Any]]], counted: dict[tuple, dict[str, Any]],
-          skipped: dict[str, int], model: Any, model_desc: str, rss_method: str,
+          skipped: collections.Counter[str], model: Any, model_desc: str, rss_method: str,
           clock: str) -> list[dict[str, Any]]:
     """One row per configuration from its calls so far, with the ratios between rows (goals.add_ratios); a compiled
     one (NAME+compiled) with `cudagraph_skips`, the CUDA graphs torch skipped in its policy's calls so far."""
     rows = [{**_row(c, raw[c], model, model_desc, rss_method), "clock": clock,
              **counted.get((c.policy, c.budget, c.block), NO_SYNCS),
-             **({"cudagraph_skips": skipped.get(c.policy, 0)} if variant(c.policy)[1].get("compile") else {})}
+             **({"cudagraph_skips": skipped[c.policy]} if variant(c.policy)[1].get("compile") else {})}
             for c in configs]
     add_ratios(rows)
     return rows
