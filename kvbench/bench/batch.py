@@ -108,6 +108,11 @@ def run_batch_bench(model: Any, tokenizer: Any, policies: Sequence[str], batches
         prompts = batch_prompts(model, tokenizer, length, count, seed)
         cells = [(name, k) for name in [*policies, *([HF] if hf else [])] for k in batches]
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
+
+        def measured() -> list[dict[str, Any]]:  # the workload's rows from its rounds so far
+            return [_row(workload, name, k, runs[(name, k)], runs[(name, 1)], prompts, new_tokens, budget, block)
+                    for name, k in cells]
+
         for r in range(rounds):
             for name, k in cells[r % len(cells):] + cells[:r % len(cells)]:
                 t0 = time.perf_counter()
@@ -118,10 +123,8 @@ def run_batch_bench(model: Any, tokenizer: Any, policies: Sequence[str], batches
                 if log and rounds > 1:
                     log(f"  round {r + 1}/{rounds} {workload:9s} {name:13s} K={k}: {m['seconds']:.1f} s")
             if on_round is not None and (r + 1 < rounds or workload != workloads[-1]):
-                on_round(rows + [_row(workload, name, k, runs[(name, k)], runs[(name, 1)], prompts, new_tokens, budget,
-                                      block) for name, k in cells])
-        for name, k in cells:
-            row = _row(workload, name, k, runs[(name, k)], runs[(name, 1)], prompts, new_tokens, budget, block)
+                on_round(rows + measured())
+        for (name, k), row in zip(cells, measured()):
             rows.append(row)
             if log:
                 log(f"  {workload:9s} {name:13s} K={k}: {row['seconds']:.1f} s, {row['samples_per_hour']:.0f} "
