@@ -3,6 +3,7 @@
 #
 #   bash scripts/bench_sweep.sh [OUT]     # default OUT: results/bench_sweep
 #   PREFILL_ONCE=1 bash scripts/bench_sweep.sh [OUT]   # the prefill_once design alone: OUT/static_prefill_once.*
+#   TOGETHER=1 bash scripts/bench_sweep.sh [OUT]   # niah_grid and six_policies decoding together: OUT/together_*
 #
 # Design, samples and CPU budget: results/bench_sweep/RUN.md.
 set -euo pipefail
@@ -17,6 +18,16 @@ IDENTITY=(python scripts/batch_identity.py --batch 1 --shard 0/5)
 if [ "${PREFILL_ONCE:-0}" = 1 ]; then
     /usr/bin/time -v "${BENCH[@]}" --sweep prefill_once --fork-batch 1 --out "$OUT/static_prefill_once.json" \
         > "$OUT/static_prefill_once.log" 2>&1
+    exit
+fi
+if [ "${TOGETHER:-0}" = 1 ]; then  # a cache each, every cache's decoding steps as one forward (share_rows=decode)
+    pids=()
+    for design in niah_grid six_policies; do
+        /usr/bin/time -v "${BENCH[@]}" --sweep "$design" --fork-batch 1 --together --out "$OUT/together_$design.json" \
+            > "$OUT/together_$design.log" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
     exit
 fi
 {

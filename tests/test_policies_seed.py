@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvbench.policies.criticalkv as criticalkv_module
-from kvbench.engine.diagnostics import Diagnostics, key_logdet
+from kvbench.policies.diagnostics import Diagnostics, key_logdet
 from kvbench.run.records import aggregate_diagnostics as aggregate
 from kvbench.engine.generate import GenerationSettings, Observer, generate
 from kvbench.models.tiny import build_tiny_model

@@ -56,15 +56,15 @@ def test_compile_reaches_the_engine_and_is_not_in_the_key() -> None:
         RunSettings.from_config({"compile": "yes please"})
 
 
-def test_share_rows_is_true_false_or_auto_and_not_in_the_key() -> None:
-    # share_rows (auto by default: a shared group's runs of one policy class as the rows of one cache on CUDA, a cache
-    # each elsewhere) changes how a group runs, never its records but for a batch's rounding: not in the resume key;
+def test_share_rows_is_true_false_decode_or_auto_and_not_in_the_key() -> None:
+    # share_rows (auto by default: true on CUDA, decode elsewhere) changes how a group runs, never its records but for
+    # a batch's rounding: not in the resume key;
     # a group shares with runs of its own share_rows only (the rest of the settings are the group key's)
     plain = RunSettings.from_config({})
     assert RUN_DEFAULTS["share_rows"] == "auto" == plain.share_rows
-    for value in (True, False, "auto"):
+    for value in (True, False, "decode", "auto"):
         flipped = RunSettings.from_config({"share_rows": value})
         assert flipped.share_rows == value and flipped.key("keydiff") == plain.key("keydiff")
     assert RunSettings.from_config({"share_rows": True}).group_key() != plain.group_key()
-    with pytest.raises(ConfigError, match="share_rows must be true, false or auto, got 'rows'"):
+    with pytest.raises(ConfigError, match="share_rows must be true, false, decode or auto, got 'rows'"):
         RunSettings.from_config({"share_rows": "rows"})

@@ -40,7 +40,7 @@ def _prompt(n: int = T, seed: int = 0) -> list[int]:
 
 def _jobs(names: list[str], protocol: str, budgets: tuple[int, ...] = BUDGETS, scenario: str = "question_aware",
           score_from: int | None = None, seeds: tuple[int, ...] = (1,), sample: int = 7, n: int = T,
-          prompt_seed: int = 0) -> list[Job]:
+          prompt_seed: int = 0, trace: bool = True) -> list[Job]:
     jobs = []
     for name in names:
         for budget in budgets if name != "full" else budgets[:1]:
@@ -51,7 +51,7 @@ def _jobs(names: list[str], protocol: str, budgets: tuple[int, ...] = BUDGETS, s
                                               context_tokens=n - 9 if scenario == "context_only" else None,
                                               score_from=score_from)
                 jobs.append(Job(_prompt(n, prompt_seed), policy, settings, answer_ids=ANSWER,
-                                observer=Observer(trace=True)))
+                                observer=Observer(trace=trace)))
     return jobs
 
 
@@ -108,6 +108,58 @@ def test_batch_kv_bytes_peak_is_the_rows_held_together(model64) -> None:
     assert [r.batch_kv_bytes_peak for r in batched] == [622_592] * 2
 
 
+@pytest.mark.parametrize("protocol", ["blockwise", "prefill_once"])
+def test_caches_decoding_together_equal_separate(model64, protocol: str) -> None:
+    """`together`: every cache's decoding steps as the rows of one forward, each cache attending over and evicting its
+    own rows (a cache each, or a policy's budgets as one cache's rows): every result equals the job's own `generate`
+    (float64), and says it decoded as a row of all of them. A traced job decodes alone (its trace reads one cache)."""
+    for rows in (1, None):
+        together = generate_batch(model64, _jobs(POLICIES, protocol, trace=False), batch=rows, together=True)
+        alone = _separate(model64, _jobs(POLICIES, protocol, trace=False))
+        for a, res in zip(alone, together, strict=True):
+            _same(a, res, trace=False)
+        assert [r.batch_size for r in together] == [len(together)] * len(together)
+    jobs = _jobs(["keydiff", "tova"], protocol, trace=False)
+    jobs[0] = _jobs(["keydiff"], protocol)[0]  # traced
+    mixed = generate_batch(model64, jobs, batch=1, together=True)
+    assert [r.batch_size for r in mixed] == [1, 5, 5, 5, 5, 5]
+    for a, res in zip(_separate(model64, _jobs(["keydiff", "tova"], protocol)), mixed, strict=True):
+        _same(a, res, trace=res is mixed[0])
+
+
+def test_caches_decoding_together_share_each_step(model64) -> None:
+    """keydiff and tova at N = 40, 64, 200, 8 new tokens, a 4-token answer: each run feeds 7 decoding steps (the 8th
+    token is not fed) and 3 graded steps (its fork, alone per cache). A cache each, alone: 6 x 10 = 60 one-token
+    forwards of one row; decoding together: 7 forwards of 6 rows and 6 x 3 graded ones of one row."""
+    seen: list[int] = []
+
+    def hook(module: Any, args: Any, kwargs: dict) -> None:
+        if kwargs["input_ids"].shape[1] == 1:
+            seen.append(kwargs["input_ids"].shape[0])
+
+    handle = model64.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        generate_batch(model64, _jobs(["keydiff", "tova"], "blockwise", trace=False), batch=1)
+        assert seen == [1] * 60
+        seen.clear()
+        generate_batch(model64, _jobs(["keydiff", "tova"], "blockwise", trace=False), batch=1, together=True)
+    finally:
+        handle.remove()
+    assert sorted(seen) == [1] * 18 + [6] * 7
+
+
+def test_caches_decoding_together_hold_the_sum_of_their_peaks(model64) -> None:
+    """StreamingLLM at N = 40 and N = 200 as two caches (T = 101, B = 16, 2 new tokens: one decoding step), decoding
+    together, so both are held at once: per KV head the N = 40 cache holds at most 56 (40 + a block), the N = 200 one
+    102 (the prompt and the step's token): 158 x 2 layers x 2 heads x 1,024 bytes (K+V, 2 x 64 float64) = 647,168,
+    what each result reports as its batch's; each its own peak as alone."""
+    jobs = [Job(_prompt(), make_policy("streamingllm", n, 1), GenerationSettings(block=B, max_new_tokens=2))
+            for n in (40, 200)]
+    res = generate_batch(model64, jobs, batch=1, together=True)
+    assert [r.kv_bytes_peak for r in res] == [56 * 4 * 1024, 102 * 4 * 1024]
+    assert [(r.batch_size, r.batch_kv_bytes_peak) for r in res] == [(2, 647_168)] * 2
+
+
 def _count_prompt_forwards(model: Any) -> tuple[list[int], Any]:
     count = [0]
 
@@ -162,8 +214,8 @@ def test_shared_bytes_bound() -> None:
     16: 536, x 2 heads = 1,072; TOVA reads its window's attention (query_window 1): 4 query heads x 2 rows x 4 = 32
     a slot of a layer; x 2 layers = 2,208 per slot of a row. T = 101, 8 new tokens + a 4-token answer: 113 slots a
     row. Five jobs (K-norm, StreamingLLM, KeyDiff, TOVA at N = 64, the full cache): 5 x 113 x 2,208 = 1,247,520; at
-    most 1 row a cache: that row and up to 2 shared trunks, 3 x 113 x 2,208 = 748,512. Without TOVA (4 jobs):
-    4 x 113 x 2,144 = 969,088."""
+    most 1 row a cache: that row and up to 2 shared trunks, 3 x 113 x 2,208 = 748,512; decoding together, every
+    cache is held with them: 7 x 113 x 2,208 = 1,746,528. Without TOVA (4 jobs): 4 x 113 x 2,144 = 969,088."""
     from kvbench.run.loop import shared_bytes
 
     model32 = installed_model("tiny-llama", output_scale=1.0)[0]
@@ -173,6 +225,7 @@ def test_shared_bytes_bound() -> None:
         jobs.append(Job(_prompt(), policy, GenerationSettings(block=B, max_new_tokens=8), answer_ids=ANSWER))
     assert shared_bytes(model32, jobs) == 1_247_520
     assert shared_bytes(model32, jobs, batch=1) == 748_512
+    assert shared_bytes(model32, jobs, batch=1, together=True) == 1_746_528
     assert shared_bytes(model32, [j for j in jobs if j.policy.name != "tova"]) == 969_088
 
 
@@ -256,6 +309,22 @@ def test_bench_sweep_measures_both_ways(tmp_path) -> None:
     assert data["goals"] == sweep_goal_lines(data["rows"])
     assert "identical predictions" in (tmp_path / "sweep.md").read_text()
     assert len(row["sample_ratios"]) == 2 and all(x > 0 for x in row["sample_ratios"])
+
+
+def test_bench_sweep_together_row(tmp_path) -> None:
+    """--together: the shared way decodes every cache's steps as one forward's rows; its row and table say so."""
+    import json
+
+    from kvbench.bench import cli as bench
+
+    out = tmp_path / "sweep.json"
+    assert bench.main(["--arch", "tiny-llama", "--sweep", "six_policies", "--policies", "keydiff,tova", "--budgets",
+                       "40", "--lengths", "61", "--block", "16", "--new-tokens", "3", "--samples", "1", "--threads",
+                       "1", "--clock", "cpu", "--fork-batch", "1", "--together", "--out", str(out), "--quiet"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["fork_batch"], row["decode_together"], row["pairs"]) == (1, True, 2)
+    assert "| 1 | yes |" in (tmp_path / "sweep.md").read_text()
+    assert "(rows per cache 1, decoding together)" in json.loads(out.read_text())["goals"][0]
 
 
 def test_bench_sweep_stopped_after_a_sample_leaves_it(tmp_path, monkeypatch) -> None:

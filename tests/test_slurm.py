@@ -418,8 +418,8 @@ def test_preempted_job_resumes_cancelled_job_fails_fast_and_a_relaunch_finishes(
 def test_a_group_is_one_array_task_and_its_runs_equal_separate_local_runs(cluster: None, tmp_path: Path) -> None:
     """policy=keydiff,tova budget=64,96 (runs differing only in policy and budget: one shared-work group) and
     seed=0,1 (two groups): two array tasks, one CPU each, each running its four runs sample-major, each run in a cache
-    of its own from one shared trunk (share_rows auto on a CPU node); every run's records equal the same job run
-    locally alone (on one thread, as the tasks ran; float64), timings aside."""
+    of its own from one shared trunk, the four decoding together (share_rows auto on a CPU node); every run's records
+    equal the same job run locally alone (on one thread, as the tasks ran; float64), timings aside."""
     import torch
 
     from kvbench.run.app import Session
@@ -456,7 +456,8 @@ def _compare_with_local(sweep: Path, tmp_path: Path, job: list[str], data: Path,
             for seed in (0, 1):
                 run = sweep / f"{policy}_N{budget}_s{seed}"
                 records = _lines(run / "predictions.jsonl")
-                assert not any("batch" in r for r in records)  # share_rows auto on a CPU: a cache each
+                # share_rows auto on a CPU: a cache each, the four decoding as the rows of one forward
+                assert [r["batch"]["size"] for r in records] == [4] * len(records)
                 # the four caches of a sample share a trunk, each taking it over to its own first eviction: the blocks
                 # of 16 up to the first to end past N (80 for N = 64, 112 for N = 96)
                 end = 80 if budget == 64 else 112

@@ -1,7 +1,8 @@
 """Shared-work sweeps in the run layer (kvbench.run.app.run_members / run_group, kvbench.run.loop.run_shared, the
 in-process launcher): a sweep's runs that differ only in policy and budget run sample-major, each sample's runs
 through `generate_batch` together (from one shared trunk; with share_rows=true the runs whose policies select alike,
-a policy's budgets, as the rows of one cache; the default on a CPU, a cache each), each into its own run directory
+a policy's budgets, as the rows of one cache; the default on a CPU, a cache each; both: every cache's decoding steps as
+the rows of one forward), each into its own run directory
 with the records it has alone (timings and the record's `batch` aside; in float64, where a K-row product cannot round
 a near-tie the other way); share=false runs alone; a kill mid-group resumes per (run, sample) to the same records;
 the CLI's sweep and a `compare` job share."""
@@ -86,17 +87,15 @@ def test_a_shared_sweep_writes_what_separate_runs_write(separate: tuple[Path, Pa
         theirs = json.loads((alone / protocol / m.run_dir.name / "metrics.json").read_text())
         assert mine["scores"] == theirs["scores"] and mine["average"] == theirs["average"]
         assert {p.name for p in m.run_dir.iterdir()} == {p.name for p in (alone / protocol / m.run_dir.name).iterdir()}
-    # What went as the rows of one cache, by hand: a policy's two budgets (the full cache's too: its budget is never
-    # used), under either protocol; random draws from its own generator per sample (sample_state), so it runs alone.
+    # Every run decoded as a row of one forward with the sample's 7 others (a policy's two budgets the rows of one
+    # cache, the full cache's too: its budget is never used; random a cache of its own: it draws from its own
+    # generator per sample), under either protocol; the K+V they held together is at least each run's own.
     for m in members:
         records = _lines(m.run_dir / "predictions.jsonl")
         stats = json.loads((m.run_dir / "metrics.json").read_text())["stats"]
-        if m.name == "random":
-            assert all("batch" not in r for r in records) and "batch_size" not in stats, m.run_dir
-        else:
-            assert {r["batch"]["size"] for r in records} == {2} and stats["batch_size"] == 2, m.run_dir
-            assert all(r["batch"]["kv_bytes_peak"] >= r["kv_bytes_peak"] for r in records)
-            assert stats["batch_kv_bytes_peak"] == max(r["batch"]["kv_bytes_peak"] for r in records)
+        assert {r["batch"]["size"] for r in records} == {8} and stats["batch_size"] == 8, m.run_dir
+        assert all(r["batch"]["kv_bytes_peak"] >= r["kv_bytes_peak"] for r in records)
+        assert stats["batch_kv_bytes_peak"] == max(r["batch"]["kv_bytes_peak"] for r in records)
     # The shared trunk, by hand: blockwise, keydiff's and snapkv's caches (rows N = 64 and 4096) share the blocks up
     # to 80 (the first block to end past 64); the full cache prefills in one forward, a plan of its own; under
     # prefill_once the three share the prompt's one forward; random never shares one.
@@ -165,14 +164,15 @@ def test_a_kill_mid_group_resumes_per_run_and_sample(separate: tuple[Path, Path]
     for name, recs in records.items():
         assert _untimed(tmp_path / name) == _untimed(alone / "blockwise" / name)
         assert [r["id"] for r in recs] == ["s0", "s1", "s2", "s3"]
-    assert all("batch" not in r for r in records["snapkv_N64"])  # another class than keydiff: always alone
 
 
 def test_a_resumed_groups_runs_batch_where_they_meet(separate: tuple[Path, Path], tmp_path: Path) -> None:
-    # keydiff N = 4096 runs samples 0-2 alone (N = 64 had them from before the kill), sample 3 as a row with N = 64
+    # keydiff N = 4096 runs sample 0 alone (keydiff N = 64 had samples 0-2 from before the kill, snapkv sample 0),
+    # samples 1-2 decoding with snapkv's cache, sample 3 as a row of keydiff's cache with N = 64, decoding with snapkv
     records = _kill_and_resume(separate, tmp_path)
-    assert [r.get("batch", {}).get("size") for r in records["keydiff_N4096"]] == [None, None, None, 2]
-    assert [r.get("batch", {}).get("size") for r in records["keydiff_N64"]] == [None, None, None, 2]
+    assert [r.get("batch", {}).get("size") for r in records["keydiff_N4096"]] == [None, 2, 2, 3]
+    assert [r.get("batch", {}).get("size") for r in records["keydiff_N64"]] == [None, None, None, 3]
+    assert [r.get("batch", {}).get("size") for r in records["snapkv_N64"]] == [None, 2, 2, 3]
 
 
 def test_the_cli_sweep_shares_and_sigkill_mid_group_resumes(separate: tuple[Path, Path], tmp_path: Path) -> None:
@@ -205,9 +205,9 @@ def test_the_cli_sweep_shares_and_sigkill_mid_group_resumes(separate: tuple[Path
     assert res.stdout.count("run directory: ") == 4
     # the last sample ran after the relaunch: keydiff's two budgets each in its own cache from one trunk, each taking
     # it over to its own first eviction (N = 64: the blocks to 80, the first to end past 64; N = 4096 never evicts
-    # this prompt: all of it), random alone
+    # this prompt: all of it), random's alone; the four caches decoded together (share_rows auto: decode)
     last = {run: _lines(killed / run / "predictions.jsonl")[-1] for run in runs}
-    assert not any("batch" in r for r in last.values())
+    assert [r["batch"]["size"] for r in last.values()] == [4] * 4
     assert [last[run].get("trunk_tokens") for run in runs] == [last["keydiff_N4096"]["prompt_tokens"], 80, None, None]
 
 
@@ -220,8 +220,9 @@ def test_a_compare_job_shares(separate: tuple[Path, Path], tmp_path: Path) -> No
     run_configured(cfg, {}, tmp_path)
     for name in ("keydiff", "snapkv"):
         assert _untimed(tmp_path / name) == _untimed(alone / "blockwise" / f"{name}_N64")
-        # one budget, two classes: each sample's two runs go through generate_batch together, each alone in it
-        assert all("batch" not in r for r in _lines(tmp_path / name / "predictions.jsonl"))
+        # one budget, two classes: each sample's two runs go through generate_batch together, a cache each, decoding
+        # as the rows of one forward (share_rows auto on a CPU: decode)
+        assert [r["batch"]["size"] for r in _lines(tmp_path / name / "predictions.jsonl")] == [2] * N_SAMPLES
 
 
 def test_batch_size_groups_share_too(separate: tuple[Path, Path], tmp_path: Path) -> None:
@@ -260,9 +261,10 @@ def test_a_group_too_big_for_memory_splits_with_one_line(separate: tuple[Path, P
     monkeypatch.setattr(loop, "memory_limit", lambda model: limit)
     real, parts_seen = loop.split_to_fit, []
 
-    def spy(model, jobs, batch, lim):
-        parts = real(model, jobs, batch, lim)
-        assert all(len(p) == 1 or loop.shared_bytes(model, [jobs[k] for k in p], batch) <= lim for p in parts)
+    def spy(model, jobs, batch, lim, together):
+        parts = real(model, jobs, batch, lim, together)
+        assert all(len(p) == 1 or loop.shared_bytes(model, [jobs[k] for k in p], batch, together) <= lim
+                   for p in parts)
         parts_seen.append(len(parts))
         return parts
 

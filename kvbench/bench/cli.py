@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fork-batch", type=_counts, default=None,
                    help="with --sweep: at most how many of a sample's runs go as the rows of one cache, one shared "
                         "way per value, e.g. 1,12 (default 0: all of a policy's budgets; 1: each run's own trunk)")
+    p.add_argument("--together", action="store_true",
+                   help="with --sweep: the shared ways decode every cache's steps as the rows of one forward "
+                        "(share_rows=decode with --fork-batch 1, share_rows=true with 0)")
     p.add_argument("--compiled", action="store_true",
                    help="measure every policy twice: eager (the default) and with each forward and its eviction "
                         "as one compiled graph (row NAME+compiled); NAME+compiled in --policies picks single ones")
@@ -156,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error("--sweep and --batch are separate measurements; give one")
     if a.fork_batch is not None and (a.sweep is None or any(k < 0 for k in a.fork_batch)):
         p.error("--fork-batch takes integers >= 0 and goes with --sweep")
+    if a.together and a.sweep is None:
+        p.error("--together goes with --sweep")
     if a.samples is not None and a.samples < 1:
         p.error("--samples must be positive")
     if a.model is not None and a.config is not None:
@@ -267,7 +272,7 @@ def _sweep(a: argparse.Namespace, log) -> int:
     t0 = time.perf_counter()
     about = "shared and separate interleaved sample by sample; every configuration decodes exactly its new tokens"
     rows = run_sweep_bench(model, tokenizer, designs, a.samples or 2, a.seed, CLOCKS[a.clock], log,
-                           fork_batches=a.fork_batch or (0,), on_sample=lambda done: _write_rows(
+                           fork_batches=a.fork_batch or (0,), together=a.together, on_sample=lambda done: _write_rows(
                                a, done, sweep_goal_lines(done), sweep_markdown(done), desc, device, None, t0, "sweep",
                                about + f" (the samples so far, of {a.samples or 2}; the rest not measured)",
                                show=False))

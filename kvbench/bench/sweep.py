@@ -79,10 +79,11 @@ def _timed(model: Any, clock: Callable[[], float], run: Callable[[], list[Any]])
 
 def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], samples: int, seed: int,
                     clock: Callable[[], float], log: Callable[[str], None] | None = None,
-                    fork_batches: Sequence[int] = (0,),
+                    fork_batches: Sequence[int] = (0,), together: bool = False,
                     on_sample: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """One row per design and batch K: the design run shared (generate_batch with batch=K: a sample's runs whose
-    policies select alike as the rows of one cache, K at a time) and separately, over the same samples; every way of a
+    policies select alike as the rows of one cache, K at a time; with `together` every cache's decoding steps as the
+    rows of one forward) and separately, over the same samples; every way of a
     design runs each sample back to back with the others, the order rotating from sample to sample. `on_sample` is
     called after every sample but the last with the rows so far (a bench stopped early leaves them)."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -100,7 +101,8 @@ def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], sampl
             for way in order:
                 jobs = _jobs(design, ids, clock, seed, s)
                 if way is not None:
-                    took, results = _timed(model, clock, lambda: generate_batch(model, jobs, batch=way or None))
+                    took, results = _timed(model, clock, lambda: generate_batch(
+                        model, jobs, batch=way or None, together=together))
                 else:
                     took, results = _timed(model, clock, lambda: [
                         generate(model, j.policy, list(j.input_ids), j.settings, observer=j.observer) for j in jobs])
@@ -118,13 +120,13 @@ def run_sweep_bench(model: Any, tokenizer: Any, designs: Sequence[Design], sampl
                                    f"{configs * (s + 1)})" for k in fork_batches)
                 log(f"  {design.name} sample {s + 1}/{samples}: separate {seconds[None]:.1f} s, {shared} so far")
             if on_sample is not None and (s + 1 < samples or design is not designs[-1]):
-                on_sample(rows + _rows(design, each, identical, first_difference))
-        rows += _rows(design, each, identical, first_difference)
+                on_sample(rows + _rows(design, each, identical, first_difference, together))
+        rows += _rows(design, each, identical, first_difference, together)
     return rows
 
 
 def _rows(design: Design, each: dict[int | None, list[float]], identical: dict[int, int],
-          first_difference: dict[int, Any]) -> list[dict[str, Any]]:
+          first_difference: dict[int, Any], together: bool) -> list[dict[str, Any]]:
     """A design's row per batch K from its samples so far: `each` way's seconds per sample (None: separate)."""
     configs, samples = len(design.policies) * len(design.budgets), len(each[None])
     seconds = {w: sum(times) for w, times in each.items()}
@@ -133,7 +135,7 @@ def _rows(design: Design, each: dict[int | None, list[float]], identical: dict[i
         "design": design.name, "protocol": design.protocol, "block": design.block,
         "policies": list(design.policies), "budgets": list(design.budgets), "configurations": configs,
         "samples": samples, "prompt_tokens": design.length, "new_tokens": design.new_tokens,
-        "fork_batch": k,
+        "fork_batch": k, "decode_together": together,
         "shared_s": round(seconds[k], 3), "separate_s": round(seconds[None], 3),
         "shared_per_hour": round(work / seconds[k] * 3600, 1),
         "separate_per_hour": round(work / seconds[None] * 3600, 1),
@@ -174,24 +176,33 @@ def sweep_goal_lines(rows: list[dict[str, Any]]) -> list[str]:
         verdict, passed, p = (goal_verdict(each, r["goal"], "sample") if each else
                               goal_verdict([r["speedup"]], r["goal"], "pooled ratio"))
         per = f", per sample {', '.join(f'{x:.2f}' for x in each)}" if each else ""
-        lines.append(f"{r['design']} (rows per cache {r.get('fork_batch') or 'all'}): shared vs separate "
+        lines.append(f"{r['design']} ({_way(r)}): shared vs separate "
                      f"{r['speedup']:.2f}x configurations x samples per hour{per}: {verdict}; identical predictions "
                      f"{r['identical']}/{r['pairs']}")
         if p is not None:
-            family.append((f"{r['design']} K={r.get('fork_batch') or 'all'}", passed, p))
+            family.append((f"{r['design']} K={r.get('fork_batch') or 'all'}{' together' * _together(r)}", passed, p))
     held = family_line(family, "sweep goals", ("PASS", "MISS"), over="samples")
     return lines if held is None else [*lines, held]
 
 
+def _together(row: dict[str, Any]) -> bool:
+    return bool(row.get("decode_together"))  # (absent from tables written before the option)
+
+
+def _way(row: dict[str, Any]) -> str:
+    return f"rows per cache {row.get('fork_batch') or 'all'}" + (", decoding together" if _together(row) else "")
+
+
 def sweep_markdown(rows: list[dict[str, Any]]) -> str:
     head = ("| design | protocol | B | configurations | samples | prompt / new tokens | rows per cache | "
-            "shared (s) | separate (s) | shared cfg x samples / h | separate cfg x samples / h | speed-up | "
-            "identical predictions |")
+            "decoding together | shared (s) | separate (s) | shared cfg x samples / h | separate cfg x samples / h | "
+            "speed-up | identical predictions |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         out.append(f"| {r['design']} | {r['protocol']} | {r['block'] or '-'} | {r['configurations']} "
                    f"({len(r['policies'])} x N={','.join(map(str, r['budgets']))}) | {r['samples']} | "
                    f"{r['prompt_tokens']} / {r['new_tokens']} | {r.get('fork_batch') or 'all'} | "
+                   f"{'yes' if _together(r) else 'no'} | "
                    f"{r['shared_s']:.1f} | {r['separate_s']:.1f} | {r['shared_per_hour']:.0f} | {r['separate_per_hour']:.0f} | "
                    f"{r['speedup']:.2f} | {r['identical']}/{r['pairs']} |")
     return "\n".join(out)

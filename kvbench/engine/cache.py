@@ -330,6 +330,34 @@ class SlotCache(Cache):
         return [(self.where[i][0].pos[self.where[i][1]] >= 0).sum(dim=-1) for i in range(self.num_layers)]
 
 
+class Caches(Cache):
+    """Several slot caches as one forward's batch (generate._Together: the decoding steps of a sample's runs, each with
+    a cache of its own): the forward's rows are the caches' rows in order; each cache writes, attends over (in
+    `slot_attention`) and keeps its own rows, and the model's other layers see one batch."""
+
+    def __init__(self, caches: Sequence[SlotCache]) -> None:
+        super().__init__(layers=[])
+        self.caches = list(caches)
+        self.sizes = [c.seen.shape[0] for c in self.caches]  # each cache's rows
+        self.no_mask = self.caches[0].no_mask
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # each cache's buffers of the layer being run (`update`)
+        self.layer_tokens: list[int] | None = None  # as SlotCache's (no observer reads it here)
+
+    def begin(self, positions: torch.Tensor, causal: bool = False) -> None:
+        for cache, p in zip(self.caches, positions.split(self.sizes)):
+            cache.begin(p, causal)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.kv = [c.update(k, v, layer_idx) for c, k, v in
+                   zip(self.caches, key_states.split(self.sizes), value_states.split(self.sizes))]
+        return key_states, value_states  # slot_attention reads each cache's own (`kv`)
+
+    def settle(self) -> None:
+        for cache in self.caches:
+            cache.settle()
+
+
 # -- eviction ---------------------------------------------------------------------------------------------------------
 def select(policy: Policy, view: SlotView, counts: torch.Tensor) -> torch.Tensor:
     """(L, b, h_kv, S) bool: the slots an eviction frees. Each head keeps its top `counts` (L, b, 1) tokens (the
@@ -351,6 +379,10 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
     to a query when it holds a token at a position up to the query's (and within the layer's sliding window). Feeds
     the policy what it asked for (its query window, the attention probabilities). Returns (b, t, h_q, d)."""
     cache = slot_cache
+    if isinstance(cache, Caches):  # each cache's rows attend over its own slots
+        parts = [slot_attention(module, q, k, v, attention_mask, scaling, dropout, slot_cache=c, **kwargs)[0]
+                 for c, q, (k, v) in zip(cache.caches, query.split(cache.sizes), cache.kv)]
+        return torch.cat(parts), None
     if cache is None:  # a forward outside kvbench's loop (HF's own generate, a plain forward): HF's sdpa
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvbench.engine.cache import IMPL, PAD, SlotCache, evicted_layers, forward, install, select
-from kvbench.engine.diagnostics import Diagnostics
+from kvbench.engine.cache import IMPL, PAD, Caches, SlotCache, evicted_layers, forward, install, select
+from kvbench.policies.diagnostics import Diagnostics
 from kvbench.models.generation import greedy_processors
 from kvbench.options import PROTOCOLS
 from kvbench.policies.base import Policy
@@ -36,7 +36,7 @@ class GenerationSettings:
     decoding steps evict. `stop_ids` end the answer (not emitted); `min_new_tokens` holds them off as generate's
     min_new_tokens does. `scenario="context_only"` with `context_tokens`: only the prompt's first `context_tokens`
     tokens are ever evicted (the question after them is not, nor the answer after it). `diagnostics` names
-    kvbench.engine.diagnostics measures taken at every eviction. `score_from`: the language-modelling score (None:
+    kvbench.policies.diagnostics measures taken at every eviction. `score_from`: the language-modelling score (None:
     not measured): the log-probability of each prompt token t + 1 given what the cache holds when position t goes
     in, for every prompt position t >= score_from (GenerationResult.lm_logprobs). `compile`: each forward with its
     eviction as one compiled graph (eager's predictions up to rounding; eviction time is not measured apart).
@@ -254,6 +254,11 @@ class Batch:
         # diagnostics observe the eviction from the host: a diagnosed batch evicts outside the compiled forward
         self.in_graph = self.compiled and not any(self.diagnosed)
         self.start, self.trunk_logits = 0, None  # the first prompt round to run, and the logits before it (`adopt`)
+        # set by `_prompt`: the logits to decode from (K, vocab), the graded branch's log-probabilities and seconds
+        # per row, and the tokens each row's layers hold per head after the prompt (K, layers)
+        self.logits = self.after_prompt = torch.empty(0)
+        self.graded: list[list[torch.Tensor]] = []
+        self.graded_s: list[float] = []
 
     def adopt(self, trunk: Trunk) -> None:
         """Every row starts from `trunk` (one prompt and plan): its forwards done, their time each row's share; the
@@ -451,36 +456,41 @@ def _lm(row: _Row) -> tuple[list[float] | None, list[bool] | None]:
     return torch.cat([p for p, _ in row.lm]).tolist(), torch.cat([h for _, h in row.lm]).tolist()
 
 
-def _rows(model: Any, jobs: Sequence[Job], trunk: Trunk | None = None) -> list[GenerationResult]:
-    """Every job as one row of one slot cache: the prompt (from `trunk` on when given), the graded branch of the
-    jobs with an answer (teacher-forced through a fork of the cache taken after the prompt), greedy decoding."""
+def _prompt(model: Any, jobs: Sequence[Job], trunk: Trunk | None = None) -> Batch:
+    """Every job as one row of one slot cache, through its prompt (from `trunk` on when given) and the graded branch
+    of the jobs with an answer (teacher-forced through a fork of the cache taken after the prompt); the batch is
+    then ready to decode from `batch.logits` (K, vocab)."""
     batch = Batch(model, jobs)
     if trunk is not None:
         batch.adopt(trunk)
-    logits = _prefill(batch)
+    batch.logits = _prefill(batch)
     if batch.cache.view is not None:
         batch.cache.view.decoding = True
-    graded: list[list[torch.Tensor]] = [[] for _ in jobs]
-    graded_s = [0.0] * len(jobs)
+    batch.graded, batch.graded_s = [[] for _ in jobs], [0.0] * len(jobs)
     if any(j.answer_ids for j in jobs):
         main, before = batch.cache, [r.time_s["decode"] for r in batch.rows]
         batch.cache, batch.tracing = main.fork().static() if batch.compiled else main.fork(), False
-        graded = _decode(batch, logits, graded=True)
+        batch.graded = _decode(batch, batch.logits, graded=True)
         for k, r in enumerate(batch.rows):
-            graded_s[k], r.time_s["decode"] = r.time_s["decode"] - before[k], before[k]
+            batch.graded_s[k], r.time_s["decode"] = r.time_s["decode"] - before[k], before[k]
         batch.cache, batch.seen, batch.tracing = main, [r.T for r in batch.rows], True
-    after_prompt = torch.stack([h.amax(dim=-1) for h in batch.cache.held()], dim=1)  # (K, layers)
+    batch.after_prompt = torch.stack([h.amax(dim=-1) for h in batch.cache.held()], dim=1)  # (K, layers)
     if any(r.obs.on_step is not None for r in batch.rows):  # kvbench-bench's lockstep reads it (one host read)
-        batch.layer_tokens = (after_prompt[0] + 1).tolist()
-    _decode(batch, logits)
+        batch.layer_tokens = (batch.after_prompt[0] + 1).tolist()
+    return batch
+
+
+def _results(batch: Batch, size: int, held_together: torch.Tensor) -> list[GenerationResult]:
+    """Each row's result once decoded: `size` rows went through its decoding forwards, holding `held_together` (a
+    tensor) tokens per KV head at most over time."""
     # one host read: the peaks and each layer's tokens per head at the first decoding step (its token included)
-    values = torch.cat([batch.cache.peak, batch.cache.peak_total, batch.cache.peak_batch.view(1),
-                        (after_prompt + 1).view(-1)]).tolist()
-    K, per_token, width = len(jobs), batch.cache.bytes_per_head_token(), after_prompt.shape[1]
+    values = torch.cat([batch.cache.peak, batch.cache.peak_total, held_together.view(1),
+                        (batch.after_prompt + 1).view(-1)]).tolist()
+    K, per_token, width = len(batch.rows), batch.cache.bytes_per_head_token(), batch.after_prompt.shape[1]
     peaks, totals, together, tokens_at = values[:K], values[K:2 * K], values[2 * K], values[2 * K + 1:]
     out = []
     for k, r in enumerate(batch.rows):
-        lm = _lm(r)
+        lm, graded = _lm(r), batch.graded[k]
         out.append(GenerationResult(
             tokens=r.new, prompt_tokens=r.T, prefill_s=r.time_s["prefill"], decode_s=r.time_s["decode"],
             decode_steps=r.steps, evict_s=r.evict_s["prefill"] + r.evict_s["decode"],
@@ -488,10 +498,43 @@ def _rows(model: Any, jobs: Sequence[Job], trunk: Trunk | None = None) -> list[G
             kv_bytes_peak=totals[k] * per_token, trace=r.traces,
             diagnostics=r.diag.summary() if r.diag is not None else None,
             layer_tokens=tokens_at[k * width:(k + 1) * width] if r.steps else None,
-            answer_logprob=float(torch.stack(graded[k]).mean()) if graded[k] else None, graded_s=graded_s[k],
-            batch_size=K, batch_kv_bytes_peak=together * per_token, lm_logprobs=lm[0], lm_correct=lm[1],
+            answer_logprob=float(torch.stack(graded).mean()) if graded else None, graded_s=batch.graded_s[k],
+            batch_size=size, batch_kv_bytes_peak=together * per_token, lm_logprobs=lm[0], lm_correct=lm[1],
             trunk_tokens=r.trunk))
     return out
+
+
+class _Together(Batch):
+    """The decoding of several batches (caches) as one: each step one model forward of all their rows (`Caches`), each
+    cache attending over and evicting its own rows by its own policy. Eager, unobserved runs only (`_joins`)."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.__dict__.update(batches[0].__dict__)  # the model, its device and clock; eager
+        self.members = batches
+        self.rows = [r for b in batches for r in b.rows]
+        self.seen = [n for b in batches for n in b.seen]
+        self.cache = Caches([b.cache for b in batches])  # type: ignore[assignment]
+        self.diagnosed = [None] * len(self.rows)
+
+    def _split(self, values: list[Any]) -> list[tuple[Batch, list[Any]]]:
+        at = [0]
+        for b in self.members:
+            at.append(at[-1] + len(b.rows))
+        return [(b, values[i:j]) for b, i, j in zip(self.members, at, at[1:])]
+
+    def counts(self, evicting: list[bool]) -> list[torch.Tensor | None]:  # type: ignore[override]
+        for b, seen in self._split(self.seen):
+            b.seen = seen
+        return [b.counts(e) for b, e in self._split(evicting)]
+
+    def _evict(self, counts: list[torch.Tensor | None], evicting: list[bool]) -> float:  # type: ignore[override]
+        return sum(b._evict(n, e) for (b, e), n in zip(self._split(evicting), counts) if n is not None)
+
+
+def _joins(batch: Batch) -> bool:
+    """Whether a batch may decode together with others (`_Together`): eager, and no row observed per forward or step
+    (trace, diagnostics, on_step: they read one cache)."""
+    return not batch.compiled and not any(r.diag or r.obs.trace or r.obs.on_step for r in batch.rows)
 
 
 # -- shared trunks: the prompt forwards a sample's runs have in common, done once -----------------------------------
@@ -591,11 +634,14 @@ def _trunks(model: Any, parts: list[list[Job]]) -> list[Trunk | None]:
 
 
 @torch.inference_mode()
-def generate_batch(model: Any, jobs: Sequence[Job], batch: int | None = None) -> list[GenerationResult]:
+def generate_batch(model: Any, jobs: Sequence[Job], batch: int | None = None,
+                   together: bool = False) -> list[GenerationResult]:
     """`generate` for several runs at once: the jobs whose policies select alike (`slot_key`) go as the rows of one
     cache, at most `batch` rows at a time (None: all), each with its own prompt, budget and answer; the others alone.
     Caches of one prompt share a trunk (`_trunks`): the prompt forwards before the first eviction that may drop one
-    of their rows' tokens, done once for all of them; each cache starts from there.
+    of their rows' tokens, done once for all of them; each cache starts from there. With `together` the caches'
+    decoding steps go as the rows of one model forward (`_Together`: a CPU's matrix products read the weights once for
+    all of them), each cache attending over and evicting its own rows.
     Each result is the job's own `generate` result but for the timings (an equal share of each forward) and the
     batch's rounding: a forward multiplies K rows by the weights, which a CPU BLAS may round differently from one
     row, so a token can differ where two logits or two scores are within that rounding. Give each job its own policy
@@ -607,8 +653,23 @@ def generate_batch(model: Any, jobs: Sequence[Job], batch: int | None = None) ->
     parts = [members[at:at + (batch or len(members))] for members in groups.values()
              for at in range(0, len(members), batch or len(members))]
     results: list[GenerationResult | None] = [None] * len(jobs)
+    joined: list[tuple[list[int], Batch]] = []  # the parts decoding together
     for part, trunk in zip(parts, _trunks(model, [[jobs[j] for j in part] for part in parts])):
-        for j, res in zip(part, _rows(model, [jobs[j] for j in part], trunk)):
+        batch = _prompt(model, [jobs[j] for j in part], trunk)
+        if together and len(parts) > 1 and _joins(batch):
+            joined.append((part, batch))
+            continue
+        _decode(batch, batch.logits)
+        for j, res in zip(part, _results(batch, len(part), batch.cache.peak_batch)):
+            results[j] = res
+    if len(joined) == 1:
+        _decode(joined[0][1], joined[0][1].logits)
+    elif joined:
+        _decode(_Together([b for _, b in joined]), torch.cat([b.logits for _, b in joined]))
+    # every cache is held while they decode: the most they held together is at most the sum of each one's most
+    size, held = sum(len(p) for p, _ in joined), sum(b.cache.peak_batch for _, b in joined)
+    for part, batch in joined:
+        for j, res in zip(part, _results(batch, size, held)):
             results[j] = res
     return results  # type: ignore[return-value]
 

@@ -78,13 +78,14 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def shared_bytes(model: Any, jobs: Sequence[Job], batch: int | None = None) -> int:
-    """An upper bound of the K+V bytes `generate_batch(model, jobs, batch)` allocates at once beyond the model: per
+def shared_bytes(model: Any, jobs: Sequence[Job], batch: int | None = None, together: bool = False) -> int:
+    """An upper bound of the K+V bytes `generate_batch(model, jobs, batch, together)` allocates at once beyond the
+    model: per
     row of a batch, every layer at the run's largest capacity (the prompt and its answer, T + new), and per-token
     state (float32) and positions (int64) alike, and for a policy that reads its window's attention (query_window
-    w > 0, or diagnostics: w >= 1) the stored rows, h_q x (w + 1) float32 a slot; a cache's rows at a time, and the
-    shared trunks (a row each, at most 2: one per way of attending, each shared by 2 caches at least, so never more
-    rows than jobs)."""
+    w > 0, or diagnostics: w >= 1) the stored rows, h_q x (w + 1) float32 a slot; a cache's rows at a time (`together`:
+    every cache, held until they decode together), and the shared trunks (a row each, at most 2: one per way of
+    attending, each shared by 2 caches at least, so never more than half the jobs)."""
     cfg = model.config.get_text_config(decoder=True)
     layers, h_kv, h_q = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q
@@ -93,7 +94,8 @@ def shared_bytes(model: Any, jobs: Sequence[Job], batch: int | None = None) -> i
     per_slot = layers * (h_kv * (2 * head_dim * torch.finfo(model.dtype).bits // 8 + 8 + 4 * 4) + rows_per_slot)
     T = max(len(j.input_ids) for j in jobs)
     new = max(j.settings.max_new_tokens + len(j.answer_ids or ()) for j in jobs)
-    rows = min(len(jobs), (batch or len(jobs)) + 2)
+    trunks = min(2, len(jobs) // 2)
+    rows = len(jobs) + trunks if together else min(len(jobs), (batch or len(jobs)) + trunks)
     return rows * (T + new) * per_slot
 
 
@@ -110,12 +112,13 @@ def memory_limit(model: Any) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
-def split_to_fit(model: Any, jobs: list[Job], batch: int | None, limit: int) -> list[list[int]]:
+def split_to_fit(model: Any, jobs: list[Job], batch: int | None, limit: int,
+                 together: bool = False) -> list[list[int]]:
     """The jobs (indices, in order) in as few consecutive parts as keep each part's shared_bytes under `limit`; a
     job too big alone is a part of its own."""
     parts: list[list[int]] = [[]]
     for k in range(len(jobs)):
-        if parts[-1] and shared_bytes(model, [jobs[i] for i in parts[-1] + [k]], batch) > limit:
+        if parts[-1] and shared_bytes(model, [jobs[i] for i in parts[-1] + [k]], batch, together) > limit:
             parts.append([])
         parts[-1].append(k)
     return parts
@@ -181,8 +184,9 @@ class SharedRun:
 def run_shared(model: Any, tokenizer: Any, runs: list[SharedRun], task: Task,
                env: TaskEnv) -> list[list[dict[str, Any]]]:
     """Every run's missing samples, sample-major: for each sample, the runs that lack it go through
-    `engine.generate.generate_batch` together (from one shared trunk; with `share_rows` the runs whose policies select
-    alike, budgets included, as the rows of one cache: one forward and one eviction for all of them), and each run's
+    `engine.generate.generate_batch` together (from one shared trunk; with `share_rows` true the runs whose policies
+    select alike, budgets included, as the rows of one cache: one forward and one eviction for all of them; true or
+    decode: every cache's decoding steps as the rows of one forward), and each run's
     record is appended to its own predictions.jsonl as soon as the sample ends, so a kill loses at most the sample
     under way and a relaunch resumes per (run, sample). Each record is the run's batch-1 record but for the timings
     (its equal share of each forward) and a batch's rounding (a token may differ where it decides a near-tie, as with
@@ -202,7 +206,8 @@ def run_shared(model: Any, tokenizer: Any, runs: list[SharedRun], task: Task,
     bar = tqdm(total=len(todo), desc=f"{task.name} x {len(runs)} runs", unit="sample", disable=not settings.progress,
                dynamic_ncols=True)
     rows = settings.share_rows
-    batch = None if rows is True or (rows == "auto" and model.device.type == "cuda") else 1  # None: rows
+    rows = (True if model.device.type == "cuda" else "decode") if rows == "auto" else rows
+    batch, together = (None if rows is True else 1), rows is not False  # None: a policy class's runs as rows
     limit, said = memory_limit(model), False
     for sample in todo:
         members = [j for j, d in enumerate(done) if sample.id not in d]
@@ -210,15 +215,15 @@ def run_shared(model: Any, tokenizer: Any, runs: list[SharedRun], task: Task,
         for j in members:
             runs[j].policy.start_sample(sample_seed(sample.id))
             jobs.append(sample_job(tokenizer, runs[j].policy, task, sample, runs[j].settings, default_stop))
-        parts = split_to_fit(model, jobs, batch, limit)
+        parts = split_to_fit(model, jobs, batch, limit, together)
         if len(parts) > 1 and not said:
-            need = shared_bytes(model, jobs, batch)
+            need = shared_bytes(model, jobs, batch, together)
             print(f"kvbench: {len(jobs)} runs sharing a sample's work would hold ~{_size(need)} of caches, over the "
                   f"{_size(limit)} kvbench allows (half the free memory): they run as {len(parts)} groups",
                   file=sys.stderr)
             said = True
         # (the parts are consecutive: their results come in the jobs' order)
-        results = [res for part in parts for res in generate_batch(model, [jobs[k] for k in part], batch)]
+        results = [res for part in parts for res in generate_batch(model, [jobs[k] for k in part], batch, together)]
         for j, job, res in zip(members, jobs, results):
             record = sample_record(tokenizer, task, sample, job, res, runs[j].settings)
             append_record(runs[j].pred_path, record)

@@ -85,7 +85,7 @@ def summarize(records: list[dict[str, Any]], budget: int | None, evicts: bool) -
 
 
 def aggregate_diagnostics(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """A run's eviction diagnostics (kvbench.engine.diagnostics) over its records: the mean of the per-sample means,
+    """A run's eviction diagnostics (kvbench.policies.diagnostics) over its records: the mean of the per-sample means,
     per-layer means over the samples that evicted there, the events and the largest value of any."""
     out: dict[str, Any] = {}
     for rec in records:

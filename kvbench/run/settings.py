@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
-from kvbench.engine.diagnostics import NAMES as DIAGNOSTICS
+from kvbench.policies.diagnostics import NAMES as DIAGNOSTICS
 from kvbench.options import RUN_DEFAULTS, SCENARIOS, positive_int, resolve_protocol
 from kvbench.policies.base import Policy, PolicyError
 from kvbench.tasks.base import Task, TaskError
@@ -67,10 +67,11 @@ class RunSettings:
     # sample's runs whose policies select alike as the rows of one cache (kvbench.run.app.run_group); false runs each
     # alone. Results are the same but for a batch's rounding, so the key leaves it out.
     share: bool = _setting(True, changes_results=False)
-    # How a shared group's runs of one policy class go (docs/sweeps.md): true as the rows of one cache (one forward
-    # and one eviction for all: a GPU's launches), false a cache each (from the same shared trunk, their records
-    # exactly the separate runs'), "auto" rows on CUDA and a cache each elsewhere (on a CPU rows cost more arithmetic
-    # than they save: results/bench_sweep).
+    # How a shared group's runs go (docs/sweeps.md): true the runs of one policy class as the rows of one cache (one
+    # forward and one eviction for all: a GPU's launches) and every cache's decoding steps as one forward, "decode" a
+    # cache each (from the same shared trunk) and their decoding steps as one forward (a CPU reads the weights once),
+    # false a cache each, decoding alone (their records exactly the separate runs'), "auto" true on CUDA and "decode"
+    # elsewhere (on a CPU a cache's rows attend over the largest budget's slots: results/bench_sweep).
     share_rows: bool | str = _setting("auto", changes_results=False)
     # Each prompt block and decoding step (its eviction included) as one compiled graph (torch.compile; on CUDA a CUDA
     # graph): eager's predictions up to rounding (equal in float32: tests/test_engine.py), so the key leaves it out.
@@ -118,7 +119,7 @@ class RunSettings:
                    shard=shard, diagnostics=tuple(cfg["diagnostics"] or ()),
                    graded=_flag("graded", cfg["graded"]),
                    progress=_flag("progress", cfg["progress"]), batch_size=batch_size,
-                   share=_flag("share", cfg["share"]), share_rows=_auto_flag("share_rows", cfg["share_rows"]),
+                   share=_flag("share", cfg["share"]), share_rows=_share_rows(cfg["share_rows"]),
                    compile=_flag("compile", cfg["compile"]))
 
     def recorded(self) -> dict[str, Any]:
@@ -161,9 +162,9 @@ class RunSettings:
         return replace(self, policy=dict(policy))
 
 
-def _auto_flag(name: str, value: Any) -> bool | str:
-    if value != "auto" and not isinstance(value, bool):
-        raise ConfigError(f"{name} must be true, false or auto, got {value!r}")
+def _share_rows(value: Any) -> bool | str:
+    if value not in ("auto", "decode") and not isinstance(value, bool):
+        raise ConfigError(f"share_rows must be true, false, decode or auto, got {value!r}")
     return value
 
 
