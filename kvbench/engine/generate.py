@@ -5,7 +5,8 @@ N by the policy's scores (kvbench/engine/cache.py: one ranking for all layers); 
 and evicts after every step. The protocol (kvbench.options.PROTOCOLS) can instead feed the prompt in one forward and/or
 leave the cache to grow while decoding. K runs (`Job`s: samples, or one sample's budgets) go as the cache's batch rows:
 one forward and one eviction for all of them. A row whose forward is shorter is padded on the left with tokens at
-position PAD (they see only padding and their slots stay free); a row that is done decodes padding. With
+position PAD (they see only padding and their slots stay free); a row that is done decodes padding. Caches of
+different shapes or policies can decode together (`_Together`): each step one forward of all their rows. With
 `compile=True` a forward and its eviction run as one `torch.compile(fullgraph=True)` graph (the prompt's last partial
 block padded to B: one graph for the blocks, one for a decoding step).
 """
