@@ -8,8 +8,8 @@ log-probability, decoding steps, peak tokens and bytes).
         results/niah_grid/runs/smollm2-135m/niah/*
 
 --share: the runs go through kvbench.run.app.run_members together, as `kvbench -m` runs them: those that differ only
-in policy and budget form one group, run sample-major, each sample's runs whose policies select alike as the rows of
-one cache.
+in policy and budget form one group, run sample-major, with the share_rows each run recorded (the default, auto: on a
+CPU a cache each, every cache's decoding steps as the rows of one forward).
 
 Each run directory's own config.yaml (as the run recorded it: kvbench.options.stored_config) is rerun (shard i/n: its
 samples with index % n == i) into a scratch directory (--scratch, default a temporary one; under it, the shortest

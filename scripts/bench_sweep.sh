@@ -3,7 +3,9 @@
 #
 #   bash scripts/bench_sweep.sh [OUT]     # default OUT: results/bench_sweep
 #   PREFILL_ONCE=1 bash scripts/bench_sweep.sh [OUT]   # the prefill_once design alone: OUT/static_prefill_once.*
-#   TOGETHER=1 bash scripts/bench_sweep.sh [OUT]   # niah_grid and six_policies decoding together: OUT/together_*
+#   TOGETHER=1 bash scripts/bench_sweep.sh [OUT]   # decoding together (share_rows=decode): OUT/together_*
+#       (a pilot, niah_grid beside six_policies; then niah_grid's final look beside prefill_once and a rerun of the
+#       committed niah_grid runs as one group)
 #
 # Design, samples and CPU budget: results/bench_sweep/RUN.md.
 set -euo pipefail
@@ -21,13 +23,23 @@ if [ "${PREFILL_ONCE:-0}" = 1 ]; then
     exit
 fi
 if [ "${TOGETHER:-0}" = 1 ]; then  # a cache each, every cache's decoding steps as one forward (share_rows=decode)
-    pids=()
-    for design in niah_grid six_policies; do
-        /usr/bin/time -v "${BENCH[@]}" --sweep "$design" --fork-batch 1 --together --out "$OUT/together_$design.json" \
-            > "$OUT/together_$design.log" 2>&1 &
-        pids+=($!)
-    done
-    for pid in "${pids[@]}"; do wait "$pid"; done
+    together() {  # DESIGN NAME [OPTION...]: its bench, decoding together, into OUT/NAME.*
+        /usr/bin/time -v "${BENCH[@]}" --sweep "$1" --fork-batch 1 --together "${@:3}" --out "$OUT/$2.json" \
+            > "$OUT/$2.log" 2>&1
+    }
+    # the pilot: 3 samples a design, niah_grid beside six_policies
+    together niah_grid together_niah_grid & first=$!
+    together six_policies together_six_policies & second=$!
+    wait "$first" && wait "$second"
+    # niah_grid's final look (6 other samples: n from the pilot's power analysis, RUN.md) beside prefill_once and
+    # the committed niah_grid runs rerun as one group (share_rows auto on a CPU: decode)
+    together niah_grid together_niah_grid_final --samples 6 --seed 10 & first=$!
+    {
+        together prefill_once together_prefill_once
+        /usr/bin/time -v "${IDENTITY[@]}" --share --scratch "$SCRATCH/together" --out "$OUT/together_identity.md" \
+            "${RUNS[@]}" > "$OUT/together_identity.log" 2>&1
+    } & second=$!
+    wait "$first" && wait "$second"
     exit
 fi
 {

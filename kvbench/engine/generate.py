@@ -257,7 +257,7 @@ class Batch:
         self.start, self.trunk_logits = 0, None  # the first prompt round to run, and the logits before it (`adopt`)
         # set by `_prompt`: the logits to decode from (K, vocab), the graded branch's log-probabilities and seconds
         # per row, and the tokens each row's layers hold per head after the prompt (K, layers)
-        self.logits = self.after_prompt = torch.empty(0)
+        self.logits = self.after_prompt = torch.empty(0, device=self.device)
         self.graded: list[list[torch.Tensor]] = []
         self.graded_s: list[float] = []
 
