@@ -20,10 +20,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvbench.engine.cache import IMPL, PAD, Caches, SlotCache, evicted_layers, forward, install, select
-from kvbench.policies.diagnostics import Diagnostics
 from kvbench.models.generation import greedy_processors
 from kvbench.options import PROTOCOLS
 from kvbench.policies.base import Policy
+from kvbench.policies.diagnostics import Diagnostics
 
 _SCORE_ROWS = 512  # positions per float32 log_softmax of the LM score (a full cache scores the whole prompt at once)
 
@@ -73,8 +73,9 @@ class GenerationResult:
     layer_tokens: list[int] | None = None
     answer_logprob: float | None = None  # mean log-probability per token (nats) of `answer_ids`, when given
     graded_s: float = 0.0  # time of that teacher-forced branch (not in prefill_s nor decode_s)
-    batch_size: int = 1  # the runs (rows) of its forwards
-    batch_kv_bytes_peak: int = 0  # max over time of the K+V bytes all its batch's rows held together
+    batch_size: int = 1  # the runs (rows) of its forwards (decoding together: of its decoding forwards)
+    # max over time of the K+V bytes all its batch's rows held together (decoding together: the caches' sum of theirs)
+    batch_kv_bytes_peak: int = 0
     # The language-modelling score (settings.score_from): log p(token t + 1 | cache at t) in nats, float32
     # log_softmax, for t = score_from .. prompt_tokens - 2 in order, and whether the argmax was that token.
     lm_logprobs: list[float] | None = None
