@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                                      if not all(rec.get(f) == old[sid].get(f) for f in FIELDS)]})
         print(f"{run.name}: {same}/{len(new)} identical, graded score moved {moved:.1e} ({took:.0f} s)",
               file=sys.stderr, flush=True)
-    what = (f"Shared-work reruns (the runs below as one sweep, share=true, batch_size={a.batch})" if a.share
-            else f"Batched (batch_size={a.batch}) reruns")
+    share_rows = ",".join(sorted({str(m.settings.share_rows).lower() for m in members}))
+    what = (f"Shared-work reruns (the runs below as one sweep, share=true, share_rows={share_rows}, "
+            f"batch_size={a.batch})" if a.share else f"Batched (batch_size={a.batch}) reruns")
     against = (f" compared with the runs of the same names in `{a.reference.name}/` (not the committed ones)"
                if a.reference else " of committed batch-1 runs")
     lines = [f"{what}{against}"

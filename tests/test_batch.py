@@ -298,6 +298,7 @@ def test_batch_identity_keeps_runs_of_one_leaf_name_apart(tmp_path) -> None:
                         *map(str, runs)]) == 0
     for run, name in zip(runs, ("keydiff", "streamingllm")):
         assert f"| `{run.as_posix()}` | {name} | 8 | 8 | 0.0e+00 | - |" in out.read_text()
+    assert "(the runs below as one sweep, share=true, share_rows=auto, batch_size=1)" in out.read_text()
     assert (tmp_path / "scratch" / "streamingllm" / "committed" / "predictions.jsonl").is_file()
 
 
