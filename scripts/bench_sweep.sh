@@ -4,8 +4,8 @@
 #   bash scripts/bench_sweep.sh [OUT]     # default OUT: results/bench_sweep
 #   PREFILL_ONCE=1 bash scripts/bench_sweep.sh [OUT]   # the prefill_once design alone: OUT/static_prefill_once.*
 #   TOGETHER=1 bash scripts/bench_sweep.sh [OUT]   # decoding together (share_rows=decode): OUT/together_*
-#       (a pilot, niah_grid beside six_policies; then niah_grid's final look beside prefill_once and a rerun of the
-#       committed niah_grid runs as one group)
+#       (a pilot, niah_grid beside six_policies; then niah_grid's final look beside prefill_once's pilot and a rerun
+#       of the committed niah_grid runs as one group; then prefill_once's final look)
 #
 # Design, samples and CPU budget: results/bench_sweep/RUN.md.
 set -euo pipefail
@@ -31,8 +31,8 @@ if [ "${TOGETHER:-0}" = 1 ]; then  # a cache each, every cache's decoding steps 
     together niah_grid together_niah_grid & first=$!
     together six_policies together_six_policies & second=$!
     wait "$first" && wait "$second"
-    # niah_grid's final look (6 other samples: n from the pilot's power analysis, RUN.md) beside prefill_once and
-    # the committed niah_grid runs rerun as one group (share_rows auto on a CPU: decode)
+    # niah_grid's final look (6 other samples: n from the pilot's power analysis, RUN.md) beside prefill_once's pilot
+    # and the committed niah_grid runs rerun as one group (share_rows auto on a CPU: decode)
     together niah_grid together_niah_grid_final --samples 6 --seed 10 & first=$!
     {
         together prefill_once together_prefill_once
@@ -40,6 +40,8 @@ if [ "${TOGETHER:-0}" = 1 ]; then  # a cache each, every cache's decoding steps 
             "${RUNS[@]}" > "$OUT/together_identity.log" 2>&1
     } & second=$!
     wait "$first" && wait "$second"
+    # prefill_once's final look, alone (16 other samples: n from its pilot's power analysis, RUN.md)
+    together prefill_once together_prefill_once_final --samples 16 --seed 20
     exit
 fi
 {
