@@ -96,6 +96,13 @@ def test_bad_baselines_option(tmp_path) -> None:
     assert e.value.code == 2
 
 
+def test_together_goes_with_a_sweep(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--together", "--out", str(tmp_path / "b.json")])
+    assert e.value.code == 2 and "--together goes with --sweep" in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
+
+
 def test_model_from_config_file_with_layer_override(tmp_path, one_thread) -> None:
     from transformers import Qwen2Config
 

@@ -517,12 +517,11 @@ class _Together(Batch):
         self.seen = [n for b in batches for n in b.seen]
         self.cache = Caches([b.cache for b in batches])  # type: ignore[assignment]
         self.diagnosed = [None] * len(self.rows)
+        ends = [sum(self.cache.sizes[:i + 1]) for i in range(len(batches))]
+        self.spans = list(zip([0, *ends], ends))  # each member's rows
 
     def _split(self, values: list[Any]) -> list[tuple[Batch, list[Any]]]:
-        at = [0]
-        for b in self.members:
-            at.append(at[-1] + len(b.rows))
-        return [(b, values[i:j]) for b, i, j in zip(self.members, at, at[1:])]
+        return [(b, values[i:j]) for b, (i, j) in zip(self.members, self.spans)]
 
     def counts(self, evicting: list[bool]) -> list[torch.Tensor | None]:  # type: ignore[override]
         for b, seen in self._split(self.seen):
@@ -658,16 +657,15 @@ def generate_batch(model: Any, jobs: Sequence[Job], batch: int | None = None,
     joined: list[tuple[list[int], Batch]] = []  # the parts decoding together
     for part, trunk in zip(parts, _trunks(model, [[jobs[j] for j in part] for part in parts])):
         batch = _prompt(model, [jobs[j] for j in part], trunk)
-        if together and len(parts) > 1 and _joins(batch):
+        if together and _joins(batch):
             joined.append((part, batch))
             continue
         _decode(batch, batch.logits)
         for j, res in zip(part, _results(batch, len(part), batch.cache.peak_batch)):
             results[j] = res
-    if len(joined) == 1:
-        _decode(joined[0][1], joined[0][1].logits)
-    elif joined:
-        _decode(_Together([b for _, b in joined]), torch.cat([b.logits for _, b in joined]))
+    if joined:  # (one batch alone decodes as itself)
+        batches = [b for _, b in joined]
+        _decode(_Together(batches) if len(batches) > 1 else batches[0], torch.cat([b.logits for b in batches]))
     # every cache is held while they decode: the most they held together is at most the sum of each one's most
     size, held = sum(len(p) for p, _ in joined), sum(b.cache.peak_batch for _, b in joined)
     for part, batch in joined:
