@@ -96,7 +96,7 @@ def test_pyramidkv_capacity_follows_its_growing_budget(model64) -> None:
     N_0 = 8 + (seen - 8) = seen tokens (layer 1: 2 x 40 - seen): it never evicts. Before decoding step k = 1..5 it
     holds the prompt and the k - 1 tokens fed back, 64 .. 68, positions 0 .. 63 + k - 1: nothing may be lost."""
     policy = _policy("pyramidkv", 1)
-    policy.attach(2)
+    policy.attach(2, 64)
     assert [policy.layer_budget(i, 64) for i in range(2)] == [64, 16]
     assert [policy.layer_budget(i, 66) for i in range(2)] == [66, 14]
     res = generate(model64, _policy("pyramidkv", 1), _prompt(64, 1),

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 import kvbench.engine.cache as cache_module
+from kvbench.bench.setup import all_policies, make_policy
 from kvbench.engine.cache import install
 from kvbench.engine.generate import Batch, GenerationSettings, Job, Observer, capacity, generate, generate_batch, plan
 from kvbench.models.tiny import build_tiny_model
@@ -487,6 +488,40 @@ def test_compiled_runs_of_many_policies_in_one_process(monkeypatch: Any) -> None
             eager = generate(model, make(), ids, GenerationSettings(block=16, max_new_tokens=4))
             assert generate(model, make(), ids, GenerationSettings(block=16, max_new_tokens=4, compile=True)).tokens \
                 == eager.tokens
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", all_policies())
+def test_every_policy_compiles_into_three_graphs_equal_to_eager(name: str, backend: str, monkeypatch: Any) -> None:
+    """Every policy of conf/policy/ compiled: three graphs in a run and the next sample's (another length), no graph
+    break, the tokens of eager. HashEvict's projections are drawn when the cache is built (a graph cannot create their
+    generator); Random draws from its generator, which a graph cannot trace: its evictions run eagerly after each
+    compiled forward, and its tokens are not eager's (it draws per slot, and a compiled run's slots are others: its
+    last block padded, its slots rounded up). `eager`: dynamo's graphs run as they are; `inductor` (slow: ~20 s a
+    policy on two cores) compiles them as torch.compile does by default."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from kvbench.engine import generate as engine
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(engine, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+    model = _model(dtype=torch.float32)
+    for T in (140, 121):
+        ids = random_prompt(T, 3)
+        runs = []
+        for compile in (False, True):
+            policy = make_policy(name, 48, 0)
+            policy.start_sample(T)  # as the run loop does (Random: the sample's generator)
+            runs.append(generate(model, policy, ids, GenerationSettings(block=16, max_new_tokens=8,
+                                                                        compile=compile)).tokens)
+        assert runs[0] == runs[1] or policy.sample_state
+    assert counters["stats"]["unique_graphs"] == 3
+    assert not counters["graph_break"]
     torch._dynamo.reset()
 
 

@@ -204,7 +204,7 @@ def test_criticalkv_on_adakv_follows_adakv_budgets() -> None:
 def test_pyramidkv_layer_budgets(budget: int, layers: int, seen: int | None, expected: list[int]) -> None:
     policy = PyramidKV(budget=budget)
     assert (policy.beta, policy.window, policy.kernel, policy.pooling) == (20, 8, 7, "max")
-    policy.attach(layers)
+    policy.attach(layers, 64)
     got = [policy.layer_budget(i, seen) for i in range(layers)]
     assert got == expected and sum(got) == layers * budget  # the layers keep N per KV head on average
 
@@ -217,7 +217,7 @@ def test_pyramidkv_scores_like_snapkv_within_its_layer_budget() -> None:
     weights = [9, 1, 8, 2, 7, 3, 6, 4, 5, 1]
     with pytest.raises(PolicyError, match="number of layers"):
         kept(policy, make_view([log_keys(weights)], [[[1.0]]], layer_idx=1))
-    policy.attach(2)
+    policy.attach(2, 64)
     assert [policy.layer_budget(i, 10) for i in (0, 1)] == [10, 2]
     assert kept(policy, make_view([log_keys(weights)], [[[1.0]]], layer_idx=0)) == [list(range(10))]
     assert kept(policy, make_view([log_keys(weights)], [[[1.0]]], layer_idx=1)) == [[0, 9]]

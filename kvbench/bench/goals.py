@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
-from kvbench.bench.setup import FLOOR, FULL, HF_DECODE, HF_FORWARD, base_name, variant
+from kvbench.bench.setup import FLOOR, FULL, HF_DECODE, HF_FORWARD, base_name, policy_class, variant
 from kvbench.metrics.stats import ALPHA, holm, one_sided_bounds, one_sided_p
 
 # The lean-engine goals (issue 29). Eviction share of the whole run (prefill + decode), the same limit for every
@@ -41,8 +41,9 @@ HOST_SYNCS_PER_STEP = 1
 
 def evict_measured(name: str) -> bool:
     """Whether a row's eviction time is measured apart: not for NAME+compiled, whose evictions run inside each
-    forward's compiled graph (GenerationSettings.compile: its evict_s is 0, not a measurement)."""
-    return not variant(name)[1].get("compile", False)
+    forward's compiled graph (GenerationSettings.compile: its evict_s is 0, not a measurement), unless its policy draws
+    from a generator (`Policy.sample_state`: those evict after each compiled forward)."""
+    return not variant(name)[1].get("compile", False) or bool(policy_class(name).sample_state)
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:

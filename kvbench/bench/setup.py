@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvbench.errors import error_line
+from kvbench.models.common import head_dim
 
 FLOOR = "streamingllm"
 
@@ -63,9 +64,8 @@ def build_model(arch: str = "tiny-llama3", config: str | None = None, layers: in
     model.to(resolve_device(device)).eval()
     install(model)
     cfg = model.config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     desc = (f"{name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
-            f"{cfg.num_key_value_heads} heads, head_dim {head_dim}, {dtype}")
+            f"{cfg.num_key_value_heads} heads, head_dim {head_dim(cfg)}, {dtype}")
     return model, desc
 
 
@@ -94,9 +94,8 @@ def load_real_model(name: str, dtype: str | None = None, device: str = "cpu") ->
     model = loaded.model
     install(model)
     cfg = model.config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     desc = (f"{loaded.name} (real weights): {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-            f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, head_dim {head_dim}, "
+            f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, head_dim {head_dim(cfg)}, "
             f"{str(model.dtype).replace('torch.', '')}")
     return model, loaded.tokenizer, desc
 
@@ -186,6 +185,14 @@ def make_policy(name: str, budget: int | None, seed: int) -> Any:
     except ValueError as e:
         raise BenchError(str(e)) from None
     return build_policy(spec, RunSettings(budget=budget if name != FULL else None, block=None, seed=seed))
+
+
+def policy_class(name: str) -> type:
+    """The Policy class of conf/policy/NAME (a variant's suffix ignored)."""
+    from kvbench.run.config import load_group
+    from kvbench.run.settings import policy_class as of_config
+
+    return of_config(load_group("policy", base_name(name)))
 
 
 def all_policies() -> list[str]:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 from transformers.cache_utils import Cache
 
+from kvbench.models.common import head_dim
 from kvbench.policies.base import CHUNK_BYTES, Policy, SlotView, ranks
 
 IMPL = "kvbench_slots"
@@ -100,8 +101,8 @@ class SlotCache(Cache):
         super().__init__(layers=[])
         cfg = model.config.get_text_config(decoder=True)
         n, h_kv, h_q = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q
-        policy.attach(n)
+        d = head_dim(cfg)
+        policy.attach(n, d)
         self.policy, self.num_layers = policy, n
         dtype, device = model.dtype, model.device
         evicted = evicted_layers(cfg, policy)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvbench.engine.cache import IMPL, PAD, Caches, SlotCache, evicted_layers, forward, install, select
+from kvbench.models.common import head_dim
 from kvbench.models.generation import greedy_processors
 from kvbench.options import PROTOCOLS
 from kvbench.policies.base import Policy
@@ -218,7 +219,7 @@ class Batch:
         floor = max(job.settings.block or 0 for job in jobs) if self.compiled else 0
         widths = [max([p[i][1] - p[i][0] for p in plans if i < len(p)] + [floor]) for i in range(max(map(len, plans)))]
         for job in jobs:
-            job.policy.attach(n)
+            job.policy.attach(n, head_dim(text))
         evicted = evicted_layers(text, jobs[0].policy)
         keep, full, window, attention = [1] * len(evicted), 1, 0, False
         for job, chunks in zip(jobs, plans):
@@ -241,8 +242,11 @@ class Batch:
                                            s.max_new_tokens)
             diag = Diagnostics(s.diagnostics) if s.diagnostics else None
             self.rows.append(_Row(job, chunks, evicts, limit, job.observer or Observer(), processors, seq, diag, T))
-        if self.compiled:  # fewer shapes, fewer graphs: whole blocks (`step` pads the last), capacities rounded up
-            keep = [k - k % -64 for k in keep]
+        if self.compiled:  # fewer shapes, fewer graphs: whole blocks (`step` pads the last), capacities rounded up;
+            # every evicting layer attends over all its group's slots: a graph is reused by any cache of the same
+            # buffers' shapes (unguarded static inputs), so a layer's own slot count could not differ from run to run
+            top = max(keep, default=0)
+            keep = [top - top % -64] * len(keep)
             full += -full % 256
         self.cache = SlotCache(model, jobs[0].policy, len(jobs), keep, full, window, attention)
         if self.compiled:
@@ -254,7 +258,7 @@ class Batch:
         self.forward = compiled_forward(self.device) if self.compiled else forward
         self.diagnosed = [r.diag for r in self.rows]
         # diagnostics observe the eviction from the host: a diagnosed batch evicts outside the compiled forward
-        self.in_graph = self.compiled and not any(self.diagnosed)
+        self.in_graph = self.compiled and not any(self.diagnosed) and not jobs[0].policy.sample_state
         self.start, self.trunk_logits = 0, None  # the first prompt round to run, and the logits before it (`adopt`)
         # set by `_prompt`: the logits to decode from (K, vocab), the graded branch's log-probabilities and seconds
         # per row, and the tokens each row's layers hold per head after the prompt (K, layers)
@@ -620,7 +624,7 @@ def _trunks(model: Any, parts: list[list[Job]]) -> list[Trunk | None]:
             if (policy.sample_state or s.diagnostics or s.score_from is not None or s.compile
                     or (job.observer is not None and job.observer.trace)):
                 break
-            policy.attach(text.num_hidden_layers)
+            policy.attach(text.num_hidden_layers, head_dim(text))
             chunks = plan(len(job.input_ids), s, policy)
             keys.add((tuple(job.input_ids), tuple(chunks), policy.needs_attention))
             lengths.append(trunk_length(chunks, policy, evicted_layers(text, policy)))

@@ -1,11 +1,12 @@
 """What every model source shares: where kvbench keeps what it builds or converts once (built-in models, converted
-GGUF files), and the error a model that cannot load raises.
+GGUF files), the size of a model's attention heads, and the error a model that cannot load raises.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 
 def cache_root() -> Path:
@@ -23,6 +24,11 @@ def portable_path(path: str) -> str:
         except ValueError:
             continue
     return path
+
+
+def head_dim(cfg: Any) -> int:
+    """The size of one attention head of a decoder config: its `head_dim`, else hidden_size / attention heads."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 class ModelError(ValueError):

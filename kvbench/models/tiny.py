@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvbench.models.common import ModelError, cache_root
+from kvbench.models.common import ModelError, cache_root, head_dim
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
@@ -135,7 +135,7 @@ def _add_recency_prior(model: Any, strength: float = 0.7, wavelength: float = 10
     layers = model.model.layers
     if not all(hasattr(layer.self_attn, "q_proj") and hasattr(layer.self_attn, "k_proj") for layer in layers):
         return  # fused projections (Phi-3): keep plain random weights
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    d = head_dim(cfg)
     theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     plane = min(d // 2 - 1, round(d / 2 * math.log(wavelength) / math.log(theta)))
     emb = model.get_input_embeddings().weight  # (vocab, hidden)

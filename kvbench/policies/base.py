@@ -146,7 +146,8 @@ class Policy:
     needs_attention: bool = False
     state_names: tuple[str, ...] = ()
     # True: the policy object holds per-sample state its score reads (Random's generator, reseeded per sample), so two
-    # samples are never the rows of one cache scored by one instance (kvbench.engine.generate.slot_key)
+    # samples are never the rows of one cache scored by one instance (kvbench.engine.generate.slot_key), and a compiled
+    # run evicts outside its graphs (torch.compile does not trace a generator)
     sample_state: bool = False
 
     def __init__(self, budget: int | None = None, n_sink: int = 0, n_recent: int = 0,
@@ -185,8 +186,9 @@ class Policy:
         largest forward): the budget, unless the policy allocates per head (AdaKV's heads share the layer's)."""
         return budget
 
-    def attach(self, num_layers: int) -> None:
-        """Called when a cache is built for a model: its number of decoder layers (sliding ones included)."""
+    def attach(self, num_layers: int, head_dim: int) -> None:
+        """Called when a cache is built for a model, outside any compiled graph: its number of decoder layers (sliding
+        ones included) and the size of an attention head (what a policy's own constants are drawn for)."""
         self.num_layers = int(num_layers)
 
     def start_sample(self, sample_seed: int) -> None:

@@ -65,9 +65,9 @@ class CriticalKV(Policy):
         super().__init__(budget=b.budget, n_sink=b.n_sink, n_recent=b.n_recent, skip_layers=b.skip_layers,
                          seed=b.seed)
 
-    def attach(self, num_layers: int) -> None:
-        super().attach(num_layers)
-        self.base.attach(num_layers)
+    def attach(self, num_layers: int, head_dim: int) -> None:
+        super().attach(num_layers, head_dim)
+        self.base.attach(num_layers, head_dim)
 
     def token_state(self, view: SlotView, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """The value norms of a forward's t new tokens in every evicting layer (L, b, h_kv, t): ||v W_O^h||_1 of each

@@ -38,6 +38,12 @@ class HashEvict(Policy):
         self.state_names = tuple(f"code{i}" for i in range(-(-self.bits // PACK)))  # a key's code, PACK bits a float
         super().__init__(n_sink=n_sink, n_recent=n_recent, **kwargs)
 
+    def attach(self, num_layers: int, head_dim: int) -> None:
+        """Every layer's R drawn here, before any forward: a compiled forward cannot create the generator."""
+        super().attach(num_layers, head_dim)
+        for i in range(num_layers):
+            self.projection(i, head_dim, torch.device("cpu"))
+
     def projection(self, layer_idx: int, dim: int, device: torch.device) -> torch.Tensor:
         r = self.projections.get((layer_idx, dim))
         if r is None:

@@ -18,6 +18,7 @@ import torch
 from kvbench.engine.generate import GenerationResult, GenerationSettings, Job, Observer, generate_batch
 from kvbench.metrics.degenerate import is_degenerate
 from kvbench.metrics.lm import lm_summary
+from kvbench.models.common import head_dim
 from kvbench.options import LM_TOKENS_AFTER_EVICTION
 from kvbench.policies.base import Policy
 from kvbench.policies.full import Full
@@ -88,10 +89,10 @@ def shared_bytes(model: Any, jobs: Sequence[Job], batch: int | None = None, toge
     attending, each shared by 2 caches at least, so never more than half the jobs)."""
     cfg = model.config.get_text_config(decoder=True)
     layers, h_kv, h_q = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // h_q
+    d = head_dim(cfg)
     window = max(max(j.policy.query_window, 1 if j.settings.diagnostics else 0) for j in jobs)
     rows_per_slot = h_q * (window + 1) * 4 if window > 0 else 0
-    per_slot = layers * (h_kv * (2 * head_dim * torch.finfo(model.dtype).bits // 8 + 8 + 4 * 4) + rows_per_slot)
+    per_slot = layers * (h_kv * (2 * d * torch.finfo(model.dtype).bits // 8 + 8 + 4 * 4) + rows_per_slot)
     T = max(len(j.input_ids) for j in jobs)
     new = max(j.settings.max_new_tokens + len(j.answer_ids or ()) for j in jobs)
     trunks = min(2, len(jobs) // 2)

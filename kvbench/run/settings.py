@@ -204,6 +204,14 @@ def build_policy(policy_cfg: Mapping[str, Any], settings: RunSettings) -> Policy
         raise PolicyError(str(e)) from None
 
 
+def policy_class(policy_cfg: Mapping[str, Any]) -> type[Policy]:
+    """The class a policy's YAML instantiates (its `_target_`, by Hydra's `get_class`): what it says of all its
+    instances, without building one."""
+    from hydra.utils import get_class
+
+    return get_class(str(policy_cfg["_target_"]))
+
+
 def build_task(task_cfg: Mapping[str, Any]) -> Task:
     try:
         return instantiate(task_cfg)
