@@ -470,6 +470,29 @@ def test_compiled_equals_eager_in_three_graphs() -> None:
     assert not counters["graph_break"]
 
 
+def test_a_compiled_one_pass_prompt_runs_eagerly(monkeypatch: Any) -> None:
+    """Under prefill_once a sample's prompt is one forward: compiled, only its decoding step is a graph (the prompt's
+    would be compiled again for every prompt length, to run once); the same tokens as eager. (Dynamo with its eager
+    backend.)"""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from kvbench.engine import generate as engine
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(engine, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    model, ids = _model(dtype=torch.float32), random_prompt(140, 3)
+    runs = [generate(model, SnapKV(budget=48, window=4, kernel=3), ids,
+                     GenerationSettings(block=16, max_new_tokens=6, protocol="prefill_once", compile=c)).tokens
+            for c in (False, True)]
+    assert runs[0] == runs[1]
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 def test_compiled_runs_of_many_policies_in_one_process(monkeypatch: Any) -> None:
     """Four policies' compiled runs in one process, 3 graphs each of the one compiled function: past dynamo's default
     of 8 graphs a function, which with fullgraph would raise; the same tokens as eager. (Dynamo with its eager

@@ -8,7 +8,7 @@ one forward and one eviction for all of them. A row whose forward is shorter is 
 position PAD (they see only padding and their slots stay free); a row that is done decodes padding. Caches of
 different shapes or policies can decode together (`_Together`): each step one forward of all their rows. With
 `compile=True` a forward and its eviction run as one `torch.compile(fullgraph=True)` graph (the prompt's last partial
-block padded to B: one graph for the blocks, one for a decoding step).
+block padded to B: one graph for the blocks, one for a decoding step; a one-pass prompt, one forward, runs eagerly).
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ class Batch:
         self.rows: list[_Row] = []
         plans = [plan(len(job.input_ids), job.settings, job.policy) for job in jobs]
         # each prompt round's forward: the widest row's (compiled: at least a block, the one graph's shape)
-        floor = max(job.settings.block or 0 for job in jobs) if self.compiled else 0
+        self.floor = floor = max(job.settings.block or 0 for job in jobs) if self.compiled else 0
         widths = [max([p[i][1] - p[i][0] for p in plans if i < len(p)] + [floor]) for i in range(max(map(len, plans)))]
         for job in jobs:
             job.policy.attach(n, head_dim(text))
@@ -298,9 +298,11 @@ class Batch:
         """One forward of each row's tokens at positions spans[k] = (start, end) (None: padding only), then the
         eviction of the rows in `evicting`; each row is charged an equal share of the time (and of the eviction's,
         measured apart unless compiled). Returns the last position's logits (K, vocab) float32."""
-        t = 1 if phase == "decode" else max(len(ts) for ts in tokens)
-        if self.compiled and phase == "prefill":
-            t = max(t, max(r.job.settings.block or 0 for r in self.rows))
+        t = 1 if phase == "decode" else max(max(len(ts) for ts in tokens), self.floor)
+        # compiled: a block or a step is a graph; a one-pass prompt, one forward a sample, runs eagerly (as a graph it
+        # would compile again for every prompt length, to run once)
+        graphed = phase == "decode" or t == self.floor
+        run, in_graph = (self.forward, self.in_graph) if graphed else (forward, False)
         ids = torch.zeros(len(self.rows), t, dtype=torch.long)
         positions = torch.full((len(self.rows), t), PAD, dtype=torch.long)
         causal = not any(self.seen) and all(s is not None and s[1] - s[0] == t for s in spans)  # empty, unpadded
@@ -319,9 +321,8 @@ class Batch:
             keep = max(max(n for _, _, n in scored), 1)
         t0 = self.clock()
         counts = self.counts(evicting)
-        logits = self.forward(self.model, self.cache, ids, positions, keep, counts if self.in_graph else None,
-                              causal)
-        evict_s = self._evict(counts, evicting) if counts is not None and not self.in_graph else 0.0
+        logits = run(self.model, self.cache, ids, positions, keep, counts if in_graph else None, causal)
+        evict_s = self._evict(counts, evicting) if counts is not None and not in_graph else 0.0
         spent = self.clock() - t0
         for row in self.rows:
             row.time_s[phase] += spent / len(self.rows)
