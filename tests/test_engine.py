@@ -272,13 +272,14 @@ def test_rank_mask_with_a_bound_equals_the_sorted_ranking() -> None:
 
 
 # 3. With eviction: the explicit float64 re-implementation driven by the logged positions ---------------------------
-def _match_reference(make: Callable[[], Policy], T: int, new: int) -> Any:
+def _match_reference(make: Callable[[], Policy], T: int, new: int, protocol: str = "blockwise") -> Any:
     model = _model()
     ids = random_prompt(T, 0)
     logged: list[torch.Tensor] = []
-    res = generate(model, make(), ids, GenerationSettings(block=16, max_new_tokens=new),
+    res = generate(model, make(), ids, GenerationSettings(block=16, max_new_tokens=new, protocol=protocol),
                    observer=Observer(trace=True, on_logits=lambda lg: logged.append(lg[0])))
-    chunks = [ids[s:s + 16] for s in range(0, T, 16)] + [[t] for t in res.tokens[:-1]]
+    prompt = [ids[s:s + 16] for s in range(0, T, 16)] if protocol == "blockwise" else [ids]
+    chunks = prompt + [[t] for t in res.tokens[:-1]]
     assert len(res.trace) == len(chunks)
     ref = reference_logits(model, chunks, res.trace)
     first = len(chunks) - len(res.tokens)  # logged[0] comes from the last prompt block, each later from a step
@@ -293,6 +294,27 @@ def test_eviction_matches_float64_reference(name: str) -> None:
     the run really evicted (some layer held fewer tokens than it had seen)."""
     res = _match_reference(POLICIES[name], 70, 6)
     assert min(int((t >= 0).sum(dim=-1).max()) for t in res.trace[-1]) < 70 + 5
+
+
+@pytest.mark.parametrize("protocol", ["prefill_once", "prefill_once_decode_evict"])
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_one_pass_protocols_match_float64_reference(name: str, protocol: str) -> None:
+    """The 70-token prompt in one forward and one eviction, then 6 steps (the cache growing, or evicting every step)
+    over the slots cut to what decoding needs (`SlotCache.shrink`): every logit equals the float64 reference."""
+    _match_reference(POLICIES[name], 70, 6, protocol)
+
+
+def test_a_one_pass_prompt_leaves_decoding_the_slots_it_needs() -> None:
+    """SnapKV, N = 24, a 70-token prompt in one forward: that forward needs 70 slots a head; decoding then has what a
+    head keeps plus its own tokens, N + 6 = 30 slots growing by 6 tokens (prefill_once), N + 1 = 25 evicting every step
+    (prefill_once_decode_evict), each head's 24 kept tokens moved to its first slots."""
+    model, ids = _model(), random_prompt(70, 0)
+    for protocol, slots in (("prefill_once", 30), ("prefill_once_decode_evict", 25)):
+        res = generate(model, SnapKV(budget=24, window=4, kernel=3), ids,
+                       GenerationSettings(block=16, max_new_tokens=6, protocol=protocol), observer=Observer(trace=True))
+        assert {p.shape[-1] for p in res.trace[0]} == {70}
+        assert {p.shape[-1] for p in res.trace[1]} == {slots}
+        assert all(bool((p[..., :24] >= 0).all()) and bool((p[..., 24:] < 0).all()) for p in res.trace[1])
 
 
 @pytest.mark.parametrize("name", ["adakv", "criticalkv_adakv", "sagekv"])

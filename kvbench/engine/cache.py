@@ -312,6 +312,23 @@ class SlotCache(Cache):
             other.view.decoding = self.view.decoding  # type: ignore[union-attr]
         return other
 
+    def shrink(self, slots: list[int]) -> None:
+        """Cut the evicting layers to `slots` per head (per layer; none below what a head holds: the caller's plan),
+        each head's held slots moved to its first ones in slot order (after a one-pass prompt: decoding needs fewer)."""
+        g = self.evicting
+        assert g is not None
+        order = (g.pos < 0).to(torch.uint8).argsort(dim=-1, stable=True)[..., :max(slots)]  # (L, b, h_kv, S) held first
+        rows = order.unsqueeze(-1).expand(*order.shape, g.keys.shape[-1])
+        g.keys, g.values = g.keys.gather(3, rows), g.values.gather(3, rows)
+        g.pos, g.state = g.pos.gather(3, order), {k: v.gather(3, order) for k, v in g.state.items()}
+        if g.probs is not None:  # (L, b, h_q, w + 1, S): a query head's rows over its KV head's slots
+            idx = order.repeat_interleave(g.probs.shape[2] // order.shape[2], dim=2).unsqueeze(3)
+            g.probs = g.probs.gather(4, idx.expand(-1, -1, -1, g.probs.shape[3], -1))
+        g.limits = list(slots)
+        g.rows()
+        view, self.view = self.view, self.make_view()
+        self.view.decoding = view.decoding  # type: ignore[union-attr]
+
     def static(self) -> SlotCache:
         """Tags every tensor of the cache (a compiled forward's inputs) as a fixed address, unguarded (another cache
         of the same shapes needs no recompilation): CUDA graph trees then replay over them and write them in place,
@@ -419,8 +436,7 @@ def slot_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
         return out.view(b, h_q, t, d).transpose(1, 2), None
     if cache.causal:
         key, value = key[:, :, :t], value[:, :, :t]
-    # explicit (sdpa has no softcap; a policy reads the probabilities): the output from them, in the input dtype (as
-    # sdpa's kernels)
+    # explicit (sdpa has no softcap; a policy reads the probabilities): the output from them, in the input dtype
     hidden = (~visible).unsqueeze(2) if window or cache.causal else group.hidden[row]  # (b, h_kv | 1, 1, t, S)
     probs = probabilities(query, key, hidden, scaling, softcap, cache.zero)  # (b, h_kv, g, t, S | t)
     if attends:  # what each slot received from the forward's queries, summed over them and the KV head's query heads

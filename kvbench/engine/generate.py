@@ -122,7 +122,7 @@ def plan(T: int, settings: GenerationSettings, policy: Policy) -> list[tuple[int
     """The prompt's forwards in order: (start, end, evicted). Blocks of B tokens, or one forward; context_only: the
     question after `context_tokens` goes in unevicted."""
     s = settings
-    one_pass = PROTOCOLS[s.protocol][0] or s.block is None or policy.single_pass_prefill
+    one_pass = one_forward(s, policy)
     segments = [(0, T, True)]
     if s.scenario == "context_only" and s.context_tokens is not None and 0 < s.context_tokens < T:
         segments = [(0, s.context_tokens, True), (s.context_tokens, T, False)]
@@ -133,11 +133,17 @@ def plan(T: int, settings: GenerationSettings, policy: Policy) -> list[tuple[int
     return out
 
 
+def one_forward(settings: GenerationSettings, policy: Policy) -> bool:
+    """Whether the prompt goes in one forward (a one-pass protocol, no block, or a policy that never evicts)."""
+    return PROTOCOLS[settings.protocol][0] or settings.block is None or policy.single_pass_prefill
+
+
 def capacity(chunks: list[tuple[int, int, bool]], keep: int, new: int, evicts_decoding: bool,
-             widths: Sequence[int] | None = None) -> int:
+             widths: Sequence[int] | None = None, decoding: bool = False) -> int:
     """The slots per head an evicting layer needs for the run: the most it holds during a forward, when every
     eviction leaves it `keep` tokens (the most a head may keep). `widths`: each prompt round's forward in a batch
-    (its padding takes free slots during the forward too; default: the run's own forwards)."""
+    (its padding takes free slots during the forward too; default: the run's own forwards). `decoding`: the most it
+    holds once the prompt is in (what a one-pass prompt's slots are cut to, `SlotCache.shrink`)."""
     held = peak = 0
     for i, width in enumerate(widths if widths is not None else [e - s for s, e, _ in chunks]):
         peak = max(peak, held + width)
@@ -146,6 +152,7 @@ def capacity(chunks: list[tuple[int, int, bool]], keep: int, new: int, evicts_de
             held += end - start
             if evicted:
                 held = min(held, keep)
+    peak = held if decoding else peak
     for _ in range(new):
         held += 1
         peak = max(peak, held)
@@ -191,8 +198,7 @@ _compiled: dict[str, Callable[..., torch.Tensor]] = {}  # `forward` compiled per
 
 
 def compiled_forward(device: torch.device) -> Callable[..., torch.Tensor]:
-    """`forward` (forward + eviction) as one torch.compile graph per shape; on CUDA replayed as a CUDA graph (mode
-    reduce-overhead)."""
+    """`forward` (forward + eviction) as one torch.compile graph per shape; on CUDA a CUDA graph (reduce-overhead)."""
     if device.type not in _compiled:
         mode = "reduce-overhead" if device.type == "cuda" else None
         # every policy, cache shape and batch has graphs of its own (3 a run), all of this one function: dynamo's
@@ -221,18 +227,19 @@ class Batch:
         for job in jobs:
             job.policy.attach(n, head_dim(text))
         evicted = evicted_layers(text, jobs[0].policy)
-        keep, full, window, attention = [1] * len(evicted), 1, 0, False
+        keep, after, full, window, attention = [1] * len(evicted), [1] * len(evicted), 1, 0, False
         for job, chunks in zip(jobs, plans):
             s, T = job.settings, len(job.input_ids)
             evicts = PROTOCOLS[s.protocol][1] and chunks[-1][2]  # context_only's question froze the cache
             limit = s.max_new_tokens if job.forced is None else min(s.max_new_tokens, len(job.forced))
             new = max(limit, len(job.answer_ids or ()))
             # per evicting layer, the most a head may keep at any point of the run (PyramidKV's budgets move with the
-            # tokens seen), and so the slots the layer needs
+            # tokens seen), and so the slots the layer needs, and needs once the prompt is in (`after`)
             for j, i in enumerate(evicted):
                 budgets = [job.policy.layer_budget(i, seen) for seen in {end for _, end, _ in chunks} | {T + new}]
                 head = max([job.policy.head_capacity(b) for b in budgets if b is not None], default=T + new)
                 keep[j] = max(keep[j], capacity(chunks, head, new, evicts, widths))
+                after[j] = max(after[j], capacity(chunks, head, new, evicts, widths, decoding=True))
             full = max(full, capacity(chunks, T + new, new, False, widths))  # the layers never evicted
             w = job.policy.query_window
             window = max(window, max(e - b for b, e, _ in chunks) if w < 0 else w, 1 if s.diagnostics else 0)
@@ -242,12 +249,12 @@ class Batch:
                                            s.max_new_tokens)
             diag = Diagnostics(s.diagnostics) if s.diagnostics else None
             self.rows.append(_Row(job, chunks, evicts, limit, job.observer or Observer(), processors, seq, diag, T))
-        if self.compiled:  # fewer shapes, fewer graphs: whole blocks (`step` pads the last), capacities rounded up;
-            # every evicting layer attends over all its group's slots: a graph is reused by any cache of the same
-            # buffers' shapes (unguarded static inputs), so a layer's own slot count could not differ from run to run
-            top = max(keep, default=0)
-            keep = [top - top % -64] * len(keep)
+        if self.compiled:  # fewer shapes, fewer graphs: whole blocks (`step` pads the last), capacities rounded up, all
+            # layers' alike (a graph is reused by any cache of the same buffers' shapes: its views are not guarded)
+            keep, after = ([max(x, default=0) - max(x, default=0) % -64] * len(x) for x in (keep, after))
             full += -full % 256
+        # one-pass prompts: their forward needed the whole prompt's slots, decoding needs what a head keeps and its own
+        self.after = after if all(one_forward(j.settings, j.policy) for j in jobs) and after != keep else None
         self.cache = SlotCache(model, jobs[0].policy, len(jobs), keep, full, window, attention)
         if self.compiled:
             self.cache.static()
@@ -301,8 +308,7 @@ class Batch:
         t = 1 if phase == "decode" else max(max(len(ts) for ts in tokens), self.floor)
         # compiled: a block or a step is a graph; a one-pass prompt, one forward a sample, runs eagerly (as a graph it
         # would compile again for every prompt length, to run once)
-        graphed = phase == "decode" or t == self.floor
-        run, in_graph = (self.forward, self.in_graph) if graphed else (forward, False)
+        run, in_graph = (self.forward, self.in_graph) if phase == "decode" or t == self.floor else (forward, False)
         ids = torch.zeros(len(self.rows), t, dtype=torch.long)
         positions = torch.full((len(self.rows), t), PAD, dtype=torch.long)
         causal = not any(self.seen) and all(s is not None and s[1] - s[0] == t for s in spans)  # empty, unpadded
@@ -384,6 +390,10 @@ def _prefill(batch: Batch) -> torch.Tensor:
             if s is not None:
                 last[k] = logits[k]
     t0 = batch.clock()
+    if batch.after is not None:  # a one-pass prompt's slots cut to what decoding needs
+        batch.cache.shrink(batch.after)
+        if batch.compiled:
+            batch.cache.static()
     sync(batch.device)  # the prompt's queued work is the prompt's (a GPU's timer edge; nothing on a CPU)
     for r in rows:
         r.time_s["prefill"] += (batch.clock() - t0) / len(rows)
