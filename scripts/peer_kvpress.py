@@ -92,7 +92,7 @@ def kvbench_side(args: argparse.Namespace, prompts_path: Path, peer_command: lis
     """Build the prompts, start the kvpress side on them (it runs while kvbench generates), generate."""
     import torch
 
-    from kvbench.engine import attention
+    from kvbench.engine.cache import install
     from kvbench.engine.generate import GenerationSettings, generate
     from kvbench.models import packaged
     from kvbench.models.common import cache_root
@@ -105,7 +105,7 @@ def kvbench_side(args: argparse.Namespace, prompts_path: Path, peer_command: lis
     torch.manual_seed(0)
     preset = load_group("model", "smollm2-135m")
     loaded = load_model(name=preset["name"], path=preset["path"], dtype="float32", device="cpu")
-    attention.install(loaded.model)
+    install(loaded.model)
     model_dir, _ = packaged.converted_dir(preset["path"], cache_root())
     task_cfg = dict(load_group("task", "niah"), context_lengths=args.lengths, depths=args.depths,
                     max_new_tokens=args.new_tokens, heatmap=False)

@@ -23,6 +23,26 @@ def test_help_prints_and_exits_0(name: str, capsys: pytest.CaptureFixture[str]) 
 
 
 
+def test_every_kvbench_name_a_script_imports_exists() -> None:
+    """A script that regenerates a committed result imports kvbench inside its functions (after its argument checks),
+    where --help never reaches: every `from kvbench... import name` and `import kvbench...` in scripts/*.py must
+    resolve against today's package (an engine module renamed under a script broke peer_kvpress.py unseen)."""
+    import ast
+    import importlib.util
+
+    missing = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvbench"):
+                module = importlib.import_module(node.module)  # type: ignore[arg-type]
+                missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)
+                            and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+            elif isinstance(node, ast.Import):
+                missing += [f"{path.name}: {a.name}" for a in node.names
+                            if a.name.startswith("kvbench") and importlib.util.find_spec(a.name) is None]
+    assert missing == []
+
+
 def test_engine_ab_verdicts_by_hand() -> None:
     """scripts/engine_ab.py's goal lines: ratios 1, 1, 1 (no spread: the mean decides) PASS against 1.10x; 1.2,
     1.2, 1.2 MISS; 0.9, 1.1, 1.2 (log ratios' mean 0.058, standard error 0.085: t = -0.44 against log 1.1 = 0.095,
