@@ -40,8 +40,9 @@ class GenerationSettings:
     tokens are ever evicted (the question after them is not, nor the answer after it). `diagnostics` names
     kvbench.policies.diagnostics measures taken at every eviction. `score_from`: the language-modelling score (None:
     not measured): the log-probability of each prompt token t + 1 given what the cache holds when position t goes
-    in, for every prompt position t >= score_from (GenerationResult.lm_logprobs). `compile`: each forward with its
-    eviction as one compiled graph (eager's predictions up to rounding; eviction time is not measured apart).
+    in, for every prompt position t >= score_from (GenerationResult.lm_logprobs). `compile`: each block and decoding
+    step with its eviction as one compiled graph (eager's predictions up to rounding; eviction time is not measured
+    apart; a one-pass prompt runs eagerly).
     """
 
     block: int | None = None
