@@ -472,6 +472,23 @@ def test_graded_branch_leaves_the_greedy_run_alone() -> None:
 
 
 # 7. Compiled equals eager ------------------------------------------------------------------------------------------
+def _compile_with(monkeypatch: Any, backend: str = "eager") -> Any:
+    """A fresh dynamo (no graphs, its counters cleared) whose torch.compile uses `backend`, and the engine's compiled
+    forwards made anew through it; returns dynamo's counters. (`eager`: dynamo's graphs run as they are, no inductor
+    compile.)"""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from kvbench.engine import generate as engine
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(engine, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+    return counters
+
+
 def test_compiled_equals_eager_in_three_graphs() -> None:
     """One graph for the first block (an empty cache: causal attention over its own slots), one for the other blocks
     (the last partial one padded to B) and one for a decoding step, reused by the next sample (another length): no
@@ -496,16 +513,7 @@ def test_a_compiled_one_pass_prompt_runs_eagerly(monkeypatch: Any) -> None:
     """Under prefill_once a sample's prompt is one forward: compiled, only its decoding step is a graph (the prompt's
     would be compiled again for every prompt length, to run once); the same tokens as eager. (Dynamo with its eager
     backend.)"""
-    import functools
-
-    from torch._dynamo.utils import counters
-
-    from kvbench.engine import generate as engine
-
-    torch._dynamo.reset()
-    counters.clear()
-    monkeypatch.setattr(engine, "_compiled", {})
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    counters = _compile_with(monkeypatch)
     model, ids = _model(dtype=torch.float32), random_prompt(140, 3)
     runs = [generate(model, SnapKV(budget=48, window=4, kernel=3), ids,
                      GenerationSettings(block=16, max_new_tokens=6, protocol="prefill_once", compile=c)).tokens
@@ -519,13 +527,7 @@ def test_compiled_runs_of_many_policies_in_one_process(monkeypatch: Any) -> None
     """Four policies' compiled runs in one process, 3 graphs each of the one compiled function: past dynamo's default
     of 8 graphs a function, which with fullgraph would raise; the same tokens as eager. (Dynamo with its eager
     backend: the graphs and guards are dynamo's, no inductor compile here.)"""
-    import functools
-
-    from kvbench.engine import generate as engine
-
-    torch._dynamo.reset()
-    monkeypatch.setattr(engine, "_compiled", {})
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    _compile_with(monkeypatch)
     model, ids = _model(dtype=torch.float32), random_prompt(70, 3)
     with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's default, whatever an earlier test left
         for make in (lambda: StreamingLLM(budget=24, n_sink=2), lambda: KeyDiff(budget=24),
@@ -545,16 +547,7 @@ def test_every_policy_compiles_into_three_graphs_equal_to_eager(name: str, backe
     compiled forward, and its tokens are not eager's (it draws per slot, and a compiled run's slots are others: its
     last block padded, its slots rounded up). `eager`: dynamo's graphs run as they are; `inductor` (slow: ~20 s a
     policy on two cores) compiles them as torch.compile does by default."""
-    import functools
-
-    from torch._dynamo.utils import counters
-
-    from kvbench.engine import generate as engine
-
-    torch._dynamo.reset()
-    counters.clear()
-    monkeypatch.setattr(engine, "_compiled", {})
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+    counters = _compile_with(monkeypatch, backend)
     model = _model(dtype=torch.float32)
     for T in (140, 121):
         ids = random_prompt(T, 3)
