@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -40,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvbench.metrics.stats import ALPHA, holm, one_sided_bounds, one_sided_p
+from kvbench.metrics.stats import ALPHA, holm, ratio_test
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 1.10
@@ -81,14 +80,13 @@ def lines(result: dict) -> list[dict]:
     for name, p in result["policies"].items():
         for key, label in MEASURES:
             ratios = [c / t for t, c in zip(p["ref"][key], p["now"][key])]
-            logs = [math.log(r) for r in ratios]
-            ps = one_sided_p(logs, math.log(GOAL))
-            bounds = one_sided_bounds(logs)
-            under = ps is not None and ps[0] <= ps[1]
+            test = ratio_test(ratios, GOAL)
+            under = test is not None and test.p_under <= test.p_over
             out.append({"policy": name, "measure": key, "label": label, "ratios": ratios,
-                        "mean": math.exp(statistics.fmean(logs)),
-                        "bounds": None if bounds is None else [math.exp(b) for b in bounds],
-                        "side": "under" if under else "over", "p": None if ps is None else min(ps)})
+                        "mean": statistics.geometric_mean(ratios),
+                        "bounds": None if test is None else [test.lower, test.upper],
+                        "side": "under" if under else "over",
+                        "p": None if test is None else min(test.p_under, test.p_over)})
     tested = [line for line in out if line["p"] is not None]
     for line, adj in zip(tested, holm([line["p"] for line in tested])):
         line["p_holm"] = adj

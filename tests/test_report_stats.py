@@ -10,7 +10,8 @@ import pytest
 
 from kvbench.metrics.stats import (MeanSE, PairedResult, Stratum, bootstrap_ci, holm, mcnemar_exact,
                                    mcnemar_min_discordant, mcnemar_n, mean_of, min_detectable_diff, required_n,
-                                   mean_se, one_sided_bounds, one_sided_p, paired_compare, resolved, sign_flip_p)
+                                   mean_se, one_sided_bounds, one_sided_p, paired_compare, ratio_test, resolved,
+                                   sign_flip_p)
 
 
 def _one(a: list[float], b: list[float]) -> list[Stratum]:
@@ -207,6 +208,27 @@ def test_one_sided_p_by_hand() -> None:
     assert under <= 0.05 and one_sided_bounds([1.0, 2.0, 3.0])[1] <= 4.0
     assert one_sided_p([5.0, 5.0], 4.0) == (1.0, 0.0) and one_sided_p([3.0, 3.0], 4.0) == (0.0, 1.0)  # no spread
     assert one_sided_p([1.0], 4.0) is None
+
+
+def test_ratio_test_is_the_t_test_of_the_logs_by_hand() -> None:
+    # 2 and 8: logs ln 2 and 3 ln 2, mean 2 ln 2 = ln 4 (geometric mean 4; the arithmetic mean would be 5), sd
+    # 2 ln 2 / sqrt(2) = 0.98026, se ln 2 = 0.69315; t(0.95, 1) = 6.31375 (tables): bounds exp(ln 4 -/+ 4.37636) =
+    # 0.05028 and 318.2 (both positive, where the arithmetic mean's 5 -/+ 6.314 x 3 goes below 0). Against the line 4:
+    # t = 0, p 1/2 either way.
+    test = ratio_test([2.0, 8.0], 4.0)
+    assert test.mean == pytest.approx(4.0) and (test.p_under, test.p_over) == pytest.approx((0.5, 0.5))
+    assert test.lower == pytest.approx(4 * math.exp(-6.31375 * math.log(2)), rel=1e-5)
+    assert round(test.lower, 4) == 0.0503
+    assert test.upper == pytest.approx(4 * math.exp(6.31375 * math.log(2)), rel=1e-5)
+    # the inverse ratios mirror it: geometric mean 1/4, bounds 1/318.2 and 1/0.05028
+    inverse = ratio_test([0.5, 0.125], 0.25)
+    assert (inverse.mean, inverse.lower, inverse.upper) == pytest.approx((0.25, 1 / test.upper, 1 / test.lower))
+    # 1.1, 1.2, 1.3 against 1.0: logs 0.09531, 0.18232, 0.26236, mean 0.18000, sd 0.08355, se 0.04824, t = 3.7314:
+    # p over the line 1/2 - 3.7314 / (2 sqrt(2 + 3.7314^2)) = 0.03245
+    rising = ratio_test([1.1, 1.2, 1.3], 1.0)
+    assert rising.p_over == pytest.approx(0.5 - 3.7314 / (2 * math.sqrt(2 + 3.7314 ** 2)), abs=1e-5)
+    assert round(rising.p_over, 4) == 0.0325
+    assert ratio_test([1.2], 1.0) is None
 
 
 def test_a_monte_carlo_p_at_its_floor_is_written_as_a_bound() -> None:

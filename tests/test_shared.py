@@ -354,9 +354,10 @@ def test_bench_sweep_stopped_after_a_sample_leaves_it(tmp_path, monkeypatch) -> 
 
 
 def test_sweep_goal_lines_judge_the_samples_paired_ratios() -> None:
-    """A design's per-sample ratios 1.38, 1.46, 1.48 against 1.4: mean 1.44, sd 0.0529, se 0.0306, t(0.95, 2) 2.920:
-    one-sided bounds 1.35 and 1.53, not resolved although the pooled 1.44x is over the line; 1.45, 1.50, 1.55 against
-    1.4: bounds 1.42 and 1.58, PASS. Two goals over samples: a Holm line follows."""
+    """A design's per-sample ratios 1.38, 1.46, 1.48 against 1.4, on their logs 0.32208, 0.37844, 0.39204: mean 0.36419
+    (geometric mean 1.44), sd 0.03709, se 0.02142, t(0.95, 2) 2.920: one-sided bounds exp(0.30165) = 1.35 and
+    exp(0.42673) = 1.53, not resolved although the pooled 1.44x is over the line; 1.45, 1.50, 1.55 against 1.4: mean
+    log 0.40509, se 0.01925: bounds 1.42 and 1.59, PASS. Two goals over samples: a Holm line follows."""
     from kvbench.bench.sweep import sweep_goal_lines
 
     rows = [{"design": "six_policies", "fork_batch": 1, "speedup": 1.44, "sample_ratios": [1.38, 1.46, 1.48],
@@ -365,9 +366,10 @@ def test_sweep_goal_lines_judge_the_samples_paired_ratios() -> None:
              "goal": 1.4, "identical": 72, "pairs": 72}]
     lines = sweep_goal_lines(rows)
     assert lines[0] == ("six_policies (rows per cache 1): shared vs separate 1.44x configurations x samples per hour, "
-                        "per sample 1.38, 1.46, 1.48: NOT RESOLVED at 95 % (goal >= 1.4x; 3 samples, one-sided t "
-                        "bounds of the mean ratio 1.35x and 1.53x); identical predictions 36/36")
-    assert "PASS at 95 % (goal >= 1.4x; 3 samples, one-sided t bounds of the mean ratio 1.42x and 1.58x)" in lines[1]
+                        "per sample 1.38, 1.46, 1.48: NOT RESOLVED at 95 % (goal >= 1.4x; 3 samples, geometric mean "
+                        "1.44x, one-sided t bounds 1.35x and 1.53x); identical predictions 36/36")
+    assert ("PASS at 95 % (goal >= 1.4x; 3 samples, geometric mean 1.50x, one-sided t bounds 1.42x and 1.59x)"
+            in lines[1])
     assert "(rows per cache all)" in lines[1] and lines[2].startswith("HOLM  sweep goals, the 2 lines over samples")
     # a table from before the per-sample ratios: judged on its pooled ratio alone, said so
     pooled = {k: v for k, v in rows[0].items() if k != "sample_ratios"}

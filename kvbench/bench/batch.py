@@ -25,7 +25,7 @@ from kvbench.bench.goals import family_line
 from kvbench.bench.setup import HF, make_policy, prompt_ids, variant
 from kvbench.bench.hfloop import kv_bytes
 from kvbench.engine.generate import GenerationSettings, Job, Observer, generate_batch, sync
-from kvbench.metrics.stats import one_sided_bounds, one_sided_p
+from kvbench.metrics.stats import ratio_test
 
 WORKLOADS: dict[str, tuple[int, int]] = {"niah": (2048, 32), "longbench": (4096, 256)}  # prompt tokens, new tokens
 LENGTH_STEP = 13  # sample j's prompt is j x 13 tokens shorter: distinct tails, as a task's samples have
@@ -208,21 +208,20 @@ def _ceiling(group: list[dict[str, Any]], top: dict[str, Any]) -> str:
 def goal_verdict(ratios: Sequence[float], goal: float, unit: str = "round"
                  ) -> tuple[str, bool | None, float | None]:
     """The goal judged on paired ratios (each round's, or sample's: `unit`; the baseline's time over the measured
-    way's) at 95 %: PASS when the one-sided lower t bound of their mean meets it, MISS when the upper bound is under
-    it, NOT RESOLVED otherwise (`kvbench.metrics.stats.one_sided_bounds`; every ratio over the line is not enough at
-    n = 3 when they spread). One ratio has no interval: it is said against the goal, marked as one.
+    way's) at 95 %, on their logs (`kvbench.metrics.stats.ratio_test`): PASS when the one-sided lower t bound of their
+    geometric mean meets it, MISS when the upper bound is under it, NOT RESOLVED otherwise (every ratio over the line
+    is not enough at n = 3 when they spread). One ratio has no interval: it is said against the goal, marked as one.
     Returns (the words, the verdict: PASS True / MISS False / None, its one-sided p value in that direction for a
     family of goals, the smaller of the two when not resolved; None with one round)."""
-    bounds = one_sided_bounds(ratios)
-    if bounds is None:
+    test = ratio_test(ratios, goal)
+    if test is None:
         ok = ratios[0] >= goal
         return f"{'PASS' if ok else 'MISS'} (goal >= {goal}x; one {unit}: no interval)", ok, None
-    lower, upper = bounds
-    under, over = one_sided_p(ratios, goal)
-    passed, p = (True, over) if lower >= goal else (False, under) if upper < goal else (None, min(under, over))
+    passed, p = ((True, test.p_over) if test.lower >= goal else (False, test.p_under) if test.upper < goal
+                 else (None, min(test.p_under, test.p_over)))
     label = {True: "PASS", False: "MISS", None: "NOT RESOLVED"}[passed]
-    return (f"{label} at 95 % (goal >= {goal}x; {len(ratios)} {unit}s, one-sided t bounds of the mean ratio "
-            f"{lower:.2f}x and {upper:.2f}x)"), passed, p
+    return (f"{label} at 95 % (goal >= {goal}x; {len(ratios)} {unit}s, geometric mean {test.mean:.2f}x, one-sided t "
+            f"bounds {test.lower:.2f}x and {test.upper:.2f}x)"), passed, p
 
 
 def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:

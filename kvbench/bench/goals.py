@@ -8,7 +8,7 @@ import statistics
 from typing import Any, Sequence
 
 from kvbench.bench.setup import FLOOR, FULL, HF_DECODE, HF_FORWARD, base_name, policy_class, variant
-from kvbench.metrics.stats import ALPHA, holm, one_sided_bounds, one_sided_p
+from kvbench.metrics.stats import ALPHA, holm, ratio_test
 
 # The lean-engine goals (issue 29). Eviction share of the whole run (prefill + decode), the same limit for every
 # policy. Decoding per token against HF's plain decoding at cache size N: policies that need no attention scores
@@ -150,9 +150,10 @@ def round_ratios(r: dict[str, Any], hf: dict[str, Any] | None, beside: bool = Tr
 
 def _decode_check(r: dict[str, Any], hf: dict[str, Any] | None,
                   limit: float) -> tuple[bool | None, str, tuple[float, float] | None]:
-    """A row's decoding goal. With rounds, a test at 95 % on the paired per-round ratios (`round_ratios`): passed when
-    the one-sided upper t bound of their mean is within the limit, failed when the lower bound is over it, None (not
-    resolved) otherwise. With one round, the ratio of the row's medians against the limit.
+    """A row's decoding goal. With rounds, a test at 95 % on the paired per-round ratios (`round_ratios`) on their logs
+    (`ratio_test`): passed when the one-sided upper t bound of their geometric mean is within the limit, failed when
+    the lower bound is over it, None (not resolved) otherwise. With one round, the ratio of the row's medians against
+    the limit.
     Returns (passed, the words, the test's one-sided p values under the limit and over it; None with one round)."""
     text = f"{r['prompt_tokens']}: {r['decode_vs_hf']:.2f}x"
     held, bound = r.get("peak_kv_tokens"), (r["budget"] or 0) + (r["block"] or 0)
@@ -171,12 +172,13 @@ def _decode_check(r: dict[str, Any], hf: dict[str, Any] | None,
     ratios = round_ratios(r, hf)
     if ratios is None:
         return r["decode_vs_hf"] <= limit, text + note, None
-    lower, upper = one_sided_bounds(ratios)
-    passed = True if upper <= limit else False if lower > limit else None
+    test = ratio_test(ratios, limit)
+    assert test is not None  # round_ratios gives two or more
+    passed = True if test.upper <= limit else False if test.lower > limit else None
     pairs = (("calls each in lockstep with HF's" if lockstep else "calls each beside HF's")
              if r.get("hf_decode_s_rounds") else "paired rounds")
-    return (passed, f"{text}, one-sided 95 % bounds {lower:.2f}x and {upper:.2f}x over {len(ratios)} {pairs}{note}",
-            one_sided_p(ratios, limit))
+    return (passed, f"{text}, geometric mean {test.mean:.2f}x, one-sided 95 % bounds {test.lower:.2f}x and "
+            f"{test.upper:.2f}x over {len(ratios)} {pairs}{note}", (test.p_under, test.p_over))
 
 
 def _line_p(passed: bool | None, tests: list[tuple[float, float]]) -> float:

@@ -7,8 +7,9 @@ Conventions (what lm-evaluation-harness and the usual paired analyses do):
   samples, the components weigh equally, se = sqrt(sum se_c^2) / k;
 - paired statistics work on per-sample differences, grouped in strata with weights that sum to 1 (one stratum of
   weight 1 for a plain mean): the difference is sum_s w_s * mean(d_s);
-- a mean against a line (the bench's goals over rounds): one-sided t bounds (`one_sided_bounds`) and the matching
-  one-sided p values (`one_sided_p`);
+- a mean against a line: one-sided t bounds (`one_sided_bounds`) and the matching one-sided p values
+  (`one_sided_p`); paired ratios against a line (the bench's goals over rounds: a time over a reference's, a speed-up)
+  the same on their logs (`ratio_test`: the geometric mean, so a ratio and its inverse give mirrored verdicts);
 - a family of tests is corrected by Holm's step-down method (`holm`); the power of a paired comparison
   (`required_n`, `min_detectable_diff`) is the usual normal approximation at alpha = 0.05 (two-sided), 80 % power.
 """
@@ -99,6 +100,29 @@ def one_sided_p(values: Sequence[float], line: float) -> tuple[float, float] | N
         return (0.0 if m.mean <= line else 1.0), (0.0 if m.mean > line else 1.0)  # type: ignore[operator]
     t = (m.mean - line) / m.se  # type: ignore[operator]
     return float(stats.t.cdf(t, m.n - 1)), float(stats.t.sf(t, m.n - 1))
+
+
+@dataclass(frozen=True)
+class RatioTest:
+    """Paired ratios against a line: their geometric mean, its one-sided 1 - alpha bounds (lower, upper) and the
+    one-sided p values that the ratio is under the line and over it."""
+    mean: float
+    lower: float
+    upper: float
+    p_under: float
+    p_over: float
+
+
+def ratio_test(ratios: Sequence[float], line: float, alpha: float = ALPHA) -> RatioTest | None:
+    """`ratios` (each > 0) against `line` on the log scale: `one_sided_bounds` and `one_sided_p` of their logs
+    against log(line), back on the ratio scale. A ratio is multiplicative (1.2x and 1/1.2x are the same distance from
+    1), so its logs are what a t test averages: the bounds stay positive and the test of b/a mirrors that of a/b.
+    None for fewer than two ratios."""
+    logs = [math.log(r) for r in ratios]
+    bounds, ps = one_sided_bounds(logs, alpha), one_sided_p(logs, math.log(line))
+    if bounds is None or ps is None:
+        return None
+    return RatioTest(math.exp(float(np.mean(logs))), math.exp(bounds[0]), math.exp(bounds[1]), *ps)
 
 
 def mean_of(parts: Sequence[MeanSE]) -> MeanSE:
