@@ -408,24 +408,23 @@ def test_hfs_loop_at_per_layer_sizes_keeps_each_layers_latest_tokens() -> None:
             measure.hf_generate(model, list(range(10, 50)), 3, layer_sizes=bad)
 
 
+def _p_under_3(ratios: list[float], line: float) -> float:
+    """By hand, for three paired ratios: the one-sided p that their geometric mean is under `line`, a t test of their
+    logs with 2 degrees of freedom, whose CDF is 1/2 + t / (2 sqrt(2 + t^2))."""
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / 3
+    t = (mean - math.log(line)) / (math.sqrt(sum((x - mean) ** 2 for x in logs) / 2) / math.sqrt(3))
+    return 0.5 + t / (2 * math.sqrt(2 + t * t))
+
+
 def test_the_decoding_lines_over_rounds_are_corrected_as_one_family_by_holm() -> None:
     # The rows of the test above, and h2o_original at 3.00, 3.06, 3.18 s: ratios 1.00, 1.02, 1.06, logs 0, 0.019803,
     # 0.058269: mean 0.026024, sd 0.029628, se 0.017106, upper bound exp(0.026024 + 2.920 x 0.017106) = 1.079x: PASS
-    # at 95 % on its own. One-sided p values by hand on the logs against log 1.10 = 0.095310, with 2 degrees of freedom
-    # (CDF 1/2 + t / (2 sqrt(2 + t^2))):
-    def cdf2(t: float) -> float:
-        return 0.5 + t / (2 * math.sqrt(2 + t * t))
-
-    def t_stat(ratios: list[float]) -> float:
-        logs = [math.log(r) for r in ratios]
-        mean = sum(logs) / 3
-        sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
-        return (mean - math.log(1.10)) / (sd / math.sqrt(3))
-
-    p_h2o = cdf2(t_stat([1.00, 1.02, 1.01]))  # under the line: t = -14.94, 0.00223
-    p_snap = 1 - cdf2(t_stat([1.20, 1.22, 1.21]))  # over it: t = 19.97, 0.00125
-    p_orig = cdf2(t_stat([1.00, 1.02, 1.06]))  # t = -4.050, 0.0279
-    p_tova = cdf2(t_stat([1.10, 3.40 / 3, 3.20 / 3]))  # geometric mean 1.0997, just under: t = -0.017, 0.494
+    # at 95 % on its own. One-sided p values by hand on the logs against log 1.10 = 0.095310 (`_p_under_3`):
+    p_h2o = _p_under_3([1.00, 1.02, 1.01], 1.10)  # under the line: t = -14.94, 0.00223
+    p_snap = 1 - _p_under_3([1.20, 1.22, 1.21], 1.10)  # over it: t = 19.97, 0.00125
+    p_orig = _p_under_3([1.00, 1.02, 1.06], 1.10)  # t = -4.050, 0.0279
+    p_tova = _p_under_3([1.10, 3.40 / 3, 3.20 / 3], 1.10)  # geometric mean 1.0997, just under: t = -0.017, 0.494
     assert (round(p_h2o, 5), round(p_snap, 5), round(p_orig, 4), round(p_tova, 3)) == (0.00223, 0.00125, 0.0279, 0.494)
     # Holm over 4, by hand: snapkv 4 x 0.00125 = 0.0050, h2o 3 x 0.00223 = 0.0067, h2o_original 2 x 0.0279 = 0.056
     # (over 5 %: its PASS does not survive), tova 0.494
@@ -664,22 +663,13 @@ def test_batch_goals_over_rounds_are_corrected_as_one_family_by_holm() -> None:
         return {"workload": "niah", "policy": policy, "batch": k, "vs_batch1": sorted(rounds)[1], "samples": 8,
                 "same_as_batch1": 8, "round_vs_batch1": rounds}
 
-    # 3 rounds against 1.35x on their logs (against log 1.35 = 0.300105), t with 2 degrees of freedom (CDF 1/2 + t /
-    # (2 sqrt(2 + t^2))), worked by hand: keydiff 1.40, 1.42, 1.44: logs 0.33647, 0.35066, 0.36464, mean 0.350591, sd
-    # 0.014086, t = 6.208, p over the goal 0.01249; snapkv 1.29, 1.31, 1.33: mean log 0.269949, sd 0.015269, t =
-    # -3.421, p under it 0.03793 (MISS on its own: upper bound 1.344x); tova 1.30, 1.35, 1.40: geometric mean 1.3497,
-    # t = -0.021, p under 0.492 (not resolved). Holm over 3: keydiff 3 x 0.01249 = 0.037 (kept), snapkv 2 x 0.03793 =
-    # 0.076 (not kept), tova 0.49
-    def cdf2(t: float) -> float:
-        return 0.5 + t / (2 * math.sqrt(2 + t * t))
-
-    def t_stat(ratios: list[float]) -> float:
-        logs = [math.log(r) for r in ratios]
-        mean = sum(logs) / 3
-        return (mean - math.log(1.35)) / (math.sqrt(sum((x - mean) ** 2 for x in logs) / 2) / math.sqrt(3))
-
-    p_kd, p_sn = 1 - cdf2(t_stat([1.40, 1.42, 1.44])), cdf2(t_stat([1.29, 1.31, 1.33]))
-    p_tova = cdf2(t_stat([1.30, 1.35, 1.40]))
+    # 3 rounds against 1.35x on their logs (against log 1.35 = 0.300105; `_p_under_3`), worked by hand: keydiff 1.40,
+    # 1.42, 1.44: logs 0.33647, 0.35066, 0.36464, mean 0.350591, sd 0.014086, t = 6.208, p over the goal 0.01249; snapkv
+    # 1.29, 1.31, 1.33: mean log 0.269949, sd 0.015269, t = -3.421, p under it 0.03793 (MISS on its own: upper bound
+    # 1.344x); tova 1.30, 1.35, 1.40: geometric mean 1.3497, t = -0.021, p under 0.492 (not resolved). Holm over 3:
+    # keydiff 3 x 0.01249 = 0.037 (kept), snapkv 2 x 0.03793 = 0.076 (not kept), tova 0.49
+    p_kd, p_sn = 1 - _p_under_3([1.40, 1.42, 1.44], 1.35), _p_under_3([1.29, 1.31, 1.33], 1.35)
+    p_tova = _p_under_3([1.30, 1.35, 1.40], 1.35)
     assert (round(p_kd, 5), round(p_sn, 5), round(p_tova, 3)) == (0.01249, 0.03793, 0.492)
     rows = [row("keydiff", 1, [1.0] * 3), row("keydiff", 8, [1.40, 1.42, 1.44]), row("snapkv", 1, [1.0] * 3),
             row("snapkv", 8, [1.29, 1.31, 1.33]), row("tova", 1, [1.0] * 3), row("tova", 8, [1.30, 1.35, 1.40])]
