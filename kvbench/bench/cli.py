@@ -140,13 +140,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     preset = QUICK if a.quick else FULL_RUN
     lengths = a.lengths or preset["lengths"]
     budgets = a.budgets or preset["budgets"]
-    block = a.block or preset["block"]
+    block = a.block if a.block is not None else preset["block"]
     new_tokens = a.new_tokens if a.new_tokens is not None else preset["new_tokens"]
-    repeats = a.repeats or preset["repeats"]
+    repeats = a.repeats if a.repeats is not None else preset["repeats"]
     default_policies = BATCH_POLICIES if a.batch else preset["policies"]
     policies = [s.strip() for s in a.policies.split(",") if s.strip()] if a.policies else default_policies
-    if block <= 0 or new_tokens < 1 or repeats < 1:
-        p.error("--block, --new-tokens and --repeats must be positive")
+    if block <= 0 or new_tokens < 1 or repeats < 1 or (a.threads is not None and a.threads < 1):
+        p.error("--block, --new-tokens, --repeats and --threads must be positive")
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     if any(w not in WORKLOADS for w in workloads) or not workloads:
         p.error(f"--workloads takes {', '.join(WORKLOADS)} (comma-separated), got '{a.workloads}'")
