@@ -96,6 +96,14 @@ def test_determinism_and_block_null_under_full(model_dir: Path, data_file: Path,
     (["model=hf"], "model.path"),
     (["policy=keydiff", "model=hf", "model.path=/nonexistent/dir"], "model directory not found: /nonexistent/dir"),
     (["model=hf", "model.path=/nonexistent/dir"], "model directory not found: /nonexistent/dir"),  # compare mode
+    # an option of another kind than its default in the YAML, named (the constructor's own error would not name it)
+    (["policy=snapkv", "policy.window=abc"], "policy.window must be a number (default 32), got 'abc'"),
+    (["policy=criticalkv", "policy.alpha=abc"], "policy.alpha must be a number (default 0.5), got 'abc'"),
+    (["policy=knorm", "policy.skip_layers=3"], "policy.skip_layers must be a list (default [0, 1]), got 3"),
+    (["policy=keydiff", "policy.anchor=true"], "policy.anchor must be a string (default 'mean_normalized'), got True"),
+    (["task=niah", "task.context_lengths=abc"], "task.context_lengths must be a list (default [1024, 2048, 4096])"),
+    # a default of null is not checked: the constructor's error, as one line
+    (["task=longbench", "task.limit=abc"], "invalid literal for int() with base 10: 'abc'"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(args: list[str], message: str, tmp_path: Path) -> None:
     out = tmp_path / "run"

@@ -1,4 +1,5 @@
-"""Config-side helpers: where conf/ lives, early validation of command-line overrides, group YAML loading.
+"""Config-side helpers: early validation of command-line overrides, the jobs of a sweep (where conf/ lives and its
+group YAMLs: kvbench.run.groups, re-exported here).
 
 Hydra is imported lazily inside functions (no import-time side effects); only this module and the CLI use it, and
 only its public API (nothing from Hydra's private modules).
@@ -6,32 +7,16 @@ only its public API (nothing from Hydra's private modules).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import re
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from kvbench.errors import error_line
+from kvbench.run.groups import CONF_PACKAGE, conf_dir, group_choices, load_group  # noqa: F401 (re-exported)
 from kvbench.run.labels import model_label, policy_label, protocol_label
 
-# The repository's top-level conf/ ships as this package (pyproject.toml maps it), in wheels and editable installs.
-CONF_PACKAGE = "kvbench.conf"
 GROUPS = ("model", "policy", "task", "experiment")
-
-
-@functools.cache
-def conf_dir() -> Path:
-    """kvbench's own config directory (Hydra's primary config): `kvbench.conf` found through importlib.resources, so
-    the same lookup serves a wheel (site-packages/kvbench/conf) and an editable install (the checkout's conf/)."""
-    from importlib import resources
-
-    try:
-        root = resources.files(CONF_PACKAGE)
-    except ModuleNotFoundError:
-        raise RuntimeError(f"kvbench is installed without its configuration (package {CONF_PACKAGE}); reinstall it: "
-                           f"pip install -e . (or make install)") from None
-    return Path(str(root))
 
 
 def __getattr__(name: str) -> Any:
@@ -56,23 +41,6 @@ def conf_dirs(searchpath: Iterable[str] = ()) -> list[Path]:
             except ModuleNotFoundError:
                 continue  # Hydra reports a search path it cannot read
     return dirs
-
-
-def group_choices(group: str, dirs: Sequence[Path] | None = None) -> list[str]:
-    return sorted({p.stem for d in (dirs or [conf_dir()]) for p in (Path(d) / group).glob("*.yaml")})
-
-
-def load_group(group: str, name: str, dirs: Sequence[Path] | None = None) -> dict[str, Any]:
-    """A group option's YAML as a plain dict (used when one run composes several policies); the first of `dirs`
-    (default: kvbench's conf/) that has it wins, as in Hydra's search path."""
-    from omegaconf import OmegaConf
-
-    dirs = dirs or [conf_dir()]
-    for d in dirs:
-        path = Path(d) / group / f"{name}.yaml"
-        if path.is_file():
-            return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
-    raise ValueError(f"unknown {group} '{name}'; choose one of: {', '.join(group_choices(group, dirs))}")
 
 
 def expose_plugins() -> None:

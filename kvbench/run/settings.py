@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from kvbench.policies.diagnostics import NAMES as DIAGNOSTICS
 from kvbench.options import RUN_DEFAULTS, SCENARIOS, positive_int, resolve_protocol
 from kvbench.policies.base import Policy, PolicyError
+from kvbench.run.groups import option_kind_error
 from kvbench.tasks.base import Task, TaskError
 
 
@@ -111,6 +112,10 @@ class RunSettings:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
         policy = cfg.get("policy")
+        for group in ("policy", "task"):  # a user's override of another kind than the YAML's default, named
+            complaint = option_kind_error(group, cfg.get(group) or {})
+            if complaint:
+                raise ConfigError(complaint)
         return cls(model=dict(cfg.get("model") or {}), policy=dict(policy) if policy else None,
                    task=dict(cfg.get("task") or {}), compare=tuple(str(n) for n in cfg["compare"] or ()),
                    budget=budget, block=block, protocol=protocol, seed=seed, scenario=scenario,
@@ -200,7 +205,7 @@ def instantiate(spec: Mapping[str, Any], **extra: Any) -> Any:
 def build_policy(policy_cfg: Mapping[str, Any], settings: RunSettings) -> Policy:
     try:
         return instantiate(policy_cfg, budget=settings.budget, seed=settings.seed)
-    except TypeError as e:  # unknown option passed to the policy's constructor
+    except (TypeError, ValueError) as e:  # an unknown option, or a value the constructor cannot take
         raise PolicyError(str(e)) from None
 
 
@@ -215,5 +220,5 @@ def policy_class(policy_cfg: Mapping[str, Any]) -> type[Policy]:
 def build_task(task_cfg: Mapping[str, Any]) -> Task:
     try:
         return instantiate(task_cfg)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # as build_policy's
         raise TaskError(str(e)) from None
