@@ -140,6 +140,7 @@ def test_preset_names_a_builtin_architecture() -> None:
     (["--policies", "nosuch"], "unknown policy 'nosuch'"),
     (["--arch", "nosuch"], "unknown architecture 'nosuch'"),
     (["--policies", "keydiff", "--budgets", "1", "--policies", "snapkv"], "budget 1 must exceed"),
+    (["--device", "nope"], "unknown device 'nope'"),  # was a traceback (exit 1)
 ])
 def test_bad_input_is_one_line(args, message, tmp_path, capsys) -> None:
     assert bench.main([*args, "--lengths", "16", "--out", str(tmp_path / "b.json"), "--quiet"]) == 2

@@ -104,6 +104,8 @@ def test_determinism_and_block_null_under_full(model_dir: Path, data_file: Path,
     (["task=niah", "task.context_lengths=abc"], "task.context_lengths must be a list (default [1024, 2048, 4096])"),
     # a default of null is not checked: the constructor's error, as one line
     (["task=longbench", "task.limit=abc"], "invalid literal for int() with base 10: 'abc'"),
+    (["device=nope"], "unknown device 'nope'; use auto, cpu, cuda or cuda:N"),  # were tracebacks (exit 1)
+    (["compare=[keydiff,nope]"], "unknown policy 'nope'; choose one of: "),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(args: list[str], message: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -112,6 +114,21 @@ def test_bad_input_is_one_line_and_writes_nothing(args: list[str], message: str,
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("kvbench: error: ") and message in lines[0], r.stderr
     assert not out.exists()
+
+
+def test_a_device_torch_does_not_know_or_see_is_bad_input() -> None:
+    import torch
+
+    from kvbench.models.common import ModelError
+    from kvbench.models.loading import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ModelError, match="^unknown device 'gpu0'; use auto, cpu, cuda or cuda:N$"):
+        resolve_device("gpu0")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ModelError, match="torch sees no CUDA device here"):
+            resolve_device("cuda:0")
 
 
 def test_bad_input_to_the_installed_command_is_one_line_and_writes_nothing(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from kvbench.bench.measure import CLOCKS, configurations, run_bench
 from kvbench.bench.sweep import DESIGNS, designs_from, run_sweep_bench, sweep_goal_lines, sweep_markdown
 from kvbench.bench.against import against
 from kvbench.bench.ops import count_ops, ops_markdown
+from kvbench.models.common import ModelError
 from kvbench.bench.setup import (BASELINES, COMPILED, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies,
                                  base_name, build_model, load_real_model, make_policy, prompt_ids)
 from kvbench.run.machine import cpu_info
@@ -182,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(a.threads or preset["threads"])
     try:
         return _main(a, lengths, budgets, block, new_tokens, repeats, policies)
+    except ModelError as e:  # a device torch does not know or see, a model that cannot load: before anything is written
+        print(f"kvbench-bench: error: {e}", file=sys.stderr)
+        return 2
     finally:
         torch.set_num_threads(threads)  # main() is also called in-process (tests)
 

@@ -56,9 +56,17 @@ def generation_config_source(model: Any, gguf: bool) -> str:
 
 
 def resolve_device(device: str) -> torch.device:
+    """`device` ("auto": CUDA when torch sees a device, else the CPU) as a torch device; ModelError (one line) for a
+    string torch does not know or a CUDA device torch does not see."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ModelError(f"unknown device '{device}'; use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device '{device}': torch sees no CUDA device here (use device=auto or cpu)")
+    return resolved
 
 
 def load_model(name: str, path: str, dtype: str = "auto", max_prompt_tokens: int = 4096, revision: str | None = None,

@@ -8,6 +8,10 @@ import functools
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+class ConfigError(ValueError):
+    """A bad setting or group option (said in one line): a top-level setting's value, an unknown group option."""
+
+
 # The repository's top-level conf/ ships as this package (pyproject.toml maps it), in wheels and editable installs.
 CONF_PACKAGE = "kvbench.conf"
 
@@ -40,7 +44,7 @@ def load_group(group: str, name: str, dirs: Sequence[Path] | None = None) -> dic
         path = Path(d) / group / f"{name}.yaml"
         if path.is_file():
             return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
-    raise ValueError(f"unknown {group} '{name}'; choose one of: {', '.join(group_choices(group, dirs))}")
+    raise ConfigError(f"unknown {group} '{name}'; choose one of: {', '.join(group_choices(group, dirs))}")
 
 
 def option_kind_error(group: str, spec: Mapping[str, Any]) -> str | None:

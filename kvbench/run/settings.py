@@ -13,12 +13,8 @@ from typing import Any, Mapping
 from kvbench.policies.diagnostics import NAMES as DIAGNOSTICS
 from kvbench.options import RUN_DEFAULTS, SCENARIOS, positive_int, resolve_protocol
 from kvbench.policies.base import Policy, PolicyError
-from kvbench.run.groups import option_kind_error
+from kvbench.run.groups import ConfigError, option_kind_error
 from kvbench.tasks.base import Task, TaskError
-
-
-class ConfigError(ValueError):
-    """A top-level setting with a bad value."""
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
