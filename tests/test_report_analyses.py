@@ -114,5 +114,15 @@ def test_an_analysis_option_without_its_analysis_is_refused(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     assert report_exit([str(tmp_path), "--pick"]) == 2
     assert "--pick is an option of --budget-choice" in capsys.readouterr().err
+    # the options with a default were ignored without a word when given alone (they were true values whether given
+    # or not): refused as the others
+    for args, said in ((["--budgets", "512"], "--budgets is an option of --plan"),
+                       (["--score", "avg"], "--score is an option of --plan"),
+                       (["--cap", "5"], "--cap is an option of --plan"),
+                       (["--names", "a", "b"], "--names is an option of --beside")):
+        assert report_exit([str(tmp_path), *args]) == 2
+        assert said in capsys.readouterr().err
+    assert report_exit([str(tmp_path), "--plan", "p.md", "--compare", "a:b", "--budgets", "8", "--cap", "0"]) == 2
+    assert "--cap must be a positive number of samples, got 0" in capsys.readouterr().err
     assert report_exit([str(tmp_path), "--plan", "p.md", "--graded-validity", "v.md"]) == 2
     assert "one analysis at a time" in capsys.readouterr().err

@@ -109,11 +109,12 @@ def _analysis(args: argparse.Namespace) -> bool:
         else:
             say(text)
     elif args.plan is not None:
-        wanted = [int(x) for x in args.budgets.split(",") if x.strip()]
+        wanted = [int(x) for x in (args.budgets or "").split(",") if x.strip()]
+        score = args.score or "answer_logprob"
         if not wanted or not args.compare:
             raise ValueError("--plan needs --compare and --budgets")
-        rows = plan.plan(root, args.score, [plan.parse_comparison(c) for c in args.compare], wanted, cap=args.cap)
-        text = plan.markdown(rows, args.score, args.cap, str(root))
+        rows = plan.plan(root, score, [plan.parse_comparison(c) for c in args.compare], wanted, cap=args.cap)
+        text = plan.markdown(rows, score, args.cap, str(root))
         args.plan.write_text(text, encoding="utf-8")
         say(text)
     elif args.claims is not None:
@@ -121,7 +122,8 @@ def _analysis(args: argparse.Namespace) -> bool:
         claims.claims_table(root, args.claims[0], args.claims[1], out)
         say((out / "claims.md").read_text(encoding="utf-8"))
         if args.beside is not None:
-            say(claims.side_by_side(args.beside, out / "claims.csv", (args.names[0], args.names[1]),
+            names = args.names or ["A", "B"]
+            say(claims.side_by_side(args.beside, out / "claims.csv", (names[0], names[1]),
                                     out / "side_by_side.md"))
     elif args.graded_validity is not None:
         missing = [str(d) for d in args.dir if not d.is_dir()]
@@ -167,16 +169,16 @@ def main(argv: list[str] | None = None) -> None:
     analyses.add_argument("--plan", type=Path, metavar="MD",
                           help="the samples each --compare needs at --budgets, from a pilot's runs, written to MD")
     analyses.add_argument("--compare", nargs="+", default=[], metavar="A:B", help="with --plan: pairs of policies")
-    analyses.add_argument("--budgets", default="", metavar="N,N", help="with --plan: comma-separated budgets")
-    analyses.add_argument("--score", default="answer_logprob", help="with --plan: the score compared")
+    analyses.add_argument("--budgets", metavar="N,N", help="with --plan: comma-separated budgets")
+    analyses.add_argument("--score", help="with --plan: the score compared (default: answer_logprob)")
     analyses.add_argument("--cap", type=int, default=None, help="with --plan: the most samples a run may have")
     analyses.add_argument("--claims", nargs=2, type=Path, metavar=("NIAH_RUNS", "RULER_RUNS"),
                           help="the seed papers' claims table of the claim runs in DIR, the NIAH grid's and the RULER "
                                "runs (- for none): OUT/claims.md, claims.csv, claims_tests.csv")
     analyses.add_argument("--beside", type=Path, metavar="CSV", help="with --claims: also OUT/side_by_side.md, "
                           "another model's claims.csv (first) beside this one's")
-    analyses.add_argument("--names", nargs=2, default=["A", "B"], metavar=("FIRST", "THIS"),
-                          help="with --beside: the two models' names")
+    analyses.add_argument("--names", nargs=2, metavar=("FIRST", "THIS"),
+                          help="with --beside: the two models' names (default: A B)")
     analyses.add_argument("--graded-validity", type=Path, metavar="MD",
                           help="whether the graded score separates hits from misses, over the runs below every DIR, "
                                "written to MD")
@@ -185,9 +187,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("more than one DIR is for --graded-validity")
     # (an option of one analysis given without it would be ignored without a word: refused instead)
     for option, of in (("pick", "budget_choice"), ("most_informative", "budget_choice"), ("compare", "plan"),
-                       ("beside", "claims")):
-        if getattr(args, option) and getattr(args, of) is None:
+                       ("budgets", "plan"), ("score", "plan"), ("cap", "plan"), ("beside", "claims"),
+                       ("names", "beside")):
+        if getattr(args, option) not in (None, False, []) and getattr(args, of) is None:
             parser.error(f"--{option.replace('_', '-')} is an option of --{of.replace('_', '-')}")
+    if args.cap is not None and args.cap < 1:
+        parser.error(f"--cap must be a positive number of samples, got {args.cap}")
     if sum(getattr(args, a) is not None for a in ("budget_choice", "plan", "claims", "graded_validity")) > 1:
         parser.error("one analysis at a time (--budget-choice, --plan, --claims, --graded-validity)")
     try:
