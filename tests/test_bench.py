@@ -149,14 +149,14 @@ def test_bad_input_is_one_line(args, message, tmp_path, capsys) -> None:
     assert not (tmp_path / "b.json").exists()
 
 
-@pytest.mark.parametrize("option", ["--repeats", "--block", "--threads", "--new-tokens"])
+@pytest.mark.parametrize("option", ["--repeats", "--block", "--threads", "--new-tokens", "--layers"])
 def test_zero_is_refused_not_read_as_the_presets(option, tmp_path, capsys) -> None:
     # 0 was a false value, so `a.repeats or preset` ran the preset's rounds (and block, threads) instead
     with pytest.raises(SystemExit) as e:
         bench.main([option, "0", "--lengths", "16", "--out", str(tmp_path / "b.json"), "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err[-1] == ("kvbench-bench: error: --block, --new-tokens, --repeats and --threads "
-                                             "must be positive")
+    assert e.value.code == 2 and err[-1] == ("kvbench-bench: error: --block, --new-tokens, --repeats, --threads and "
+                                             "--layers must be positive")
     assert not (tmp_path / "b.json").exists()
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvbench.bench.cli import main
 
 
@@ -62,3 +64,12 @@ def test_ops_counts_each_policy_against_the_same_hf_forward(tmp_path: Path) -> N
         assert f"calls {r['step_functions']} kvbench functions in {len(r['step_files'])} files" in reading
         assert ("PASS" in reading) == (r["step_functions"] <= 25 and len(r["step_files"]) <= 4)
     assert h["step_functions"] > s["step_functions"]
+
+
+def test_against_a_missing_table_is_one_line(tmp_path: Path, capsys) -> None:
+    old = _table(tmp_path / "old.json", 2.0, [("a", 1.0, 1.0, 1.0)])
+    with pytest.raises(SystemExit) as e:  # it was a FileNotFoundError's traceback
+        main(["--against", str(old), str(tmp_path / "none.json"), "--out", str(tmp_path / "x.json"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1] == f"kvbench-bench: error: --against: no such table: {tmp_path / 'none.json'}"
+    assert not (tmp_path / "x.json").exists()

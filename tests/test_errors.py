@@ -67,3 +67,12 @@ def test_bench_model_config_quotes_the_first_line_of_the_library_error(tmp_path:
     with pytest.raises(setup.BenchError) as info:
         setup.build_model(config=str(tmp_path))
     assert str(info.value) == f"cannot read model config '{tmp_path}': OSError"
+
+
+def test_bench_model_config_at_a_path_that_does_not_exist_says_so(tmp_path: Path) -> None:
+    from kvbench.bench import setup
+
+    # transformers read it as a hub id and complained about the repo id's characters
+    with pytest.raises(setup.BenchError) as info:
+        setup.build_model(config=str(tmp_path / "none"))
+    assert str(info.value) == f"cannot read model config '{tmp_path / 'none'}': no such file or directory"

@@ -146,8 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     repeats = a.repeats if a.repeats is not None else preset["repeats"]
     default_policies = BATCH_POLICIES if a.batch else preset["policies"]
     policies = [s.strip() for s in a.policies.split(",") if s.strip()] if a.policies else default_policies
-    if block <= 0 or new_tokens < 1 or repeats < 1 or (a.threads is not None and a.threads < 1):
-        p.error("--block, --new-tokens, --repeats and --threads must be positive")
+    if block <= 0 or new_tokens < 1 or repeats < 1 or any(x is not None and x < 1 for x in (a.threads, a.layers)):
+        p.error("--block, --new-tokens, --repeats, --threads and --layers must be positive")
+    for table in a.against or ():
+        if not table.is_file():
+            p.error(f"--against: no such table: {table}")
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     if any(w not in WORKLOADS for w in workloads) or not workloads:
         p.error(f"--workloads takes {', '.join(WORKLOADS)} (comma-separated), got '{a.workloads}'")

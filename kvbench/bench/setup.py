@@ -135,6 +135,8 @@ def _model_from_config(config: str, layers: int | None, dtype: torch.dtype, seed
 
     src = _preset_path(config) or config  # a preset: its path is a hub id or a local directory
     p = Path(src)
+    if src.startswith(("/", ".", "~")) and not p.expanduser().exists():  # a path, not a hub id: say so plainly
+        raise BenchError(f"cannot read model config '{config}': no such file or directory")
     try:
         cfg = AutoConfig.from_pretrained(str(p.parent if p.is_file() else src))
     except (OSError, ValueError) as e:
