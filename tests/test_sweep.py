@@ -195,6 +195,39 @@ def test_report_draws_niah_heatmaps_side_by_side(tmp_path: Path) -> None:
     assert not (tmp_path / "score_vs_budget.png").exists()  # one budget: no curve
 
 
+def test_the_speed_table_says_which_runs_shared_their_forwards(tmp_path: Path) -> None:
+    """A run that was a row of shared forwards (stats.batch_size K > 1) or took its first prompt forwards from a shared
+    trunk (stats.trunk_samples) has a speed that is its equal share of them: the table says so beside its speed, and
+    says nothing where no run shared (the column is absent)."""
+    from kvbench.report.cli import metrics_rows
+    from kvbench.report.tables import SHARED_NOTE
+
+    niah = "kvbench.tasks.niah.NIAH"
+    cells = {"L1024_D0": 100.0, "avg": 100.0}
+    alone = _metrics("llama", "tova", 512, "niah", cells, 100.0)
+    rows = {"tova": {}, "keydiff": {"batch_size": 3}, "snapkv": {"batch_size": 3, "trunk_samples": 2}}
+    for policy, extra in rows.items():
+        m = _metrics("llama", policy, 512, "niah", cells, 100.0)
+        m["stats"].update(extra)
+        _fake_run(tmp_path / "shared", policy, m, _cfg(f"kvbench.policies.{policy}.X", 512, niah))
+    report(tmp_path / "shared", plots=False, quiet=True)
+    text = (tmp_path / "shared" / "table.md").read_text()
+    speed = text[text.index("## Speed and memory"):text.index("## Provenance")]
+    shared = {ln.split("|")[2].strip(): ln.split("|")[-3].strip() for ln in speed.splitlines()
+              if ln.startswith("| llama")}
+    assert shared == {"keydiff": "rows of 3", "snapkv": "trunk, rows of 3", "tova": ""}
+    assert SHARED_NOTE in speed
+    head, body = metrics_rows([alone])  # the table `kvbench` prints: alone, no column; a row of 3, said
+    assert "shared" not in head
+    row_of_3 = _metrics("llama", "keydiff", 512, "niah", cells, 100.0)
+    row_of_3["stats"]["batch_size"] = 3
+    head, body = metrics_rows([alone, row_of_3])
+    assert head[-1] == "shared" and [r[-1] for r in body] == ["", "rows of 3"]
+    _fake_run(tmp_path / "alone", "tova", alone, _cfg("kvbench.policies.tova.TOVA", 512, niah))
+    report(tmp_path / "alone", plots=False, quiet=True)
+    assert "shared" not in (tmp_path / "alone" / "table.md").read_text()
+
+
 def test_report_draws_a_heatmap_figure_per_budget_on_request(tmp_path: Path, capsys) -> None:
     # --heatmaps-per-budget: one figure per (model, budget, block, protocol), the full cache's panel in each; the
     # tables and the default heatmap are those of the report without it.
@@ -276,3 +309,14 @@ def test_experiment_preset_composes_with_existing_choices(name: str) -> None:
     for key in ("budget", "block"):
         for value in str(params[key]).split(",") if key in params else []:
             assert value == "null" or int(value) > 0
+
+
+def test_a_runs_stats_count_the_samples_that_took_a_shared_trunk() -> None:
+    from kvbench.run.records import summarize
+
+    def rec(**extra: int) -> dict:
+        return {"prompt_tokens": 100, "prefill_s": 1.0, "decode_steps": 4, "decode_s": 0.5, "new_tokens": 5,
+                "evict_s": 0.1, "peak_kv_tokens": 40, "kv_bytes_peak": 800, **extra}
+
+    assert summarize([rec(trunk_tokens=64), rec(), rec(trunk_tokens=32)], 32, True)["trunk_samples"] == 2
+    assert "trunk_samples" not in summarize([rec(), rec()], 32, True)  # none: no key (the tables stay as they are)

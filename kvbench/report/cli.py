@@ -21,7 +21,8 @@ from kvbench.report.family import read_design, run_design, write_tests
 from kvbench.report.output import render_markdown, write_csv, write_runs_csv
 from kvbench.report.paired import check_policy, pairs, write_paired_csv
 from kvbench.report.plots import plot_budget_heatmaps, plot_heatmaps, plot_score_vs_budget
-from kvbench.report.tables import ALWAYS_SHOWN, SPEED_HEAD, Report, build_report, score_table, speed_cells
+from kvbench.report.tables import (ALWAYS_SHOWN, SHARED_NOTE, SPEED_HEAD, Report, build_report, has_shared,
+                                   score_table, shared_text, speed_cells)
 from kvbench.run.labels import fmt
 
 
@@ -75,8 +76,11 @@ def metrics_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[st
     """Scores and speed side by side, one row per metrics dict (the table `kvbench` prints after its runs)."""
     rep = build_report(_entries_from_metrics(results))
     s_head, s_body = score_table(rep, paper_style=False)
-    head = [*s_head, *SPEED_HEAD]
-    body = [[fmt(v) for v in [*row, *speed_cells(next(iter(r.entries.values())))]] for row, r in zip(s_body, rep.rows)]
+    shared = has_shared(rep)
+    head = [*s_head, *SPEED_HEAD, *(["shared"] if shared else [])]
+    entries = [next(iter(r.entries.values())) for r in rep.rows]
+    body = [[fmt(v) for v in [*row, *speed_cells(e), *([shared_text(e)] if shared else [])]]
+            for row, e in zip(s_body, entries)]
     return head, body
 
 
@@ -85,6 +89,8 @@ def print_metrics_table(results: list[dict[str, Any]]) -> str:
 
     head, rows = metrics_rows(results)
     text = tabulate(rows, headers=head, tablefmt="github", disable_numparse=True)
+    if "shared" in head:
+        text += "\n\n" + SHARED_NOTE
     print(text)
     return text
 

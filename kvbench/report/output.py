@@ -12,8 +12,9 @@ from typing import Any
 from kvbench.metrics.stats import MeanSE, p_text
 from kvbench.report.collect import IDENTITY, Entry, rel_path
 from kvbench.report.paired import PAIRED_HEAD, Pair, markdown_pairs, row_values
-from kvbench.report.tables import (SPEED_HEAD, Report, Row, avg_stat, cell_stat, cell_value, has_degenerate,
-                                   has_stats, score_table, speed_cells, speed_table, summary_table)
+from kvbench.report.tables import (SHARED_NOTE, SPEED_HEAD, Report, Row, avg_stat, cell_stat, cell_value,
+                                   has_degenerate, has_shared, has_stats, score_table, speed_cells, speed_table,
+                                   summary_table)
 from kvbench.run.labels import NA, fmt, setting_name
 
 
@@ -145,7 +146,7 @@ def render_markdown(rep: Report, root: Path | None = None, pairs: list[Pair] | N
     parts += _paired_section(rep, pairs, paired_policy)
     parts += ["", "## Speed and memory", "", _markdown(*speed_table(rep)), "",
               "KV MiB: peak K+V bytes held, all layers; compression: mean of min(1, N / prompt length).", "",
-              "## Provenance", "", *_provenance_lines(rep)]
+              *([SHARED_NOTE, ""] if has_shared(rep) else []), "## Provenance", "", *_provenance_lines(rep)]
     if rep.notes:
         parts += ["", "## Notes", "", *(f"- {n}" for n in rep.notes)]
     return "\n".join(parts) + "\n"

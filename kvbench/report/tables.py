@@ -219,6 +219,25 @@ def row_n(stats: list[MeanSE | None]) -> int | None:
     return max(ns) if ns else None
 
 
+SHARED_NOTE = ("shared: the run's forwards were shared with other runs, its speed is its equal share of them (the "
+               "group's throughput, not the policy's own speed: kvbench-bench measures that); rows of K: it was one of "
+               "K rows of each forward (batched samples, or a shared group's runs decoding together); trunk: its "
+               "first prompt forwards came from a trunk shared by the sample's runs (docs/sweeps.md).")
+
+
+def shared_text(e: Entry) -> str:
+    """How the run's forwards were shared with other runs ("trunk", "rows of K"; "" when they were not)."""
+    st = e.stats
+    parts = ["trunk"] if st.get("trunk_samples") else []
+    if is_num(st.get("batch_size")) and st["batch_size"] > 1:
+        parts.append(f"rows of {st['batch_size']}")
+    return ", ".join(parts)
+
+
+def has_shared(rep: Report) -> bool:
+    return any(shared_text(e) for r in rep.rows for e in r.entries.values())
+
+
 def speed_cells(e: Entry) -> list[Any]:
     st = e.stats
     kv = st.get("kv_bytes_peak")
@@ -280,10 +299,13 @@ def summary_table(rep: Report, text: bool = False) -> tuple[list[str], list[list
 
 def speed_table(rep: Report) -> tuple[list[str], list[list[Any]]]:
     multi = len({e.task for e in rep.entries}) > 1
-    head = [*IDENTITY, *(setting_name(k) for k in rep.varying), *(["task"] if multi else []), *SPEED_HEAD, "score"]
+    shared = has_shared(rep)  # the column only where some run shared its forwards (committed tables stay as they are)
+    head = [*IDENTITY, *(setting_name(k) for k in rep.varying), *(["task"] if multi else []), *SPEED_HEAD,
+            *(["shared"] if shared else []), "score"]
     body = []
     for r in rep.rows:
         for task, e in r.entries.items():
             body.append([r.model, f"{r.policy} {r.label}".strip(), r.budget, *r.settings.values(),
-                         *([task] if multi else []), *speed_cells(e), e.average])
+                         *([task] if multi else []), *speed_cells(e), *([shared_text(e)] if shared else []),
+                         e.average])
     return head, body

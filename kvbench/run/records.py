@@ -81,6 +81,8 @@ def summarize(records: list[dict[str, Any]], budget: int | None, evicts: bool) -
         # held together
         **({"batch_size": max(r["batch"]["size"] for r in batched),
             "batch_kv_bytes_peak": max(r["batch"]["kv_bytes_peak"] for r in batched)} if batched else {}),
+        # samples whose first prompt forwards came from a shared trunk (their prefill time: a share of it)
+        **({"trunk_samples": trunk} if (trunk := sum(1 for r in records if r.get("trunk_tokens"))) else {}),
     }
 
 
