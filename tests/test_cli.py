@@ -85,7 +85,10 @@ def test_determinism_and_block_null_under_full(model_dir: Path, data_file: Path,
     (["policy=nope"], "unknown policy 'nope'; choose one of: "),
     (["model=nope"], "unknown model 'nope'; choose one of: "),
     (["task=nope"], "unknown task 'nope'; choose one of: "),
-    (["budgte=3"], "budgte"),
+    (["budgte=3"], "Could not override 'budgte'; Key 'budgte' is not in struct"),  # no advice to append it
+    # a key the option's YAML does not list: Hydra's advice kept (the first line alone left it out)
+    (["task.samples_per_cell=2"], "Could not override 'task.samples_per_cell'; Key 'samples_per_cell' is not in "
+                                  "struct; To append to your config use +task.samples_per_cell=2"),
     (["policy=streamingllm", "budget=4"], "budget 4 must exceed the 4 tokens"),
     (["policy=keydiff", "budget=0"], "budget must be a positive integer"),
     (["policy=keydiff", "block=0"], "block must be a positive integer or null"),

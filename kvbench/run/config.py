@@ -126,7 +126,7 @@ def validate_overrides(argv: list[str]) -> str | None:
     except Exception as e:  # noqa: BLE001 - any compose failure is reported as one line
         if re.search(r"Could not (load|find) 'hydra/launcher/", str(e)):  # a launcher preset without its plugin
             return f"{error_line(e)}: install the launchers with `pip install -e .[launchers]`"
-        return error_line(e)
+        return _compose_line(e)
     finally:
         GlobalHydra.instance().clear()
     return None
@@ -187,6 +187,19 @@ def sweep_jobs(sweeper_params: dict[str, Any] | None, overrides: list[str]) -> l
         items = o.sweep_string_iterator() if o.is_sweep_override() else [o.get_value_element_as_str()]
         values[key] = [f"{key}={v}" for v in items]
     return [list(job) for job in itertools.product(*values.values())]
+
+
+def _compose_line(e: BaseException) -> str:
+    """Hydra's composition error in one line: its first line, why (its cause's first line) and its advice ("To append
+    to your config use +task.x=1": the key is not in the option's YAML), which the first line alone leaves out."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return error_line(e)
+    parts = [lines[0].rstrip(".")]
+    if e.__cause__ is not None and str(e.__cause__).strip():
+        parts.append(error_line(e.__cause__))
+    # the advice only for a group option (task.x, policy.x): an unknown top-level setting is refused when appended too
+    return "; ".join(parts + [ln for ln in lines[1:] if re.match(r"To append .* use \+\w+\.", ln)])
 
 
 def _preflight(compose: Any, cfg: Any, overrides: list[str], dirs: Sequence[Path],
