@@ -8,6 +8,7 @@ import functools
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+
 class ConfigError(ValueError):
     """A bad setting or group option (said in one line): a top-level setting's value, an unknown group option."""
 
