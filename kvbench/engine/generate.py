@@ -229,18 +229,19 @@ class Batch:
             job.policy.attach(n, head_dim(text))
         evicted = evicted_layers(text, jobs[0].policy)
         keep, after, full, window, attention = [1] * len(evicted), [1] * len(evicted), 1, 0, False
+        one_pass = all(one_forward(j.settings, j.policy) for j in jobs)  # decoding needs fewer slots than the prompt
         for job, chunks in zip(jobs, plans):
             s, T = job.settings, len(job.input_ids)
             evicts = PROTOCOLS[s.protocol][1] and chunks[-1][2]  # context_only's question froze the cache
             limit = s.max_new_tokens if job.forced is None else min(s.max_new_tokens, len(job.forced))
             new = max(limit, len(job.answer_ids or ()))
             # per evicting layer, the most a head may keep at any point of the run (PyramidKV's budgets move with the
-            # tokens seen), and so the slots the layer needs, and needs once the prompt is in (`after`)
+            # tokens seen), and so the slots the layer needs, and (one-pass) needs once the prompt is in (`after`)
             for j, i in enumerate(evicted):
                 budgets = [job.policy.layer_budget(i, seen) for seen in {end for _, end, _ in chunks} | {T + new}]
                 head = max([job.policy.head_capacity(b) for b in budgets if b is not None], default=T + new)
                 keep[j] = max(keep[j], capacity(chunks, head, new, evicts, widths))
-                after[j] = max(after[j], capacity(chunks, head, new, evicts, widths, decoding=True))
+                after[j] = max(after[j], capacity(chunks, head, new, evicts, widths, decoding=True)) if one_pass else 1
             full = max(full, capacity(chunks, T + new, new, False, widths))  # the layers never evicted
             w = job.policy.query_window
             window = max(window, max(e - b for b, e, _ in chunks) if w < 0 else w, 1 if s.diagnostics else 0)
@@ -254,8 +255,7 @@ class Batch:
             # layers' alike (a graph is reused by any cache of the same buffers' shapes: its views are not guarded)
             keep, after = ([max(x, default=0) - max(x, default=0) % -64] * len(x) for x in (keep, after))
             full += -full % 256
-        # one-pass prompts: their forward needed the whole prompt's slots, decoding needs what a head keeps and its own
-        self.after = after if all(one_forward(j.settings, j.policy) for j in jobs) and after != keep else None
+        self.after = after if one_pass and after != keep else None  # the slots a one-pass prompt's decoding needs
         self.cache = SlotCache(model, jobs[0].policy, len(jobs), keep, full, window, attention)
         if self.compiled:
             self.cache.static()
