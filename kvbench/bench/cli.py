@@ -21,9 +21,9 @@ from kvbench.bench.measure import CLOCKS, configurations, run_bench
 from kvbench.bench.sweep import DESIGNS, designs_from, run_sweep_bench, sweep_goal_lines, sweep_markdown
 from kvbench.bench.against import against
 from kvbench.bench.ops import count_ops, ops_markdown
-from kvbench.models.common import ModelError
 from kvbench.bench.setup import (BASELINES, COMPILED, DEFAULT_POLICIES, FLOOR, FULL, HF, BenchError, all_policies,
                                  base_name, build_model, load_real_model, make_policy, prompt_ids)
+from kvbench.models.common import ModelError
 from kvbench.run.machine import cpu_info
 
 # --quick runs single-threaded unless told otherwise: on a shared CI machine a second torch thread that is not

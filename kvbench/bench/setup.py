@@ -4,6 +4,7 @@ random-weight model with real attention geometry and a random prompt; the polici
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,7 @@ def make_policy(name: str, budget: int | None, seed: int) -> Any:
     return build_policy(spec, RunSettings(budget=budget if name != FULL else None, block=None, seed=seed))
 
 
+@functools.cache  # evict_measured asks it for every row of every table: the YAML is read once a name
 def policy_class(name: str) -> type:
     """The Policy class of conf/policy/NAME (a variant's suffix ignored)."""
     from kvbench.run.config import load_group
